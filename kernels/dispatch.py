@@ -1,0 +1,71 @@
+"""Pick the Triton kernel on CUDA tensors and the torch reference elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import activation, attention, cache, norm, rotary
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / rms(x) * weight over the last dim. x: [T, H]."""
+    return (norm.rms_norm if _use_triton(x) else norm.rms_norm_ref)(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual = x + residual; return (rms_norm(residual), residual)."""
+    fn = norm.fused_add_rms_norm if _use_triton(x) else norm.fused_add_rms_norm_ref
+    return fn(x, residual, weight, eps)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding.
+
+    positions: [T] int64; query: [T, Hq * D]; key: [T, Hkv * D];
+    cos_sin_cache: [max_position, D] float32, cos in the first D/2 columns, sin in the rest.
+    Returns the rotated (query, key), same shapes and dtype.
+    """
+    fn = rotary.rotary_embedding if _use_triton(query) else rotary.rotary_embedding_ref
+    return fn(positions, query, key, cos_sin_cache, head_size)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] = [gate | up]; returns silu(gate) * up, [T, I]."""
+    return (activation.silu_and_mul if _use_triton(x) else activation.silu_and_mul_ref)(x)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter K/V of T tokens into the paged cache, in place.
+
+    key, value: [T, Hkv, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
+    slot_mapping: [T] int64, slot = block_id * block_size + offset; a slot < 0 is skipped.
+    """
+    fn = cache.write_kv_cache if _use_triton(key) else cache.write_kv_cache_ref
+    fn(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int) -> torch.Tensor:
+    """Causal attention of flattened varlen queries over K/V read through a block table.
+
+    query: [T, Hq, D], the new tokens of R requests laid end to end.
+    key_cache, value_cache: [num_blocks, block_size, Hkv, D] (already holding this step's K/V).
+    block_table: [R, max_blocks] int32; query_start_loc: [R + 1] int32 (cumulative query lens);
+    seq_lens: [R] int32, tokens in context after this step. Query token j of request r sits at
+    position seq_lens[r] - query_len[r] + j and sees keys 0..that position.
+    max_query_len, max_seq_len: host-side maxima of the two (avoid a device sync).
+    Returns [T, Hq, D]. Hq must be a multiple of Hkv (GQA).
+    """
+    fn = attention.paged_attention if _use_triton(query) else attention.paged_attention_ref
+    return fn(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
+              max_query_len, max_seq_len)

@@ -1,0 +1,110 @@
+"""Sampling parameters: the user-facing knobs of one request, validated at construction."""
+
+from __future__ import annotations
+
+import msgspec
+
+# The largest number of top logprobs a request may ask for (OpenAI allows 20).
+MAX_LOGPROBS = 20
+
+
+class _StrictKeywords(type(msgspec.Struct)):
+    """Turns an unknown keyword into a ValueError that names it, instead of a TypeError."""
+
+    def __call__(cls, *args, **kwargs):
+        unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
+        if unknown:
+            raise ValueError(
+                f"{cls.__name__}: unknown parameter(s) {unknown}; "
+                f"valid ones are {sorted(cls.__struct_fields__)}")
+        return super().__call__(*args, **kwargs)
+
+
+class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True,
+                     omit_defaults=True):
+    """How to sample the tokens of one request (vLLM's names and defaults).
+
+    Args:
+        n: number of completions for the prompt; they share the prompt's KV blocks.
+        temperature: 0 means greedy.
+        top_p, top_k, min_p: nucleus, top-k (0 or -1 = off) and min-p filtering.
+        presence_penalty, frequency_penalty: OpenAI-style additive penalties on output tokens.
+        repetition_penalty: multiplicative penalty on prompt and output tokens (1 = off).
+        seed: per-request seed; the same seed gives the same tokens whatever else is batched.
+        max_tokens: new tokens to generate at most (None = up to max_model_len).
+        min_tokens: EOS and stop tokens are suppressed before this many new tokens.
+        stop: strings that end the output (not included in it).
+        stop_token_ids: token ids that end the output (included in token_ids).
+        ignore_eos: keep going past EOS.
+        logprobs: number of top logprobs per sampled token (plus the sampled one).
+        prompt_logprobs: number of top logprobs per prompt token.
+        skip_special_tokens: drop special tokens from the text.
+        include_stop_str_in_output: keep the matched stop string in the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(field: str, value, why: str):
+            raise ValueError(f"{field} {why}, got {value!r}")
+
+        if self.n < 1:
+            bad("n", self.n, "must be at least 1")
+        if self.temperature < 0.0:
+            bad("temperature", self.temperature, "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", self.top_k, "must be -1 (off), 0 (off) or positive")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", self.min_p, "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            bad("repetition_penalty", self.repetition_penalty, "must be positive")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, "must be at least 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", self.min_tokens, "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                bad(name, value, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.stop is not None and any(not s for s in self.stop):
+            bad("stop", self.stop, "must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return set(self.stop_token_ids or ())
