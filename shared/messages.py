@@ -98,6 +98,7 @@ class NewRequestData(msgspec.Struct, **_HOT):
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = []  # non-empty when resumed after preemption
+    eos_token_id: int | None = None  # the sampler hides it until min_tokens are out
 
 
 class CachedRequestData(msgspec.Struct, **_HOT):

@@ -1,0 +1,18 @@
+"""kvserve: an LLM inference server built like vLLM's V1 engine.
+
+    from kvserve import LLM, SamplingParams
+"""
+
+from shared.sampling_params import SamplingParams
+from services.api.outputs import CompletionOutput, Logprob, RequestOutput
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in the engine (torch); import it only when asked for.
+    if name == "LLM":
+        from kvserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

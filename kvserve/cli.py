@@ -1,0 +1,100 @@
+"""The `kvserve` command line: serve, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+
+from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, \
+    field_descriptions
+
+# Flags that vLLM spells differently from our field names.
+_FLAG_ALIASES = {"distributed_executor_backend": ["--executor"]}
+_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4294967296', '4G', '4GiB' or '512M'."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in _SIZE_SUFFIXES:
+        return int(float(t[:-1]) * _SIZE_SUFFIXES[t[-1]])
+    return int(t)
+
+
+def _flag_type(annotation) -> dict:
+    """argparse kwargs for a config field's annotation; bool flags get --x/--no-x."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(annotation) is typing.Literal:
+        return {"choices": list(typing.get_args(annotation))}
+    return {"type": annotation}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per config field, named as vLLM's, help text from the field's description."""
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+        group = parser.add_argument_group(cls.__name__)
+        docs = field_descriptions(cls)
+        hints = typing.get_type_hints(cls, include_extras=False)
+        for name in cls.__struct_fields__:
+            if name in skip:
+                continue
+            kwargs = _flag_type(hints[name])
+            if name == "kv_cache_memory":
+                kwargs = {"type": parse_size}
+            flags = ["--" + name.replace("_", "-")] + _FLAG_ALIASES.get(name, [])
+            group.add_argument(*flags, dest=name, default=argparse.SUPPRESS,
+                               help=docs.get(name, ""), **kwargs)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine arguments the user actually gave (defaults stay the configs' own)."""
+    names = set()
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+        names |= set(cls.__struct_fields__)
+    return {k: v for k, v in vars(args).items() if k in names and k != "model"}
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion offline")
+    gen.add_argument("model", nargs="?", default=None)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_engine_args(gen, skip=("model",))
+    gen.set_defaults(func=_cmd_generate)
+
+    from kvserve.benchmarks import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""`LLM`: offline batch inference, ported from vLLM by changing the import."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from shared.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, \
+    SchedulerConfig
+from shared.messages import EngineCoreRequest
+from shared.sampling_params import SamplingParams
+from services.api.output_processor import OutputProcessor
+from services.api.outputs import RequestOutput
+from services.api.tokenizer import TokenizerInfo
+
+PromptType = str | list[int] | dict[str, Any]
+
+# LLM(...) keyword -> the config struct that owns it.
+_CONFIG_OWNERS = {
+    cls: set(cls.__struct_fields__)
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+}
+
+
+def build_engine_config(**kwargs) -> EngineConfig:
+    """Split vLLM-style keyword arguments over the config structs; unknown ones are errors."""
+    parts: dict[type, dict[str, Any]] = {cls: {} for cls in _CONFIG_OWNERS}
+    for key, value in kwargs.items():
+        owner = next((cls for cls, names in _CONFIG_OWNERS.items() if key in names), None)
+        if owner is None:
+            known = sorted(set().union(*_CONFIG_OWNERS.values()))
+            raise ValueError(f"unknown engine argument {key!r}; known ones: {known}")
+        parts[owner][key] = value
+    return EngineConfig(model=ModelConfig(**parts[ModelConfig]),
+                        cache=CacheConfig(**parts[CacheConfig]),
+                        scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+                        parallel=ParallelConfig(**parts[ParallelConfig]))
+
+
+class LLM:
+    """An engine core in this process, with tokenizer and detokenizer around it.
+
+    Args:
+        model: HF folder, GGUF file, or None for the embedded SmolLM2-135M-Instruct.
+        **kwargs: engine arguments with vLLM's names (dtype, seed, max_model_len,
+            enable_prefix_caching, max_num_batched_tokens, max_num_seqs, block_size,
+            kv_cache_memory, num_gpu_blocks_override, long_prefill_token_threshold,
+            scheduling_policy, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        from services.scheduler.engine_core import EngineCore
+        from services.worker.model_loader import resolve_model
+
+        self.config = build_engine_config(model=model, **kwargs)
+        self.model_dir = resolve_model(model)
+        self.tokenizer_info = TokenizerInfo(self.config.model.tokenizer or self.model_dir)
+        self.engine_core = EngineCore(self.config, self.model_dir)
+        self.max_model_len = self.engine_core.ready.max_model_len
+        self.output_processor = OutputProcessor(self.tokenizer_info.tokenizer)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer_info.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate completions for one or many prompts (text, token ids, or dicts with
+        `prompt` / `prompt_token_ids`), in the order given."""
+        prompt_list = self._as_prompt_list(prompts)
+        inputs = [self._tokenize(p) for p in prompt_list]
+        return self._run(inputs, sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        inputs = []
+        for conversation in conversations:
+            ids = self.tokenizer_info.apply_chat_template(
+                conversation, add_generation_prompt, **(chat_template_kwargs or {}))
+            inputs.append((None, ids))
+        return self._run(inputs, sampling_params, use_tqdm, None)
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            return [prompts]  # a single prompt given as token ids
+        return prompts
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer_info.encode(prompt)
+        return None, list(prompt)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens do not fit "
+                             f"max_model_len={self.max_model_len} (prompt + at least one "
+                             f"new token)")
+        vocab = len(self.tokenizer_info.tokenizer)
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab})")
+
+    def _run(self, inputs, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                       else [sampling_params] * len(inputs))
+        if len(params_list) != len(inputs):
+            raise ValueError(f"sampling_params: {len(params_list)} given for "
+                             f"{len(inputs)} prompts")
+        for (_, ids), params in zip(inputs, params_list):
+            self._validate(ids, params)
+
+        order = {}
+        for i, ((prompt, ids), params) in enumerate(zip(inputs, params_list)):
+            request_id = str(next(self._counter))
+            order[request_id] = i
+            self._add_request(request_id, prompt, ids, params,
+                              priority[i] if priority else 0)
+        return self._run_engine(order, use_tqdm)
+
+    def _add_request(self, request_id, prompt, prompt_token_ids, params, priority) -> None:
+        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids,
+                                                      params)
+        info = self.tokenizer_info
+        if info.extra_stop_token_ids and not params.ignore_eos:
+            stop_ids = list(params.stop_token_ids or ()) + info.extra_stop_token_ids
+            params = _replace(params, stop_token_ids=stop_ids)
+        now = time.time()
+        for index, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = _replace(params, n=1, seed=seed)
+            self.engine_core.add_request(EngineCoreRequest(
+                child_id, prompt_token_ids, child_params, info.eos_token_id, now, priority))
+
+    def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = None
+        if use_tqdm and len(order) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True)
+        remaining = len(order)
+        while remaining:
+            outputs = self.engine_core.step().outputs
+            request_outputs, to_abort = self.output_processor.process_outputs(outputs)
+            if to_abort:
+                self.engine_core.abort_requests(to_abort)
+            for ro in request_outputs:
+                if ro.finished and ro.request_id in order:
+                    results[order[ro.request_id]] = ro
+                    remaining -= 1
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return results
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, **changes)

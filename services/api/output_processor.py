@@ -1,0 +1,166 @@
+"""OutputProcessor: engine-core outputs -> detokenized, stop-checked `RequestOutput`s.
+
+A request with n > 1 is fanned out into n child requests in the engine core (ids
+`"{index}_{request_id}"`); they share the prompt's KV blocks through the prefix cache, and the
+processor gathers them back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.messages import EngineCoreOutput, Logprobs
+from shared.sampling_params import SamplingParams
+from services.api.detokenizer import IncrementalDetokenizer, check_stop_strings
+from services.api.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+@dataclass(slots=True)
+class _Child:
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+
+
+@dataclass(slots=True)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, _Child] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
+    num_unfinished: int = 0
+
+
+class OutputProcessor:
+    """Args:
+        tokenizer: a HF tokenizer, or None to return token ids only.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, _Parent] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> list[str]:
+        """Track a request; returns the engine-core ids of its n children."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        parent = _Parent(request_id, prompt, prompt_token_ids, params,
+                         num_unfinished=params.n)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        for index in range(params.n):
+            child_id = child_request_id(request_id, index, params.n)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                               params.skip_special_tokens)
+            parent.children[child_id] = _Child(CompletionOutput(index=index), detok)
+            self.child_to_parent[child_id] = parent
+        self.parents[request_id] = parent
+        return list(parent.children)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its children's engine-core ids (to abort there)."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return []
+        for child_id in parent.children:
+            self.child_to_parent.pop(child_id, None)
+        return list(parent.children)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (updated request outputs, engine-core ids to abort after a stop string)."""
+        changed: dict[str, _Parent] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            parent = self.child_to_parent.get(out.request_id)
+            if parent is None:  # aborted meanwhile
+                continue
+            child = parent.children[out.request_id]
+            if self._update_child(parent, child, out):
+                to_abort.append(out.request_id)
+            if child.completion.finished():
+                self.child_to_parent.pop(out.request_id, None)
+                parent.num_unfinished -= 1
+            changed[parent.request_id] = parent
+        results = []
+        for parent in changed.values():
+            finished = parent.num_unfinished == 0
+            if finished:
+                self.parents.pop(parent.request_id, None)
+            results.append(self._make_output(parent, finished))
+        return results, to_abort
+
+    def _update_child(self, parent: _Parent, child: _Child, out: EngineCoreOutput) -> bool:
+        """Apply one engine output; True when a stop string ended the child here."""
+        comp, params = child.completion, parent.params
+        parent.num_cached_tokens = out.num_cached_tokens
+        if out.new_prompt_logprobs is not None and comp.index == 0:
+            parent.prompt_logprobs.extend(self._to_logprob_dicts(out.new_prompt_logprobs))
+        comp.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            if comp.logprobs is None:
+                comp.logprobs, comp.cumulative_logprob = [], 0.0
+            for row in out.new_logprobs.logprobs:
+                comp.cumulative_logprob += row[0]
+            comp.logprobs.extend(self._to_logprob_dicts(out.new_logprobs))
+        if out.finish_reason is not None:
+            comp.finish_reason = str(out.finish_reason)
+            comp.stop_reason = out.stop_reason if out.error is None else out.error
+        if child.detokenizer is None:
+            return False
+        new_text = child.detokenizer.update(out.new_token_ids)
+        comp.text = child.detokenizer.output_text
+        if not (params.stop and new_text):
+            return False
+        hit = check_stop_strings(comp.text, len(new_text), params.stop,
+                                 params.include_stop_str_in_output)
+        if hit is None:
+            return False
+        stop_str, truncate_to = hit
+        comp.text = comp.text[:truncate_to]
+        comp.finish_reason, comp.stop_reason = "stop", stop_str
+        # The core still runs the request unless it ended in this same step.
+        return out.finish_reason is None
+
+    def _to_logprob_dicts(self, lp: Logprobs) -> list[dict[int, Logprob]]:
+        rows = []
+        for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            d: dict[int, Logprob] = {}
+            for j, (tid, value) in enumerate(zip(ids, values)):
+                if tid in d:
+                    continue
+                d[tid] = Logprob(value, rank if j == 0 else j, self._decode_one(tid))
+            rows.append(d)
+        return rows
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def _make_output(parent: _Parent, finished: bool) -> RequestOutput:
+        completions = [CompletionOutput(
+            index=c.completion.index, text=c.completion.text,
+            token_ids=list(c.completion.token_ids),
+            cumulative_logprob=c.completion.cumulative_logprob,
+            logprobs=list(c.completion.logprobs) if c.completion.logprobs is not None else None,
+            finish_reason=c.completion.finish_reason, stop_reason=c.completion.stop_reason,
+        ) for c in parent.children.values()]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             completions, finished,
+                             list(parent.prompt_logprobs) if parent.prompt_logprobs else None,
+                             parent.num_cached_tokens)

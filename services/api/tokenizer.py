@@ -1,0 +1,54 @@
+"""Tokenizer loading and chat templates (transformers' tokenizers; no torch needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+
+from shared.logging import init_logger
+
+logger = init_logger(__name__)
+
+
+class TokenizerInfo:
+    """The tokenizer of a resolved model folder plus the ids the engine must know.
+
+    Args:
+        model_dir: a folder with tokenizer files and, optionally, generation_config.json.
+    """
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model_dir = model_dir
+
+    @cached_property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @cached_property
+    def extra_stop_token_ids(self) -> list[int]:
+        """EOS ids of generation_config.json beyond the tokenizer's own (Llama 3 has several)."""
+        path = os.path.join(self.model_dir, "generation_config.json")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        return [i for i in ids if i != self.eos_token_id]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)

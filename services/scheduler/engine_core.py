@@ -1,0 +1,72 @@
+"""EngineCore: the scheduler and the executor, stepped together.
+
+One step is `schedule() -> execute_model() -> update_from_output()`. The in-process form here
+serves the offline `LLM`; the engine-core process wraps the same object with IO threads.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from shared.config import EngineConfig
+from shared.logging import init_logger
+from shared.messages import EngineCoreOutputs, EngineCoreRequest
+from services.scheduler.executor import make_executor
+from services.scheduler.scheduler import Scheduler
+
+logger = init_logger(__name__)
+
+
+class EngineReady(msgspec.Struct, frozen=True):
+    """What start-up learned, for the engine's clients (never patched into the config)."""
+
+    num_blocks: int
+    max_model_len: int
+    block_size: int
+
+
+class EngineCore:
+    """Args:
+        config: the engine config.
+        model_dir: a resolved HF-style model folder.
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: str):
+        start = time.perf_counter()
+        self.config = config
+        self.executor = make_executor(config, model_dir)
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
+                                   self.executor.max_model_len)
+        self.ready = EngineReady(num_blocks, self.executor.max_model_len,
+                                 config.cache.block_size)
+        logger.info("engine core ready in %.1f s: %d KV blocks, max_model_len %d",
+                    time.perf_counter() - start, num_blocks, self.ready.max_model_len)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        from services.scheduler.request import RequestStatus
+
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one engine step; outputs of every request that advanced or ended."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
+                                 timestamp=time.monotonic())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

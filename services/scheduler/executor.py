@@ -1,0 +1,52 @@
+"""Executors run the workers for an engine core: `uni` in-process, `mp` one process per rank."""
+
+from __future__ import annotations
+
+from shared.config import EngineConfig
+from shared.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor:
+    """What the engine core needs from its workers, whatever process they live in."""
+
+    max_model_len: int
+
+    def determine_num_blocks(self) -> int:
+        raise NotImplementedError
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniExecutor(Executor):
+    """The single worker runs inside the engine-core process: no IPC at all."""
+
+    def __init__(self, config: EngineConfig, model_dir: str):
+        from services.worker.worker import Worker  # the one allowed in-process import
+
+        self.worker = Worker(config, model_dir, rank=0)
+        self.max_model_len = self.worker.max_model_len
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+
+def make_executor(config: EngineConfig, model_dir: str) -> Executor:
+    kind = config.parallel.executor
+    if kind == "uni":
+        if config.parallel.world_size != 1:
+            raise ValueError("the uni executor runs one worker: use --executor mp for TP/PP")
+        return UniExecutor(config, model_dir)
+    raise ValueError(f"executor {kind!r} is not available yet; use 'uni'")

@@ -1,0 +1,112 @@
+"""Per-request state the worker keeps across steps, in persistent numpy arrays.
+
+Each live request owns one row of every array (its `row`). Rows are reused after a request
+finishes; a step gathers the rows it schedules with numpy fancy indexing, so building inputs
+costs a few vector ops per step, not Python work per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.messages import NewRequestData
+from shared.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    row: int
+    sampling_params: SamplingParams
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    eos_token_id: int | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+class InputBatch:
+    """Rows of token ids, block tables and sampling parameters for up to max_num_reqs requests.
+
+    Args:
+        max_num_reqs: rows available (the scheduler's max_num_seqs).
+        max_model_len: the longest request in tokens.
+        max_num_blocks_per_req: block-table width.
+        vocab_size: used to pad prompt token ids for the repetition penalty.
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
+                 vocab_size: int):
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+
+        self.requests: dict[str, RequestState] = {}
+        # Low rows first, so the live rows stay dense.
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, new: NewRequestData, seed_offset: int = 0) -> RequestState:
+        assert new.req_id not in self.requests, new.req_id
+        if not self._free_rows:
+            raise RuntimeError(f"more than {self.max_num_reqs} requests in the worker")
+        row = self._free_rows.pop()
+        params = new.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(params.seed + seed_offset)
+        state = RequestState(new.req_id, row, params, len(new.prompt_token_ids),
+                             list(new.output_token_ids), generator, new.eos_token_id)
+        if params.repetition_penalty != 1.0:
+            state.prompt_token_ids = list(new.prompt_token_ids)
+        self.requests[new.req_id] = state
+
+        tokens = new.prompt_token_ids + new.output_token_ids
+        self.token_ids[row, :len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_block_ids(row, new.block_ids)
+
+        self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
+        self.top_k[row] = params.top_k
+        self.min_p[row] = params.min_p
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        return state
+
+    def remove_request(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, state: RequestState, token_id: int) -> None:
+        row = state.row
+        self.token_ids[row, self.num_tokens[row]] = token_id
+        self.num_tokens[row] += 1
+        state.output_token_ids.append(token_id)

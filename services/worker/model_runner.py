@@ -1,0 +1,255 @@
+"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and sampled tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shared.config import EngineConfig
+from shared.logging import init_logger
+from shared.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+from services.worker.input_batch import InputBatch, RequestState
+from services.worker.layers.attention import Attention, AttentionMetadata
+from services.worker.models import load_model
+from services.worker.sampler import Sampler, compute_topk_logprobs
+from services.worker.sampling_metadata import LogprobsTensors, SamplingMetadata
+
+logger = init_logger(__name__)
+
+
+def _to_logprobs(t: LogprobsTensors) -> Logprobs:
+    return Logprobs(t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist())
+
+
+class ModelRunner:
+    """Holds the model, its paged KV cache and the per-request input batch.
+
+    Args:
+        config: the engine config.
+        model_dir: a resolved HF-style model folder.
+        device: where the model runs.
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: str, device: torch.device):
+        self.config = config
+        self.device = device
+        self.dtype = resolve_dtype(config.model.dtype, device)
+        self.model, self.hf_config = load_model(model_dir, self.dtype, device)
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = effective_max_model_len(config, self.hf_config)
+        self.block_size = config.cache.block_size
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sampler = Sampler()
+        self.input_batch: InputBatch | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ KV cache
+
+    def kv_cache_bytes_per_block(self) -> int:
+        layer = self.attention_layers[0]
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return (2 * self.block_size * layer.num_kv_heads * layer.head_size * element_size
+                * len(self.attention_layers))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate [2, num_blocks, block_size, Hkv, D] per layer and bind it to the layer."""
+        for layer in self.attention_layers:
+            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
+                                layer.head_size, dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
+                                      max_blocks_per_req, self.vocab_size)
+        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, self.block_size,
+                    num_blocks * self.kv_cache_bytes_per_block() / 2**20)
+
+    # ------------------------------------------------------------------ one step
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            batch.remove_request(req_id)
+        for req_id in so.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.add_request(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                   cached.num_computed_tokens):
+            row = batch.requests[req_id].row
+            if block_ids:
+                batch.append_block_ids(row, block_ids)
+            batch.num_computed_tokens[row] = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        batch = self.input_batch
+        req_ids = list(so.num_scheduled_tokens)
+        states = [batch.requests[r] for r in req_ids]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64,
+                                    count=len(req_ids))
+        num_computed = batch.num_computed_tokens[rows]
+
+        # Example: num_scheduled = [3, 1, 2], num_computed = [0, 7, 4]
+        #   query_start_loc = [0, 3, 4, 6]; req_indices = [0 0 0 1 2 2]
+        #   positions = [0 1 2 | 7 | 4 5]
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        req_indices = np.repeat(np.arange(len(rows)), num_scheduled)
+        offsets = np.arange(total) - np.repeat(query_start_loc[:-1], num_scheduled)
+        positions = num_computed[req_indices] + offsets
+        token_rows = rows[req_indices]
+        input_ids = batch.token_ids[token_rows, positions]
+        block_size = self.block_size
+        slot_mapping = (batch.block_table[token_rows, positions // block_size].astype(np.int64)
+                        * block_size + positions % block_size)
+        seq_lens = (num_computed + num_scheduled).astype(np.int32)
+        max_seq_len = int(seq_lens.max())
+        num_blocks_needed = -(-max_seq_len // block_size)
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_table=torch.from_numpy(
+                np.ascontiguousarray(batch.block_table[rows, :num_blocks_needed])).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=max_seq_len,
+        )
+        hidden = self.model(torch.from_numpy(input_ids).to(dev),
+                            torch.from_numpy(positions).to(dev), metadata)
+
+        # A request samples once its context reaches every token it has (the prompt chunk, or
+        # the whole prompt plus outputs after a resume, is done).
+        samples = seq_lens >= batch.num_tokens[rows]
+        sample_idx = np.flatnonzero(samples)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: dict[str, Logprobs] = {}
+        if len(sample_idx):
+            logits_indices = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(dev)
+            logits = self.model.compute_logits(hidden[logits_indices])
+            sample_states = [states[i] for i in sample_idx]
+            out = self.sampler(logits, self._sampling_metadata(sample_states, rows[sample_idx]))
+            token_ids = out.sampled_token_ids.tolist()
+            for i, state, token_id in zip(sample_idx, sample_states, token_ids):
+                batch.append_token(state, token_id)
+                sampled[i] = [token_id]
+            if out.logprobs is not None:
+                logprobs = self._split_logprobs(sample_states, out.logprobs)
+        prompt_logprobs = self._prompt_logprobs(states, hidden, query_start_loc, num_computed,
+                                                num_scheduled)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+
+    # ------------------------------------------------------------------ sampling inputs
+
+    def _sampling_metadata(self, states: list[RequestState], rows: np.ndarray
+                           ) -> SamplingMetadata:
+        b = self.input_batch
+        temperature = b.temperature[rows]
+        greedy = temperature < 1e-5
+        all_greedy = bool(greedy.all())
+        md = SamplingMetadata(
+            temperature=None if all_greedy else torch.from_numpy(temperature),
+            all_greedy=all_greedy,
+            all_random=not bool(greedy.any()),
+        )
+        if not all_greedy:
+            top_p, top_k, min_p = b.top_p[rows], b.top_k[rows], b.min_p[rows]
+            md.top_p = torch.from_numpy(top_p) if (top_p < 1.0).any() else None
+            md.top_k = torch.from_numpy(top_k) if (top_k > 0).any() else None
+            md.min_p = torch.from_numpy(min_p) if (min_p > 0.0).any() else None
+            md.generators = {i: s.generator for i, s in enumerate(states) if s.generator}
+        wanted = [s.sampling_params.logprobs for s in states
+                  if s.sampling_params.logprobs is not None]
+        md.max_num_logprobs = max(wanted) if wanted else None
+
+        presence, frequency = b.presence_penalty[rows], b.frequency_penalty[rows]
+        repetition = b.repetition_penalty[rows]
+        md.no_penalties = not ((presence != 0).any() or (frequency != 0).any()
+                               or (repetition != 1).any())
+        needs_outputs = not md.no_penalties
+        for i, s in enumerate(states):
+            p = s.sampling_params
+            if len(s.output_token_ids) < p.min_tokens:
+                forbidden = set(p.stop_token_ids or ())
+                if s.eos_token_id is not None:
+                    forbidden.add(s.eos_token_id)
+                md.min_tokens[i] = (p.min_tokens, forbidden)
+                needs_outputs = True
+        if needs_outputs:
+            md.output_token_ids = [s.output_token_ids for s in states]
+        if not md.no_penalties:
+            md.presence_penalties = torch.from_numpy(presence)
+            md.frequency_penalties = torch.from_numpy(frequency)
+            md.repetition_penalties = torch.from_numpy(repetition)
+            if (repetition != 1).any():
+                md.prompt_token_ids = self._padded_prompts(states)
+        return md
+
+    def _padded_prompts(self, states: list[RequestState]) -> torch.Tensor:
+        width = max(len(s.prompt_token_ids) for s in states) or 1
+        out = torch.full((len(states), width), self.vocab_size, dtype=torch.int64)
+        for i, s in enumerate(states):
+            out[i, :len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids, dtype=torch.int64)
+        return out
+
+    @staticmethod
+    def _split_logprobs(states: list[RequestState], t: LogprobsTensors) -> dict[str, Logprobs]:
+        out = {}
+        for i, s in enumerate(states):
+            n = s.sampling_params.logprobs
+            if n is None:
+                continue
+            out[s.req_id] = Logprobs(t.token_ids[i:i + 1, :n + 1].tolist(),
+                                     t.logprobs[i:i + 1, :n + 1].tolist(),
+                                     t.ranks[i:i + 1].tolist())
+        return out
+
+    def _prompt_logprobs(self, states, hidden, query_start_loc, num_computed, num_scheduled
+                         ) -> dict[str, Logprobs]:
+        """Logprobs of each prompt token given the ones before it, for requests that ask.
+
+        The hidden state at position p predicts token p + 1, so a chunk covering positions
+        [c, c + n) yields logprobs for prompt tokens c + 1 .. min(c + n, num_prompt - 1).
+        """
+        out = {}
+        for i, s in enumerate(states):
+            k = s.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = int(num_computed[i])
+            end = min(start + int(num_scheduled[i]), s.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            q0 = int(query_start_loc[i])
+            logits = self.model.compute_logits(hidden[q0:q0 + end - start])
+            row = self.input_batch.token_ids[s.row]
+            targets = torch.from_numpy(row[start + 1:end + 1].copy()).to(logits.device)
+            lp = torch.log_softmax(logits, dim=-1)
+            out[s.req_id] = _to_logprobs(compute_topk_logprobs(lp, targets, k))
+        return out
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[dtype]
+
+
+def effective_max_model_len(config: EngineConfig, hf_config) -> int:
+    model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    wanted = config.model.max_model_len
+    if wanted is None:
+        return model_len
+    if wanted > model_len:
+        raise ValueError(f"max_model_len={wanted} exceeds the model's context length "
+                         f"{model_len}")
+    return wanted
