@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from shared.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, \
     SchedulerConfig
-from shared.messages import EngineCoreRequest
 from shared.sampling_params import SamplingParams
-from services.api.output_processor import OutputProcessor
+from services.api.output_processor import OutputProcessor, make_engine_requests
 from services.api.outputs import RequestOutput
 from services.api.tokenizer import TokenizerInfo
 
@@ -146,18 +144,9 @@ class LLM:
     def _add_request(self, request_id, prompt, prompt_token_ids, params, priority) -> None:
         child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids,
                                                       params)
-        info = self.tokenizer_info
-        if info.extra_stop_token_ids and not params.ignore_eos:
-            stop_ids = list(params.stop_token_ids or ()) + info.extra_stop_token_ids
-            params = _replace(params, stop_token_ids=stop_ids)
-        now = time.time()
-        for index, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
-                child_params = _replace(params, n=1, seed=seed)
-            self.engine_core.add_request(EngineCoreRequest(
-                child_id, prompt_token_ids, child_params, info.eos_token_id, now, priority))
+        for request in make_engine_requests(child_ids, prompt_token_ids, params, priority,
+                                            self.tokenizer_info):
+            self.engine_core.add_request(request)
 
     def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
@@ -168,6 +157,8 @@ class LLM:
             bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True)
         remaining = len(order)
         while remaining:
+            if not self.engine_core.has_unfinished_requests():
+                raise RuntimeError(f"{remaining} requests vanished from the engine")
             outputs = self.engine_core.step().outputs
             request_outputs, to_abort = self.output_processor.process_outputs(outputs)
             if to_abort:
@@ -182,8 +173,3 @@ class LLM:
             bar.close()
         return results
 
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import msgspec
-
-    return msgspec.structs.replace(params, **changes)

@@ -1,0 +1,1 @@
+"""Model building blocks: TP-aware linears and embeddings, norms, RoPE, paged attention."""

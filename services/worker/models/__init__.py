@@ -1,0 +1,95 @@
+"""Model registry and loading from a HF-style folder (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+# HF architecture name -> (module under services.worker.models, class); imported on first use.
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+}
+
+# For configs that name no architecture (e.g. converted GGUFs): model_type -> architecture.
+_ARCH_OF_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def architecture_of_model_type(model_type: str) -> str | None:
+    """The architecture we build for a HF `model_type`, or None if unsupported."""
+    return _ARCH_OF_MODEL_TYPE.get(model_type)
+
+
+def get_model_class(architectures: list[str]) -> type[nn.Module]:
+    """The model class of the first supported name in a config's `architectures`."""
+    for arch in architectures:
+        if arch in _MODELS:
+            module_name, class_name = _MODELS[arch]
+            module = importlib.import_module(f"{__name__}.{module_name}")
+            return getattr(module, class_name)
+    raise ValueError(f"model architectures {architectures} are not supported; "
+                     f"supported: {supported_architectures()}")
+
+
+def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) of every *.safetensors file in model_dir, one tensor at a time."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors file in {model_dir}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str
+               ) -> tuple[nn.Module, object]:
+    """Build the model of model_dir/config.json in dtype on device and load its weights.
+
+    Args:
+        model_dir: a HF-style folder (see model_loader.resolve_model).
+        dtype: parameter dtype (RoPE tables stay float32).
+        device: where parameters are created; checkpoint tensors are copied in one by one.
+
+    Returns:
+        (model in eval mode, the transformers config).
+    """
+    from transformers import AutoConfig  # configs only; the forward pass is ours
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    fallback = architecture_of_model_type(hf_config.model_type)
+    if not architectures and fallback:
+        architectures = [fallback]
+    model_class = get_model_class(architectures)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(hf_config)
+    model.load_weights(iterate_safetensors(model_dir))
+    return model.eval(), hf_config

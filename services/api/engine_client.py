@@ -1,0 +1,131 @@
+"""The api's view of the engine: submit a request, stream its RequestOutputs, abort it.
+
+`EngineClient` holds what every transport shares: the tokenizer, the OutputProcessor, one
+asyncio queue per request. A subclass moves `EngineCoreRequest`s to the engine core and
+feeds `EngineCoreOutputs` back through `_handle_outputs` (on the event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from shared.logging import init_logger
+from shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from shared.sampling_params import SamplingParams
+from services.api.output_processor import OutputProcessor, make_engine_requests
+from services.api.outputs import RequestOutput
+from services.api.tokenizer import TokenizerInfo
+
+logger = init_logger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core (or one of its workers) died; requests fail with 503."""
+
+
+@dataclass(slots=True)
+class StatsTotals:
+    """Sums of SchedulerStats' per-step counters since the client started (for /metrics)."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def add(self, stats: SchedulerStats) -> None:
+        self.num_preemptions += stats.num_preemptions
+        self.prefix_cache_queries += stats.prefix_cache_queries
+        self.prefix_cache_hits += stats.prefix_cache_hits
+
+
+class EngineClient:
+    """Args:
+        tokenizer_info: the model's tokenizer and stop ids.
+        max_model_len: the engine's effective max_model_len (from its ready message).
+        model_name: the name the API serves the model under.
+    """
+
+    def __init__(self, tokenizer_info: TokenizerInfo, max_model_len: int, model_name: str):
+        self.tokenizer_info = tokenizer_info
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self.output_processor = OutputProcessor(tokenizer_info.tokenizer)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.latest_stats: SchedulerStats | None = None
+        self.stats_totals = StatsTotals()
+        self.dead_reason: str | None = None
+
+    # ------------------------------------------------------------------ transport (subclass)
+
+    async def _send_requests(self, requests: list[EngineCoreRequest]) -> None:
+        raise NotImplementedError
+
+    async def _send_abort(self, engine_request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, priority: int = 0
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield cumulative RequestOutputs until the last one (finished=True).
+
+        Closing the generator early (a client that went away) aborts the request.
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        queue: asyncio.Queue = asyncio.Queue()
+        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids,
+                                                      params)
+        self.queues[request_id] = queue
+        finished = False
+        try:
+            await self._send_requests(make_engine_requests(
+                child_ids, prompt_token_ids, params, priority, self.tokenizer_info))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort_request(request_id)
+        if child_ids and self.dead_reason is None:
+            logger.info("request %s aborted", request_id)
+            await self._send_abort(child_ids)
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self.latest_stats = outputs.scheduler_stats
+            self.stats_totals.add(outputs.scheduler_stats)
+        request_outputs, to_abort = self.output_processor.process_outputs(outputs.outputs)
+        for ro in request_outputs:
+            queue = self.queues.get(ro.request_id)
+            if queue is not None:
+                queue.put_nowait(ro)
+        if to_abort:
+            await self._send_abort(to_abort)
+
+    def _fail_all(self, reason: str) -> None:
+        """The engine is gone: every waiting request ends with EngineDeadError."""
+        self.dead_reason = reason
+        logger.error("engine dead: %s; failing %d in-flight requests", reason,
+                     len(self.queues))
+        for request_id, queue in list(self.queues.items()):
+            self.output_processor.abort_request(request_id)
+            queue.put_nowait(EngineDeadError(reason))

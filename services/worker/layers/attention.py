@@ -1,0 +1,101 @@
+"""Paged attention layer and the per-step metadata every attention layer reads.
+
+All scheduled tokens of all requests are laid end to end (no padding). For two requests, one
+decoding 1 token with 6 in context and one prefilling 3 tokens from scratch, block_size 4:
+
+    tokens:           | r0: 1 |  r1: 3  |
+    query_start_loc:  [0, 1, 4]
+    seq_lens:         [6, 3]
+    block_table:      [[2, 5], [7, 0]]        (row padding is never read)
+    slot_mapping:     [5*4+1, 7*4+0, 7*4+1, 7*4+2]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import kernels
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged KV cache.
+
+    Args:
+        query_start_loc: [R+1] int32, cumulative query lengths (request r owns tokens
+            query_start_loc[r]:query_start_loc[r+1]).
+        seq_lens: [R] int32, context length after this step.
+        block_table: [R, max_blocks] int32, the KV blocks of each request in order.
+        slot_mapping: [T] int64, cache slot (block_id * block_size + offset) of each token;
+            a slot < 0 is not written.
+        max_query_len: host-side max of the query lengths.
+        max_seq_len: host-side max of seq_lens.
+    """
+
+    query_start_loc: torch.Tensor  # [R+1] int32
+    seq_lens: torch.Tensor         # [R] int32, context length after this step
+    block_table: torch.Tensor      # [R, max_blocks] int32
+    slot_mapping: torch.Tensor     # [T] int64
+    max_query_len: int
+    max_seq_len: int
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the paged cache, then attends over it.
+
+    Args:
+        num_heads: query heads on this rank.
+        head_size: features per head (D).
+        scale: softmax scale, usually D ** -0.5.
+        num_kv_heads: key/value heads on this rank (num_heads must be a multiple).
+
+    `kv_cache` is [2, num_blocks, block_size, num_kv_heads, D] (keys, then values), bound by
+    the model runner after it sizes the cache; None before that.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq * D]; k, v: [T, Hkv * D]. Returns [T, Hq * D]."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.kv_cache is None:
+            out = self._attend_without_cache(q, k, v, attn_metadata)
+        else:
+            key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+            kernels.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+            out = kernels.paged_attention(
+                q, key_cache, value_cache, attn_metadata.block_table,
+                attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
+                attn_metadata.max_query_len, attn_metadata.max_seq_len)
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _attend_without_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Prompt-only attention before a cache exists (the runner's memory-profile run).
+
+        Treats this step's own K/V as a cache of block_size 1: token t is block t, so request
+        r's block-table row is query_start_loc[r] + [0, 1, ...]. Only valid when every
+        request starts at position 0 (seq_lens == query lengths).
+        """
+        query_start_loc = attn_metadata.query_start_loc
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        offsets = torch.arange(attn_metadata.max_query_len, device=q.device, dtype=torch.int32)
+        block_table = (query_start_loc[:-1, None] + offsets[None, :]).clamp_(max=q.shape[0] - 1)
+        return kernels.paged_attention(
+            q, k.unsqueeze(1), v.unsqueeze(1), block_table, query_start_loc,
+            query_lens.to(torch.int32), self.scale, attn_metadata.max_query_len,
+            attn_metadata.max_query_len)

@@ -1,0 +1,67 @@
+"""Token embedding and LM head, both split by vocabulary rows across TP ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.layers.linear import divide
+from services.worker.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows [vocab_start, vocab_end) live on this rank.
+
+    Args:
+        num_embeddings: full vocabulary size (must divide by the TP size).
+        embedding_dim: hidden size.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size)
+        self.vocab_start_idx = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        assert shard_id is None, "the embedding has no shards"
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(f"checkpoint vocab {loaded_weight.shape[0]} != config vocab "
+                             f"{self.num_embeddings}")
+        rows = self.num_embeddings_per_partition
+        param.data.copy_(loaded_weight.narrow(0, self.vocab_start_idx, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Tokens of other ranks look up row 0 and are zeroed; the all-reduce fills them in.
+        in_range = (input_ids >= self.vocab_start_idx) & (input_ids < self.vocab_end_idx)
+        local_ids = (input_ids - self.vocab_start_idx) * in_range
+        y = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden -> logits over the full vocabulary (each rank computes its vocab slice).
+
+    Args:
+        num_embeddings: full vocabulary size.
+        embedding_dim: hidden size.
+    """
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        return tensor_model_parallel_all_gather(logits, dim=-1)

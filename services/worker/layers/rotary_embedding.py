@@ -1,0 +1,89 @@
+"""Rotary position embedding with a precomputed cos/sin table.
+
+cos_sin_cache[p] = [cos(p * inv_freq) | sin(p * inv_freq)], shape [max_position, head_size],
+float32 whatever the model dtype (the kernel rotates in float32).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+import kernels
+
+
+def rope_parameters_from_config(config: Any) -> dict:
+    """The RoPE settings of a HF config as one dict with `rope_type` and `rope_theta`.
+
+    Reads transformers >= 5 `rope_parameters` or the older `rope_theta` + `rope_scaling`.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: keep high frequencies, divide low ones by `factor`, blend between."""
+    factor = params["factor"]
+    low_freq_factor, high_freq_factor = params["low_freq_factor"], params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE over the whole head.
+
+    Args:
+        head_size: features per head (all of them rotate).
+        max_position: positions the table covers.
+        base: rope_theta.
+        rope_parameters: the `rope_type` and its scaling keys; `default` and `llama3` are
+            supported.
+    """
+
+    def __init__(self, head_size: int, max_position: int, base: float,
+                 rope_parameters: dict | None = None):
+        super().__init__()
+        rope_parameters = rope_parameters or {}
+        rope_type = rope_parameters.get("rope_type", "default")
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+        if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial rotary embeddings are not supported: the kernel rotates "
+                             "the whole head")
+        self.head_size = head_size
+        exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
+        inv_freq = 1.0 / (base ** exponents)
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64; query: [T, Hq * D]; key: [T, Hkv * D]. Returns rotated q, k."""
+        return kernels.rotary_embedding(positions, query, key, self.cos_sin_cache,
+                                        self.head_size)
+
+
+def get_rope(head_size: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:
+    """Build the RoPE layer from `rope_parameters_from_config(config)`."""
+    return RotaryEmbedding(head_size, max_position, rope_parameters["rope_theta"],
+                           rope_parameters)

@@ -1,0 +1,206 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral) and Qwen2 (qkv bias).
+
+Checkpoint names are HF's; q/k/v and gate/up are fused on load (`packed_modules_mapping`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.worker.layers.activation import SiluAndMul
+from services.worker.layers.attention import Attention, AttentionMetadata
+from services.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from services.worker.layers.layernorm import RMSNorm
+from services.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+    divide,
+)
+from services.worker.layers.rotary_embedding import get_rope, rope_parameters_from_config
+from services.worker.parallel_state import get_tp_size
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused qkv, RoPE on q and k, paged attention, o_proj.
+
+    Args:
+        config: the HF model config.
+        qkv_bias, o_bias: whether qkv_proj / o_proj have biases.
+    """
+
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        tp_size = get_tp_size()
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_num_heads
+        num_heads = divide(total_num_heads, tp_size)
+        num_kv_heads = divide(total_num_kv_heads, tp_size)
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, total_num_heads,
+                                          total_num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(total_num_heads * head_dim, config.hidden_size,
+                                        bias=o_bias)
+        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings,
+                                   rope_parameters_from_config(config))
+        self.attn = Attention(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul.
+
+    Args:
+        config: the HF model config (hidden_act must be silu; mlp_bias optional).
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu only)")
+        bias = getattr(config, "mlp_bias", False)
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), residual adds fused in norms."""
+
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None, attn_metadata: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream travels beside the hidden states so each norm fuses its add.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm: token ids -> hidden states."""
+
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over flattened tokens of many requests.
+
+    Args:
+        config: the HF model config (LlamaConfig or compatible).
+    """
+
+    # checkpoint sub-name -> (our fused parameter's sub-name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = LlamaModel(config, qkv_bias, o_bias)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        """(qkv_proj has bias, o_proj has bias): Llama's `attention_bias` covers both."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] int64. Returns the final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states: [N, hidden], only the rows to sample. Returns [N, vocab] float32."""
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the (fused, TP-sliced) parameters.
+
+        Raises ValueError on a name the model does not know, or when a parameter got nothing.
+        """
+        params = dict(self.named_parameters())
+        loaded_names = set()
+        for name, loaded_weight in weights:
+            if "rotary_emb.inv_freq" in name:  # recomputed, never loaded
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            param_name, shard_id = name, None
+            for src, (dst, sid) in self.packed_modules_mapping.items():
+                if f".{src}." in name:
+                    param_name, shard_id = name.replace(f".{src}.", f".{dst}."), sid
+                    break
+            param = params.get(param_name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                                 f"{type(self).__name__}: is this the right architecture?")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard_id is None:
+                loader(param, loaded_weight)
+            else:
+                loader(param, loaded_weight, shard_id)
+            loaded_names.add(param_name)
+        missing = sorted(set(params) - loaded_names)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: the Llama block with a bias on q/k/v (never on o_proj)."""
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        return True, False
