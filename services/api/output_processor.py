@@ -7,9 +7,12 @@ processor gathers them back into one RequestOutput.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-from shared.messages import EngineCoreOutput, Logprobs
+import msgspec
+
+from shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from shared.sampling_params import SamplingParams
 from services.api.detokenizer import IncrementalDetokenizer, check_stop_strings
 from services.api.outputs import CompletionOutput, Logprob, RequestOutput
@@ -17,6 +20,25 @@ from services.api.outputs import CompletionOutput, Logprob, RequestOutput
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def make_engine_requests(child_ids: list[str], prompt_token_ids: list[int],
+                         params: SamplingParams, priority: int, tokenizer_info
+                         ) -> list[EngineCoreRequest]:
+    """One EngineCoreRequest per child; child i of a seeded request gets seed + i."""
+    if tokenizer_info.extra_stop_token_ids and not params.ignore_eos:
+        stop_ids = list(params.stop_token_ids or ()) + tokenizer_info.extra_stop_token_ids
+        params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
+    now = time.time()
+    requests = []
+    for index, child_id in enumerate(child_ids):
+        child_params = params
+        if params.n > 1:
+            seed = None if params.seed is None else params.seed + index
+            child_params = msgspec.structs.replace(params, n=1, seed=seed)
+        requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params,
+                                          tokenizer_info.eos_token_id, now, priority))
+    return requests
 
 
 @dataclass(slots=True)
