@@ -41,7 +41,8 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
                                    self.executor.max_model_len)
-        self.ready = EngineReady(num_blocks, self.executor.max_model_len,
+        # The scheduler may cap max_model_len to what the KV cache holds.
+        self.ready = EngineReady(num_blocks, self.scheduler.max_model_len,
                                  config.cache.block_size)
         logger.info("engine core ready in %.1f s: %d KV blocks, max_model_len %d",
                     time.perf_counter() - start, num_blocks, self.ready.max_model_len)
@@ -55,7 +56,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a step has work: running/waiting requests or outputs to deliver."""
+        return self.scheduler.has_requests()
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine step; outputs of every request that advanced or ended."""

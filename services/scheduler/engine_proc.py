@@ -1,0 +1,315 @@
+"""EngineCoreProc: an EngineCore in its own process, between two IO threads.
+
+    api ROUTER ──▶ input thread (DEALER) ──▶ input_queue ──▶ busy loop ──▶ output_queue
+                                                          (EngineCore)        │
+    api PULL   ◀──────────────────────────── output thread (PUSH) ◀───────────┘
+
+The busy loop owns the EngineCore and touches no socket; the IO threads own one socket each
+and do all encoding and decoding, overlapping with the forward pass (torch drops the GIL).
+The loop blocks on the input queue when it has nothing to do: it never spins.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from shared.config import EngineConfig
+from shared.env import ENGINE_HEARTBEAT_INTERVAL_S, OMP_NUM_THREADS
+from shared.logging import init_logger
+from shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
+    engine_identity, make_socket
+from shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineStats, \
+    GetStats, MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput, this_hostname
+
+logger = init_logger(__name__)
+
+# How long the output socket may take to deliver what is queued (a DEAD sentinel) at exit.
+_OUTPUT_LINGER_MS = 2000
+# How often the input thread wakes up to check for shutdown and a dead parent.
+_INPUT_POLL_MS = 1000
+_SHUTDOWN = object()  # the output queue's stop sentinel
+
+
+class EngineFailure(RuntimeError):
+    """Raised in the busy loop when something outside it (a worker, an IO thread) failed."""
+
+
+class EngineCoreProc:
+    """The engine-core process's state: queues, IO threads, progress counters.
+
+    Args:
+        addresses: the api's input (ROUTER) and output (PULL) addresses.
+        engine_index: this engine's index (its DEALER identity).
+        parent_pid: shut down when this process is no longer our parent (None: never).
+    """
+
+    def __init__(self, addresses: EngineAddresses, engine_index: int = 0,
+                 parent_pid: int | None = None):
+        self.addresses = addresses
+        self.engine_index = engine_index
+        self.parent_pid = parent_pid
+        self.engine_core = None  # built by start(), after the output thread runs
+        self.input_queue: queue.Queue[tuple[MsgType | None, Any]] = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        # Progress, read by the output thread for heartbeats (plain ints: GIL-atomic).
+        self.num_iterations = 0
+        self.num_steps = 0
+        self.idle = False
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        # The output thread starts first: it heartbeats through a long model load, and can
+        # carry the DEAD sentinel if the load fails.
+        self.output_thread = threading.Thread(target=self._process_output_queue,
+                                              name="EngineCoreOutputIO", daemon=True)
+        self.output_thread.start()
+        self.input_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self, config: EngineConfig, model_dir: str) -> None:
+        """Build the EngineCore (model load, KV profile), then say READY to the api."""
+        from services.scheduler.engine_core import EngineCore
+
+        self.engine_core = EngineCore(config, model_dir)
+        register = getattr(self.engine_core.executor, "register_failure_callback", None)
+        if register is not None:
+            register(self._on_executor_failure)
+        ready = self.engine_core.ready
+        handshake = EngineHandshake(
+            engine_index=self.engine_index, num_blocks=ready.num_blocks,
+            max_model_len=ready.max_model_len, block_size=ready.block_size,
+            hostname=this_hostname(), pid=os.getpid(),
+            worker_pids=list(getattr(self.engine_core.executor, "worker_pids", [])))
+        self.input_thread = threading.Thread(target=self._process_input_socket,
+                                             args=(handshake,), name="EngineCoreInputIO",
+                                             daemon=True)
+        self.input_thread.start()
+
+    def send_dead(self, reason: str) -> None:
+        self.output_queue.put_nowait((MsgType.DEAD, EngineDead(self.engine_index, reason)))
+
+    def shutdown(self) -> None:
+        """Flush the output queue, stop both IO threads, then the workers."""
+        self._stop.set()
+        self.output_queue.put_nowait(_SHUTDOWN)
+        self.output_thread.join(timeout=_OUTPUT_LINGER_MS / 1000 + 1)
+        if self.input_thread is not None:
+            self.input_thread.join(timeout=_INPUT_POLL_MS / 1000 + 1)
+        if self.engine_core is not None:
+            self.engine_core.shutdown()
+        if not self.output_thread.is_alive() and not (self.input_thread
+                                                      and self.input_thread.is_alive()):
+            self._ctx.term()  # every socket is closed: term() returns at once
+
+    # ------------------------------------------------------------------ busy loop
+
+    def run_busy_loop(self) -> None:
+        """Handle inputs and step the engine, forever; raises on a fatal error."""
+        while True:
+            self._process_input_queue()
+            self._process_engine_step()
+            self.num_iterations += 1
+
+    def _has_work(self) -> bool:
+        # has_requests, not has_unfinished_requests: rejected requests' error outputs and
+        # finished ids still need a step to reach the api and the workers.
+        return self.engine_core.scheduler.has_requests()
+
+    def _process_input_queue(self) -> None:
+        if not self._has_work():
+            self.idle = True
+            item = self.input_queue.get()  # blocks; a signal still interrupts it
+            self.idle = False
+            self._handle_input(*item)
+        while True:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle_input(*item)
+
+    def _handle_input(self, msg_type: MsgType | None, payload: Any) -> None:
+        if msg_type == MsgType.ADD:
+            self.engine_core.add_request(payload)
+        elif msg_type == MsgType.ABORT:
+            self.engine_core.abort_requests(payload)
+        elif msg_type == MsgType.UTILITY:
+            self.output_queue.put_nowait((MsgType.UTILITY_OUTPUT, self._run_utility(payload)))
+        else:
+            assert msg_type is None, msg_type
+            raise EngineFailure(payload)
+
+    def _process_engine_step(self) -> None:
+        if not self._has_work():
+            return
+        outputs = self.engine_core.step()
+        self.num_steps += 1
+        outputs.engine_index = self.engine_index
+        self.output_queue.put_nowait((MsgType.OUTPUTS, outputs))
+
+    def _run_utility(self, call: UtilityCall) -> UtilityOutput:
+        """Utilities run between steps, so they see a consistent scheduler."""
+        try:
+            match call.method:
+                case ResetPrefixCache():
+                    result = self.engine_core.reset_prefix_cache()
+                case GetStats():
+                    result = self._make_stats()
+                case Ping():
+                    result = self.make_heartbeat()
+                case _:
+                    raise AssertionError(f"unhandled utility {call.method_name}")
+        except Exception as exc:  # noqa: BLE001 - a failed utility must not kill the engine
+            logger.exception("utility %s failed", call.method_name)
+            return UtilityOutput(call.call_id, failure_message=f"{type(exc).__name__}: {exc}")
+        return UtilityOutput(call.call_id, result=result)
+
+    def _make_stats(self) -> EngineStats:
+        scheduler = self.engine_core.scheduler
+        manager = scheduler.kv_cache_manager
+        return EngineStats(num_blocks=manager.num_total_blocks,
+                           num_free_blocks=manager.num_free_blocks,
+                           num_running_reqs=len(scheduler.running),
+                           num_waiting_reqs=len(scheduler.waiting), num_steps=self.num_steps,
+                           num_preemptions_total=scheduler.num_preemptions_total)
+
+    def make_heartbeat(self) -> EngineHeartbeat:
+        core = self.engine_core
+        num_unfinished = core.scheduler.get_num_unfinished_requests() if core else 0
+        return EngineHeartbeat(self.engine_index, self.num_iterations, self.num_steps,
+                               self.idle, num_unfinished)
+
+    def _on_executor_failure(self, reason: str = "a worker process died") -> None:
+        # Called from the executor's monitor thread: wake the loop, which raises.
+        self.input_queue.put_nowait((None, f"executor failed: {reason}"))
+
+    # ------------------------------------------------------------------ IO threads
+
+    def _process_input_socket(self, handshake: EngineHandshake) -> None:
+        """Send READY, then decode every message into the input queue."""
+        decoder = MessageDecoder((MsgType.ADD, MsgType.ABORT, MsgType.UTILITY))
+        sock = make_socket(self._ctx, self.addresses.input_addr, zmq.DEALER, bind=False,
+                           identity=engine_identity(self.engine_index))
+        try:
+            sock.send_multipart(MessageEncoder().encode(MsgType.READY, handshake))
+            while not self._stop.is_set():
+                if not sock.poll(_INPUT_POLL_MS):
+                    self._check_parent_alive()
+                    continue
+                frames = sock.recv_multipart(copy=False)
+                try:
+                    self.input_queue.put_nowait(decoder.decode(frames))
+                except (ValueError, msgspec.ValidationError) as exc:
+                    self._reject_malformed(frames, exc)
+        except Exception as exc:  # noqa: BLE001 - a deaf engine must die loudly
+            logger.exception("input thread failed")
+            self.input_queue.put_nowait((None, f"input thread failed: {exc!r}"))
+        finally:
+            sock.close()
+
+    def _check_parent_alive(self) -> None:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            logger.error("parent process %d is gone; shutting down", self.parent_pid)
+            self.parent_pid = None
+            os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler exits cleanly
+
+    def _reject_malformed(self, frames: list[zmq.Frame], exc: Exception) -> None:
+        """A request that does not decode ends with an ERROR output when its id is readable."""
+        logger.error("dropped a malformed message: %s", exc)
+        try:
+            fields = msgspec.msgpack.decode(frames[1].buffer)
+        except msgspec.DecodeError:
+            return
+        if frames[0].buffer[0] == MsgType.ADD and fields and isinstance(fields[0], str):
+            error = EngineCoreOutput(request_id=fields[0], new_token_ids=[],
+                                     finish_reason=FinishReason.ERROR,
+                                     error=f"invalid request: {exc}")
+            self.output_queue.put_nowait((MsgType.OUTPUTS, EngineCoreOutputs(
+                outputs=[error], timestamp=time.monotonic(), engine_index=self.engine_index)))
+
+    def _process_output_queue(self) -> None:
+        """Encode and send outputs; send a heartbeat whenever one is due."""
+        encoder = MessageEncoder()
+        interval = ENGINE_HEARTBEAT_INTERVAL_S.get()
+        sock = make_socket(self._ctx, self.addresses.output_addr, zmq.PUSH, bind=False,
+                           linger_ms=_OUTPUT_LINGER_MS)
+        next_heartbeat = time.monotonic()
+        try:
+            while True:
+                try:
+                    item = self.output_queue.get(timeout=max(next_heartbeat - time.monotonic(),
+                                                             0))
+                except queue.Empty:
+                    item = None
+                if item is _SHUTDOWN:
+                    return
+                if item is not None:
+                    sock.send_multipart(encoder.encode(*item), copy=False)
+                if time.monotonic() >= next_heartbeat:
+                    sock.send_multipart(encoder.encode(MsgType.HEARTBEAT,
+                                                       self.make_heartbeat()))
+                    next_heartbeat = time.monotonic() + interval
+        except Exception:  # noqa: BLE001 - nothing else can report it; the api sees silence
+            logger.exception("output thread failed")
+        finally:
+            sock.close()  # lingers until the queued messages (a DEAD sentinel) are out
+
+
+# ---------------------------------------------------------------------- process entry point
+
+
+def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
+                    engine_index: int = 0, watch_parent: bool = False) -> int:
+    """Run one engine core until SIGTERM (exit code 0) or a fatal error (DEAD sent, 1).
+
+    Args:
+        config: the engine config.
+        model_dir: a resolved HF-style model folder.
+        input_addr, output_addr: the api's ROUTER and PULL addresses.
+        engine_index: this engine's index.
+        watch_parent: exit when the launching process dies (children of `kvserve serve`).
+    """
+    _install_signal_handlers()
+    _configure_torch_threads()
+    proc = EngineCoreProc(EngineAddresses(input_addr, output_addr), engine_index,
+                          parent_pid=os.getppid() if watch_parent else None)
+    exit_code = 0
+    try:
+        proc.start(config, model_dir)
+        proc.run_busy_loop()
+    except SystemExit:
+        logger.info("engine core %d shutting down", engine_index)
+    except Exception as exc:  # noqa: BLE001 - report every failure to the api, then exit 1
+        logger.exception("engine core %d failed", engine_index)
+        proc.send_dead(f"{type(exc).__name__}: {exc}")
+        exit_code = 1
+    finally:
+        proc.shutdown()
+    return exit_code
+
+
+def _install_signal_handlers() -> None:
+    def _exit(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _exit)
+    # Ctrl+C reaches the whole process group; the launcher decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _configure_torch_threads() -> None:
+    """Use every core this process may run on (torch counts physical cores only)."""
+    import torch
+
+    num_threads = OMP_NUM_THREADS.get() or len(os.sched_getaffinity(0))
+    torch.set_num_threads(num_threads)
+    logger.info("engine core uses %d torch threads", num_threads)

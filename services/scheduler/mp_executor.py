@@ -1,0 +1,242 @@
+"""MpExecutor: one worker process per rank, fed through a shared-memory ring.
+
+Every rank reads every SchedulerOutput from the ring (one write, N reads); only rank 0
+answers, with a msgspec-encoded ModelRunnerOutput on a ZMQ PUSH -> PULL socket. The protocol
+is drawn in services/worker/worker_proc.py.
+
+Every wait here polls the result socket together with the workers' process sentinels, so a
+dead worker turns the next call into a RuntimeError naming its rank within a second or so,
+never a hang. Once a worker has died or failed, the executor stays dead: every later call
+raises the same error (the engine core then dies and the api answers 503).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from multiprocessing.process import BaseProcess
+
+import msgspec
+import zmq
+
+from shared.config import EngineConfig
+from shared.logging import init_logger
+from shared.messages import ModelRunnerOutput, SchedulerOutput
+from shared.shm_ring import ShmRingBuffer
+from services.scheduler.executor import Executor
+from services.worker import worker_proc
+from services.worker.worker_proc import WorkerFailure, WorkerReady
+
+logger = init_logger(__name__)
+
+_POLL_INTERVAL_S = 1.0  # the longest a wait goes without looking at the deadline
+
+
+class MpExecutor(Executor):
+    """Args:
+        config: the engine config; world_size = TP x PP worker processes are started.
+        model_dir: a resolved HF-style model folder.
+        start_timeout_s: limit for a worker to load its model and report ready, and for
+            the KV cache allocation.
+        execute_timeout_s: limit for one step; a slower step means a hung worker.
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: str, start_timeout_s: float = 600.0,
+                 execute_timeout_s: float = 300.0):
+        self.world_size = config.parallel.world_size
+        self.start_timeout_s = start_timeout_s
+        self.execute_timeout_s = execute_timeout_s
+        self._dead_reason: str | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._send_buf = bytearray()  # reused for every ring message
+        self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+
+        # The result socket lives in a private folder, removed on shutdown.
+        # TODO(config): take the address from config once it has same-host ipc addresses.
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvserve-mp-")
+        result_addr = f"ipc://{self._ipc_dir}/results"
+        self._zmq_ctx = zmq.Context(io_threads=1)
+        self._results = self._zmq_ctx.socket(zmq.PULL)
+        self._results.bind(result_addr)
+        self._ring = ShmRingBuffer.create(num_readers=self.world_size)
+        self._procs: list[BaseProcess] = []
+        try:
+            self._start_workers(config, model_dir, result_addr)
+        except BaseException:
+            _release(self._procs, self._ring, self._results, self._zmq_ctx, self._ipc_dir)
+            raise
+        # Processes, socket and segment are released even if shutdown() is never called
+        # (the object is collected, or the interpreter exits).
+        self._finalizer = weakref.finalize(self, _release, self._procs, self._ring,
+                                           self._results, self._zmq_ctx, self._ipc_dir)
+        self._poller = zmq.Poller()
+        self._poller.register(self._results, zmq.POLLIN)
+        for proc in self._procs:
+            self._poller.register(proc.sentinel, zmq.POLLIN)
+        try:
+            readies = self._wait_ready()
+        except BaseException:
+            self._finalizer()
+            raise
+        self.max_model_len = min(r.max_model_len for r in readies)
+        self._num_blocks = min(r.num_blocks for r in readies)
+
+    # ------------------------------------------------------------------ Executor API
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers, by rank."""
+        return [proc.pid for proc in self._procs]
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit every rank: the smallest of their start-up reports."""
+        return self._num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Have every rank allocate its KV cache; returns once all have."""
+        self._broadcast(worker_proc.INIT_KV_CACHE, num_blocks, self.start_timeout_s)
+        for _ in range(self.world_size):
+            self._receive(worker_proc.KV_CACHE_READY, self.start_timeout_s,
+                          "allocating the KV cache")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Broadcast one step to every rank and return rank 0's answer."""
+        self._broadcast(worker_proc.EXECUTE, scheduler_output, self.execute_timeout_s)
+        body = self._receive(worker_proc.OUTPUT, self.execute_timeout_s, "executing a step")
+        return self._output_decoder.decode(body)
+
+    def shutdown(self) -> None:
+        """Ask the workers to exit, then release processes, socket and shared memory."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start_workers(self, config: EngineConfig, model_dir: str, result_addr: str) -> None:
+        # spawn, not fork: a forked child would inherit this process's threads (ZMQ IO,
+        # torch pools) in whatever state they were in.
+        mp_ctx = multiprocessing.get_context("spawn")
+        common = ["--model-dir", model_dir,
+                  "--engine-config", msgspec.json.encode(config).decode(),
+                  "--ring-handle", msgspec.json.encode(self._ring.handle).decode(),
+                  "--result-addr", result_addr]
+        for rank in range(self.world_size):
+            proc = mp_ctx.Process(target=worker_proc.worker_main,
+                                  args=(["--rank", str(rank), *common],),
+                                  name=f"kvserve-worker-{rank}", daemon=True)
+            proc.start()
+            self._procs.append(proc)  # as it starts, so a failure releases the earlier ones
+        logger.info("started %d worker process(es): pids %s", self.world_size,
+                    self.worker_pids)
+
+    def _wait_ready(self) -> list[WorkerReady]:
+        decoder = msgspec.msgpack.Decoder(WorkerReady)
+        readies: dict[int, WorkerReady] = {}
+        while len(readies) < self.world_size:
+            body = self._receive(worker_proc.READY, self.start_timeout_s,
+                                 "waiting for the workers to load the model")
+            ready = decoder.decode(body)
+            assert ready.rank not in readies, f"rank {ready.rank} reported ready twice"
+            readies[ready.rank] = ready
+        return [readies[rank] for rank in range(self.world_size)]
+
+    # ------------------------------------------------------------------ transport
+
+    def _broadcast(self, kind: bytes, body, timeout_s: float) -> None:
+        self._raise_if_dead()
+        buf = self._send_buf
+        buf[:] = kind
+        if body is not None:
+            self._encoder.encode_into(body, buf, 1)
+        try:
+            self._ring.enqueue(buf, timeout=timeout_s, check_alive=self._check_workers)
+        except TimeoutError:
+            self._die(f"the workers took no message from the ring for {timeout_s:.0f} s")
+
+    def _receive(self, kind: bytes, timeout_s: float, doing: str) -> memoryview:
+        """The body of the next result message, which must be of type `kind`."""
+        self._raise_if_dead()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._die(f"no answer from the workers within {timeout_s:.0f} s while {doing}")
+            events = dict(self._poller.poll(1000 * min(remaining, _POLL_INTERVAL_S)))
+            if self._results in events:
+                # Messages first: a failing worker's traceback beats "it died".
+                return self._accept(kind, *self._results.recv_multipart(copy=False))
+            self._check_workers()
+
+    def _accept(self, expected: bytes, kind_frame: zmq.Frame,
+                body_frame: zmq.Frame) -> memoryview:
+        kind = kind_frame.bytes
+        if kind == worker_proc.FAILURE:
+            self._raise_failure(body_frame)
+        assert kind == expected, f"expected a {expected!r} message from the workers, got {kind!r}"
+        return body_frame.buffer
+
+    def _raise_failure(self, body_frame: zmq.Frame) -> None:
+        failure = msgspec.msgpack.decode(body_frame.buffer, type=WorkerFailure)
+        self._die(f"worker rank {failure.rank} failed:\n{failure.message}")
+
+    # ------------------------------------------------------------------ liveness
+
+    def _check_workers(self) -> None:
+        """Raise RuntimeError naming the first dead rank, if any."""
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is None:
+                continue
+            # It may have sent its traceback just before dying: prefer that message.
+            if self._results.poll(100):
+                kind_frame, body_frame = self._results.recv_multipart(copy=False)
+                if kind_frame.bytes == worker_proc.FAILURE:
+                    self._raise_failure(body_frame)
+            self._die(f"worker rank {rank} (pid {proc.pid}) died: {_describe_exit(proc)}")
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_reason is not None:
+            raise RuntimeError(self._dead_reason)
+
+    def _die(self, reason: str) -> None:
+        self._dead_reason = reason
+        logger.error("mp executor: %s", reason)
+        raise RuntimeError(reason)
+
+
+def _describe_exit(proc: BaseProcess) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _release(procs: list[BaseProcess], ring: ShmRingBuffer, results: zmq.Socket,
+             zmq_ctx: zmq.Context, ipc_dir: str) -> None:
+    """Stop every worker (politely, then not), close the socket, unlink the ring.
+
+    A module function, not a method: weakref.finalize must not hold the executor itself.
+    """
+    try:
+        # Live ranks take SHUTDOWN from the ring and exit; a dead rank only keeps its chunk
+        # unread, so the write still succeeds while free chunks remain.
+        ring.enqueue(worker_proc.SHUTDOWN, timeout=0.5)
+    except (RuntimeError, TimeoutError):
+        pass  # the ring is out of step or full: the workers get terminated below
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            logger.warning("worker %s did not exit; terminating it", proc.name)
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    results.close(linger=0)
+    zmq_ctx.term()
+    ring.close()
+    shutil.rmtree(ipc_dir, ignore_errors=True)

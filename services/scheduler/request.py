@@ -1,0 +1,150 @@
+"""One request's state inside the engine core: tokens, progress, status and block hashes."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+
+from shared.hashing import HashFn, hash_new_full_blocks, make_extra_keys
+from shared.messages import EngineCoreRequest, FinishReason
+from shared.sampling_params import SamplingParams
+
+# Returns the hashes of the request's full blocks that request.block_hashes lacks.
+BlockHasher = Callable[["Request"], list[bytes]]
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle: WAITING -> RUNNING (<-> PREEMPTED -> RUNNING) -> one FINISHED_* state."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Every status after PREEMPTED is final; `is_finished` relies on this order.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+def make_block_hasher(block_size: int, hash_fn: HashFn) -> BlockHasher:
+    """A closure that hashes a request's newly filled blocks (see `Request.block_hashes`)."""
+
+    def hash_new_blocks(request: Request) -> list[bytes]:
+        return hash_new_full_blocks(hash_fn, block_size, request.all_token_ids,
+                                    request.block_hashes, request.extra_keys)
+
+    return hash_new_blocks
+
+
+class Request:
+    """A request's tokens and progress, as the scheduler tracks it.
+
+    Args:
+        req_id: unique among live requests.
+        prompt_token_ids: the tokenized prompt (not empty).
+        sampling_params: the request's sampling knobs (max_tokens, stop ids, ...).
+        eos_token_id: the model's end-of-sequence id, or None.
+        arrival_time: when the api received it (orders fcfs and priority ties).
+        priority: lower runs first under the priority policy.
+        cache_salt: isolates this request's prefix-cache blocks from other salts.
+        block_hasher: hashes full blocks as tokens arrive; None when prefix caching is off.
+    """
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_id: int | None = None,
+                 arrival_time: float = 0.0, priority: int = 0, cache_salt: str | None = None,
+                 block_hasher: BlockHasher | None = None) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.extra_keys = make_extra_keys(cache_salt)
+        # Read once per sampled token, so frozen here rather than rebuilt by the property.
+        self.stop_token_ids = frozenset(sampling_params.all_stop_token_ids)
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Tokens whose K/V is in the cache or being written by the step in flight.
+        self.num_computed_tokens = 0
+        # Prefix-cache hit length at the first schedule; -1 until then.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # A recompute after preemption produces prompt logprobs again: count what was sent
+        # and what this run produced, so each prompt position is reported once.
+        self.num_prompt_logprobs_sent = 0
+        self.num_prompt_logprobs_seen = 0
+
+        self._block_hasher = block_hasher
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest,
+                                 block_hasher: BlockHasher | None) -> Request:
+        return cls(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                   sampling_params=req.sampling_params, eos_token_id=req.eos_token_id,
+                   arrival_time=req.arrival_time, priority=req.priority,
+                   cache_salt=req.cache_salt, block_hasher=block_hasher)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append sampled tokens and hash any block they complete."""
+        if isinstance(token_ids, int):
+            token_ids = (token_ids,)
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """New tokens allowed at most; None means up to max_model_len."""
+        return self.sampling_params.max_tokens
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        # Prompt logprobs need the logits of every prompt position, so nothing may be reused.
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, {self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,388 @@
+"""The scheduler: each step, which requests compute how many tokens, in which KV blocks.
+
+There are no prefill and decode phases. A request has `num_computed_tokens` and `num_tokens`,
+and each step spends a token budget: running requests first (in order, preempting from the
+tail when the cache is full), then waiting requests (after a prefix-cache lookup), chunking
+long prompts. One `schedule()` makes a `SchedulerOutput`, a diff against the workers' state;
+`update_from_output()` takes the sampled tokens back and checks the stop conditions.
+
+`num_computed_tokens` advances when a step is scheduled (its K/V is then being written), not
+when its output returns, so state stays consistent even if two schedules run back to back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from services.scheduler.block_pool import KVCacheBlock
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request, RequestStatus, make_block_hasher
+from services.scheduler.request_queue import create_request_queue
+from services.scheduler.step_plan import StepPlan
+from services.scheduler.stop_check import check_stop
+from shared.config import CacheConfig, SchedulerConfig
+from shared.hashing import get_hash_fn
+from shared.logging import init_logger
+from shared.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest,
+                             FinishReason, Logprobs, ModelRunnerOutput, NewRequestData,
+                             SchedulerOutput, SchedulerStats)
+
+logger = init_logger(__name__)
+
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+class Scheduler:
+    """Decides every step's batch and owns the request lifecycle in the engine core.
+
+    Args:
+        scheduler_config: token budget, sequence cap, chunking and policy.
+        cache_config: block size, prefix caching and its hash.
+        num_blocks: KV-cache blocks, the null block included (from the memory profile).
+        max_model_len: longest prompt + output in tokens; capped (with a warning) to what the
+            cache holds, so `self.max_model_len` is the effective limit.
+        log_stats: collect the counters `make_stats` reports.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int, max_model_len: int, log_stats: bool = True) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self.log_stats = log_stats
+        self._fit_max_model_len_to_cache(num_blocks)
+        self._check_config()
+
+        block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size,
+                                               cache_config.enable_prefix_caching,
+                                               self.max_model_len)
+        self.block_hasher = None
+        if cache_config.enable_prefix_caching:
+            hash_fn = get_hash_fn(cache_config.prefix_caching_hash_algo)
+            self.block_hasher = make_block_hasher(block_size, hash_fn)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.scheduling_policy)
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(): the workers drop their state.
+        self.finished_req_ids: set[str] = set()
+        # Outputs not tied to a step (rejected requests), sent with the next step's outputs.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions_total = 0
+        self._num_step_preemptions = 0
+
+    def _check_config(self) -> None:
+        config = self.scheduler_config
+        if (not config.enable_chunked_prefill
+                and config.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}), so a long prompt could never be "
+                f"scheduled without chunked prefill: raise max_num_batched_tokens, lower "
+                f"max_model_len, or enable chunked prefill")
+
+    def _fit_max_model_len_to_cache(self, num_blocks: int) -> None:
+        # A request longer than the whole cache would preempt itself forever: cap lengths.
+        num_cache_tokens = (num_blocks - 1) * self.cache_config.block_size
+        if num_cache_tokens < self.max_model_len:
+            logger.warning("the KV cache holds only %d tokens: capping max_model_len %d to it",
+                           num_cache_tokens, self.max_model_len)
+            self.max_model_len = num_cache_tokens
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, engine_request: EngineCoreRequest) -> None:
+        """Queue a request; a bad one gets an ERROR output (next `update_from_output`)."""
+        try:
+            error = self._validate(engine_request)
+            if error is None:
+                request = Request.from_engine_core_request(engine_request, self.block_hasher)
+        except Exception as exc:  # noqa: BLE001 - a bad request must never stop the engine
+            error = f"invalid request: {exc}"
+        if error is not None:
+            self._pending_outputs.append(EngineCoreOutput(
+                request_id=engine_request.request_id, new_token_ids=[],
+                finish_reason=FinishReason.ERROR, error=error))
+            return
+        self.requests[request.req_id] = request
+        self.waiting.add_request(request)
+
+    def _validate(self, engine_request: EngineCoreRequest) -> str | None:
+        prompt_token_ids = engine_request.prompt_token_ids
+        if engine_request.request_id in self.requests:
+            return f"request id {engine_request.request_id!r} is already in use"
+        if not prompt_token_ids:
+            return "the prompt is empty; send at least one token"
+        if len(prompt_token_ids) >= self.max_model_len:
+            return (f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                    f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} "
+                    f"tokens so that at least one can be generated")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) > _MAX_TOKEN_ID:
+            return f"prompt token ids must be in [0, {_MAX_TOKEN_ID}]"
+        return None
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (aborts, stop strings); their blocks are freed at once.
+
+        Args:
+            req_ids: one id or several; unknown or already finished ids are ignored.
+            status: a FINISHED_* status.
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status!r}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        requests = {req_id: self.requests[req_id] for req_id in req_ids
+                    if req_id in self.requests}
+        if not requests:
+            return
+        self.running = [r for r in self.running if r.req_id not in requests]
+        self.waiting.remove_requests(r for r in requests.values()
+                                     if r.status in (RequestStatus.WAITING,
+                                                     RequestStatus.PREEMPTED))
+        for request in requests.values():
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished, f"{request} freed before it finished"
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.req_id)
+        del self.requests[request.req_id]
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then waiting ones if nothing was preempted."""
+        plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # A step that had to preempt is short of blocks: admitting more would thrash.
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        scheduler_output = self._make_scheduler_output(plan)
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        return scheduler_output
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        # Iterate over a snapshot: preemption removes requests from self.running.
+        for request in list(self.running):
+            if plan.token_budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new_tokens = self._num_tokens_to_schedule(
+                request, request.num_computed_tokens, plan.token_budget)
+            if num_new_tokens == 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if new_blocks is None:
+                break  # the request itself was preempted: the cache is full
+            plan.add(request, num_new_tokens, new_blocks)
+            plan.scheduled_running.append(request)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        config = self.scheduler_config
+        while (self.waiting and plan.token_budget > 0
+               and len(self.running) < config.max_num_seqs):
+            request = self.waiting.peek_request()
+            assert request.num_computed_tokens == 0, f"{request} waits with computed tokens"
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if (not config.enable_chunked_prefill
+                    and request.num_tokens - num_hit_tokens > plan.token_budget):
+                break  # no partial prefill: wait for a step with room for all of it
+            num_new_tokens = self._num_tokens_to_schedule(request, num_hit_tokens,
+                                                          plan.token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_hit_tokens, hit_blocks)
+            if new_blocks is None:
+                break  # waiting requests never preempt running ones
+            self.waiting.pop_request()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            plan.add(request, num_new_tokens, new_blocks)
+            plan.scheduled_new.append(request)
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int,
+                                token_budget: int) -> int:
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold > 0 and self.scheduler_config.enable_chunked_prefill:
+            num_new_tokens = min(num_new_tokens, threshold)
+        return min(num_new_tokens, token_budget)
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+                             plan: StepPlan) -> list[KVCacheBlock] | None:
+        """Allocate for a running request, preempting others until it fits.
+
+        Returns:
+            The new blocks, or None if `request` itself had to be preempted.
+        """
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self._pick_preemption_victim()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _pick_preemption_victim(self) -> Request:
+        if self.scheduler_config.scheduling_policy == "priority":
+            # Largest (priority, arrival_time): least important, then latest; on exact ties
+            # the last admitted (max keeps the first maximum it meets).
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Free a running request's blocks and queue it to recompute from scratch."""
+        self.running.remove(request)
+        plan.undo(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.num_prompt_logprobs_seen = 0
+        self.waiting.prepend_request(request)
+        plan.preempted.append(request)
+        self.num_preemptions_total += 1
+        self._num_step_preemptions += 1
+
+    def _make_scheduler_output(self, plan: StepPlan) -> SchedulerOutput:
+        # Built before num_computed_tokens advances: the workers get pre-step values.
+        new_reqs = [NewRequestData(
+            req_id=request.req_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
+            num_computed_tokens=request.num_computed_tokens,
+            output_token_ids=list(request.output_token_ids))
+            for request in plan.scheduled_new]
+        cached_reqs = CachedRequestData(
+            req_ids=[request.req_id for request in plan.scheduled_running],
+            new_block_ids=[plan.new_block_ids[request.req_id]
+                           for request in plan.scheduled_running],
+            num_computed_tokens=[request.num_computed_tokens
+                                 for request in plan.scheduled_running])
+        finished_req_ids, self.finished_req_ids = sorted(self.finished_req_ids), set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=[request.req_id for request in plan.preempted])
+
+    # ------------------------------------------------------------------ outputs back
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, finish stopped requests and make the step's outputs.
+
+        Args:
+            scheduler_output: the plan that produced `model_runner_output`.
+            model_runner_output: rank 0's sampled tokens and logprobs for that plan.
+
+        Returns:
+            One output per request that gained tokens or prompt logprobs or finished, plus
+            the error outputs of requests rejected since the last call.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        row_of = {req_id: row for row, req_id in enumerate(model_runner_output.req_ids)}
+        stopped = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted (or preempted) while the step ran
+            row = row_of.get(req_id)
+            sampled_token_ids = (model_runner_output.sampled_token_ids[row]
+                                 if row is not None else [])
+            output = self._update_request(request, sampled_token_ids, model_runner_output)
+            if output is not None:
+                outputs.append(output)
+            if request.is_finished:
+                stopped.append(request)
+        if stopped:
+            stopped_ids = {request.req_id for request in stopped}
+            self.running = [r for r in self.running if r.req_id not in stopped_ids]
+            for request in stopped:
+                self._free_request(request)
+        return outputs
+
+    def _update_request(self, request: Request, sampled_token_ids: list[int],
+                        model_runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+        assert not sampled_token_ids or request.num_computed_tokens >= request.num_tokens, \
+            f"{request} got tokens sampled before its prompt was computed"
+        new_token_ids = []
+        # Several tokens may arrive at once (speculative decoding): stop at the first that
+        # ends the request and drop the rest.
+        for token_id in sampled_token_ids:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            if check_stop(request, self.max_model_len):
+                break
+        logprobs = model_runner_output.logprobs.get(request.req_id)
+        if logprobs is not None and len(logprobs.ranks) > len(new_token_ids):
+            logprobs = _slice_logprobs(logprobs, 0, len(new_token_ids))
+        prompt_logprobs = self._take_new_prompt_logprobs(
+            request, model_runner_output.prompt_logprobs.get(request.req_id))
+        if not new_token_ids and prompt_logprobs is None and not request.is_finished:
+            return None
+        return EngineCoreOutput(
+            request_id=request.req_id, new_token_ids=new_token_ids,
+            new_logprobs=logprobs if new_token_ids else None,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    @staticmethod
+    def _take_new_prompt_logprobs(request: Request,
+                                  prompt_logprobs: Logprobs | None) -> Logprobs | None:
+        """Drop rows already sent before a preemption made the prompt run again."""
+        if prompt_logprobs is None:
+            return None
+        num_rows = len(prompt_logprobs.ranks)
+        first_new_row = max(0, request.num_prompt_logprobs_sent
+                            - request.num_prompt_logprobs_seen)
+        request.num_prompt_logprobs_seen += num_rows
+        if first_new_row >= num_rows:
+            return None
+        request.num_prompt_logprobs_sent += num_rows - first_new_row
+        return _slice_logprobs(prompt_logprobs, first_new_row, num_rows)
+
+    # ------------------------------------------------------------------ state and stats
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_requests(self) -> bool:
+        """True while a step is needed: unfinished requests, or finished ids and error
+        outputs not yet delivered (such a step may schedule zero tokens)."""
+        return (self.has_unfinished_requests() or bool(self.finished_req_ids)
+                or bool(self._pending_outputs))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing done) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats | None:
+        """This step's load and counters (the counters then restart); None without log_stats."""
+        if not self.log_stats:
+            return None
+        prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        num_preemptions, self._num_step_preemptions = self._num_step_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage, num_preemptions=num_preemptions,
+            prefix_cache_queries=prefix_stats.num_queried_tokens,
+            prefix_cache_hits=prefix_stats.num_hit_tokens)
+
+
+def _slice_logprobs(logprobs: Logprobs, start: int, stop: int) -> Logprobs:
+    return Logprobs(token_ids=logprobs.token_ids[start:stop],
+                    logprobs=logprobs.logprobs[start:stop], ranks=logprobs.ranks[start:stop])
