@@ -128,7 +128,8 @@ class OutputProcessor:
     def _update_child(self, parent: _Parent, child: _Child, out: EngineCoreOutput) -> bool:
         """Apply one engine output; True when a stop string ended the child here."""
         comp, params = child.completion, parent.params
-        parent.num_cached_tokens = out.num_cached_tokens
+        # With n > 1 the later children hit the blocks of the first: report the best.
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.new_prompt_logprobs is not None and comp.index == 0:
             parent.prompt_logprobs.extend(self._to_logprob_dicts(out.new_prompt_logprobs))
         comp.token_ids.extend(out.new_token_ids)

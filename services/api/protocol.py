@@ -1,0 +1,304 @@
+"""Request and response bodies of the OpenAI-compatible API, one msgspec Struct each.
+
+Requests decode strictly typed: a wrong type is a 400 that names the field. Unknown fields are
+ignored, as vLLM does (OpenAI's clients send extras such as `logit_bias` or `tools`).
+Responses follow OpenAI's shapes, plus vLLM's `stop_reason` on each choice.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+# Sampling knobs that map one to one onto SamplingParams (None = SamplingParams' default).
+SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "include_stop_str_in_output",
+)
+
+
+class APIError(Exception):
+    """An error the client caused (or a server state it must know), as an HTTP response.
+
+    Args:
+        status_code: the HTTP status.
+        message: what went wrong and how to fix it.
+        param: the request field at fault, if one is.
+        err_type: OpenAI's error type; derived from the status when None.
+    """
+
+    _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+              500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status_code: int, message: str, param: str | None = None,
+                 err_type: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.err_type = err_type or self._TYPES.get(status_code, "BadRequestError")
+
+    def to_body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorInfo(self.message, self.err_type, self.param,
+                                       self.status_code))
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+_VALIDATION_PATH = re.compile(r"at `\$\.(\w+)")
+
+
+def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
+    """Decode and type-check a JSON body; errors become 400s naming the bad field."""
+    try:
+        return msgspec.json.decode(body, type=request_type)
+    except msgspec.ValidationError as exc:
+        match = _VALIDATION_PATH.search(str(exc))
+        raise APIError(400, f"invalid request: {exc}",
+                       param=match.group(1) if match else None) from None
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingRequest(msgspec.Struct, kw_only=True):
+    """Fields that completions and chat share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The sampling knobs the client set, with SamplingParams' names."""
+        return {name: value for name in SAMPLING_FIELDS
+                if (value := getattr(self, name)) is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True):
+    """POST /v1/completions. `prompt`: a string, a list of strings, a list of token ids or a
+    list of token-id lists (msgspec allows one array type per union, so the list's items are
+    checked for consistency by the server)."""
+
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = None  # None: up to max_model_len
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize: either `prompt` or `messages` (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def now_seconds() -> int:
+    return int(time.time())
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+        return cls(num_prompt_tokens, num_completion_tokens,
+                   num_prompt_tokens + num_completion_tokens)
+
+
+class CompletionLogprobs(msgspec.Struct):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int = msgspec.field(default_factory=now_seconds)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    # UNSET (left out) unless stream_options.include_usage; then null until the last chunk.
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprobEntry] | None
+
+
+class ChatResponseMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int = msgspec.field(default_factory=now_seconds)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int = msgspec.field(default_factory=now_seconds)
+    owned_by: str = "kvserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

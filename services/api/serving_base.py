@@ -1,0 +1,287 @@
+"""What the completions and chat handlers share: checks, sampling params, fan-out, SSE.
+
+    handler ──check_model / make_sampling_params──▶ generate(prompts)
+                                                     │ one EngineClient.generate per prompt,
+                                                     │ each timed by ApiMetrics.observe
+                                                     ▼
+                                     merge_async_iterators ──▶ (prompt_index, RequestOutput)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from shared.sampling_params import SamplingParams
+from services.api.detokenizer import num_held_back_chars
+from services.api.engine_client import EngineClient, EngineDeadError
+from services.api.metrics import ApiMetrics
+from services.api.outputs import CompletionOutput, Logprob, RequestOutput
+from services.api.protocol import SAMPLING_FIELDS, APIError
+
+T = TypeVar("T")
+
+# One prompt: its text (None when given as token ids) and its token ids.
+PromptInput = tuple[str | None, list[int]]
+
+SSE_DONE = b"data: [DONE]\n\n"
+# JSON has no -inf: an impossible token's logprob is reported as this floor (as in vLLM).
+MIN_LOGPROB = -9999.0
+_encoder = msgspec.json.Encoder()
+
+
+def sse_event(body: msgspec.Struct) -> bytes:
+    return b"data: " + _encoder.encode(body) + b"\n\n"
+
+
+class OpenAIServing:
+    """Args:
+        engine_client: where requests go.
+        served_model_name: the only model name requests may ask for.
+        metrics: the app's metrics (each request is timed).
+    """
+
+    def __init__(self, engine_client: EngineClient, served_model_name: str,
+                 metrics: ApiMetrics):
+        self.engine_client = engine_client
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+
+    @property
+    def tokenizer(self):
+        return self.engine_client.tokenizer_info.tokenizer
+
+    def token_text(self, token_id: int, logprob: Logprob | None) -> str:
+        """A token as text: the detokenizer's string when the Logprob carries one."""
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def check_model(self, model: str | None) -> None:
+        """A request may omit `model`; naming another one is a 404, as in vLLM."""
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def check_engine(self) -> None:
+        """Fail before a stream starts (a stream's status is sent before its first chunk)."""
+        if not self.engine_client.is_healthy:
+            raise EngineDeadError(self.engine_client.dead_reason)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if not token_ids:
+            raise APIError(400, "the prompt is empty; send at least one token", param=param)
+        vocab_size = len(self.tokenizer)
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param=param)
+
+    def make_sampling_params(self, request, num_prompt_tokens: int, max_tokens: int | None,
+                             prompt_param: str, **overrides: Any) -> SamplingParams:
+        """SamplingParams for one prompt; limits are checked as vLLM words them.
+
+        Args:
+            request: a CompletionRequest or ChatCompletionRequest.
+            num_prompt_tokens: the tokenized prompt's length.
+            max_tokens: what the client asked for; None fills up to max_model_len.
+            prompt_param: the field to blame for a too long prompt ("prompt" or "messages").
+            **overrides: SamplingParams fields set by the handler (logprobs, ...).
+        """
+        max_model_len = self.engine_client.max_model_len
+        if num_prompt_tokens >= max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} "
+                                f"tokens. However, your request has {num_prompt_tokens} input "
+                                f"tokens. Please reduce the length of the input.",
+                           param=prompt_param)
+        if max_tokens is None:
+            max_tokens = max_model_len - num_prompt_tokens
+        elif max_tokens >= 1 and num_prompt_tokens + max_tokens > max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} "
+                                f"tokens. However, you requested "
+                                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} "
+                                f"in the input, {max_tokens} in the completion). Please reduce "
+                                f"the length of the input or of the completion.",
+                           param="max_tokens")
+        kwargs = request.sampling_kwargs() | overrides
+        try:
+            return SamplingParams(max_tokens=max_tokens, **kwargs)
+        except ValueError as exc:
+            # SamplingParams' messages start with the field name.
+            field = str(exc).split(" ", 1)[0]
+            known = field in SAMPLING_FIELDS or field in overrides or field == "max_tokens"
+            raise APIError(400, str(exc), param=field if known else None) from None
+
+    def generate(self, request_id: str, prompts: list[PromptInput],
+                 params_list: list[SamplingParams], priority: int
+                 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Submit every prompt; yield (prompt index, cumulative RequestOutput) as they come.
+
+        Closing the returned generator aborts whatever is still running.
+        """
+        streams = []
+        for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list,
+                                                                  strict=True)):
+            engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            stream = self.engine_client.generate(engine_request_id, text, token_ids, params,
+                                                 priority)
+            streams.append(self.metrics.observe(stream))
+        return merge_async_iterators(streams)
+
+
+async def merge_async_iterators(iterators: list[AsyncIterator[T]]
+                                ) -> AsyncGenerator[tuple[int, T], None]:
+    """Interleave several async iterators as items arrive; yields (iterator index, item).
+
+    Each iterator is drained by its own task. When the consumer stops early (a disconnected
+    client) or one iterator fails, the tasks are cancelled and every iterator is closed, so
+    each EngineClient.generate runs its abort.
+    """
+    done = object()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def drain(index: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                queue.put_nowait((index, item))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            index, item = await queue.get()
+            if item is done:
+                num_running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        # Shielded: under starlette's cancelled scope every await would be cancelled again,
+        # and the aborts would never reach the engine.
+        with anyio.CancelScope(shield=True):
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for iterator in iterators:
+                await iterator.aclose()
+
+
+class StreamedChoice:
+    """How much of one choice a stream has sent; hands out the next delta.
+
+    While a choice runs, the last `holdback` characters are kept back: a stop string may
+    still complete there, and the text before it is all the client may ever see. Thus the
+    streamed text always equals the non-streamed text.
+
+    Args:
+        holdback: characters to keep back while the choice runs (longest stop string - 1).
+        prefix: text sent before the first delta (the prompt, for `echo`).
+    """
+
+    def __init__(self, holdback: int = 0, prefix: str = ""):
+        self.holdback = holdback
+        self.prefix = prefix
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+        self.started = False
+        self.finished = False
+
+    def next_delta(self, completion: CompletionOutput, want_tokens: bool
+                   ) -> tuple[str, int, str | None] | None:
+        """(text, first new token position, finish_reason) to send, or None for nothing.
+
+        Args:
+            completion: the choice's cumulative state.
+            want_tokens: new tokens are worth a chunk even without text (logprobs asked for).
+        """
+        if self.finished:
+            return None
+        finish_reason = completion.finish_reason
+        text_end = len(completion.text)
+        if finish_reason is None:
+            text_end = max(self.num_sent_chars, text_end - self.holdback)
+        text = completion.text[self.num_sent_chars:text_end]
+        has_new_tokens = len(completion.token_ids) > self.num_sent_tokens
+        if not (text or finish_reason or (want_tokens and has_new_tokens)):
+            return None
+        if not self.started:
+            text, self.started = self.prefix + text, True
+        first_token = self.num_sent_tokens
+        self.num_sent_chars = text_end
+        self.num_sent_tokens = len(completion.token_ids)
+        self.finished = finish_reason is not None
+        return text, first_token, finish_reason
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    return num_held_back_chars(params.stop, params.include_stop_str_in_output)
+
+
+def count_usage(final_outputs: list[RequestOutput | None]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) summed over prompts and their n choices."""
+    num_prompt = num_completion = 0
+    for output in final_outputs:
+        if output is not None:
+            num_prompt += len(output.prompt_token_ids)
+            num_completion += sum(len(c.token_ids) for c in output.outputs)
+    return num_prompt, num_completion
+
+
+def raise_if_failed(output: RequestOutput) -> None:
+    """The engine rejected a request (its finish reason is "error"): a 400."""
+    for completion in output.outputs:
+        if completion.finish_reason == "error":
+            raise APIError(400, f"the engine rejected the request: {completion.stop_reason}")
+
+
+def error_event(exc: Exception) -> bytes:
+    """An SSE event carrying an error body, for failures after the stream started."""
+    if not isinstance(exc, APIError):
+        status = 503 if isinstance(exc, EngineDeadError) else 500
+        exc = APIError(status, f"{type(exc).__name__}: {exc}")
+    return sse_event(exc.to_body())
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, even when the client went
+    away while the iterator waited at a `yield` (there, starlette's cancel never reaches it)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+async def run_until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Await `work` unless the client disconnects first; then cancel it (which aborts the
+    request in the engine) and answer into the void."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening any more
+    return task.result()

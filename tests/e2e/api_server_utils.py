@@ -1,0 +1,105 @@
+"""A real uvicorn server on 127.0.0.1 in a background thread, for the HTTP API tests.
+
+The engine behind the shared server is a real EngineCore with the default model, run in this
+process by InprocEngineClient. It is built once per test session (`shared_api_server`), since
+the client serves the one event loop it first ran on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import socket
+import threading
+import time
+
+import uvicorn
+
+from shared.config import CacheConfig, EngineConfig, ModelConfig
+
+SERVED_MODEL_NAME = "smollm2-test"
+MAX_MODEL_LEN = 512
+
+
+class ServerThread:
+    """Runs an ASGI app under uvicorn on a free port of 127.0.0.1.
+
+    Args:
+        app: the ASGI app.
+    """
+
+    def __init__(self, app):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))  # port 0: the kernel picks a free one
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+_shared: tuple | None = None
+_lock = threading.Lock()
+
+
+def shared_api_server():
+    """(InprocEngineClient, ServerThread) over the default model, built on first use."""
+    global _shared
+    with _lock:
+        if _shared is None:
+            from services.api.inproc_client import InprocEngineClient
+            from services.api.server import build_app
+
+            config = EngineConfig(
+                model=ModelConfig(max_model_len=MAX_MODEL_LEN,
+                                  served_model_name=SERVED_MODEL_NAME),
+                cache=CacheConfig(kv_cache_memory=256 << 20))
+            client = InprocEngineClient(config)
+            server = ServerThread(build_app(client, served_model_name=SERVED_MODEL_NAME))
+            server.start()
+            _shared = (client, server)
+            atexit.register(_stop_shared)
+        return _shared
+
+
+def _stop_shared() -> None:
+    client, server = _shared
+    server.stop()
+    client.close()
+
+
+def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05) -> bool:
+    """Poll predicate() until it is true; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def read_metric(text: str, name: str) -> float:
+    """The value of the first sample `name{...} value` in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"metric {name} not in the /metrics output")
