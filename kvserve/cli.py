@@ -1,4 +1,4 @@
-"""The `kvserve` command line: serve, generate, bench."""
+"""The `kvserve` command line: serve, api, engine, generate, bench."""
 
 from __future__ import annotations
 
@@ -72,6 +72,47 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_http_args(parser: argparse.ArgumentParser) -> None:
+    from shared.env import API_KEY
+
+    http = parser.add_argument_group("HTTP server")
+    http.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on")
+    http.add_argument("--api-key", default=API_KEY.get(),
+                      help=f"require this bearer token on /v1/* (default: ${API_KEY.name})")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0,
+                      help="seconds SIGTERM/SIGINT waits for in-flight requests")
+    http.add_argument("--uvicorn-log-level", default="info",
+                      choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _add_socket_args(parser: argparse.ArgumentParser, side: str) -> None:
+    sockets = parser.add_argument_group("engine sockets")
+    example = "tcp://*:5555" if side == "bind" else "tcp://api-host:5555"
+    sockets.add_argument("--input-addr", required=True,
+                         help=f"address to {side} for requests to the engine, e.g. {example}")
+    sockets.add_argument("--output-addr", required=True,
+                         help=f"address to {side} for the engine's outputs")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.serve import run_serve
+
+    return run_serve(args)
+
+
+def _cmd_api(args: argparse.Namespace) -> int:
+    from kvserve.serve import run_api
+
+    return run_api(args)
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from kvserve.serve import run_engine
+
+    return run_engine(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +125,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_engine_args(gen, skip=("model",))
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (api + engine core)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    _add_http_args(serve)
+    add_engine_args(serve, skip=("model",))
+    serve.set_defaults(func=_cmd_serve)
+
+    api = sub.add_parser("api", help="the API server alone, for an engine started elsewhere")
+    api.add_argument("model", nargs="?", default=None,
+                     help="the engine's model (for its tokenizer and name)")
+    api.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    api.add_argument("--served-model-name", default=None, help="model name the API reports")
+    _add_http_args(api)
+    _add_socket_args(api, "bind")
+    api.set_defaults(func=_cmd_api)
+
+    engine = sub.add_parser("engine", help="one engine core, serving an api elsewhere")
+    engine.add_argument("model", nargs="?", default=None)
+    engine.add_argument("--engine-index", type=int, default=0, help="this engine's index")
+    _add_socket_args(engine, "connect to")
+    add_engine_args(engine, skip=("model",))
+    engine.set_defaults(func=_cmd_engine)
 
     from kvserve.benchmarks import add_bench_parser
 

@@ -90,6 +90,7 @@ class EngineChannel:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
+        self.addresses.remove_ipc_files()
 
 
 class MPEngineClient(EngineClient):

@@ -40,7 +40,7 @@ _SHUTDOWN = object()  # the output queue's stop sentinel
 
 
 class EngineFailure(RuntimeError):
-    """Raised in the busy loop when something outside it (a worker, an IO thread) failed."""
+    """Raised in the busy loop when something outside it (the input thread) failed."""
 
 
 class EngineCoreProc:
@@ -80,9 +80,6 @@ class EngineCoreProc:
         from services.scheduler.engine_core import EngineCore
 
         self.engine_core = EngineCore(config, model_dir)
-        register = getattr(self.engine_core.executor, "register_failure_callback", None)
-        if register is not None:
-            register(self._on_executor_failure)
         ready = self.engine_core.ready
         handshake = EngineHandshake(
             engine_index=self.engine_index, num_blocks=ready.num_blocks,
@@ -188,10 +185,6 @@ class EngineCoreProc:
         return EngineHeartbeat(self.engine_index, self.num_iterations, self.num_steps,
                                self.idle, num_unfinished)
 
-    def _on_executor_failure(self, reason: str = "a worker process died") -> None:
-        # Called from the executor's monitor thread: wake the loop, which raises.
-        self.input_queue.put_nowait((None, f"executor failed: {reason}"))
-
     # ------------------------------------------------------------------ IO threads
 
     def _process_input_socket(self, handshake: EngineHandshake) -> None:
@@ -225,11 +218,14 @@ class EngineCoreProc:
     def _reject_malformed(self, frames: list[zmq.Frame], exc: Exception) -> None:
         """A request that does not decode ends with an ERROR output when its id is readable."""
         logger.error("dropped a malformed message: %s", exc)
+        if len(frames) < 2 or frames[0].bytes != MsgType.ADD.frame:
+            return
         try:
             fields = msgspec.msgpack.decode(frames[1].buffer)
         except msgspec.DecodeError:
             return
-        if frames[0].buffer[0] == MsgType.ADD and fields and isinstance(fields[0], str):
+        # EngineCoreRequest is array_like: its first field is the request id.
+        if isinstance(fields, list) and fields and isinstance(fields[0], str):
             error = EngineCoreOutput(request_id=fields[0], new_token_ids=[],
                                      finish_reason=FinishReason.ERROR,
                                      error=f"invalid request: {exc}")
@@ -278,7 +274,7 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, outpu
         engine_index: this engine's index.
         watch_parent: exit when the launching process dies (children of `kvserve serve`).
     """
-    _install_signal_handlers()
+    _install_signal_handlers(ignore_sigint=watch_parent)
     _configure_torch_threads()
     proc = EngineCoreProc(EngineAddresses(input_addr, output_addr), engine_index,
                           parent_pid=os.getppid() if watch_parent else None)
@@ -297,13 +293,14 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, outpu
     return exit_code
 
 
-def _install_signal_handlers() -> None:
+def _install_signal_handlers(ignore_sigint: bool) -> None:
     def _exit(signum, frame):
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, _exit)
-    # Ctrl+C reaches the whole process group; the launcher decides when the engine stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl+C reaches the whole process group: under a launcher, the launcher decides when
+    # the engine stops (after draining); alone, Ctrl+C stops it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else _exit)
 
 
 def _configure_torch_threads() -> None:

@@ -1,0 +1,75 @@
+"""Every environment variable kvserve reads, typed and documented in one place.
+
+Read them at the edges (process start-up, a client's constructor), never deep in a hot loop.
+A malformed value is a ValueError that names the variable, not a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class EnvVar(Generic[T]):
+    """One environment variable with its type, default and meaning.
+
+    Args:
+        name: the variable's name.
+        default: the value when it is unset or empty.
+        parse: turns the text into the value; its exceptions become a ValueError.
+        doc: what the variable controls (for help text and readers).
+    """
+
+    def __init__(self, name: str, default: T, parse: Callable[[str], T], doc: str):
+        self.name = name
+        self.default = default
+        self.parse = parse
+        self.doc = doc
+
+    def get(self) -> T:
+        text = os.environ.get(self.name, "").strip()
+        if not text:
+            return self.default
+        try:
+            return self.parse(text)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={text!r} is invalid ({exc}); "
+                             f"{self.doc}") from None
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+ENGINE_HEARTBEAT_INTERVAL_S = EnvVar(
+    "KVSERVE_ENGINE_HEARTBEAT_INTERVAL_S", 0.5, _positive_float,
+    "seconds between an engine core's heartbeats to the api (a positive number)")
+ENGINE_HEARTBEAT_TIMEOUT_S = EnvVar(
+    "KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", 3.0, _positive_float,
+    "seconds without any message from an engine core before the api declares it dead")
+ENGINE_STALL_TIMEOUT_S = EnvVar(
+    "KVSERVE_ENGINE_STALL_TIMEOUT_S", 60.0, _positive_float,
+    "seconds an engine loop may go without progress while it has work before /health "
+    "reports 503 (one engine step must be shorter than this)")
+ENGINE_READY_TIMEOUT_S = EnvVar(
+    "KVSERVE_ENGINE_READY_TIMEOUT_S", 600.0, _positive_float,
+    "seconds the api waits for an engine core's ready message (model load + KV profile)")
+OMP_NUM_THREADS = EnvVar(
+    "OMP_NUM_THREADS", None, _positive_int,
+    "torch CPU threads of the engine process (default: every core the process may use)")
+API_KEY = EnvVar(
+    "KVSERVE_API_KEY", None, str,
+    "bearer token /v1/* requires when --api-key is not given (vLLM's VLLM_API_KEY)")

@@ -1,0 +1,195 @@
+"""ZeroMQ sockets and the frame codec between the api and its engine cores.
+
+Topology (fixed; DESIGN §2, STYLE lesson 4):
+
+    api                                   engine core
+    ROUTER (bind) input_addr   <------->  DEALER (connect, identity = engine index)
+    PULL   (bind) output_addr  <--------  PUSH   (connect)
+
+Same host: ipc:// in the temp folder; across hosts: tcp://. A message is a list of frames:
+the 1-byte `MsgType`, the msgpack payload, then one frame per numpy array too big to inline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import typing
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from shared.wire import PAYLOAD_TYPES, MsgType
+
+# Arrays smaller than this travel inside the msgpack payload: a frame costs more than a copy.
+INLINE_ARRAY_MAX_BYTES = 256
+_SCHEMES = ("ipc://", "tcp://", "inproc://")
+
+
+class EngineAddresses(msgspec.Struct, frozen=True):
+    """Where the api binds and the engine cores connect.
+
+    Args:
+        input_addr: api ROUTER <- engine DEALER (requests, aborts, utilities; READY back).
+        output_addr: api PULL <- engine PUSH (outputs, utility results, heartbeats).
+    """
+
+    input_addr: str
+    output_addr: str
+
+    @classmethod
+    def local(cls) -> EngineAddresses:
+        """Fresh ipc:// addresses, unique to this launch, for engines on this host."""
+        base = os.path.join(tempfile.gettempdir(), f"kvserve-{uuid.uuid4().hex[:12]}")
+        return cls(f"ipc://{base}-input", f"ipc://{base}-output")
+
+    def remove_ipc_files(self) -> None:
+        """Unlink the ipc:// socket files, which libzmq leaves behind; for the side that
+        bound them, once its sockets are closed."""
+        for addr in (self.input_addr, self.output_addr):
+            if addr.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(addr.removeprefix("ipc://"))
+
+
+def engine_identity(engine_index: int) -> bytes:
+    """The DEALER identity of engine `engine_index`: what the api's ROUTER addresses."""
+    return engine_index.to_bytes(2, "little")
+
+
+def make_socket(ctx: zmq.Context, addr: str, kind: int, bind: bool, *,
+                identity: bytes | None = None, linger_ms: int = 0) -> zmq.Socket:
+    """One socket of the engine channel, configured the same way on both ends.
+
+    Args:
+        ctx: a zmq.Context or zmq.asyncio.Context (the socket is of the context's kind).
+        addr: ipc://path, tcp://host:port (tcp://*:port to bind every interface) or inproc://.
+        kind: zmq.ROUTER, DEALER, PUSH or PULL.
+        bind: bind (the api's side) or connect (the engine's side).
+        identity: routing id of a DEALER, so the ROUTER can address it.
+        linger_ms: how long close() waits to deliver queued messages (a dying engine
+            lingers so its DEAD sentinel gets out).
+    """
+    if not addr.startswith(_SCHEMES):
+        raise ValueError(f"socket address {addr!r} must start with one of {_SCHEMES} "
+                         f"(ipc:// on one host, tcp://host:port across hosts)")
+    sock = ctx.socket(kind)
+    # No high-water mark: a full queue would drop (PUSH blocks, ROUTER drops) messages we
+    # cannot lose; the scheduler's max_num_seqs already bounds what is in flight.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        # Sending to an engine that is not connected raises instead of dropping silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if bind:
+        sock.bind(addr)
+    else:
+        sock.connect(addr)
+    return sock
+
+
+class MsgpackEncoder:
+    """obj -> [payload, *array frames]; numpy arrays over INLINE_ARRAY_MAX_BYTES become extra
+    zero-copy frames, referenced in the payload as (dtype, shape, frame index).
+
+    Not thread-safe: one per sending thread.
+    """
+
+    def __init__(self):
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._frames: list | None = None  # frames of the object being encoded
+
+    def encode(self, obj: Any, first_frames: Sequence[bytes] = ()) -> list[bytes | memoryview]:
+        """Frames of `obj`, after `first_frames` (which array frame indices count in)."""
+        self._frames = [*first_frames, b""]
+        payload_index = len(self._frames) - 1
+        try:
+            self._frames[payload_index] = self._encoder.encode(obj)
+            return self._frames
+        finally:
+            self._frames = None
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            arr = np.ascontiguousarray(obj)
+            if arr.nbytes < INLINE_ARRAY_MAX_BYTES:
+                return arr.dtype.str, arr.shape, arr.tobytes()
+            # Zero-copy: zmq keeps a reference to the buffer until the frame is sent.
+            self._frames.append(arr.data)
+            return arr.dtype.str, arr.shape, len(self._frames) - 1
+        raise TypeError(f"{type(obj).__name__} cannot cross the engine socket: send msgspec "
+                        f"Structs, builtins or numpy arrays (never pickle)")
+
+
+class MsgpackDecoder:
+    """frames -> obj of type `type_`, built once per type; the inverse of MsgpackEncoder.
+
+    Args:
+        type_: what the payload decodes to (validated by msgspec).
+    """
+
+    def __init__(self, type_: Any):
+        self._decoder = msgspec.msgpack.Decoder(type_, dec_hook=self._dec_hook)
+        self._frames: Sequence[memoryview] = ()  # frames of the message being decoded
+
+    def decode(self, frames: Sequence[memoryview], payload_index: int = 0) -> Any:
+        self._frames = frames
+        try:
+            return self._decoder.decode(frames[payload_index])
+        finally:
+            self._frames = ()
+
+    def _dec_hook(self, type_: type, obj: Any) -> Any:
+        if type_ is np.ndarray:
+            dtype, shape, data = obj
+            buffer = self._frames[data] if isinstance(data, int) else data
+            # A read-only view on the received frame: no copy.
+            return np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
+        raise TypeError(f"no decoder for {type_!r}")
+
+
+class MessageEncoder:
+    """(MsgType, payload) -> [type byte, payload, *array frames]. One per sending thread."""
+
+    def __init__(self):
+        self._encoder = MsgpackEncoder()
+
+    def encode(self, msg_type: MsgType, payload: Any) -> list[bytes | memoryview]:
+        expected = typing.get_origin(PAYLOAD_TYPES[msg_type]) or PAYLOAD_TYPES[msg_type]
+        assert isinstance(payload, expected), \
+            f"{msg_type.name} carries {expected.__name__}, got {type(payload).__name__}"
+        return self._encoder.encode(payload, first_frames=(msg_type.frame,))
+
+
+class MessageDecoder:
+    """[type byte, payload, *array frames] -> (MsgType, payload), typed per MsgType.
+
+    Args:
+        msg_types: the types this receiver accepts; anything else is a ValueError.
+    """
+
+    def __init__(self, msg_types: Iterable[MsgType]):
+        self._decoders = {t: MsgpackDecoder(PAYLOAD_TYPES[t]) for t in msg_types}
+
+    def decode(self, frames: Sequence[bytes | memoryview | zmq.Frame]) -> tuple[MsgType, Any]:
+        buffers = [f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames]
+        if len(buffers) < 2 or len(buffers[0]) != 1:
+            raise ValueError(f"malformed message of {len(buffers)} frames: expected a 1-byte "
+                             f"type frame and a payload frame")
+        type_byte = buffers[0][0]
+        try:
+            msg_type = MsgType(type_byte)
+            decoder = self._decoders[msg_type]
+        except (ValueError, KeyError):
+            raise ValueError(f"unexpected message type {type_byte} here (expected one of "
+                             f"{sorted(t.name for t in self._decoders)}): is the peer a "
+                             f"kvserve of the same version?") from None
+        return msg_type, decoder.decode(buffers, payload_index=1)

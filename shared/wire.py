@@ -1,0 +1,143 @@
+"""The engine socket protocol: message types and the structs only the transport uses.
+
+Frames of one message, api <-> engine core:
+
+    ROUTER/DEALER (api -> engine):  [identity], type byte, msgpack payload, *array frames
+    PUSH/PULL     (engine -> api):  type byte, msgpack payload, *array frames
+
+Each type has exactly one payload type (`PAYLOAD_TYPES`), decoded by a typed Decoder. Utility
+calls are RPCs on the same channel: the method is a tagged struct (its tag is the method
+name, its fields the arguments), so they decode as typed as everything else.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+from typing import Union
+
+import msgspec
+
+from shared.messages import EngineCoreOutputs, EngineCoreRequest
+
+
+class MsgType(enum.IntEnum):
+    """The first frame of every message (one byte)."""
+
+    # api -> engine core
+    ADD = 0  # EngineCoreRequest
+    ABORT = 1  # list of request ids
+    UTILITY = 2  # UtilityCall
+    # engine core -> api
+    READY = 10  # EngineHandshake, on the DEALER, once, before anything else
+    OUTPUTS = 11  # EngineCoreOutputs, one per engine step
+    UTILITY_OUTPUT = 12  # UtilityOutput
+    HEARTBEAT = 13  # EngineHeartbeat, from the output thread every interval
+    DEAD = 14  # EngineDead: the engine core failed and is exiting
+
+    @property
+    def frame(self) -> bytes:
+        return _FRAMES[self]
+
+
+_FRAMES = {t: bytes([t]) for t in MsgType}
+
+
+class EngineHandshake(msgspec.Struct, frozen=True, kw_only=True):
+    """The READY message: what start-up learned, plus who to watch for liveness.
+
+    Mirrors `EngineReady` (num_blocks, max_model_len, block_size) of the scheduler, which the
+    api must not import.
+    """
+
+    engine_index: int
+    num_blocks: int
+    max_model_len: int
+    block_size: int
+    hostname: str  # pids below are only meaningful on this host
+    pid: int
+    worker_pids: list[int] = []
+
+
+class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True,
+                      gc=False):
+    """Progress of the engine's busy loop, so the api tells a hung loop from a busy one.
+
+    The output thread sends it every interval whatever the main loop does: silence means the
+    process is gone; heartbeats with a frozen `num_iterations` and `idle=False` mean the loop
+    is stuck (or in one very long step).
+    """
+
+    engine_index: int
+    num_iterations: int  # busy-loop iterations since start (inputs handled or a step run)
+    num_steps: int  # engine steps since start
+    idle: bool  # the loop is blocked waiting for input (nothing to do)
+    num_unfinished_reqs: int
+
+
+class EngineStats(msgspec.Struct, frozen=True, tag="stats", array_like=True):
+    """Result of the `get_stats` utility: a consistent snapshot taken between steps."""
+
+    num_blocks: int  # allocatable KV blocks (the null block excluded)
+    num_free_blocks: int  # free or cached-but-unused blocks
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_steps: int
+    num_preemptions_total: int
+
+
+class EngineDead(msgspec.Struct, frozen=True):
+    """The sentinel an engine core sends before it exits on an error."""
+
+    engine_index: int
+    reason: str
+
+
+# ------------------------------------------------------------------------------- utilities
+
+
+class ResetPrefixCache(msgspec.Struct, frozen=True, tag="reset_prefix_cache"):
+    """Forget cached prefixes; the result is False while requests still hold blocks."""
+
+
+class GetStats(msgspec.Struct, frozen=True, tag="get_stats"):
+    """Return an `EngineStats`."""
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """Answered by the busy loop itself (not an IO thread): an `EngineHeartbeat`."""
+
+
+UtilityMethod = Union[ResetPrefixCache, GetStats, Ping]
+UtilityResult = Union[bool, EngineStats, EngineHeartbeat, None]
+
+
+class UtilityCall(msgspec.Struct, frozen=True, array_like=True):
+    call_id: int
+    method: UtilityMethod
+
+    @property
+    def method_name(self) -> str:
+        return type(self.method).__struct_config__.tag
+
+
+class UtilityOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    call_id: int
+    failure_message: str | None = None
+    result: UtilityResult = None
+
+
+PAYLOAD_TYPES: dict[MsgType, type] = {
+    MsgType.ADD: EngineCoreRequest,
+    MsgType.ABORT: list[str],
+    MsgType.UTILITY: UtilityCall,
+    MsgType.READY: EngineHandshake,
+    MsgType.OUTPUTS: EngineCoreOutputs,
+    MsgType.UTILITY_OUTPUT: UtilityOutput,
+    MsgType.HEARTBEAT: EngineHeartbeat,
+    MsgType.DEAD: EngineDead,
+}
+
+
+def this_hostname() -> str:
+    return socket.gethostname()

@@ -1,0 +1,203 @@
+"""The multi-process server end to end: a real engine-core process behind MPEngineClient, and
+`kvserve serve` as a user runs it (real HTTP, SIGTERM, kill -9, no orphans)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import msgspec
+import psutil
+import pytest
+
+from shared.sampling_params import SamplingParams
+from shared.wire import MsgType
+from services.api.tokenizer import TokenizerInfo
+from kvserve.serve import stop_engine_process
+from tests.faults.harness import KV_CACHE_MEMORY, engine_child, free_port, start_engine, \
+    start_serve, wait_gone, wait_healthy
+from tests.faults.tiny_model import build_tiny_llama
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+PROMPT_IDS = [72, 101, 108, 108, 111]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def test_api_process_does_not_import_torch():
+    code = ("import sys, services.api.mp_client, kvserve.serve, kvserve.cli; "
+            "kvserve.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_engine_process_streams_aborts_and_stops_cleanly(model_dir):
+    async def main():
+        client, process = await start_engine(model_dir, TokenizerInfo(model_dir))
+        try:
+            assert client.handshake.max_model_len == 512
+            assert client.handshake.pid == process.pid
+            stats = await client.get_stats()
+            assert stats.num_free_blocks == stats.num_blocks > 0
+
+            # Streamed: one output per step, tokens accumulate, the last one finishes.
+            outputs = [o async for o in client.generate("a", None, PROMPT_IDS, GREEDY)]
+            assert len(outputs) == GREEDY.max_tokens
+            assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 9))
+            assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+            # Greedy is deterministic across requests (and the prefix cache hit).
+            again = [o async for o in client.generate("b", None, PROMPT_IDS, GREEDY)]
+            assert again[-1].outputs[0].token_ids == outputs[-1].outputs[0].token_ids
+
+            # Abort mid-way: the blocks come back.
+            stream = client.generate("c", None, PROMPT_IDS, LONG)
+            for _ in range(3):
+                await stream.__anext__()
+            stats = await client.get_stats()
+            assert stats.num_running_reqs == 1 and stats.num_free_blocks < stats.num_blocks
+            await stream.aclose()  # a client that went away: aborts in the engine
+            stats = await client.get_stats()
+            assert stats.num_running_reqs == stats.num_waiting_reqs == 0
+            assert stats.num_free_blocks == stats.num_blocks
+
+            # A message the engine cannot decode is dropped: never an engine crash.
+            await client.channel.input_socket.send_multipart(
+                [client.identity, MsgType.ADD.frame, msgspec.msgpack.encode(["x", "no ids"])])
+            assert (await client.get_stats()).num_running_reqs == 0
+
+            assert await client.reset_prefix_cache() is True
+            heartbeat = await client.ping()
+            assert heartbeat.num_steps >= 2 * GREEDY.max_tokens and not heartbeat.idle
+            assert client.is_healthy
+        finally:
+            await client.shutdown()
+            stop_engine_process(process)
+        assert process.exitcode == 0  # SIGTERM: a clean exit, not a kill
+
+    asyncio.run(main())
+
+
+def _stream_completion(port: int, max_tokens: int, chunks: list, first_chunk: threading.Event
+                       ) -> None:
+    """Stream a completion, appending every SSE data line to chunks (run in a thread)."""
+    body = {"prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                          timeout=60) as response:
+            chunks.append(response.status_code)
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line.removeprefix("data: "))
+                    first_chunk.set()
+    except httpx.HTTPError as exc:
+        chunks.append(exc)
+    finally:
+        first_chunk.set()
+
+
+@pytest.mark.slow
+def test_serve_sigterm_drains_inflight_and_leaves_no_orphans(model_dir, tmp_path):
+    port, log_path = free_port(), str(tmp_path / "serve.log")
+    server = start_serve(model_dir, port, log_path)
+    try:
+        wait_healthy(server, port, log_path)
+        descendants = psutil.Process(server.pid).children(recursive=True)
+        assert descendants, "no engine process"
+        chunks, first_chunk = [], threading.Event()
+        client = threading.Thread(target=_stream_completion,
+                                  args=(port, 100, chunks, first_chunk))
+        client.start()
+        assert first_chunk.wait(60)
+
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=150) == 0, open(log_path).read()
+        client.join(timeout=30)
+        # The request in flight at SIGTERM ran to its end.
+        assert chunks[0] == 200 and chunks[-1] == "[DONE]", (chunks[-2:], open(log_path).read())
+        assert json.loads(chunks[-2])["choices"][0]["finish_reason"] == "length"
+        assert not wait_gone(descendants, timeout_s=10), open(log_path).read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+@pytest.mark.slow
+def test_serve_exits_nonzero_naming_a_killed_engine(model_dir, tmp_path):
+    port, log_path = free_port(), str(tmp_path / "serve.log")
+    server = start_serve(model_dir, port, log_path)
+    try:
+        wait_healthy(server, port, log_path)
+        engine = engine_child(server)
+        descendants = psutil.Process(server.pid).children(recursive=True)
+        chunks, first_chunk = [], threading.Event()
+        client = threading.Thread(target=_stream_completion,
+                                  args=(port, 400, chunks, first_chunk))
+        client.start()
+        assert first_chunk.wait(60)
+
+        engine.kill()
+        killed_at = time.monotonic()
+        while _health_status(port) == 200:
+            assert time.monotonic() - killed_at < 5, "/health still 200 5 s after kill -9"
+            time.sleep(0.1)
+        client.join(timeout=30)
+        assert not any(isinstance(c, str) and '"finish_reason":"length"' in c.replace(" ", "")
+                       for c in chunks), "the stream finished normally after the kill"
+        assert server.wait(timeout=30) == 1
+        log = open(log_path).read()
+        assert f"EngineCore_0 (pid {engine.pid}) died" in log, log
+        assert not wait_gone(descendants, timeout_s=10)
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+@pytest.mark.slow
+def test_api_and_engine_started_apart_talk_over_tcp(model_dir, tmp_path):
+    """`kvserve api` + `kvserve engine`, as compose runs them; the api exits 1 when its
+    engine dies."""
+    port, input_port, output_port = free_port(), free_port(), free_port()
+    cli = [sys.executable, "-m", "kvserve.cli"]
+    api_log, engine_log = str(tmp_path / "api.log"), str(tmp_path / "engine.log")
+    with open(api_log, "w") as log:
+        api = subprocess.Popen(
+            [*cli, "api", model_dir, "--host", "127.0.0.1", "--port", str(port),
+             "--input-addr", f"tcp://127.0.0.1:{input_port}",
+             "--output-addr", f"tcp://127.0.0.1:{output_port}"], stdout=log, stderr=log)
+    with open(engine_log, "w") as log:
+        engine = subprocess.Popen(
+            [*cli, "engine", model_dir, "--kv-cache-memory", str(KV_CACHE_MEMORY),
+             "--input-addr", f"tcp://127.0.0.1:{input_port}",
+             "--output-addr", f"tcp://127.0.0.1:{output_port}"], stdout=log, stderr=log)
+    try:
+        wait_healthy(api, port, api_log)
+        body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+
+        engine.send_signal(signal.SIGKILL)
+        assert api.wait(timeout=30) == 1
+        assert f"(pid {engine.pid}) died" in open(api_log).read()
+    finally:
+        for process in (api, engine):
+            if process.poll() is None:
+                process.kill()
+
+
+def _health_status(port: int) -> int | None:
+    """/health's status, or None when nothing answers (the server is shutting down)."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
+    except httpx.TransportError:
+        return None

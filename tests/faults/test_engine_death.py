@@ -1,0 +1,136 @@
+"""A real engine-core process that dies, freezes or fails to start: the api side notices
+within seconds and fails what is in flight with EngineDeadError."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+
+import psutil
+import pytest
+
+from shared.config import EngineConfig
+from shared.sampling_params import SamplingParams
+from shared.transport import EngineAddresses
+from services.api.engine_client import EngineDeadError
+from services.api.mp_client import EngineChannel
+from services.api.tokenizer import TokenizerInfo
+from kvserve.serve import start_engine_process, stop_engine_process
+from tests.faults.harness import start_engine
+from tests.faults.tiny_model import build_tiny_llama
+
+# Long enough to still be running when the engine is killed after its first tokens.
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_info(model_dir) -> TokenizerInfo:
+    return TokenizerInfo(model_dir)
+
+
+async def _first_output_then(client, action):
+    """Start a long request, run action() after its first output, return (error, seconds)
+    from the action until the request failed."""
+    stream = client.generate("victim", None, [1, 2, 3, 4], LONG)
+    await asyncio.wait_for(stream.__anext__(), 60)
+    action()
+    start = time.monotonic()
+
+    async def drain():
+        async for _ in stream:
+            pass
+
+    with pytest.raises(EngineDeadError) as info:
+        await asyncio.wait_for(drain(), 30)  # a missed death would hang here
+    return info.value, time.monotonic() - start
+
+
+def test_kill9_of_the_engine_fails_inflight_requests_within_5s(model_dir, tokenizer_info):
+    async def main():
+        client, process = await start_engine(model_dir, tokenizer_info)
+        try:
+            error, seconds = await _first_output_then(
+                client, lambda: os.kill(process.pid, signal.SIGKILL))
+            assert seconds < 5, f"noticed after {seconds:.1f} s"
+            assert f"EngineCore_0 (pid {process.pid}) died" in str(error)
+            assert not client.is_healthy
+            with pytest.raises(EngineDeadError):
+                await client.get_stats()  # refused at once: nobody would answer
+        finally:
+            await client.shutdown()
+            process.join(10)
+        assert process.exitcode == -signal.SIGKILL
+
+    asyncio.run(main())
+
+
+def test_kill9_of_a_worker_fails_inflight_requests_within_5s(model_dir, tokenizer_info):
+    async def main():
+        client, process = await start_engine(model_dir, tokenizer_info, executor="mp")
+        try:
+            (worker_pid,) = client.handshake.worker_pids
+            assert psutil.Process(worker_pid).ppid() == process.pid
+            error, seconds = await _first_output_then(
+                client, lambda: os.kill(worker_pid, signal.SIGKILL))
+            assert seconds < 5, f"noticed after {seconds:.1f} s"
+            # The api's process watch or the executor's own check, whichever is first.
+            assert f"worker process (pid {worker_pid})" in str(error) or \
+                "worker rank 0" in str(error), error
+            assert not client.is_healthy
+        finally:
+            await client.shutdown()
+            stop_engine_process(process)
+
+    asyncio.run(main())
+
+
+def test_frozen_engine_is_declared_dead(model_dir, tokenizer_info, monkeypatch):
+    monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", "2")
+
+    async def main():
+        client, process = await start_engine(model_dir, tokenizer_info)
+        try:
+            # SIGSTOP freezes every thread: the process lives on, its heartbeats stop.
+            error, seconds = await _first_output_then(
+                client, lambda: os.kill(process.pid, signal.SIGSTOP))
+            assert seconds < 5
+            assert "sent nothing" in str(error)
+        finally:
+            await client.shutdown()
+            process.kill()
+            process.join(10)
+
+    asyncio.run(main())
+
+
+def test_engine_that_fails_to_start_reports_why(model_dir, tmp_path):
+    bad_dir = str(tmp_path / "bad-model")
+    shutil.copytree(model_dir, bad_dir)
+    config_path = os.path.join(bad_dir, "config.json")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    hf_config["hidden_act"] = "gelu"  # the Llama model refuses it at construction
+    with open(config_path, "w") as f:
+        json.dump(hf_config, f)
+
+    async def main():
+        channel = EngineChannel(EngineAddresses.local())
+        process = start_engine_process(EngineConfig(), bad_dir, channel.addresses)
+        try:
+            with pytest.raises(EngineDeadError, match="failed to start: ValueError.*gelu"):
+                await channel.wait_ready(timeout_s=300, engine_process=process)
+        finally:
+            channel.close()
+            process.join(30)
+        assert process.exitcode == 1
+
+    asyncio.run(main())

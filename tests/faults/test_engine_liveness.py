@@ -1,0 +1,223 @@
+"""MPEngineClient's liveness rules against a scripted engine peer.
+
+A real engine cannot be made to hang its loop while its IO threads live on, so the test plays
+the engine's side of the real wire protocol (real sockets, real codec) and decides what a
+busy, hung, silent or dying engine looks like. Kills of a real engine are in
+test_engine_death.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from shared.sampling_params import SamplingParams
+from shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
+    engine_identity, make_socket
+from shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineStats, GetStats, \
+    MsgType, Ping, UtilityOutput
+from services.api.engine_client import EngineDeadError
+from services.api.mp_client import EngineChannel, EngineStalledError, MPEngineClient
+from services.api.tokenizer import TokenizerInfo
+from tests.faults.tiny_model import build_tiny_llama
+
+HEARTBEAT_INTERVAL_S = 0.1
+HEARTBEAT_TIMEOUT_S = 1.0
+STALL_TIMEOUT_S = 1.0
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_info(tmp_path_factory) -> TokenizerInfo:
+    return TokenizerInfo(build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama"))))
+
+
+@pytest.fixture(autouse=True)
+def fast_liveness(monkeypatch):
+    monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_INTERVAL_S", str(HEARTBEAT_INTERVAL_S))
+    monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", str(HEARTBEAT_TIMEOUT_S))
+    monkeypatch.setenv("KVSERVE_ENGINE_STALL_TIMEOUT_S", str(STALL_TIMEOUT_S))
+
+
+class ScriptedEngine:
+    """The engine side of the protocol, driven by the test.
+
+    Heartbeats go out every interval while `beating`; `advancing` makes each one report a new
+    busy-loop iteration; `idle` is what the loop claims to be doing.
+    """
+
+    def __init__(self, addresses: EngineAddresses):
+        self.ctx = zmq.asyncio.Context()
+        self.dealer = make_socket(self.ctx, addresses.input_addr, zmq.DEALER, bind=False,
+                                  identity=engine_identity(0))
+        self.push = make_socket(self.ctx, addresses.output_addr, zmq.PUSH, bind=False)
+        self.encoder = MessageEncoder()
+        self.decoder = MessageDecoder((MsgType.ADD, MsgType.ABORT, MsgType.UTILITY))
+        self.beating, self.advancing, self.idle = True, True, False
+        self.num_iterations = 0
+        self.heartbeat_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        handshake = EngineHandshake(engine_index=0, num_blocks=64, max_model_len=128,
+                                    block_size=16, hostname="scripted-host", pid=1)
+        await self.dealer.send_multipart(self.encoder.encode(MsgType.READY, handshake))
+        self.heartbeat_task = asyncio.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        while True:
+            if self.beating:
+                self.num_iterations += self.advancing
+                await self.send(MsgType.HEARTBEAT, EngineHeartbeat(
+                    0, self.num_iterations, self.num_iterations, self.idle, 1))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def send(self, msg_type: MsgType, payload) -> None:
+        await self.push.send_multipart(self.encoder.encode(msg_type, payload))
+
+    async def recv(self):
+        return self.decoder.decode(await asyncio.wait_for(self.dealer.recv_multipart(), 5))
+
+    def close(self) -> None:
+        if self.heartbeat_task is not None:
+            self.heartbeat_task.cancel()
+        self.ctx.destroy(linger=0)
+
+
+async def _connect(tokenizer_info) -> tuple[MPEngineClient, ScriptedEngine]:
+    channel = EngineChannel(EngineAddresses.local())
+    engine = ScriptedEngine(channel.addresses)
+    await engine.start()
+    client = await MPEngineClient.connect(channel, tokenizer_info, "tiny", ready_timeout_s=5)
+    return client, engine
+
+
+def _scenario(tokenizer_info, body):
+    """Run body(client, engine) on a fresh event loop, always closing both ends."""
+
+    async def main():
+        client, engine = await _connect(tokenizer_info)
+        try:
+            await body(client, engine)
+        finally:
+            await client.shutdown()
+            engine.close()
+
+    asyncio.run(main())
+
+
+async def _collect(client: MPEngineClient, request_id: str) -> list:
+    return [out async for out in client.generate(request_id, None, [1, 2, 3], GREEDY)]
+
+
+async def _wait_until(predicate, timeout_s: float) -> float:
+    """Seconds until predicate() held; fails the test after timeout_s."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, "condition not reached in time"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_outputs_stream_back_and_utilities_answer(tokenizer_info):
+    async def body(client, engine):
+        task = asyncio.create_task(_collect(client, "r1"))
+        msg_type, request = await engine.recv()
+        assert msg_type == MsgType.ADD and request.prompt_token_ids == [1, 2, 3]
+        await engine.send(MsgType.OUTPUTS, EngineCoreOutputs(
+            outputs=[EngineCoreOutput("r1", [65, 66])]))
+        await engine.send(MsgType.OUTPUTS, EngineCoreOutputs(
+            outputs=[EngineCoreOutput("r1", [67], finish_reason=FinishReason.LENGTH)]))
+        outputs = await asyncio.wait_for(task, 5)
+        assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == [65, 66, 67]
+
+        stats = EngineStats(63, 63, 0, 0, 2, 0)
+        call = asyncio.create_task(client.get_stats())
+        msg_type, utility = await engine.recv()
+        assert msg_type == MsgType.UTILITY and isinstance(utility.method, GetStats)
+        await engine.send(MsgType.UTILITY_OUTPUT, UtilityOutput(utility.call_id, result=stats))
+        assert await asyncio.wait_for(call, 5) == stats
+
+        call = asyncio.create_task(client.ping())
+        _, utility = await engine.recv()
+        assert isinstance(utility.method, Ping)
+        await engine.send(MsgType.UTILITY_OUTPUT, UtilityOutput(
+            utility.call_id, failure_message="ValueError: nope"))
+        with pytest.raises(RuntimeError, match="nope"):
+            await asyncio.wait_for(call, 5)
+        assert client.is_healthy  # a failed utility is not a dead engine
+
+    _scenario(tokenizer_info, body)
+
+
+def test_hung_loop_turns_unhealthy_and_recovers(tokenizer_info):
+    async def body(client, engine):
+        await asyncio.sleep(STALL_TIMEOUT_S * 1.5)  # busy and advancing: healthy
+        assert client.is_healthy
+        await client.check_health()
+
+        engine.advancing = False  # heartbeats go on, the loop does not move
+        waited = await _wait_until(lambda: not client.is_healthy, STALL_TIMEOUT_S + 2)
+        assert waited >= STALL_TIMEOUT_S * 0.5
+        assert client.dead_reason is None and "no progress" in client.stall_reason
+        with pytest.raises(EngineStalledError):
+            await client.check_health()
+
+        engine.advancing = True
+        await _wait_until(lambda: client.is_healthy, 2)
+
+        engine.advancing, engine.idle = False, True  # an idle loop has nothing to advance
+        await asyncio.sleep(STALL_TIMEOUT_S * 1.5)
+        assert client.is_healthy
+
+    _scenario(tokenizer_info, body)
+
+
+def test_silent_engine_is_dead_and_fails_inflight_requests(tokenizer_info):
+    async def body(client, engine):
+        task = asyncio.create_task(_collect(client, "r1"))
+        assert (await engine.recv())[0] == MsgType.ADD
+        engine.beating = False
+        with pytest.raises(EngineDeadError, match="sent nothing"):
+            await asyncio.wait_for(task, HEARTBEAT_TIMEOUT_S + 3)
+        assert not client.is_healthy
+        with pytest.raises(EngineDeadError):
+            await _collect(client, "r2")  # refused at once, never sent
+
+    _scenario(tokenizer_info, body)
+
+
+def test_dead_sentinel_fails_inflight_requests_and_utilities(tokenizer_info):
+    async def body(client, engine):
+        task = asyncio.create_task(_collect(client, "r1"))
+        call = asyncio.create_task(client.reset_prefix_cache())
+        assert {(await engine.recv())[0], (await engine.recv())[0]} == {MsgType.ADD,
+                                                                        MsgType.UTILITY}
+        await engine.send(MsgType.DEAD, EngineDead(0, "RuntimeError: boom"))
+        for pending in (task, call):
+            with pytest.raises(EngineDeadError, match="boom"):
+                await asyncio.wait_for(pending, 5)
+        assert "boom" in await asyncio.wait_for(client.wait_dead(), 1)
+
+    _scenario(tokenizer_info, body)
+
+
+def test_wait_ready_reports_a_failed_start_and_a_timeout():
+    async def main():
+        channel = EngineChannel(EngineAddresses.local())
+        engine = ScriptedEngine(channel.addresses)
+        try:
+            await engine.send(MsgType.DEAD, EngineDead(0, "ValueError: no such model"))
+            with pytest.raises(EngineDeadError, match="failed to start: ValueError"):
+                await channel.wait_ready(timeout_s=5)
+            with pytest.raises(EngineDeadError, match="no READY"):
+                await channel.wait_ready(timeout_s=0.3)
+        finally:
+            engine.close()
+            channel.close()
+
+    asyncio.run(main())
