@@ -113,6 +113,12 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     return run_engine(args)
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from services.worker.worker_proc import worker_main
+
+    return worker_main(args.worker_argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(engine, skip=("model",))
     engine.set_defaults(func=_cmd_engine)
 
+    worker = sub.add_parser("worker", add_help=False,
+                            help="one worker rank (started by an engine core's mp executor)")
+    worker.set_defaults(func=_cmd_worker)
+
     from kvserve.benchmarks import add_bench_parser
 
     add_bench_parser(sub)
@@ -156,7 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # The worker parses its own flags (its parser lives with the worker process).
+    args, rest = build_parser().parse_known_args(argv)
+    if args.command == "worker":
+        args.worker_argv = rest
+    elif rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

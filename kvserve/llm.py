@@ -157,7 +157,7 @@ class LLM:
             bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True)
         remaining = len(order)
         while remaining:
-            if not self.engine_core.has_unfinished_requests():
+            if not self.engine_core.has_work():
                 raise RuntimeError(f"{remaining} requests vanished from the engine")
             outputs = self.engine_core.step().outputs
             request_outputs, to_abort = self.output_processor.process_outputs(outputs)

@@ -18,13 +18,12 @@ import argparse
 import asyncio
 import concurrent.futures
 import multiprocessing
-import os
 import signal
 from collections.abc import Awaitable, Callable
 
 import psutil
 
-from shared.config import EngineConfig
+from shared.config import EngineConfig, ModelConfig
 from shared.logging import init_logger
 from shared.transport import EngineAddresses
 from services.api.engine_client import EngineDeadError
@@ -199,11 +198,6 @@ async def _run_api_server(args: argparse.Namespace, channel: EngineChannel,
             await asyncio.to_thread(stop_engine_process, engine_process, leftovers)
 
 
-def served_name(served_model_name: str | None, model: str | None, model_dir: str) -> str:
-    """--served-model-name, else the MODEL argument, else the resolved folder's name."""
-    return served_model_name or model or os.path.basename(model_dir)
-
-
 def run_serve(args: argparse.Namespace, build_app: AppFactory | None = None) -> int:
     """`kvserve serve [MODEL]`: resolve the model once, start the engine, serve HTTP."""
     from kvserve.cli import engine_kwargs
@@ -218,7 +212,7 @@ def run_serve(args: argparse.Namespace, build_app: AppFactory | None = None) -> 
         engine_process = start_engine_process(config, model_dir, channel.addresses)
         return await _run_api_server(
             args, channel, stop, config.model.tokenizer or model_dir,
-            served_name(config.model.served_model_name, args.model, model_dir), build_app,
+            config.model.served_name, build_app,
             engine_process)
 
     return asyncio.run(main())
@@ -233,7 +227,8 @@ def run_api(args: argparse.Namespace) -> int:
         channel = EngineChannel(EngineAddresses(args.input_addr, args.output_addr))
         return await _run_api_server(
             args, channel, stop, args.tokenizer or model_dir,
-            served_name(args.served_model_name, args.model, model_dir), None)
+            ModelConfig(model=args.model, served_model_name=args.served_model_name).served_name,
+            None)
 
     return asyncio.run(main())
 

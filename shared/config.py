@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 
 GiB = 1 << 30
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def _doc(text: str) -> msgspec.Meta:
@@ -28,6 +29,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         "longest prompt + output in tokens (default: the model's context length)")] = None
     seed: Annotated[int, _doc("seed of the engine's random state")] = 0
     served_model_name: Annotated[str | None, _doc("model name the API reports")] = None
+
+    @property
+    def served_name(self) -> str:
+        """--served-model-name, else the MODEL argument, else the embedded model's name."""
+        return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -128,3 +128,22 @@ class ModelRunnerOutput(msgspec.Struct, **_HOT):
     sampled_token_ids: list[list[int]] = []
     logprobs: dict[str, Logprobs] = {}
     prompt_logprobs: dict[str, Logprobs] = {}
+
+
+# --------------------------------------------------------------------------- worker -> executor
+
+
+class WorkerReady(msgspec.Struct, frozen=True):
+    """What a worker learned at start-up (never patched into the config)."""
+
+    rank: int
+    pid: int
+    max_model_len: int
+    num_blocks: int  # KV blocks that fit this rank's memory budget
+
+
+class WorkerFailure(msgspec.Struct, frozen=True):
+    """A worker's last word before it exits on an exception."""
+
+    rank: int
+    message: str  # the formatted traceback

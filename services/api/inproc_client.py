@@ -13,7 +13,6 @@ the model, so this module imports torch lazily, inside the constructor.
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 
@@ -41,8 +40,7 @@ class InprocEngineClient(EngineClient):
         config = config if config is not None else EngineConfig()
         model_dir = model_dir or resolve_model(config.model.model)
         self.engine_core = EngineCore(config, model_dir)
-        model_name = (config.model.served_model_name or config.model.model
-                      or os.path.basename(model_dir))
+        model_name = config.model.served_name
         super().__init__(TokenizerInfo(config.model.tokenizer or model_dir),
                          self.engine_core.ready.max_model_len, model_name)
         self._commands: queue.Queue = queue.Queue()
@@ -97,16 +95,16 @@ class InprocEngineClient(EngineClient):
     # ------------------------------------------------------------------ engine thread
 
     def _run_engine(self) -> None:
-        scheduler = self.engine_core.scheduler
+        core = self.engine_core
         try:
             while True:
                 # Block while the core has nothing to do; never spin.
-                commands = [] if scheduler.has_requests() else [self._commands.get()]
+                commands = [] if core.has_work() else [self._commands.get()]
                 commands += self._drain_commands()
                 if not self._apply(commands):
                     return
-                if scheduler.has_requests():
-                    self._deliver(self.engine_core.step())
+                if core.has_work():
+                    self._deliver(core.step())
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             logger.exception("in-process engine core died")
             reason = f"engine core failed: {exc!r}"

@@ -71,7 +71,9 @@ class OpenAIServing:
     def check_engine(self) -> None:
         """Fail before a stream starts (a stream's status is sent before its first chunk)."""
         if not self.engine_client.is_healthy:
-            raise EngineDeadError(self.engine_client.dead_reason)
+            reason = self.engine_client.dead_reason or getattr(
+                self.engine_client, "stall_reason", None) or "the engine is not healthy"
+            raise EngineDeadError(reason)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         if not token_ids:

@@ -19,9 +19,13 @@ class TokenizerInfo:
     """
 
     def __init__(self, model_dir: str):
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # The fast tokenizer class loads tokenizer.json without importing torch (transformers'
+        # AutoTokenizer does import it): the api process holds no model and no torch.
+        if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+            from transformers import PreTrainedTokenizerFast as tokenizer_cls
+        else:
+            from transformers import AutoTokenizer as tokenizer_cls
+        self.tokenizer = tokenizer_cls.from_pretrained(model_dir)
         self.model_dir = model_dir
 
     @cached_property

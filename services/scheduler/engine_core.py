@@ -55,8 +55,8 @@ class EngineCore:
 
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def has_unfinished_requests(self) -> bool:
-        """True while a step has work: running/waiting requests or outputs to deliver."""
+    def has_work(self) -> bool:
+        """True while a step is needed: running/waiting requests, or outputs to deliver."""
         return self.scheduler.has_requests()
 
     def step(self) -> EngineCoreOutputs:

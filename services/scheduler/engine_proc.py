@@ -85,7 +85,7 @@ class EngineCoreProc:
             engine_index=self.engine_index, num_blocks=ready.num_blocks,
             max_model_len=ready.max_model_len, block_size=ready.block_size,
             hostname=this_hostname(), pid=os.getpid(),
-            worker_pids=list(getattr(self.engine_core.executor, "worker_pids", [])))
+            worker_pids=self.engine_core.executor.worker_pids)
         self.input_thread = threading.Thread(target=self._process_input_socket,
                                              args=(handshake,), name="EngineCoreInputIO",
                                              daemon=True)
@@ -116,13 +116,8 @@ class EngineCoreProc:
             self._process_engine_step()
             self.num_iterations += 1
 
-    def _has_work(self) -> bool:
-        # has_requests, not has_unfinished_requests: rejected requests' error outputs and
-        # finished ids still need a step to reach the api and the workers.
-        return self.engine_core.scheduler.has_requests()
-
     def _process_input_queue(self) -> None:
-        if not self._has_work():
+        if not self.engine_core.has_work():
             self.idle = True
             item = self.input_queue.get()  # blocks; a signal still interrupts it
             self.idle = False
@@ -146,7 +141,7 @@ class EngineCoreProc:
             raise EngineFailure(payload)
 
     def _process_engine_step(self) -> None:
-        if not self._has_work():
+        if not self.engine_core.has_work():
             return
         outputs = self.engine_core.step()
         self.num_steps += 1

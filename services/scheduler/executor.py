@@ -11,6 +11,11 @@ class Executor:
 
     max_model_len: int
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Processes to watch for liveness besides the engine core's own (none in-process)."""
+        return []
+
     def determine_num_blocks(self) -> int:
         raise NotImplementedError
 

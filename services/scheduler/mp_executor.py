@@ -23,13 +23,13 @@ from multiprocessing.process import BaseProcess
 import msgspec
 import zmq
 
-from shared.config import EngineConfig
-from shared.logging import init_logger
-from shared.messages import ModelRunnerOutput, SchedulerOutput
-from shared.shm_ring import ShmRingBuffer
 from services.scheduler.executor import Executor
 from services.worker import worker_proc
-from services.worker.worker_proc import WorkerFailure, WorkerReady
+from shared.config import EngineConfig
+from shared.logging import init_logger
+from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
+from shared.shm_ring import ShmRingBuffer, ShmRingHandle
+from shared.transport import make_socket
 
 logger = init_logger(__name__)
 
@@ -60,8 +60,7 @@ class MpExecutor(Executor):
         self._ipc_dir = tempfile.mkdtemp(prefix="kvserve-mp-")
         result_addr = f"ipc://{self._ipc_dir}/results"
         self._zmq_ctx = zmq.Context(io_threads=1)
-        self._results = self._zmq_ctx.socket(zmq.PULL)
-        self._results.bind(result_addr)
+        self._results = make_socket(self._zmq_ctx, result_addr, zmq.PULL, bind=True)
         self._ring = ShmRingBuffer.create(num_readers=self.world_size)
         self._procs: list[BaseProcess] = []
         try:
@@ -91,6 +90,11 @@ class MpExecutor(Executor):
     def worker_pids(self) -> list[int]:
         """Process ids of the workers, by rank."""
         return [proc.pid for proc in self._procs]
+
+    @property
+    def ring_handle(self) -> ShmRingHandle:
+        """The shared-memory ring the workers read (its segment name, for inspection)."""
+        return self._ring.handle
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit every rank: the smallest of their start-up reports."""
@@ -124,7 +128,7 @@ class MpExecutor(Executor):
                   "--ring-handle", msgspec.json.encode(self._ring.handle).decode(),
                   "--result-addr", result_addr]
         for rank in range(self.world_size):
-            proc = mp_ctx.Process(target=worker_proc.worker_main,
+            proc = mp_ctx.Process(target=worker_proc.run_worker_process,
                                   args=(["--rank", str(rank), *common],),
                                   name=f"kvserve-worker-{rank}", daemon=True)
             proc.start()

@@ -1,0 +1,158 @@
+"""The worker process: one per rank, fed by the engine core's shared-memory ring.
+
+    engine core (MpExecutor)                       worker rank r (this module)
+    ------------------------                       ---------------------------
+    PULL bind    <-- READY  WorkerReady ---------   PUSH connect       every rank, once
+    ring writer  --- INIT_KV_CACHE num_blocks -->   ring reader r
+    PULL         <-- KV_CACHE_READY rank -------                       every rank
+    ring writer  --- EXECUTE SchedulerOutput --->   ring reader r  ->  Worker.execute_model
+    PULL         <-- OUTPUT ModelRunnerOutput --                       rank 0 only
+    ring writer  --- SHUTDOWN ------------------>                      exit 0
+                 <-- FAILURE WorkerFailure -----   any rank, on any exception, then exit 1
+
+Ring messages are one type byte and a msgpack body; result messages are two ZMQ frames,
+the type byte and the msgpack body. A worker whose engine process is gone exits by itself.
+
+`worker_main(argv)` is both the multiprocessing target and the `kvserve worker` entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from shared.config import EngineConfig
+from shared.logging import init_logger
+from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
+from shared.shm_ring import ShmRingBuffer, ShmRingHandle
+from shared.transport import make_socket
+
+logger = init_logger(__name__)
+
+# Ring message types (engine core -> every rank).
+EXECUTE = b"E"
+INIT_KV_CACHE = b"I"
+SHUTDOWN = b"S"
+# Result message types (a rank -> engine core).
+READY = b"R"
+KV_CACHE_READY = b"K"
+OUTPUT = b"O"
+FAILURE = b"F"
+
+
+class EngineGoneError(Exception):
+    """The engine-core process that started this worker has exited."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve worker", description="one worker rank of an engine core (started by "
+        "the engine's mp executor; not meant to be run by hand)")
+    parser.add_argument("--rank", type=int, required=True, help="this worker's global rank")
+    parser.add_argument("--model-dir", required=True, help="resolved HF-style model folder")
+    parser.add_argument("--engine-config", required=True,
+                        help="the EngineConfig, msgspec JSON")
+    parser.add_argument("--ring-handle", required=True,
+                        help="the engine's shared-memory ring (ShmRingHandle, msgspec JSON)")
+    parser.add_argument("--result-addr", required=True,
+                        help="ZMQ address of the engine's PULL socket for ready/outputs")
+    return parser
+
+
+def worker_main(argv: list[str]) -> int:
+    """Run one worker rank until SHUTDOWN, an error, or the engine's exit; the exit code."""
+    args = build_parser().parse_args(argv)
+    config = msgspec.json.decode(args.engine_config, type=EngineConfig)
+    handle = msgspec.json.decode(args.ring_handle, type=ShmRingHandle)
+    # Ctrl-C reaches the whole process group: the engine core decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    proc = WorkerProc(config, args.model_dir, args.rank, handle, args.result_addr)
+    return proc.run()
+
+
+def run_worker_process(argv: list[str]) -> None:
+    """multiprocessing target: worker_main, with its result as the process's exit code."""
+    sys.exit(worker_main(argv))
+
+
+class WorkerProc:
+    """The loop around one Worker: ring in, ZMQ out.
+
+    Args:
+        config: the engine config.
+        model_dir: a resolved HF-style model folder.
+        rank: this worker's global rank (also its reader index in the ring).
+        ring_handle: the engine core's broadcast ring.
+        result_addr: where to PUSH ready messages, outputs and failures.
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: str, rank: int,
+                 ring_handle: ShmRingHandle, result_addr: str):
+        self.config = config
+        self.model_dir = model_dir
+        self.rank = rank
+        self.ring_handle = ring_handle
+        self.result_addr = result_addr
+        # Reparenting is how a process learns, without help, that its parent died.
+        self.parent_pid = os.getppid()
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def run(self) -> int:
+        ctx = zmq.Context(io_threads=1)
+        # Lingers so a last FAILURE gets out; never blocks exit for long on a dead engine.
+        sock = make_socket(ctx, self.result_addr, zmq.PUSH, bind=False, linger_ms=2000)
+        ring = ShmRingBuffer.attach(self.ring_handle, self.rank)
+        try:
+            self._serve(ring, sock)
+            return 0
+        except EngineGoneError:
+            logger.warning("worker rank %d: the engine core is gone; exiting", self.rank)
+            return 0
+        except Exception:
+            logger.exception("worker rank %d failed", self.rank)
+            failure = WorkerFailure(self.rank, traceback.format_exc())
+            sock.send_multipart([FAILURE, self.encoder.encode(failure)])
+            return 1
+        finally:
+            ring.close()
+            sock.close()
+            ctx.term()
+
+    def _serve(self, ring: ShmRingBuffer, sock: zmq.Socket) -> None:
+        from services.worker.worker import Worker
+
+        worker = Worker(self.config, self.model_dir, self.rank)
+        ready = WorkerReady(self.rank, os.getpid(), worker.max_model_len,
+                            worker.determine_num_blocks())
+        sock.send_multipart([READY, self.encoder.encode(ready)])
+        scheduler_output_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        int_decoder = msgspec.msgpack.Decoder(int)
+        while True:
+            message = ring.dequeue(check_alive=self._check_engine_alive)
+            kind, body = message[:1], memoryview(message)[1:]
+            if kind == EXECUTE:
+                output: ModelRunnerOutput = worker.execute_model(
+                    scheduler_output_decoder.decode(body))
+                if self.rank == 0:
+                    sock.send_multipart([OUTPUT, self.encoder.encode(output)], copy=False)
+            elif kind == INIT_KV_CACHE:
+                worker.initialize_kv_cache(int_decoder.decode(body))
+                sock.send_multipart([KV_CACHE_READY, self.encoder.encode(self.rank)])
+            elif kind == SHUTDOWN:
+                return
+            else:
+                raise ValueError(f"unknown ring message type {kind!r}")
+
+    def _check_engine_alive(self) -> None:
+        if os.getppid() != self.parent_pid:
+            raise EngineGoneError()
+
+
+if __name__ == "__main__":
+    run_worker_process(sys.argv[1:])
