@@ -1,34 +1,289 @@
-"""Paged attention over flattened varlen queries."""
+"""Paged attention over flattened varlen queries (prefill chunks and decodes in one call).
+
+The queries of R requests lie end to end; request r owns rows
+query_start_loc[r] .. query_start_loc[r + 1] and has seq_lens[r] tokens of context in the cache
+(its new tokens included). Its query j sits at position seq_lens[r] - query_len[r] + j:
+
+    context:  | 0 ............................................ seq_len - 1 |
+    queries:                                 | seq_len - query_len .. seq_len - 1 |
+
+and attends to keys 0..its own position, read through block_table[r] (block_size tokens per
+block). Query head h reads KV head h // (Hq // Hkv) (GQA).
+"""
+
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
 
-def paged_attention_ref(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                        scale, max_query_len, max_seq_len):
-    # Simple per-request loop; to be replaced by a batched version.
-    num_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[2]
-    block_size = key_cache.shape[1]
-    out = torch.empty_like(query)
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for r, seq_len in enumerate(lens):
-        start, end = qsl[r], qsl[r + 1]
-        q_len = end - start
-        num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_table[r, :num_blocks].long()
-        k = key_cache[blocks].flatten(0, 1)[:seq_len]
-        v = value_cache[blocks].flatten(0, 1)[:seq_len]
-        q = query[start:end].transpose(0, 1)  # [Hq, q_len, D]
-        k = k.transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
-        v = v.transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
-        # Query j sits at position seq_len - q_len + j: mask keys after it.
-        pos_q = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        mask = torch.arange(seq_len).unsqueeze(0) <= pos_q
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[start:end] = o.transpose(0, 1)
+# Keys per inner-loop step of the Triton kernel.
+_TILE_N = 32
+# Bytes of padded K + V one decode group of the torch reference may gather. Bounded so the
+# temporaries come from the allocator's heap instead of fresh page-faulted mmaps (4x slower
+# on a 50 MB gather) and stay nearer the CPU caches: ~10k tokens of SmolLM2 K/V in fp32.
+_DECODE_GROUP_BYTES = 16 << 20
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _find_request(query_start_loc_ptr, num_reqs, q_block_idx, BLOCK_Q: tl.constexpr):
+        # Request r owns q blocks from query_start_loc[r] // BLOCK_Q + r on: that start grows
+        # with r and leaves each request at least cdiv(query_len, BLOCK_Q) blocks. Binary
+        # search for the last request whose first block is <= q_block_idx.
+        low = 0
+        high = num_reqs
+        while low < high:
+            mid = (low + high) // 2
+            mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if mid_start <= q_block_idx:
+                low = mid + 1
+            else:
+                high = mid
+        return low - 1
+
+    @triton.jit
+    def _paged_attention_kernel(
+            out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr,
+            query_start_loc_ptr, seq_lens_ptr, scale, num_reqs,
+            query_token_stride, query_head_stride, out_token_stride, out_head_stride,
+            cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
+            NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
+            BLOCK_HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # Grid: (q block, KV head). A program's BLOCK_M rows are (query token, query head of
+        # this KV head) pairs, row m = token m // G, head m % G, so every K/V tile it loads
+        # serves the whole GQA group. Online softmax in float32, exp2 domain.
+        q_block_idx = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        req = _find_request(query_start_loc_ptr, num_reqs, q_block_idx, BLOCK_Q)
+        query_start = tl.load(query_start_loc_ptr + req)
+        query_len = tl.load(query_start_loc_ptr + req + 1) - query_start
+        q_block_in_req = q_block_idx - (query_start // BLOCK_Q + req)
+        if q_block_in_req * BLOCK_Q >= query_len:
+            return  # a spare block: the grid has an upper bound of q blocks
+        seq_len = tl.load(seq_lens_ptr + req)
+        context_len = seq_len - query_len
+
+        rows = tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_HEAD)
+        query_idx = q_block_in_req * BLOCK_Q + rows // NUM_QUERIES_PER_KV
+        heads = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV
+        row_mask = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (query_idx < query_len)
+        dim_mask = dims < HEAD_SIZE
+        tokens = (query_start + query_idx).to(tl.int64)
+        q = tl.load(query_ptr + tokens[:, None] * query_token_stride
+                    + heads[:, None] * query_head_stride + dims[None, :],
+                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+        query_positions = context_len + query_idx
+
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_HEAD], dtype=tl.float32)
+        qk_scale = scale * 1.4426950408889634  # log2(e): softmax via exp2
+        # Keys past this block's last query are invisible to all its rows.
+        num_keys = context_len + tl.minimum(query_len, (q_block_in_req + 1) * BLOCK_Q)
+        for tile_start in range(0, num_keys, TILE_N):
+            keys = tile_start + tl.arange(0, TILE_N)
+            key_mask = keys < num_keys
+            block_ids = tl.load(block_table_ptr + req * block_table_stride + keys // BLOCK_SIZE,
+                                mask=key_mask, other=0)
+            slot_offsets = (block_ids.to(tl.int64) * cache_block_stride
+                            + (keys % BLOCK_SIZE) * cache_slot_stride
+                            + kv_head * cache_head_stride)
+            k = tl.load(key_cache_ptr + slot_offsets[None, :] + dims[:, None],
+                        mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+            visible = (keys[None, :] <= query_positions[:, None]) & key_mask[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            # Rows with nothing visible yet (padding rows) keep a finite shift: no inf - inf.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            probs = tl.exp2(scores - shift[:, None])
+            rescale = tl.exp2(row_max - shift)
+            row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+            v = tl.load(value_cache_ptr + slot_offsets[:, None] + dims[None, :],
+                        mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v,
+                                                  input_precision=DOT_PRECISION)
+            row_max = new_max
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def _check_attention_args(query: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, block_table: torch.Tensor,
+                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          max_seq_len: int) -> None:
+    assert query.dim() == 3, f"query must be [T, Hq, D], got {query.shape}"
+    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, key_cache.shape
+    num_heads, head_size = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    assert key_cache.shape[3] == head_size, (key_cache.shape, head_size)
+    assert num_heads % num_kv_heads == 0, f"Hq={num_heads} not a multiple of Hkv={num_kv_heads}"
+    num_reqs = seq_lens.shape[0]
+    assert query_start_loc.shape == (num_reqs + 1,), (query_start_loc.shape, num_reqs)
+    assert block_table.dim() == 2 and block_table.shape[0] >= num_reqs, block_table.shape
+    assert block_table.shape[1] * block_size >= max_seq_len, (
+        f"block_table width {block_table.shape[1]} x {block_size} < max_seq_len {max_seq_len}")
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int) -> torch.Tensor:
+    """Triton paged attention; contract in kernels.dispatch.paged_attention.
+
+    Args:
+        query: [T, Hq, D], last dim contiguous.
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D], last dim contiguous.
+        block_table: [R, max_blocks] int32, rows contiguous.
+        query_start_loc: [R + 1] int32; seq_lens: [R] int32.
+        scale: softmax scale; max_query_len, max_seq_len: host-side maxima.
+    Returns:
+        [T, Hq, D] contiguous, query's dtype.
+    """
+    require_triton("paged_attention")
+    _check_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                          max_seq_len)
+    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and block_table.stride(1) == 1
+    assert key_cache.stride() == value_cache.stride(), "K and V caches must share a layout"
+    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous()
+    num_tokens, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    num_reqs = seq_lens.shape[0]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    num_queries_per_kv = num_heads // num_kv_heads
+    # Decode-only steps get small tiles (one token x G heads); prefills fill bigger ones.
+    block_m = max(16 if max_query_len == 1 else 64, next_power_of_2(num_queries_per_kv))
+    block_q = block_m // num_queries_per_kv
+    # Request r may start a partial q block, hence + num_reqs spare blocks (they exit at once).
+    grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
+        num_reqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
+        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size,
+        BLOCK_HEAD=max(next_power_of_2(head_size), 16), BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_Q=block_q, TILE_N=_TILE_N,
+        # fp32 runs are the exactness reference: keep tf32 out of them.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     return out
 
 
-paged_attention = paged_attention_ref  # replaced by the Triton kernel
+def _group_decodes(decode_reqs: list[int], req_seq_lens: list[int], block_size: int,
+                   max_group_tokens: int) -> list[list[int]]:
+    """Split decode requests into groups of similar length, longest first.
+
+    A request joins the current group while its block count is >= 3/4 of the group's longest
+    (padding wastes at most 1/3) and the padded group stays within max_group_tokens.
+    """
+    groups: list[list[int]] = []
+    group_blocks = 0
+    for req in sorted(decode_reqs, key=lambda req: req_seq_lens[req], reverse=True):
+        num_blocks = -(-req_seq_lens[req] // block_size)
+        if (groups and 4 * num_blocks >= 3 * group_blocks
+                and (len(groups[-1]) + 1) * group_blocks * block_size <= max_group_tokens):
+            groups[-1].append(req)
+        else:
+            groups.append([req])
+            group_blocks = num_blocks
+    return groups
+
+
+def _decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float, num_blocks: int) -> torch.Tensor:
+    # query: [R, Hq, D], one token per request, the last of its context. Gather the first
+    # num_blocks blocks of every request into a padded [R, Hkv, S_pad, D] view and run one
+    # masked SDPA.
+    num_reqs, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    padded_len = num_blocks * block_size
+    # Table entries past a request's own blocks get read too (their slots are zeroed and
+    # masked below); clamping keeps whatever padding the table holds a valid block id.
+    block_ids = block_table[:, :num_blocks].reshape(-1).clamp(0, key_cache.shape[0] - 1)
+    visible = torch.arange(padded_len, device=query.device) < seq_lens.unsqueeze(1)  # [R, S_pad]
+    # Slots past a request's end hold stale or never-written data (NaN in an uninitialized
+    # cache), and a masked NaN still poisons SDPA (0 * NaN): zero those rows after the gather.
+    hidden_slots = (~visible).view(-1).nonzero().squeeze(1)
+    keys, values = (
+        cache.index_select(0, block_ids).view(num_reqs * padded_len, num_kv_heads, head_size)
+        .index_fill_(0, hidden_slots, 0.0)
+        .view(num_reqs, padded_len, num_kv_heads, head_size).transpose(1, 2)
+        for cache in (key_cache, value_cache))
+    # A decode token's G query heads share their KV head's keys and mask: fold them into
+    # SDPA's query-length dim, so GQA needs no expanded K/V copy.
+    queries = query.reshape(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)
+    out = F.scaled_dot_product_attention(queries, keys, values,
+                                         attn_mask=visible[:, None, None, :], scale=scale)
+    return out.reshape(num_reqs, num_heads, head_size)
+
+
+def _prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
+                           scale: float) -> torch.Tensor:
+    # query: [L, Hq, D], the last L tokens of a seq_len context; block_ids: its table row.
+    query_len, num_heads = query.shape[:2]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    used_block_ids = block_ids[:-(-seq_len // block_size)]
+    keys = key_cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len].transpose(0, 1)
+    values = value_cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len].transpose(0, 1)
+    mask = None
+    if query_len < seq_len:
+        # A chunk starting mid-sequence: SDPA's is_causal aligns top-left, we need bottom-right.
+        positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device) <= positions.unsqueeze(1)
+    out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=mask,
+                                         is_causal=mask is None, scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)
+    return out.transpose(0, 1)
+
+
+def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, max_query_len: int,
+                        max_seq_len: int) -> torch.Tensor:
+    """Torch paged attention (the CPU hot path); same contract as `paged_attention`.
+
+    Decodes (query_len 1) run batched: grouped by similar length, one masked SDPA per group
+    over K/V gathered into a padded batch. Every other request (a prefill or a chunk of one)
+    runs one SDPA of its own. Per call: one host read of the request bounds, no Python work
+    per token.
+    """
+    _check_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                          max_seq_len)
+    num_reqs = seq_lens.shape[0]
+    block_size, num_kv_heads, head_size = key_cache.shape[1:]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    bounds = torch.cat((query_start_loc, seq_lens)).tolist()  # the one host read
+    query_starts, req_seq_lens = bounds[:num_reqs + 1], bounds[num_reqs + 1:]
+    decode_reqs: list[int] = []
+    for req, seq_len in enumerate(req_seq_lens):
+        start, end = query_starts[req], query_starts[req + 1]
+        if end - start == 1:
+            decode_reqs.append(req)
+        elif end > start:
+            out[start:end] = _prefill_attention_ref(query[start:end], key_cache, value_cache,
+                                                    block_table[req], seq_len, scale)
+    max_group_tokens = _DECODE_GROUP_BYTES // (2 * num_kv_heads * head_size
+                                               * key_cache.element_size())
+    for group in _group_decodes(decode_reqs, req_seq_lens, block_size, max_group_tokens):
+        num_blocks = -(-req_seq_lens[group[0]] // block_size)  # longest first
+        if len(group) == num_reqs == query.shape[0] and group == list(range(num_reqs)):
+            # All decodes, in order, one group (the common decode step): no index shuffles.
+            return _decode_attention_ref(query, key_cache, value_cache, block_table[:num_reqs],
+                                         seq_lens, scale, num_blocks)
+        req_indices = torch.tensor(group, device=query.device)
+        token_indices = torch.tensor([query_starts[req] for req in group], device=query.device)
+        group_out = _decode_attention_ref(
+            query.index_select(0, token_indices), key_cache, value_cache,
+            block_table.index_select(0, req_indices), seq_lens.index_select(0, req_indices),
+            scale, num_blocks)
+        out.index_copy_(0, token_indices, group_out)
+    return out

@@ -9,6 +9,13 @@ import pytest
 # Two cores: keep torch from oversubscribing them when tests spawn processes.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
+# Triton reads TRITON_INTERPRET when first imported, so it is set here, before any test module
+# can import it: without a GPU the Triton kernel tests run in Triton's interpreter.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:

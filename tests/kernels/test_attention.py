@@ -1,0 +1,151 @@
+"""Paged attention: the reference against dense causal attention on contiguous K/V, the
+Triton kernel against the reference.
+
+Batches mix the cases the scheduler produces: a full prefill, a prefill chunk that starts
+mid-sequence, decodes, lengths on and off block boundaries; unused cache slots hold NaN, so
+reading one (or failing to mask it) shows up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import attention
+from tests.kernels.utils import (DEVICE, PagedBatch, assert_close, dense_causal_attention,
+                                 make_paged_batch)
+
+BLOCK_SIZE = 16
+
+# (query_len, seq_len) per request.
+MIXED = [(17, 17), (1, 29), (7, 40), (1, 1), (3, 16), (1, 16)]
+DECODES = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 45)]
+# Similar lengths (4, 4 and 3 blocks) in non-increasing order: one decode group in request
+# order, the reference's fast path.
+UNIFORM_DECODES = [(1, 64), (1, 50), (1, 40)]
+PREFILL_CHUNKS = [(20, 20), (16, 48), (5, 5)]
+
+
+def _run(fn, batch: PagedBatch, scale: float) -> torch.Tensor:
+    return fn(batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+              batch.query_start_loc, batch.seq_lens, scale, batch.max_query_len,
+              batch.max_seq_len)
+
+
+def _to_device(batch: PagedBatch) -> PagedBatch:
+    tensors = {field.name: getattr(batch, field.name).to(DEVICE)
+               for field in dataclasses.fields(batch)
+               if isinstance(getattr(batch, field.name), torch.Tensor)}
+    return dataclasses.replace(batch, **tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [MIXED, DECODES, UNIFORM_DECODES, PREFILL_CHUNKS],
+                         ids=["mixed", "decodes", "uniform_decodes", "prefills"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 4, 16), (9, 3, 64),
+                                                              (8, 1, 32)])
+def test_paged_attention_ref_matches_dense(dtype, layout, num_heads, num_kv_heads, head_size):
+    batch = make_paged_batch(layout, num_heads, num_kv_heads, head_size, BLOCK_SIZE, dtype)
+    scale = head_size ** -0.5
+    out = _run(attention.paged_attention_ref, batch, scale)
+    assert out.shape == batch.query.shape and not out.isnan().any()
+    assert_close(out, dense_causal_attention(batch, scale), dtype)
+
+
+def test_paged_attention_ref_decode_groups_split_by_budget(monkeypatch):
+    # A budget below one request's K/V puts every decode in a group of its own.
+    monkeypatch.setattr(attention, "_DECODE_GROUP_BYTES", 1)
+    batch = make_paged_batch(UNIFORM_DECODES + MIXED, 4, 2, 16, BLOCK_SIZE, torch.float32)
+    out = _run(attention.paged_attention_ref, batch, 0.25)
+    assert_close(out, dense_causal_attention(batch, 0.25), torch.float32)
+
+
+def test_paged_attention_ref_sees_only_its_past():
+    # Changing a key after query j's position must not change query j's output.
+    batch = make_paged_batch([(6, 10)], 2, 1, 16, BLOCK_SIZE, torch.float32)
+    before = _run(attention.paged_attention_ref, batch, 0.25)
+    block_id = int(batch.block_table[0, 0])
+    batch.key_cache[block_id, 9] += 5.0  # position 9: only the last query sees it
+    after = _run(attention.paged_attention_ref, batch, 0.25)
+    assert torch.equal(before[:5], after[:5])
+    assert not torch.allclose(before[5], after[5])
+
+
+# Triton 3.9's interpreter computes tl.dot on bf16 operands wrongly (a 16x16 bf16 dot is off
+# by 1e10); fp16 takes the same low-precision path there, bf16 runs compiled on a GPU.
+_BF16_DOT_BROKEN = pytest.mark.skipif(DEVICE.type == "cpu",
+                                      reason="bf16 tl.dot is wrong in the Triton interpreter")
+TRITON_DTYPES = [torch.float32, torch.float16,
+                 pytest.param(torch.bfloat16, marks=_BF16_DOT_BROKEN)]
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("layout", [MIXED, DECODES], ids=["mixed", "decodes"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(2, 2, 16), (6, 2, 32)])
+def test_paged_attention_triton_matches_ref(dtype, layout, num_heads, num_kv_heads, head_size):
+    batch = _to_device(make_paged_batch(layout, num_heads, num_kv_heads, head_size, BLOCK_SIZE,
+                                        dtype))
+    scale = head_size ** -0.5
+    out = _run(attention.paged_attention, batch, scale)
+    assert not out.isnan().any()
+    assert_close(out, _run(attention.paged_attention_ref, batch, scale), dtype)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+def test_paged_attention_triton_odd_head_size_and_long_chunk():
+    # head_size 40 pads to a 64-wide tile; a 70-token chunk spans several q blocks.
+    batch = _to_device(make_paged_batch([(70, 90), (1, 33)], 3, 1, 40, BLOCK_SIZE,
+                                        torch.float32))
+    out = _run(attention.paged_attention, batch, 0.2)
+    assert_close(out, _run(attention.paged_attention_ref, batch, 0.2), torch.float32)
+
+
+@pytest.mark.parametrize("padding", [-1, 10**6])
+@pytest.mark.parametrize("layout", [DECODES, UNIFORM_DECODES], ids=["decodes", "uniform"])
+def test_paged_attention_ref_ignores_block_table_padding(padding, layout):
+    # The batched decode gathers up to the longest request's block count, so shorter
+    # requests' padding entries get read: any value there must be harmless. Rows past the
+    # last request (a persistent max_num_reqs table) must be ignored.
+    batch = make_paged_batch(layout, 4, 2, 16, BLOCK_SIZE, torch.float32)
+    blocks_per_req = (batch.seq_lens + BLOCK_SIZE - 1) // BLOCK_SIZE
+    padded = torch.arange(batch.block_table.shape[1]) >= blocks_per_req[:, None]
+    batch.block_table[:len(layout)][padded] = padding
+    batch.block_table[len(layout):] = padding
+    out = _run(attention.paged_attention_ref, batch, 0.25)
+    assert_close(out, dense_causal_attention(batch, 0.25), torch.float32)
+
+
+def _cacheless_prefill_batch(query_lens: list[int], num_heads: int, num_kv_heads: int,
+                             head_size: int) -> PagedBatch:
+    # The worker's profile run has no cache yet: it passes this step's own K/V, strided views
+    # of the fused qkv output, as a block_size-1 "cache" (token t = block t).
+    num_tokens = sum(query_lens)
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size)
+    query = qkv[:, :q_size].view(num_tokens, num_heads, head_size)
+    keys = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_size)
+    values = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_size)
+    query_start_loc = torch.tensor([0] + query_lens).cumsum(0).int()
+    offsets = torch.arange(max(query_lens), dtype=torch.int32)
+    block_table = (query_start_loc[:-1, None] + offsets).clamp(max=num_tokens - 1)
+    starts = query_start_loc.tolist()
+    return PagedBatch(query, keys.unsqueeze(1), values.unsqueeze(1), block_table,
+                      query_start_loc, torch.tensor(query_lens, dtype=torch.int32),
+                      [keys[s:e] for s, e in zip(starts, starts[1:])],
+                      [values[s:e] for s, e in zip(starts, starts[1:])], query_lens)
+
+
+def test_paged_attention_ref_strided_block_size_one_cache():
+    batch = _cacheless_prefill_batch([5, 1, 12], 6, 2, 16)
+    out = _run(attention.paged_attention_ref, batch, 0.25)
+    assert_close(out, dense_causal_attention(batch, 0.25), torch.float32)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+def test_paged_attention_triton_strided_block_size_one_cache():
+    batch = _to_device(_cacheless_prefill_batch([5, 1, 12], 6, 2, 16))
+    out = _run(attention.paged_attention, batch, 0.25)
+    assert_close(out, _run(attention.paged_attention_ref, batch, 0.25), torch.float32)
