@@ -259,7 +259,8 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
             num_computed_tokens=request.num_computed_tokens,
-            output_token_ids=list(request.output_token_ids))
+            output_token_ids=list(request.output_token_ids),
+            eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id)
             for request in plan.scheduled_new]
         cached_reqs = CachedRequestData(
             req_ids=[request.req_id for request in plan.scheduled_running],
