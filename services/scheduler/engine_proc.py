@@ -37,6 +37,7 @@ _OUTPUT_LINGER_MS = 2000
 # How often the input thread wakes up to check for shutdown and a dead parent.
 _INPUT_POLL_MS = 1000
 _SHUTDOWN = object()  # the output queue's stop sentinel
+_IDLE_WAKEUP_S = 0.5  # an idle busy loop wakes this often so signal handlers can run
 
 
 class EngineFailure(RuntimeError):
@@ -119,7 +120,15 @@ class EngineCoreProc:
     def _process_input_queue(self) -> None:
         if not self.engine_core.has_work():
             self.idle = True
-            item = self.input_queue.get()  # blocks; a signal still interrupts it
+            item = None
+            while item is None:
+                # Blocks, but wakes every interval: a SIGTERM delivered to another thread
+                # (IO or OpenMP threads) would never interrupt an untimed wait, and its
+                # Python handler only runs once this thread executes bytecode again.
+                try:
+                    item = self.input_queue.get(timeout=_IDLE_WAKEUP_S)
+                except queue.Empty:
+                    pass
             self.idle = False
             self._handle_input(*item)
         while True:
