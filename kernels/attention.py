@@ -287,3 +287,46 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
             scale, num_blocks)
         out.index_copy_(0, token_indices, group_out)
     return out
+
+
+def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, block_table: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    """The CPU fast path: decodes in the native kernel (K/V read in place, no gather),
+    prefill chunks through SDPA as in the reference. Same contract as `paged_attention`."""
+    from kernels import cpu
+
+    if not cpu.available(query.dtype):
+        return paged_attention_ref(query, key_cache, value_cache, block_table, query_start_loc,
+                                   seq_lens, scale, max_query_len, max_seq_len)
+    _check_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                          max_seq_len)
+    num_reqs = seq_lens.shape[0]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if max_query_len == 1:  # a pure decode step: every request, in order
+        decode_reqs = None
+    else:
+        bounds = torch.cat((query_start_loc, seq_lens)).tolist()
+        starts, lens = bounds[:num_reqs + 1], bounds[num_reqs + 1:]
+        for req in range(num_reqs):
+            start, end = starts[req], starts[req + 1]
+            if end - start > 1:
+                out[start:end] = _prefill_attention_ref(query[start:end], key_cache,
+                                                        value_cache, block_table[req],
+                                                        lens[req], scale)
+        decode_reqs = (query_lens == 1).nonzero().squeeze(1)
+        if decode_reqs.numel() == 0:
+            return out
+    table = block_table[:num_reqs]
+    rows = query_start_loc[:num_reqs]
+    lens_t = seq_lens
+    if decode_reqs is not None:
+        table = table.index_select(0, decode_reqs)
+        rows = rows.index_select(0, decode_reqs)
+        lens_t = seq_lens.index_select(0, decode_reqs)
+    if table.stride(1) != 1:
+        table = table.contiguous()
+    cpu.decode_attention(out, query, key_cache, value_cache, table, lens_t, rows, scale)
+    return out

