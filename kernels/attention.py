@@ -289,6 +289,38 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     return out
 
 
+def _flash(query, keys, values, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, keys, values, 0.0, causal, scale=scale)
+
+
+def _prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
+                           scale: float) -> torch.Tensor:
+    # A chunk that starts mid-sequence needs a bottom-right causal mask, which sends SDPA to
+    # its slow math path (a materialized [H, L, S] mask and scores). Instead, two flash calls:
+    # the queries over the context before the chunk (no mask) and over the chunk itself
+    # (plain causal: square), merged by their log-sum-exps.
+    #
+    #   keys:    | 0 ....... context_len - 1 | context_len ... seq_len - 1 |
+    #              flash(mask = none)          flash(is_causal)
+    query_len = query.shape[0]
+    context_len = seq_len - query_len
+    block_size = key_cache.shape[1]
+    used_block_ids = block_ids[:-(-seq_len // block_size)]
+    keys, values = (cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len]
+                    .transpose(0, 1).unsqueeze(0) for cache in (key_cache, value_cache))
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+    out, lse = _flash(q, keys[:, :, context_len:], values[:, :, context_len:], True, scale)
+    if context_len:
+        out_ctx, lse_ctx = _flash(q, keys[:, :, :context_len], values[:, :, :context_len],
+                                  False, scale)
+        lse_max = torch.maximum(lse, lse_ctx)
+        w, w_ctx = (lse - lse_max).exp_().unsqueeze(-1), (lse_ctx - lse_max).exp_().unsqueeze(-1)
+        out = ((out.float() * w + out_ctx.float() * w_ctx) / (w + w_ctx)).to(query.dtype)
+    return out[0].transpose(0, 1)
+
+
 def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, block_table: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
@@ -313,7 +345,7 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
         for req in range(num_reqs):
             start, end = starts[req], starts[req + 1]
             if end - start > 1:
-                out[start:end] = _prefill_attention_ref(query[start:end], key_cache,
+                out[start:end] = _prefill_attention_cpu(query[start:end], key_cache,
                                                         value_cache, block_table[req],
                                                         lens[req], scale)
         decode_reqs = (query_lens == 1).nonzero().squeeze(1)

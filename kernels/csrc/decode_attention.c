@@ -22,15 +22,19 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-// Row loads into a float buffer: plain loops the compiler vectorizes.
-static inline void load_row_f32(float *dst, const float *src, int n) {
-    memcpy(dst, src, sizeof(float) * (size_t)n);
+// A cache row as floats: fp32 rows are read in place, bf16 rows converted into `buf` (a
+// plain loop the compiler vectorizes).
+static inline const float *load_row_f32(float *buf, const float *src, int n) {
+    (void)buf;
+    (void)n;
+    return src;
 }
 
-static inline void load_row_bf16(float *dst, const uint16_t *src, int n) {
-    uint32_t *bits = (uint32_t *)dst;
+static inline const float *load_row_bf16(float *buf, const uint16_t *src, int n) {
+    uint32_t *bits = (uint32_t *)buf;
 #pragma omp simd
     for (int d = 0; d < n; d++) bits[d] = ((uint32_t)src[d]) << 16;
+    return buf;
 }
 
 static inline void store_row_f32(float *dst, const float *src, float mul, int n) {
@@ -56,7 +60,8 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
         float *scores = NULL;                                                                \
         float *q = (float *)malloc(sizeof(float) * (size_t)num_heads * head_size);           \
         float *acc = (float *)malloc(sizeof(float) * (size_t)num_heads * head_size);         \
-        float *row = (float *)malloc(sizeof(float) * (size_t)slot_width);                    \
+        const int row_len = slot_width > head_size ? slot_width : head_size;                 \
+        float *row = (float *)malloc(sizeof(float) * (size_t)row_len);                       \
         _Pragma("omp for schedule(dynamic, 4)")                                              \
         for (int r = 0; r < num_reqs; r++) {                                                 \
             const int seq_len = seq_lens[r];                                                 \
@@ -67,16 +72,17 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
             }                                                                                \
             const int64_t token = token_rows[r];                                             \
             for (int h = 0; h < num_heads; h++) {                                            \
-                LOAD_ROW(q + h * head_size, query + token * q_token_stride                   \
-                         + (int64_t)h * q_head_stride, head_size);                           \
-                for (int d = 0; d < head_size; d++) q[h * head_size + d] *= scale;           \
+                const float *qh = LOAD_ROW(row, query + token * q_token_stride               \
+                                           + (int64_t)h * q_head_stride, head_size);         \
+                for (int d = 0; d < head_size; d++) q[h * head_size + d] = qh[d] * scale;    \
             }                                                                                \
             const int32_t *blocks = block_table + (int64_t)r * table_stride;                 \
             for (int t = 0; t < seq_len; t++) {                                              \
-                LOAD_ROW(row, key_cache + (int64_t)blocks[t / block_size] * block_stride     \
-                         + (int64_t)(t % block_size) * slot_stride, slot_width);             \
+                const float *keys = LOAD_ROW(                                                \
+                    row, key_cache + (int64_t)blocks[t / block_size] * block_stride          \
+                    + (int64_t)(t % block_size) * slot_stride, slot_width);                  \
                 for (int h = 0; h < num_heads; h++) {                                        \
-                    const float *k = row + (h / group) * head_size;                          \
+                    const float *k = keys + (h / group) * head_size;                         \
                     const float *qh = q + h * head_size;                                     \
                     float dot = 0.f;                                                         \
                     _Pragma("omp simd reduction(+:dot)")                                     \
@@ -98,11 +104,12 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
             }                                                                                \
             memset(acc, 0, sizeof(float) * (size_t)num_heads * head_size);                   \
             for (int t = 0; t < seq_len; t++) {                                              \
-                LOAD_ROW(row, value_cache + (int64_t)blocks[t / block_size] * block_stride   \
-                         + (int64_t)(t % block_size) * slot_stride, slot_width);             \
+                const float *values = LOAD_ROW(                                              \
+                    row, value_cache + (int64_t)blocks[t / block_size] * block_stride        \
+                    + (int64_t)(t % block_size) * slot_stride, slot_width);                  \
                 for (int h = 0; h < num_heads; h++) {                                        \
                     const float p = scores[(int64_t)h * seq_len + t];                        \
-                    const float *v = row + (h / group) * head_size;                          \
+                    const float *v = values + (h / group) * head_size;                       \
                     float *a = acc + h * head_size;                                          \
                     _Pragma("omp simd")                                                      \
                     for (int d = 0; d < head_size; d++) a[d] += p * v[d];                    \
