@@ -21,4 +21,4 @@ def init_logger(name: str) -> logging.Logger:
         root.setLevel(os.environ.get("KVSERVE_LOG_LEVEL", "INFO").upper())
         root.propagate = False
         _configured = True
-    return logging.getLogger(f"kvserve.{name}")
+    return logging.getLogger(name if name.startswith("kvserve") else f"kvserve.{name}")
