@@ -28,14 +28,16 @@ PROMPT = "The capital of France is"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory):
+@pytest.fixture(scope="module", params=["uni", "mp"])
+def url(request, tmp_path_factory):
+    """A real `kvserve serve`, once per executor: both must pass every test here."""
     port = free_port()
     log_path = str(tmp_path_factory.mktemp("serve") / "serve.log")
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
            "--kv-cache-memory", "256M", "--served-model-name", MODEL_NAME,
-           "--api-key", API_KEY, "--uvicorn-log-level", "warning"]
+           "--api-key", API_KEY, "--uvicorn-log-level", "warning",
+           "--executor", request.param]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
     try:
@@ -111,7 +113,10 @@ def test_disconnect_mid_stream_aborts_in_the_engine(url):
     with httpx.Client(timeout=60, headers=AUTH) as http:
         with http.stream("POST", url + "/v1/completions", json=body) as response:
             assert response.status_code == 200
-            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+            # Keep the line iterator referenced: a dropped one is closed, and closing it
+            # closes the response (a disconnect) before the running check below.
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
             assert "choices" in json.loads(first[len("data: "):])
             assert wait_until(lambda: metric(url, "kvserve:num_requests_running") == 1)
     assert wait_until(lambda: metric(url, "kvserve:num_requests_running") == 0
