@@ -95,6 +95,13 @@ class EngineClient:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if finished:
+                    logger.info("request %s finished (%s): %d prompt + %d output tokens, "
+                                "%d cached", request_id,
+                                ",".join(str(c.finish_reason) for c in item.outputs),
+                                len(prompt_token_ids),
+                                sum(len(c.token_ids) for c in item.outputs),
+                                item.num_cached_tokens)
                 yield item
         finally:
             self.queues.pop(request_id, None)

@@ -101,6 +101,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a bad request must never stop the engine
             error = f"invalid request: {exc}"
         if error is not None:
+            logger.warning("request %s rejected: %s", engine_request.request_id, error)
             self._pending_outputs.append(EngineCoreOutput(
                 request_id=engine_request.request_id, new_token_ids=[],
                 finish_reason=FinishReason.ERROR, error=error))
@@ -251,6 +252,8 @@ class Scheduler:
         plan.preempted.append(request)
         self.num_preemptions_total += 1
         self._num_step_preemptions += 1
+        logger.info("request %s preempted (KV cache full); it will recompute %d tokens",
+                    request.req_id, request.num_tokens)
 
     def _make_scheduler_output(self, plan: StepPlan) -> SchedulerOutput:
         # Built before num_computed_tokens advances: the workers get pre-step values.
