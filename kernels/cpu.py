@@ -3,8 +3,8 @@
 The torch references gather paged K/V into padded copies; for decode attention that copy
 costs more than the attention itself on CPU. The C kernel reads K/V in place through the block
 table. It is built once per machine into the kvserve cache folder (`cc -O3 -march=native
--fopenmp -fno-math-errno`, about a second) and shares torch's OpenMP runtime. Without a C compiler, callers
-fall back to the torch reference (`available()` is False).
+-fopenmp -fno-math-errno`, about a second) and shares torch's OpenMP runtime. Without a C
+compiler, callers fall back to the torch reference (`available()` is False).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def _build(compiler: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_target = Path(tmp) / target.name
-        subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
-                        "-o", str(tmp_target), str(_SOURCE), "-lm"],
+        subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                        "-shared", "-fPIC", "-o", str(tmp_target), str(_SOURCE), "-lm"],
                        check=True, capture_output=True, timeout=120)
         os.replace(tmp_target, target)  # atomic: concurrent builders race harmlessly
     logger.info("built the CPU decode-attention kernel: %s", target)
