@@ -1,4 +1,4 @@
-"""The `kvserve` command line: serve, api, engine, generate, bench."""
+"""The `kvserve` command line: serve, api, engine, coordinator, generate, bench."""
 
 from __future__ import annotations
 
@@ -95,6 +95,29 @@ def _add_socket_args(parser: argparse.ArgumentParser, side: str) -> None:
                          help=f"address to {side} for the engine's outputs")
 
 
+def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Launch details of data parallelism (the engine count itself is
+    --data-parallel-size, an engine argument)."""
+    dp = parser.add_argument_group("data parallelism (DP)")
+    dp.add_argument("--data-parallel-size-local", type=int, default=None,
+                    help="engine cores on this node (default: --data-parallel-size, one node)")
+    dp.add_argument("--data-parallel-start-rank", type=int, default=0,
+                    help="index of this node's first engine core (--headless nodes)")
+    dp.add_argument("--data-parallel-address", default=None,
+                    help="IP or host name of the front-end node, which other nodes reach")
+    dp.add_argument("--data-parallel-rpc-port", type=int, default=29550,
+                    help="front-end port where headless nodes register their engines")
+    dp.add_argument("--headless", action="store_true",
+                    help="run engine cores only, registering with the front-end node")
+    _add_routing_arg(dp)
+
+
+def _add_routing_arg(group) -> None:
+    group.add_argument("--dp-routing", choices=["load", "prefix"], default="load",
+                       help="load: lowest 4 x waiting + running; prefix: prefer the engine "
+                            "holding the prompt's prefix blocks, within a load slack")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.serve import run_serve
 
@@ -111,6 +134,12 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     from kvserve.serve import run_engine
 
     return run_engine(args)
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from kvserve.serve import run_coordinator_cmd
+
+    return run_coordinator_cmd(args)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -137,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     _add_http_args(serve)
     add_engine_args(serve, skip=("model",))
+    _add_data_parallel_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     api = sub.add_parser("api", help="the API server alone, for an engine started elsewhere")
@@ -146,14 +176,31 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--served-model-name", default=None, help="model name the API reports")
     _add_http_args(api)
     _add_socket_args(api, "bind")
+    dp = api.add_argument_group("data parallelism (DP)")
+    dp.add_argument("--data-parallel-size", type=int, default=1,
+                    help="engine cores that connect to the sockets (serving starts when all "
+                         "are ready)")
+    dp.add_argument("--load-table-addr", default=None,
+                    help="the DP coordinator's --publish-addr, e.g. tcp://coordinator:5558")
+    _add_routing_arg(dp)
     api.set_defaults(func=_cmd_api)
 
     engine = sub.add_parser("engine", help="one engine core, serving an api elsewhere")
     engine.add_argument("model", nargs="?", default=None)
     engine.add_argument("--engine-index", type=int, default=0, help="this engine's index")
+    engine.add_argument("--stats-addr", default=None,
+                        help="the DP coordinator's --stats-addr, e.g. tcp://coordinator:5557")
     _add_socket_args(engine, "connect to")
     add_engine_args(engine, skip=("model",))
     engine.set_defaults(func=_cmd_engine)
+
+    coordinator = sub.add_parser(
+        "coordinator", help="the DP coordinator alone: engine loads in, load table out")
+    coordinator.add_argument("--stats-addr", default="tcp://*:5557",
+                             help="address to bind for the engines' loads")
+    coordinator.add_argument("--publish-addr", default="tcp://*:5558",
+                             help="address to bind for publishing the load table to api servers")
+    coordinator.set_defaults(func=_cmd_coordinator)
 
     worker = sub.add_parser("worker", add_help=False,
                             help="one worker rank (started by an engine core's mp executor)")

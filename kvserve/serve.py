@@ -1,15 +1,21 @@
-"""`kvserve serve`, `kvserve api`, `kvserve engine`: the processes of one server and their
-supervision.
+"""`kvserve serve`, `kvserve api`, `kvserve engine`, `kvserve coordinator`: the processes of
+one server and their supervision.
 
     kvserve serve (this process: api + uvicorn, no torch)
-      └── EngineCore_0 (spawned; run_engine_core; torch)
+      ├── DPCoordinator (spawned, only with --data-parallel-size > 1; no torch)
+      └── EngineCore_0 .. EngineCore_{L-1} (spawned; run_engine_core; torch)
             └── workers (the `mp` executor, when TP x PP > 1)
 
-The launcher binds the api's sockets, starts the engine core, loads the tokenizer while the
-engine loads the model, waits for READY, then serves HTTP. If any of those processes dies,
-in-flight requests fail (503), the dead process is named in the log, and the launcher exits 1.
+The launcher binds the api's sockets, starts the engine cores, loads the tokenizer while the
+engines load the model, waits for READY from all N engines (the remote ones too), then serves
+HTTP. An engine process that dies fails its in-flight requests (503, or an error chunk naming
+it); the others serve on; when none is left the launcher exits 1, naming the dead process.
 SIGTERM / SIGINT: stop accepting, drain in-flight requests for up to --shutdown-timeout
-seconds, stop the engine (which stops its workers), exit 0.
+seconds, stop the engines (which stop their workers) and the coordinator, exit 0.
+
+Multi-node (`--data-parallel-size-local L0 < N`): the front end binds its sockets on
+--data-parallel-address (tcp, ports the OS picks) and answers the registration of headless
+nodes on --data-parallel-rpc-port; `kvserve serve --headless` nodes run engines only.
 """
 
 from __future__ import annotations
@@ -18,17 +24,24 @@ import argparse
 import asyncio
 import concurrent.futures
 import multiprocessing
+import multiprocessing.connection
 import signal
+import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import psutil
 
 from shared.config import EngineConfig, ModelConfig
+from shared.env import ENGINE_READY_TIMEOUT_S
 from shared.logging import init_logger
-from shared.transport import EngineAddresses
+from shared.transport import CoordinatorAddresses, EngineAddresses
+from shared.wire import EngineAssignment, EngineRegistration, this_hostname
 from services.api.engine_client import EngineDeadError
 from services.api.mp_client import EngineChannel, MPEngineClient
 from services.api.tokenizer import TokenizerInfo
+from services.coordinator.coordinator import run_coordinator, start_coordinator_process
+from services.coordinator.handshake import RegistrationServer, register_engines, rpc_address
 
 logger = init_logger(__name__)
 
@@ -56,22 +69,30 @@ def _resolve_model(model: str | None) -> str:
 
 
 def start_engine_process(config: EngineConfig, model_dir: str, addresses: EngineAddresses,
-                         engine_index: int = 0) -> multiprocessing.Process:
-    """Spawn an engine core (not a daemon: its `mp` executor has children of its own)."""
+                         engine_index: int = 0, stats_addr: str | None = None,
+                         num_local_engines: int = 1) -> multiprocessing.Process:
+    """Spawn an engine core (not a daemon: its `mp` executor has children of its own).
+
+    Args:
+        stats_addr: the DP coordinator's load address (data parallelism), else None.
+        num_local_engines: engine cores on this host (they share its CPU cores).
+    """
     process = multiprocessing.get_context("spawn").Process(
         target=_engine_main, name=f"EngineCore_{engine_index}",
-        args=(config, model_dir, addresses.input_addr, addresses.output_addr, engine_index))
+        args=(config, model_dir, addresses.input_addr, addresses.output_addr, engine_index,
+              stats_addr, num_local_engines))
     process.start()
     logger.info("started engine core process %s (pid %d)", process.name, process.pid)
     return process
 
 
 def _engine_main(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
-                 engine_index: int) -> None:
+                 engine_index: int, stats_addr: str | None, num_local_engines: int) -> None:
     from services.scheduler.engine_proc import run_engine_core
 
     raise SystemExit(run_engine_core(config, model_dir, input_addr, output_addr, engine_index,
-                                     watch_parent=True))
+                                     watch_parent=True, stats_addr=stats_addr,
+                                     num_local_engines=num_local_engines))
 
 
 def stop_engine_process(process: multiprocessing.Process,
@@ -170,19 +191,75 @@ def _install_stop_handlers() -> asyncio.Event:
     return stop
 
 
+@dataclass(frozen=True)
+class DPLayout:
+    """Where the data-parallel engine cores run (the --data-parallel-* flags).
+
+    Args:
+        size: N, engine cores in all.
+        size_local: engine cores on this node.
+        start_rank: the first engine index on this node (0 on the front end).
+        address: the front end's address, for other nodes (multi-node only).
+        rpc_port: the front end's registration port (multi-node only).
+    """
+
+    size: int
+    size_local: int
+    start_rank: int = 0
+    address: str | None = None
+    rpc_port: int | None = None
+
+    @property
+    def multi_node(self) -> bool:
+        return self.size_local < self.size
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, size: int, headless: bool) -> DPLayout:
+        local = args.data_parallel_size_local
+        layout = cls(size, size if local is None else local, args.data_parallel_start_rank,
+                     args.data_parallel_address, args.data_parallel_rpc_port)
+        layout.validate(headless)
+        return layout
+
+    def validate(self, headless: bool) -> None:
+        if self.size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.size}")
+        if not 0 <= self.size_local <= self.size:
+            raise ValueError(f"--data-parallel-size-local must be in [0, {self.size}] "
+                             f"(--data-parallel-size), got {self.size_local}")
+        if not headless and self.start_rank != 0:
+            raise ValueError("--data-parallel-start-rank is for --headless nodes: the front "
+                             "end runs engines 0..L-1")
+        if headless and (self.size_local < 1
+                         or self.start_rank + self.size_local > self.size
+                         or self.start_rank < 1):
+            raise ValueError(f"a --headless node runs engines start_rank..start_rank+L-1, "
+                             f"within 1..{self.size - 1}: got --data-parallel-start-rank "
+                             f"{self.start_rank} and --data-parallel-size-local "
+                             f"{self.size_local}")
+        if (self.multi_node or headless) and (self.address is None or self.rpc_port is None):
+            raise ValueError("engines on other nodes need --data-parallel-address (the front "
+                             "end's IP or host name) and --data-parallel-rpc-port")
+
+
 async def _run_api_server(args: argparse.Namespace, channel: EngineChannel,
                           stop: asyncio.Event, tokenizer_dir: str, model_name: str,
-                          build_app: AppFactory | None, engine_process=None) -> int:
-    """Load the tokenizer, wait for READY, serve; always close the channel and stop the
-    engine process (when it is ours)."""
+                          build_app: AppFactory | None,
+                          engine_processes: dict[int, multiprocessing.Process] | None = None,
+                          num_engines: int = 1, load_table_addr: str | None = None) -> int:
+    """Load the tokenizer, wait for READY from every engine, serve; always close the channel
+    and stop the engine processes that are ours."""
+    engine_processes = engine_processes or {}
     client = None
     try:
-        # The tokenizer loads while the engine loads the model.
+        # The tokenizer loads while the engines load the model.
         tokenizer_info = await asyncio.to_thread(TokenizerInfo, tokenizer_dir)
         client = await _until_signal(MPEngineClient.connect(
-            channel, tokenizer_info, model_name, engine_process=engine_process), stop)
+            channel, tokenizer_info, model_name, num_engines=num_engines,
+            engine_processes=engine_processes, routing=getattr(args, "dp_routing", "load"),
+            load_table_addr=load_table_addr), stop)
         if client is None:
-            logger.info("stopped before the engine was ready")
+            logger.info("stopped before the engines were ready")
             return 0
         return await serve_http(client, args, build_app, stop)
     except EngineDeadError as exc:
@@ -193,33 +270,108 @@ async def _run_api_server(args: argparse.Namespace, channel: EngineChannel,
             await client.shutdown()
         else:
             channel.close()
-        if engine_process is not None:
-            leftovers = [process for _, process in client.watched_processes] if client else []
-            await asyncio.to_thread(stop_engine_process, engine_process, leftovers)
+        leftovers = [process for _, process in client.watched_processes] if client else []
+        await asyncio.gather(*(asyncio.to_thread(stop_engine_process, process, leftovers)
+                               for process in engine_processes.values()))
 
 
 def run_serve(args: argparse.Namespace, build_app: AppFactory | None = None) -> int:
-    """`kvserve serve [MODEL]`: resolve the model once, start the engine, serve HTTP."""
+    """`kvserve serve [MODEL]`: resolve the model once, start the coordinator and the local
+    engines, serve HTTP (or, with --headless, run engines only)."""
     from kvserve.cli import engine_kwargs
     from kvserve.llm import build_engine_config
 
     config = build_engine_config(model=args.model, **engine_kwargs(args))
+    layout = DPLayout.from_args(args, config.parallel.data_parallel_size, args.headless)
     model_dir = resolve_model_dir(args.model)
+    if args.headless:
+        return run_headless(config, model_dir, layout)
 
     async def main() -> int:
-        stop = _install_stop_handlers()  # before the engine starts: it must never be orphaned
-        channel = EngineChannel(EngineAddresses.local())
-        engine_process = start_engine_process(config, model_dir, channel.addresses)
-        return await _run_api_server(
-            args, channel, stop, config.model.tokenizer or model_dir,
-            config.model.served_name, build_app,
-            engine_process)
+        stop = _install_stop_handlers()  # before the engines start: never orphan them
+        host = layout.address if layout.multi_node else None
+        channel = EngineChannel(EngineAddresses.tcp(host) if host else EngineAddresses.local())
+        coordinator = registration = None
+        try:
+            stats_addr = load_table_addr = None
+            if layout.size > 1:
+                coordinator, coordinator_addrs = await asyncio.to_thread(
+                    start_coordinator_process,
+                    CoordinatorAddresses.tcp(host) if host else CoordinatorAddresses.local())
+                stats_addr, load_table_addr = (coordinator_addrs.stats_addr,
+                                               coordinator_addrs.publish_addr)
+            if layout.multi_node:
+                registration = asyncio.create_task(RegistrationServer(
+                    rpc_address(layout.address, layout.rpc_port),
+                    set(range(layout.size_local, layout.size)),
+                    EngineAssignment(input_addr=channel.addresses.input_addr,
+                                     output_addr=channel.addresses.output_addr,
+                                     stats_addr=stats_addr)).serve())
+            engine_processes = {
+                index: start_engine_process(config, model_dir, channel.addresses, index,
+                                            stats_addr, layout.size_local)
+                for index in range(layout.size_local)}
+            return await _run_api_server(
+                args, channel, stop, config.model.tokenizer or model_dir,
+                config.model.served_name, build_app, engine_processes, layout.size,
+                load_table_addr)
+        finally:
+            if registration is not None:
+                registration.cancel()
+                await asyncio.gather(registration, return_exceptions=True)
+            if coordinator is not None:
+                await asyncio.to_thread(_stop_coordinator, coordinator)
 
     return asyncio.run(main())
 
 
+def _stop_coordinator(process: multiprocessing.Process) -> None:
+    process.terminate()
+    process.join(ENGINE_STOP_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def run_headless(config: EngineConfig, model_dir: str, layout: DPLayout) -> int:
+    """`kvserve serve --headless`: register this node's engines with the front end, run them
+    until SIGTERM/SIGINT (0) or until one of them exits (1, after stopping the others)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    engine_indices = list(range(layout.start_rank, layout.start_rank + layout.size_local))
+    try:
+        assignment = register_engines(
+            rpc_address(layout.address, layout.rpc_port),
+            EngineRegistration(engine_indices=engine_indices, hostname=this_hostname()),
+            ENGINE_READY_TIMEOUT_S.get(), stop)
+    except (TimeoutError, ValueError) as exc:
+        logger.error("exiting with code 1: %s", exc)
+        return 1
+    if assignment is None:
+        return 0  # stopped while registering
+    addresses = EngineAddresses(assignment.input_addr, assignment.output_addr)
+    processes = [start_engine_process(config, model_dir, addresses, index,
+                                      assignment.stats_addr, layout.size_local)
+                 for index in engine_indices]
+    exit_code = 0
+    try:
+        sentinels = [process.sentinel for process in processes]
+        while not stop.is_set():
+            if multiprocessing.connection.wait(sentinels, timeout=0.5):
+                exited = next(p for p in processes if not p.is_alive())
+                logger.error("engine core process %s (pid %d) exited with %s; stopping this "
+                             "node", exited.name, exited.pid, _describe_exit(exited.exitcode))
+                exit_code = 1
+                break
+    finally:
+        for process in processes:
+            stop_engine_process(process)
+    return exit_code
+
+
 def run_api(args: argparse.Namespace) -> int:
-    """`kvserve api [MODEL]`: the HTTP server alone, for an engine started elsewhere."""
+    """`kvserve api [MODEL]`: the HTTP server alone, for engines started elsewhere."""
     model_dir = resolve_model_dir(args.model)
 
     async def main() -> int:
@@ -228,7 +380,7 @@ def run_api(args: argparse.Namespace) -> int:
         return await _run_api_server(
             args, channel, stop, args.tokenizer or model_dir,
             ModelConfig(model=args.model, served_model_name=args.served_model_name).served_name,
-            None)
+            None, num_engines=args.data_parallel_size, load_table_addr=args.load_table_addr)
 
     return asyncio.run(main())
 
@@ -242,4 +394,9 @@ def run_engine(args: argparse.Namespace) -> int:
 
     config = build_engine_config(model=args.model, **engine_kwargs(args))
     return run_engine_core(config, resolve_model(args.model), args.input_addr,
-                           args.output_addr, args.engine_index)
+                           args.output_addr, args.engine_index, stats_addr=args.stats_addr)
+
+
+def run_coordinator_cmd(args: argparse.Namespace) -> int:
+    """`kvserve coordinator`: the DP coordinator alone (compose runs it as a service)."""
+    return run_coordinator(CoordinatorAddresses(args.stats_addr, args.publish_addr))

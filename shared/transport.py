@@ -6,6 +6,10 @@ Topology (fixed; DESIGN §2, STYLE lesson 4):
     ROUTER (bind) input_addr   <------->  DEALER (connect, identity = engine index)
     PULL   (bind) output_addr  <--------  PUSH   (connect)
 
+With data parallelism every engine core connects to the same two api sockets, and to the
+coordinator (stats_addr: its PULL <- engine PUSH); the api subscribes to the coordinator's load
+table (publish_addr: its PUB -> api SUB).
+
 Same host: ipc:// in the temp folder; across hosts: tcp://. A message is a list of frames:
 the 1-byte `MsgType`, the msgpack payload, then one frame per numpy array too big to inline.
 """
@@ -57,6 +61,46 @@ class EngineAddresses(msgspec.Struct, frozen=True):
                     os.unlink(addr.removeprefix("ipc://"))
 
 
+    @classmethod
+    def tcp(cls, host: str) -> EngineAddresses:
+        """Addresses on `host` with ports the OS picks at bind time (see `bound_address`),
+        for engines on other hosts."""
+        return cls(f"tcp://{host}:*", f"tcp://{host}:*")
+
+
+class CoordinatorAddresses(msgspec.Struct, frozen=True):
+    """Where the DP coordinator binds; engines and api servers connect.
+
+    Args:
+        stats_addr: coordinator PULL <- engine PUSH (EngineLoad, on change and periodically).
+        publish_addr: coordinator PUB -> api SUB (LoadTable, ~every 100 ms while it changes).
+    """
+
+    stats_addr: str
+    publish_addr: str
+
+    @classmethod
+    def local(cls) -> CoordinatorAddresses:
+        base = os.path.join(tempfile.gettempdir(), f"kvserve-{uuid.uuid4().hex[:12]}")
+        return cls(f"ipc://{base}-stats", f"ipc://{base}-load")
+
+    @classmethod
+    def tcp(cls, host: str) -> CoordinatorAddresses:
+        return cls(f"tcp://{host}:*", f"tcp://{host}:*")
+
+    def remove_ipc_files(self) -> None:
+        for addr in (self.stats_addr, self.publish_addr):
+            if addr.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(addr.removeprefix("ipc://"))
+
+
+def bound_address(sock: zmq.Socket) -> str:
+    """The address a bound socket really listens on: `tcp://host:*` becomes the port the OS
+    picked, which is what peers must connect to."""
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
 def engine_identity(engine_index: int) -> bytes:
     """The DEALER identity of engine `engine_index`: what the api's ROUTER addresses."""
     return engine_index.to_bytes(2, "little")
@@ -69,7 +113,7 @@ def make_socket(ctx: zmq.Context, addr: str, kind: int, bind: bool, *,
     Args:
         ctx: a zmq.Context or zmq.asyncio.Context (the socket is of the context's kind).
         addr: ipc://path, tcp://host:port (tcp://*:port to bind every interface) or inproc://.
-        kind: zmq.ROUTER, DEALER, PUSH or PULL.
+        kind: zmq.ROUTER, DEALER, PUSH, PULL, PUB or SUB (subscribed to everything).
         bind: bind (the api's side) or connect (the engine's side).
         identity: routing id of a DEALER, so the ROUTER can address it.
         linger_ms: how long close() waits to deliver queued messages (a dying engine
@@ -86,6 +130,8 @@ def make_socket(ctx: zmq.Context, addr: str, kind: int, bind: bool, *,
     sock.setsockopt(zmq.LINGER, linger_ms)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
     if kind == zmq.ROUTER:
         # Sending to an engine that is not connected raises instead of dropping silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

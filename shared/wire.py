@@ -57,6 +57,9 @@ class EngineHandshake(msgspec.Struct, frozen=True, kw_only=True):
     hostname: str  # pids below are only meaningful on this host
     pid: int
     worker_pids: list[int] = []
+    # How the engine hashes prefix blocks, so a DP router can hash prompts the same way.
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
 
 
 class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True,
@@ -137,6 +140,43 @@ PAYLOAD_TYPES: dict[MsgType, type] = {
     MsgType.HEARTBEAT: EngineHeartbeat,
     MsgType.DEAD: EngineDead,
 }
+
+
+# ------------------------------------------------------------ data parallelism (coordinator)
+
+
+class EngineLoad(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One engine core's queue lengths: engine -> coordinator, and a row of the load table."""
+
+    engine_index: int
+    num_waiting: int
+    num_running: int
+
+
+class LoadTable(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The coordinator's view of every engine that reported recently: coordinator -> api."""
+
+    loads: list[EngineLoad]
+    timestamp: float  # the coordinator's time.time() when it was published
+
+
+class EngineRegistration(msgspec.Struct, frozen=True, kw_only=True):
+    """A headless node's hello to the front end: which DP ranks it will run."""
+
+    engine_indices: list[int]
+    hostname: str
+
+
+class EngineAssignment(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The front end's answer to a registration: where its engines connect.
+
+    `error` is set (and the addresses empty) when the front end refuses the ranks.
+    """
+
+    input_addr: str = ""
+    output_addr: str = ""
+    stats_addr: str | None = None
+    error: str | None = None
 
 
 def this_hostname() -> str:

@@ -67,11 +67,26 @@ class EngineClient:
     async def shutdown(self) -> None:
         pass
 
+    def _forget_request(self, request_id: str, child_ids: list[str]) -> None:
+        """The request ended (finished, failed or aborted): drop its routing state."""
+
     # ------------------------------------------------------------------ public API
 
     @property
     def is_healthy(self) -> bool:
         return self.dead_reason is None
+
+    def health_report(self) -> dict:
+        """/health's body: overall status and one entry per engine core."""
+        state = "serving" if self.is_healthy else "dead"
+        engine = {"engine": 0, "state": state}
+        if self.dead_reason is not None:
+            engine["reason"] = self.dead_reason
+        return {"status": "healthy" if self.is_healthy else "unhealthy", "engines": [engine]}
+
+    def per_engine_stats(self) -> list[tuple[int, SchedulerStats | None, StatsTotals]]:
+        """(engine index, latest stats, counter sums) of every engine core, for /metrics."""
+        return [(0, self.latest_stats, self.stats_totals)]
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0
@@ -107,6 +122,7 @@ class EngineClient:
             self.queues.pop(request_id, None)
             if not finished:
                 await self.abort(request_id)
+            self._forget_request(request_id, child_ids)
 
     async def abort(self, request_id: str) -> None:
         child_ids = self.output_processor.abort_request(request_id)
@@ -128,11 +144,17 @@ class EngineClient:
         if to_abort:
             await self._send_abort(to_abort)
 
+    def _fail_requests(self, request_ids: list[str], reason: str) -> None:
+        """These requests' engine is gone: each ends with EngineDeadError(reason)."""
+        for request_id in request_ids:
+            self.output_processor.abort_request(request_id)
+            queue = self.queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(EngineDeadError(reason))
+
     def _fail_all(self, reason: str) -> None:
         """The engine is gone: every waiting request ends with EngineDeadError."""
         self.dead_reason = reason
         logger.error("engine dead: %s; failing %d in-flight requests", reason,
                      len(self.queues))
-        for request_id, queue in list(self.queues.items()):
-            self.output_processor.abort_request(request_id)
-            queue.put_nowait(EngineDeadError(reason))
+        self._fail_requests(list(self.queues), reason)

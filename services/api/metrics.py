@@ -7,7 +7,9 @@ Two sources:
 
 `kvserve:request_queue_time_seconds` is an approximation: the core does not report when a
 request was first scheduled, so it is the time from arrival to the first output (which also
-holds the prefill). Every series has a `model_name` label, as vLLM's do.
+holds the prefill). Every series has a `model_name` label, as vLLM's do; with data
+parallelism (more than one engine core) the engine series also carry an `engine` label, one
+series per engine, and `kvserve:engine_up` says which engines serve (1) or are gone (0).
 """
 
 from __future__ import annotations
@@ -29,39 +31,59 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+_GAUGES = (
+    ("kvserve:num_requests_running", "Requests in the engine's running batch.",
+     lambda stats: stats.num_running_reqs),
+    ("kvserve:num_requests_waiting", "Requests waiting to be scheduled.",
+     lambda stats: stats.num_waiting_reqs),
+    ("kvserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+     lambda stats: stats.kv_cache_usage),
+)
+_COUNTERS = (
+    ("kvserve:num_preemptions", "Requests preempted by the scheduler.",
+     lambda totals: totals.num_preemptions),
+    ("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda totals: totals.prefix_cache_queries),
+    ("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda totals: totals.prefix_cache_hits),
+)
+
+
 class _EngineStatsCollector:
-    """Reads the engine client's latest load and counter sums whenever /metrics is scraped."""
+    """Reads each engine's latest load and counter sums whenever /metrics is scraped."""
 
     def __init__(self, engine_client, model_name: str):
         self.engine_client = engine_client
         self.model_name = model_name
 
     def collect(self):
-        stats = self.engine_client.latest_stats
-        totals = self.engine_client.stats_totals
-        gauges = (
-            ("kvserve:num_requests_running", "Requests in the engine's running batch.",
-             stats.num_running_reqs if stats else 0),
-            ("kvserve:num_requests_waiting", "Requests waiting to be scheduled.",
-             stats.num_waiting_reqs if stats else 0),
-            ("kvserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-             stats.kv_cache_usage if stats else 0.0),
-        )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
+        per_engine = self.engine_client.per_engine_stats()
+        # One engine keeps vLLM's single-engine series; several get an `engine` label.
+        labelled = len(per_engine) > 1
+        names = ["model_name", "engine"] if labelled else ["model_name"]
+
+        def label_values(engine_index: int) -> list[str]:
+            return [self.model_name, str(engine_index)] if labelled else [self.model_name]
+
+        for name, doc, read in _GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=names)
+            for engine_index, stats, _ in per_engine:
+                family.add_metric(label_values(engine_index), read(stats) if stats else 0)
             yield family
-        counters = (
-            ("kvserve:num_preemptions", "Requests preempted by the scheduler.",
-             totals.num_preemptions),
-            ("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             totals.prefix_cache_queries),
-            ("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             totals.prefix_cache_hits),
-        )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
+        for name, doc, read in _COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=names)
+            for engine_index, _, totals in per_engine:
+                family.add_metric(label_values(engine_index), read(totals))
+            yield family
+        if labelled:
+            states = {entry["engine"]: entry["state"]
+                      for entry in self.engine_client.health_report()["engines"]}
+            family = GaugeMetricFamily("kvserve:engine_up",
+                                       "1 while the engine core serves, 0 once it is gone.",
+                                       labels=names)
+            for engine_index, _, _ in per_engine:
+                family.add_metric(label_values(engine_index),
+                                  float(states.get(engine_index) != "dead"))
             yield family
 
 

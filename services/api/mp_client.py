@@ -1,15 +1,22 @@
-"""MPEngineClient: the api's client of an engine core in another process (zmq.asyncio).
+"""MPEngineClient: the api's client of engine cores in other processes (zmq.asyncio).
 
-    generate() ─ADD/ABORT/UTILITY─▶ ROUTER (bind) ══▶ engine DEALER ─▶ busy loop
-    _handle_outputs ◀─ output task ◀─ PULL (bind) ◀══ engine PUSH ◀── outputs, heartbeats
+    generate() ─ADD/ABORT/UTILITY─▶ ROUTER (bind) ══▶ engine DEALERs (identity = index) ─▶ loops
+    _handle_outputs ◀─ output task ◀─ PULL (bind) ◀══ engine PUSHes ◀── outputs, heartbeats
+    DPRouter ◀─ load-table task ◀─ SUB ◀══ DP coordinator PUB  (data parallelism only)
 
-Liveness, each of which fails every in-flight request with EngineDeadError:
+With data parallelism (N > 1 engine cores on the same two sockets) each request goes to the
+engine the DPRouter picks, and every engine is watched on its own.
+
+Liveness, each of which drops one engine and fails the requests it holds with
+EngineDeadError naming it:
   - a watched process (the engine core, its workers, when on this host) is gone;
   - the engine sent its DEAD sentinel;
-  - nothing arrived for ENGINE_HEARTBEAT_TIMEOUT_S (the output thread beats every interval,
-    whatever the busy loop does, so silence means the process is gone or frozen).
+  - nothing arrived from it for ENGINE_HEARTBEAT_TIMEOUT_S (its output thread beats every
+    interval, whatever the busy loop does, so silence means the process is gone or frozen).
+New requests go to the engines left; once none is left the client is dead (`wait_dead`).
 A loop that is alive but makes no progress while it has work (hung, or one step longer than
-ENGINE_STALL_TIMEOUT_S) only turns /health to 503 while it lasts.
+ENGINE_STALL_TIMEOUT_S) gets no new requests while it lasts; /health turns 503 only when no
+engine is serving.
 """
 
 from __future__ import annotations
@@ -19,141 +26,135 @@ import itertools
 import time
 from typing import Any
 
-import psutil
+import msgspec
 import zmq
 import zmq.asyncio
 
 from shared.env import ENGINE_HEARTBEAT_INTERVAL_S, ENGINE_HEARTBEAT_TIMEOUT_S, \
     ENGINE_READY_TIMEOUT_S, ENGINE_STALL_TIMEOUT_S
+from shared.hashing import get_hash_fn, make_extra_keys
 from shared.logging import init_logger
-from shared.messages import EngineCoreRequest
-from shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, make_socket
-from shared.wire import EngineHandshake, EngineHeartbeat, EngineStats, GetStats, MsgType, \
-    Ping, ResetPrefixCache, UtilityCall, UtilityMethod, UtilityOutput, UtilityResult, \
-    this_hostname
-from services.api.engine_client import EngineClient, EngineDeadError
+from shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from shared.transport import MessageDecoder, MessageEncoder, make_socket
+from shared.wire import EngineHeartbeat, EngineStats, GetStats, LoadTable, MsgType, Ping, \
+    ResetPrefixCache, UtilityCall, UtilityMethod, UtilityOutput, UtilityResult
+from services.api.dp_router import DPRouter, DPRouting
+from services.api.engine_client import EngineClient, EngineDeadError, StatsTotals
+from services.api.engine_connection import EngineChannel, EngineConnection
 from services.api.tokenizer import TokenizerInfo
 
 logger = init_logger(__name__)
+
+__all__ = ["EngineChannel", "EngineStalledError", "MPEngineClient"]
 
 
 class EngineStalledError(EngineDeadError):
     """The engine process is alive but its loop has made no progress with work queued."""
 
 
-class EngineChannel:
-    """The api's two bound sockets, opened before the engine starts so nothing it sends
-    (READY, or DEAD when its start-up fails) can miss them.
-
-    Args:
-        addresses: where to bind (ipc:// paths, or tcp://*:port).
-    """
-
-    def __init__(self, addresses: EngineAddresses):
-        self.addresses = addresses
-        self.ctx = zmq.asyncio.Context()
-        self.input_socket = make_socket(self.ctx, addresses.input_addr, zmq.ROUTER, bind=True)
-        self.output_socket = make_socket(self.ctx, addresses.output_addr, zmq.PULL, bind=True)
-
-    async def wait_ready(self, timeout_s: float, engine_process=None
-                         ) -> tuple[bytes, EngineHandshake]:
-        """The engine's identity and handshake; EngineDeadError if it dies first.
-
-        Args:
-            timeout_s: how long model load and KV profiling may take.
-            engine_process: the engine's multiprocessing.Process, when it is our child.
-        """
-        ready_decoder = MessageDecoder((MsgType.READY,))
-        output_decoder = MessageDecoder((MsgType.HEARTBEAT, MsgType.DEAD))
-        poller = zmq.asyncio.Poller()
-        poller.register(self.input_socket, zmq.POLLIN)
-        poller.register(self.output_socket, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            events = dict(await poller.poll(timeout=200))
-            if self.input_socket in events:
-                identity, *frames = await self.input_socket.recv_multipart(copy=False)
-                _, handshake = ready_decoder.decode(frames)
-                return identity.bytes, handshake
-            if self.output_socket in events:
-                msg_type, payload = output_decoder.decode(
-                    await self.output_socket.recv_multipart(copy=False))
-                if msg_type == MsgType.DEAD:
-                    raise EngineDeadError(f"engine core {payload.engine_index} failed to "
-                                          f"start: {payload.reason}")
-            if engine_process is not None and not engine_process.is_alive():
-                raise EngineDeadError(f"engine core process {engine_process.name} (pid "
-                                      f"{engine_process.pid}) exited with code "
-                                      f"{engine_process.exitcode} before it was ready")
-        raise EngineDeadError(f"no READY from the engine core within {timeout_s:.0f} s (raise "
-                              f"{ENGINE_READY_TIMEOUT_S.name} for a slow model load)")
-
-    def close(self) -> None:
-        self.ctx.destroy(linger=0)
-        self.addresses.remove_ipc_files()
-
-
 class MPEngineClient(EngineClient):
     """Args:
         tokenizer_info: the model's tokenizer and stop ids.
         model_name: the name the API serves the model under.
-        channel: the bound sockets; the engine has said READY on them.
-        identity: the engine's DEALER identity (from `EngineChannel.wait_ready`).
-        handshake: the engine's READY message.
-        engine_process: the engine's multiprocessing.Process when it is our child (named in
-            errors); otherwise the handshake's pids are watched when on this host.
+        channel: the bound sockets; every engine has said READY on them.
+        engines: one EngineConnection per engine core.
+        routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
+        load_table_addr: the DP coordinator's PUB address (None: no coordinator).
     """
 
     def __init__(self, tokenizer_info: TokenizerInfo, model_name: str, channel: EngineChannel,
-                 identity: bytes, handshake: EngineHandshake, engine_process=None):
-        super().__init__(tokenizer_info, handshake.max_model_len, model_name)
+                 engines: list[EngineConnection], routing: DPRouting = "load",
+                 load_table_addr: str | None = None):
+        assert engines, "a client needs at least one engine core"
+        first = engines[0].handshake
+        super().__init__(tokenizer_info, min(e.handshake.max_model_len for e in engines),
+                         model_name)
         self.channel = channel
-        self.identity = identity
-        self.handshake = handshake
+        self.engines = {engine.engine_index: engine for engine in engines}
+        self.router = _make_router(engines, routing)
         self.heartbeat_interval_s = ENGINE_HEARTBEAT_INTERVAL_S.get()
         self.heartbeat_timeout_s = ENGINE_HEARTBEAT_TIMEOUT_S.get()
         self.stall_timeout_s = ENGINE_STALL_TIMEOUT_S.get()
-        self.watched_processes = _processes_to_watch(handshake, engine_process)
+        self.handshake = first  # engine 0's, for single-engine callers
         self._encoder = MessageEncoder()
         self._call_ids = itertools.count()
-        self._utility_futures: dict[int, asyncio.Future] = {}
+        self._utility_futures: dict[int, tuple[int, asyncio.Future]] = {}
+        self._child_engine: dict[str, int] = {}  # engine-core request id -> engine index
         self._dead_event = asyncio.Event()
-        now = time.monotonic()
-        self._last_message_time = now
-        self._last_progress_time = now
-        self._last_heartbeat: EngineHeartbeat | None = None
         self._tasks = [asyncio.create_task(self._process_outputs(), name="engine-outputs"),
                        asyncio.create_task(self._watch_liveness(), name="engine-liveness")]
+        if load_table_addr is not None:
+            self._tasks.append(asyncio.create_task(self._receive_load_tables(load_table_addr),
+                                                   name="dp-load-table"))
 
     @classmethod
     async def connect(cls, channel: EngineChannel, tokenizer_info: TokenizerInfo,
                       model_name: str, engine_process=None,
-                      ready_timeout_s: float | None = None) -> MPEngineClient:
-        """Wait for the engine's READY on `channel`, then return a running client."""
+                      ready_timeout_s: float | None = None, *, num_engines: int = 1,
+                      engine_processes: dict[int, Any] | None = None,
+                      routing: DPRouting = "load",
+                      load_table_addr: str | None = None) -> MPEngineClient:
+        """Wait for READY from engines 0..num_engines-1 on `channel`; return a running client.
+
+        Args:
+            engine_process: engine 0's process (single-engine callers).
+            engine_processes: engine index -> process, for the engines that are our children.
+        """
         timeout_s = ready_timeout_s or ENGINE_READY_TIMEOUT_S.get()
-        identity, handshake = await channel.wait_ready(timeout_s, engine_process)
-        logger.info("engine core %d ready (pid %d on %s): %d KV blocks, max_model_len %d",
-                    handshake.engine_index, handshake.pid, handshake.hostname,
-                    handshake.num_blocks, handshake.max_model_len)
-        return cls(tokenizer_info, model_name, channel, identity, handshake, engine_process)
+        processes = dict(engine_processes or {})
+        if engine_process is not None:
+            processes[0] = engine_process
+        ready = await channel.wait_all_ready(num_engines, timeout_s, processes)
+        engines = []
+        for engine_index in sorted(ready):
+            identity, handshake = ready[engine_index]
+            logger.info("engine core %d ready (pid %d on %s): %d KV blocks, max_model_len %d",
+                        engine_index, handshake.pid, handshake.hostname, handshake.num_blocks,
+                        handshake.max_model_len)
+            engines.append(EngineConnection(identity, handshake, processes.get(engine_index)))
+        return cls(tokenizer_info, model_name, channel, engines, routing, load_table_addr)
 
     # ------------------------------------------------------------------ health
 
     @property
+    def identity(self) -> bytes:
+        return self.engines[self.handshake.engine_index].identity
+
+    @property
+    def watched_processes(self) -> list:
+        return [watched for engine in self.engines.values()
+                for watched in engine.watched_processes]
+
+    def _serving_engines(self) -> list[EngineConnection]:
+        return [engine for engine in self.engines.values()
+                if engine.state(self.stall_timeout_s) == "serving"]
+
+    @property
     def is_healthy(self) -> bool:
-        return self.dead_reason is None and self.stall_reason is None
+        return self.dead_reason is None and bool(self._serving_engines())
 
     @property
     def stall_reason(self) -> str | None:
-        """Why the engine looks hung, or None while its loop advances (or has no work)."""
-        stalled_s = time.monotonic() - self._last_progress_time
-        if stalled_s <= self.stall_timeout_s:
+        """Why no engine takes requests while some live, or None while one serves."""
+        if self.dead_reason is not None or self._serving_engines():
             return None
-        return (f"engine core {self.handshake.engine_index} made no progress for "
-                f"{stalled_s:.0f} s with work queued (limit {self.stall_timeout_s:g} s)")
+        return "; ".join(engine.stall_reason(self.stall_timeout_s)
+                         for engine in self.engines.values() if engine.is_alive)
+
+    def health_report(self) -> dict:
+        engines = [engine.describe(self.stall_timeout_s)
+                   for _, engine in sorted(self.engines.items())]
+        num_serving = sum(entry["state"] == "serving" for entry in engines)
+        status = ("healthy" if num_serving == len(engines) else
+                  "degraded" if num_serving else "unhealthy")
+        return {"status": status, "engines": engines}
+
+    def per_engine_stats(self) -> list[tuple[int, SchedulerStats | None, StatsTotals]]:
+        return [(index, engine.latest_stats, engine.stats_totals)
+                for index, engine in sorted(self.engines.items())]
 
     async def check_health(self) -> None:
-        """Raise EngineDeadError when dead, EngineStalledError while stalled."""
+        """Raise EngineDeadError when dead, EngineStalledError while no engine serves."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         reason = self.stall_reason
@@ -161,15 +162,34 @@ class MPEngineClient(EngineClient):
             raise EngineStalledError(reason)
 
     async def wait_dead(self) -> str:
-        """Return (the reason) once the engine is dead."""
+        """Return (the reason) once every engine is dead."""
         await self._dead_event.wait()
         return self.dead_reason
 
+    def _engine_died(self, engine: EngineConnection, reason: str) -> None:
+        """Drop one engine: its requests and utility calls fail; the others serve on."""
+        if engine.dead_reason is not None or self.dead_reason is not None:
+            return  # the first cause is the one worth reporting
+        engine.dead_reason = reason
+        self.router.remove_engine(engine.engine_index)
+        num_alive = sum(e.is_alive for e in self.engines.values())
+        logger.error("engine core %d is gone (%s); failing its %d in-flight requests; %d of "
+                     "%d engine cores left", engine.engine_index, reason,
+                     len(engine.request_ids), num_alive, len(self.engines))
+        for call_id, (engine_index, future) in list(self._utility_futures.items()):
+            if engine_index == engine.engine_index and not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self._fail_requests(list(engine.request_ids), reason)
+        if num_alive == 0:
+            if len(self.engines) > 1:
+                reason = f"all {len(self.engines)} engine cores are dead (the last: {reason})"
+            self._fail_all(reason)
+
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is not None:
-            return  # the first cause is the one worth reporting
+            return
         super()._fail_all(reason)
-        for future in self._utility_futures.values():
+        for _, future in self._utility_futures.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
         self._utility_futures.clear()
@@ -177,53 +197,114 @@ class MPEngineClient(EngineClient):
 
     # ------------------------------------------------------------------ utilities
 
-    async def call_utility(self, method: UtilityMethod, timeout_s: float | None = None
-                           ) -> UtilityResult:
-        """Run a utility in the engine's busy loop (between two steps) and return its result.
+    async def call_utility(self, method: UtilityMethod, timeout_s: float | None = None,
+                           engine_index: int | None = None) -> UtilityResult:
+        """Run a utility in one engine's busy loop (between two steps) and return its result.
+
+        Args:
+            engine_index: the engine (default: the lowest-index live one).
 
         Raises:
             RuntimeError: the utility failed in the engine (the engine lives on).
             EngineDeadError: the engine died before answering.
             TimeoutError: no answer within timeout_s.
         """
+        engine = self._utility_engine(engine_index)
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
-        self._utility_futures[call_id] = future
+        self._utility_futures[call_id] = (engine.engine_index, future)
         try:
-            await self._send(MsgType.UTILITY, UtilityCall(call_id, method))
+            await self._send(engine, MsgType.UTILITY, UtilityCall(call_id, method))
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._utility_futures.pop(call_id, None)
 
+    def _utility_engine(self, engine_index: int | None) -> EngineConnection:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if engine_index is not None:
+            if engine_index not in self.engines:
+                raise ValueError(f"no engine core {engine_index}: engines are "
+                                 f"{sorted(self.engines)}")
+            return self.engines[engine_index]
+        return next(e for _, e in sorted(self.engines.items()) if e.is_alive)
+
     async def reset_prefix_cache(self) -> bool:
-        return await self.call_utility(ResetPrefixCache())
+        """Reset every live engine's prefix cache; True when all of them did."""
+        results = [await self.call_utility(ResetPrefixCache(), engine_index=index)
+                   for index, engine in sorted(self.engines.items()) if engine.is_alive]
+        return all(results)
 
-    async def get_stats(self) -> EngineStats:
-        return await self.call_utility(GetStats())
+    async def get_stats(self, engine_index: int | None = None) -> EngineStats:
+        return await self.call_utility(GetStats(), engine_index=engine_index)
 
-    async def ping(self, timeout_s: float | None = None) -> EngineHeartbeat:
+    async def ping(self, timeout_s: float | None = None,
+                   engine_index: int | None = None) -> EngineHeartbeat:
         """Answered by the busy loop itself: proves it is not stuck."""
-        return await self.call_utility(Ping(), timeout_s)
+        return await self.call_utility(Ping(), timeout_s, engine_index)
 
     # ------------------------------------------------------------------ transport
 
     async def _send_requests(self, requests: list[EngineCoreRequest]) -> None:
+        # The n children of one request share its prompt: one engine gets them all.
+        first = requests[0]
+        while True:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            serving = [e.engine_index for e in self._serving_engines()]
+            engine = self.engines[self.router.choose(
+                first.prompt_token_ids, make_extra_keys(first.cache_salt),
+                candidate_ids=serving or None)]
+            try:
+                for request in requests:
+                    await self._send(engine, MsgType.ADD, request)
+                break
+            except EngineDeadError:
+                if not any(e.is_alive for e in self.engines.values()):
+                    raise
+                # Unreachable before its heartbeats lapsed: try another engine.
+        parent = self.output_processor.child_to_parent.get(first.request_id)
+        if parent is not None:
+            engine.request_ids.add(parent.request_id)
+            if len(self.engines) > 1:
+                logger.debug("request %s -> engine core %d", parent.request_id,
+                             engine.engine_index)
         for request in requests:
-            await self._send(MsgType.ADD, request)
+            self._child_engine[request.request_id] = engine.engine_index
+
+    def _forget_request(self, request_id: str, child_ids: list[str]) -> None:
+        for child_id in child_ids:
+            engine_index = self._child_engine.pop(child_id, None)
+            if engine_index is not None:
+                self.engines[engine_index].request_ids.discard(request_id)
 
     async def _send_abort(self, engine_request_ids: list[str]) -> None:
-        if self.dead_reason is None:  # a dead engine holds nothing to abort
-            await self._send(MsgType.ABORT, list(engine_request_ids))
+        by_engine: dict[int, list[str]] = {}
+        for child_id in engine_request_ids:
+            engine_index = self._child_engine.get(child_id)
+            if engine_index is not None:
+                by_engine.setdefault(engine_index, []).append(child_id)
+        for engine_index, child_ids in by_engine.items():
+            engine = self.engines[engine_index]
+            if engine.is_alive:  # a dead engine holds nothing to abort
+                await self._send(engine, MsgType.ABORT, child_ids)
 
-    async def _send(self, msg_type: MsgType, payload: Any) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        frames = [self.identity, *self._encoder.encode(msg_type, payload)]
+    async def _send(self, engine: EngineConnection, msg_type: MsgType, payload: Any) -> None:
+        if engine.dead_reason is not None:
+            raise EngineDeadError(engine.dead_reason)
+        frames = [engine.identity, *self._encoder.encode(msg_type, payload)]
         try:
             await self.channel.input_socket.send_multipart(frames, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the engine's DEALER is gone
-            self._fail_all(f"engine core {self.handshake.engine_index} is unreachable: {exc}")
-            raise EngineDeadError(self.dead_reason) from exc
+            self._engine_died(engine, f"engine core {engine.engine_index} is unreachable: "
+                                      f"{exc}")
+            raise EngineDeadError(engine.dead_reason) from exc
+
+    async def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
+        engine = self.engines.get(outputs.engine_index)
+        if engine is not None and outputs.scheduler_stats is not None:
+            engine.on_stats(outputs.scheduler_stats)
+        await super()._handle_outputs(outputs)
 
     async def _process_outputs(self) -> None:
         decoder = MessageDecoder((MsgType.OUTPUTS, MsgType.UTILITY_OUTPUT, MsgType.HEARTBEAT,
@@ -232,35 +313,32 @@ class MPEngineClient(EngineClient):
         try:
             while self.dead_reason is None:
                 msg_type, payload = decoder.decode(await socket.recv_multipart(copy=False))
-                now = self._last_message_time = time.monotonic()
+                now = time.monotonic()
+                if msg_type == MsgType.UTILITY_OUTPUT:
+                    self._resolve_utility(payload, now)
+                    continue
+                engine = self.engines.get(payload.engine_index)
+                if engine is None or not engine.is_alive:
+                    continue  # not one of ours, or dropped already: what it says is moot
                 if msg_type == MsgType.OUTPUTS:
-                    self._last_progress_time = now
+                    engine.on_message(now, progress=True)
                     await self._handle_outputs(payload)
-                elif msg_type == MsgType.UTILITY_OUTPUT:
-                    self._last_progress_time = now
-                    self._resolve_utility(payload)
                 elif msg_type == MsgType.HEARTBEAT:
-                    self._on_heartbeat(payload, now)
+                    engine.on_heartbeat(payload, now)
                 else:
                     assert msg_type == MsgType.DEAD, msg_type
-                    self._fail_all(f"engine core {payload.engine_index} died: "
-                                   f"{payload.reason}")
+                    self._engine_died(engine, f"engine core {payload.engine_index} died: "
+                                              f"{payload.reason}")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail the requests rather than hang them
             logger.exception("processing engine outputs failed")
             self._fail_all(f"processing engine outputs failed: {exc!r}")
 
-    def _on_heartbeat(self, heartbeat: EngineHeartbeat, now: float) -> None:
-        # An idle loop is not stuck: it has nothing to do.
-        previous = self._last_heartbeat
-        if heartbeat.idle or previous is None or (
-                heartbeat.num_iterations != previous.num_iterations):
-            self._last_progress_time = now
-        self._last_heartbeat = heartbeat
-
-    def _resolve_utility(self, output: UtilityOutput) -> None:
-        future = self._utility_futures.pop(output.call_id, None)
+    def _resolve_utility(self, output: UtilityOutput, now: float) -> None:
+        engine_index, future = self._utility_futures.pop(output.call_id, (None, None))
+        if engine_index is not None:
+            self.engines[engine_index].on_message(now, progress=True)
         if future is None or future.done():
             return  # the caller timed out or went away
         if output.failure_message is not None:
@@ -272,19 +350,39 @@ class MPEngineClient(EngineClient):
     async def _watch_liveness(self) -> None:
         while self.dead_reason is None:
             await asyncio.sleep(self.heartbeat_interval_s)
-            for name, process in self.watched_processes:
-                if not _is_alive(process):
-                    self._fail_all(f"{name} died")
-                    return
-            silence_s = time.monotonic() - self._last_message_time
-            # Messages already waiting mean the engine spoke and this loop was busy.
+            # Messages already waiting mean the engines spoke and this loop was busy.
             waiting = self.channel.output_socket.get(zmq.EVENTS) & zmq.POLLIN
-            if silence_s > self.heartbeat_timeout_s and not waiting:
-                self._fail_all(f"engine core {self.handshake.engine_index} sent nothing for "
-                               f"{silence_s:.1f} s: its process is gone or frozen")
+            now = time.monotonic()
+            for engine in list(self.engines.values()):
+                if not engine.is_alive:
+                    continue
+                dead_process = engine.find_dead_process()
+                if dead_process is not None:
+                    self._engine_died(engine, f"{dead_process} died")
+                    continue
+                silence_s = now - engine.last_message_time
+                if silence_s > self.heartbeat_timeout_s and not waiting:
+                    self._engine_died(engine, f"engine core {engine.engine_index} sent nothing "
+                                              f"for {silence_s:.1f} s: its process is gone or "
+                                              f"frozen")
+
+    async def _receive_load_tables(self, load_table_addr: str) -> None:
+        """Feed the coordinator's load tables to the router."""
+        socket = make_socket(self.channel.ctx, load_table_addr, zmq.SUB, bind=False)
+        decoder = msgspec.msgpack.Decoder(LoadTable)
+        try:
+            while True:
+                try:
+                    table = decoder.decode(await socket.recv())
+                except msgspec.DecodeError as exc:
+                    logger.error("dropped a malformed load table: %s", exc)
+                    continue
+                self.router.update_loads(table.loads)
+        finally:
+            socket.close()
 
     async def shutdown(self) -> None:
-        """Stop the background tasks and close the sockets (the engine process is the
+        """Stop the background tasks and close the sockets (the engine processes are the
         launcher's to stop)."""
         for task in self._tasks:
             task.cancel()
@@ -298,29 +396,19 @@ class MPEngineClient(EngineClient):
         self.channel.close()
 
 
-def _processes_to_watch(handshake: EngineHandshake, engine_process
-                        ) -> list[tuple[str, psutil.Process | None]]:
-    """(name, process) of the engine core and its workers, when they run on this host."""
-    if handshake.hostname != this_hostname():
-        return []  # remote engine: heartbeats are all we have
-    name = (f"engine core process {engine_process.name}" if engine_process is not None
-            else f"engine core {handshake.engine_index} process")
-    named_pids = [(f"{name} (pid {handshake.pid})", handshake.pid)]
-    named_pids += [(f"worker process (pid {pid}) of engine core {handshake.engine_index}", pid)
-                   for pid in handshake.worker_pids]
-    watched = []
-    for process_name, pid in named_pids:
-        try:
-            watched.append((process_name, psutil.Process(pid)))
-        except psutil.NoSuchProcess:
-            watched.append((process_name, None))  # died between READY and now
-    return watched
-
-
-def _is_alive(process: psutil.Process | None) -> bool:
-    # is_running() also guards against pid reuse; a zombie has exited but is not reaped yet.
-    try:
-        return (process is not None and process.is_running()
-                and process.status() != psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return False
+def _make_router(engines: list[EngineConnection], routing: DPRouting) -> DPRouter:
+    """A router that hashes prompts as every engine does (they must agree)."""
+    first = engines[0].handshake
+    hashing = {(e.handshake.block_size, e.handshake.enable_prefix_caching,
+                e.handshake.prefix_caching_hash_algo) for e in engines}
+    if routing == "prefix" and len(hashing) > 1:
+        raise ValueError(f"prefix routing needs engine cores that hash blocks alike; they "
+                         f"report (block_size, prefix caching, hash algo) {sorted(hashing)}: "
+                         f"start them with the same --block-size and "
+                         f"--prefix-caching-hash-algo")
+    hash_fn = (get_hash_fn(first.prefix_caching_hash_algo)
+               if routing == "prefix" and first.enable_prefix_caching else None)
+    router = DPRouter(routing, first.block_size, hash_fn)
+    for engine in engines:
+        router.add_engine(engine.engine_index, engine.handshake.num_blocks)
+    return router

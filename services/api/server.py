@@ -3,7 +3,9 @@
 Routes:
     POST /v1/completions, /v1/chat/completions   JSON, or SSE with "stream": true
     GET  /v1/models
-    GET  /health        200 while the engine is alive, else 503
+    GET  /health        200 while an engine core serves, else 503; the JSON body lists every
+                        engine's state ({"status": "healthy"|"degraded"|"unhealthy",
+                        "engines": [{"engine": 0, "state": "serving"|"stalled"|"dead", ...}]})
     GET  /metrics       Prometheus text
     POST /tokenize, /detokenize                  vLLM's shapes
 
@@ -111,7 +113,10 @@ def build_app(engine_client: EngineClient, *, served_model_name: str,
         return json_response(ModelList(data=[card]))
 
     async def health(request: Request) -> Response:
-        return Response(status_code=200 if engine_client.is_healthy else 503)
+        # Degraded (some engines gone) still serves: 200, and the body says which are gone.
+        return Response(msgspec.json.encode(engine_client.health_report()),
+                        status_code=200 if engine_client.is_healthy else 503,
+                        media_type="application/json")
 
     async def metrics_endpoint(request: Request) -> Response:
         text, content_type = metrics.render()

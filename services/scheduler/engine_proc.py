@@ -3,6 +3,7 @@
     api ROUTER ──▶ input thread (DEALER) ──▶ input_queue ──▶ busy loop ──▶ output_queue
                                                           (EngineCore)        │
     api PULL   ◀──────────────────────────── output thread (PUSH) ◀───────────┘
+    DP coordinator PULL ◀── (waiting, running) ─┘ (PUSH, with data parallelism)
 
 The busy loop owns the EngineCore and touches no socket; the IO threads own one socket each
 and do all encoding and decoding, overlapping with the forward pass (torch drops the GIL).
@@ -27,8 +28,9 @@ from shared.logging import init_logger
 from shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
     engine_identity, make_socket
-from shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineStats, \
-    GetStats, MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput, this_hostname
+from shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineLoad, \
+    EngineStats, GetStats, MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput, \
+    this_hostname
 
 logger = init_logger(__name__)
 
@@ -38,6 +40,8 @@ _OUTPUT_LINGER_MS = 2000
 _INPUT_POLL_MS = 1000
 _SHUTDOWN = object()  # the output queue's stop sentinel
 _IDLE_WAKEUP_S = 0.5  # an idle busy loop wakes this often so signal handlers can run
+# A busy engine reports a load change to the DP coordinator at most this often.
+_LOAD_REPORT_INTERVAL_S = 0.05
 
 
 class EngineFailure(RuntimeError):
@@ -51,13 +55,15 @@ class EngineCoreProc:
         addresses: the api's input (ROUTER) and output (PULL) addresses.
         engine_index: this engine's index (its DEALER identity).
         parent_pid: shut down when this process is no longer our parent (None: never).
+        stats_addr: the DP coordinator's load address (None: no coordinator).
     """
 
     def __init__(self, addresses: EngineAddresses, engine_index: int = 0,
-                 parent_pid: int | None = None):
+                 parent_pid: int | None = None, stats_addr: str | None = None):
         self.addresses = addresses
         self.engine_index = engine_index
         self.parent_pid = parent_pid
+        self.stats_addr = stats_addr
         self.engine_core = None  # built by start(), after the output thread runs
         self.input_queue: queue.Queue[tuple[MsgType | None, Any]] = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
@@ -86,7 +92,9 @@ class EngineCoreProc:
             engine_index=self.engine_index, num_blocks=ready.num_blocks,
             max_model_len=ready.max_model_len, block_size=ready.block_size,
             hostname=this_hostname(), pid=os.getpid(),
-            worker_pids=self.engine_core.executor.worker_pids)
+            worker_pids=self.engine_core.executor.worker_pids,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
         self.input_thread = threading.Thread(target=self._process_input_socket,
                                              args=(handshake,), name="EngineCoreInputIO",
                                              daemon=True)
@@ -189,6 +197,14 @@ class EngineCoreProc:
         return EngineHeartbeat(self.engine_index, self.num_iterations, self.num_steps,
                                self.idle, num_unfinished)
 
+    def make_load(self) -> EngineLoad:
+        """Queue lengths for the DP coordinator (read from the output thread: len() of the
+        scheduler's queues is atomic under the GIL, and a stale value is corrected next)."""
+        scheduler = self.engine_core.scheduler if self.engine_core is not None else None
+        if scheduler is None:
+            return EngineLoad(self.engine_index, 0, 0)
+        return EngineLoad(self.engine_index, len(scheduler.waiting), len(scheduler.running))
+
     # ------------------------------------------------------------------ IO threads
 
     def _process_input_socket(self, handshake: EngineHandshake) -> None:
@@ -237,38 +253,77 @@ class EngineCoreProc:
                 outputs=[error], timestamp=time.monotonic(), engine_index=self.engine_index)))
 
     def _process_output_queue(self) -> None:
-        """Encode and send outputs; send a heartbeat whenever one is due."""
+        """Encode and send outputs; send a heartbeat (and the load, to the DP coordinator)
+        whenever one is due."""
         encoder = MessageEncoder()
         interval = ENGINE_HEARTBEAT_INTERVAL_S.get()
         sock = make_socket(self._ctx, self.addresses.output_addr, zmq.PUSH, bind=False,
                            linger_ms=_OUTPUT_LINGER_MS)
+        load_reporter = None
+        if self.stats_addr is not None:
+            load_reporter = _LoadReporter(make_socket(self._ctx, self.stats_addr, zmq.PUSH,
+                                                      bind=False))
         next_heartbeat = time.monotonic()
         try:
             while True:
+                # A busy engine's load changes between outputs too (requests arrive).
+                wakeup = next_heartbeat if self.idle or load_reporter is None else min(
+                    next_heartbeat, time.monotonic() + _LOAD_REPORT_INTERVAL_S)
                 try:
-                    item = self.output_queue.get(timeout=max(next_heartbeat - time.monotonic(),
-                                                             0))
+                    item = self.output_queue.get(timeout=max(wakeup - time.monotonic(), 0))
                 except queue.Empty:
                     item = None
                 if item is _SHUTDOWN:
                     return
                 if item is not None:
                     sock.send_multipart(encoder.encode(*item), copy=False)
-                if time.monotonic() >= next_heartbeat:
+                heartbeat_due = time.monotonic() >= next_heartbeat
+                if heartbeat_due:
                     sock.send_multipart(encoder.encode(MsgType.HEARTBEAT,
                                                        self.make_heartbeat()))
                     next_heartbeat = time.monotonic() + interval
+                if load_reporter is not None:
+                    load_reporter.maybe_send(self.make_load(), force=heartbeat_due)
         except Exception:  # noqa: BLE001 - nothing else can report it; the api sees silence
             logger.exception("output thread failed")
         finally:
             sock.close()  # lingers until the queued messages (a DEAD sentinel) are out
+            if load_reporter is not None:
+                load_reporter.socket.close()
+
+
+class _LoadReporter:
+    """Sends the engine's load to the DP coordinator when it changed, at most every
+    _LOAD_REPORT_INTERVAL_S, and with every heartbeat (the coordinator's liveness signal).
+
+    Args:
+        socket: a PUSH connected to the coordinator's stats address.
+    """
+
+    def __init__(self, socket: zmq.Socket):
+        self.socket = socket
+        self._encoder = msgspec.msgpack.Encoder()
+        self._last_load: EngineLoad | None = None
+        self._last_send_time = 0.0
+
+    def maybe_send(self, load: EngineLoad, force: bool) -> None:
+        now = time.monotonic()
+        changed = load != self._last_load
+        if force or (changed and now - self._last_send_time >= _LOAD_REPORT_INTERVAL_S):
+            # NOBLOCK: a coordinator that is gone must never stall the outputs.
+            try:
+                self.socket.send(self._encoder.encode(load), zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_load, self._last_send_time = load, now
 
 
 # ---------------------------------------------------------------------- process entry point
 
 
 def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
-                    engine_index: int = 0, watch_parent: bool = False) -> int:
+                    engine_index: int = 0, watch_parent: bool = False,
+                    stats_addr: str | None = None, num_local_engines: int = 1) -> int:
     """Run one engine core until SIGTERM (exit code 0) or a fatal error (DEAD sent, 1).
 
     Args:
@@ -277,11 +332,14 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, outpu
         input_addr, output_addr: the api's ROUTER and PULL addresses.
         engine_index: this engine's index.
         watch_parent: exit when the launching process dies (children of `kvserve serve`).
+        stats_addr: the DP coordinator's load address (data parallelism), else None.
+        num_local_engines: engine cores on this host, which share its CPU cores.
     """
     _install_signal_handlers(ignore_sigint=watch_parent)
-    _configure_torch_threads()
+    _configure_torch_threads(num_local_engines)
     proc = EngineCoreProc(EngineAddresses(input_addr, output_addr), engine_index,
-                          parent_pid=os.getppid() if watch_parent else None)
+                          parent_pid=os.getppid() if watch_parent else None,
+                          stats_addr=stats_addr)
     exit_code = 0
     try:
         proc.start(config, model_dir)
@@ -307,10 +365,12 @@ def _install_signal_handlers(ignore_sigint: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else _exit)
 
 
-def _configure_torch_threads() -> None:
-    """Use every core this process may run on (torch counts physical cores only)."""
+def _configure_torch_threads(num_local_engines: int = 1) -> None:
+    """Share the cores this process may run on among the host's engine cores (torch counts
+    physical cores only); OMP_NUM_THREADS overrides."""
     import torch
 
-    num_threads = OMP_NUM_THREADS.get() or len(os.sched_getaffinity(0))
+    num_cores = len(os.sched_getaffinity(0))
+    num_threads = OMP_NUM_THREADS.get() or max(1, num_cores // num_local_engines)
     torch.set_num_threads(num_threads)
     logger.info("engine core uses %d torch threads", num_threads)

@@ -32,22 +32,34 @@ def _parse(command: list[str]):
     return args
 
 
+ENGINES = ("engine-0", "engine-1")
+
+
 def test_every_service_command_parses(compose_config):
     services = compose_config["services"]
-    assert {"api", "engine"} <= set(services)
+    assert {"api", "coordinator", *ENGINES} <= set(services)
     kinds = {name: _parse(service["command"]).command for name, service in services.items()}
-    assert kinds["api"] == "api" and kinds["engine"] == "engine"
+    assert kinds["api"] == "api" and kinds["coordinator"] == "coordinator"
+    assert all(kinds[name] == "engine" for name in ENGINES)
 
 
-def test_engine_connects_to_the_api_sockets(compose_config):
+def _port(bound: str) -> str:
+    assert bound.startswith("tcp://*:"), bound
+    return bound.rsplit(":", 1)[1]
+
+
+def test_engines_connect_to_the_api_and_coordinator_sockets(compose_config):
     services = compose_config["services"]
     api = _parse(services["api"]["command"])
-    engine = _parse(services["engine"]["command"])
-    for side in ("input_addr", "output_addr"):
-        bound, connected = getattr(api, side), getattr(engine, side)
-        assert bound.startswith("tcp://*:"), bound
-        port = bound.rsplit(":", 1)[1]
-        assert connected == f"tcp://api:{port}", (side, bound, connected)
+    coordinator = _parse(services["coordinator"]["command"])
+    engines = [_parse(services[name]["command"]) for name in ENGINES]
+    assert sorted(engine.engine_index for engine in engines) == list(range(len(ENGINES)))
+    assert api.data_parallel_size == len(ENGINES)
+    for engine in engines:
+        for side in ("input_addr", "output_addr"):
+            assert getattr(engine, side) == f"tcp://api:{_port(getattr(api, side))}", side
+        assert engine.stats_addr == f"tcp://coordinator:{_port(coordinator.stats_addr)}"
+    assert api.load_table_addr == f"tcp://coordinator:{_port(coordinator.publish_addr)}"
     published = [str(p.get("target", p)) if isinstance(p, dict) else p.split(":")[-1]
                  for p in services["api"].get("ports", [])]
     assert str(api.port) in published
