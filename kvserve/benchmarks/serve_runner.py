@@ -1,0 +1,209 @@
+"""The run behind `kvserve bench serve`: arrivals, concurrency, metrics, the result dict."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+
+import aiohttp
+import numpy as np
+
+from kvserve.benchmarks import datasets
+from kvserve.benchmarks.endpoint_client import RequestRecord, RequestSpec, send_request
+from kvserve.benchmarks.metrics import compute_metrics, format_report, parse_goodput, \
+    parse_metric_percentiles, parse_percentile_metrics
+from kvserve.benchmarks.server_metrics import ServerMetricsWatcher, format_server_report
+from shared.logging import init_logger
+
+logger = init_logger("kvserve.benchmarks")
+
+# A long generation on a loaded CPU server can take minutes; no request should hang forever.
+_REQUEST_TIMEOUT_S = 6 * 60 * 60
+
+
+def sample_requests(args: argparse.Namespace, tokenizer) -> list[datasets.SampleRequest]:
+    if args.dataset_name == "random":
+        return datasets.random_requests(tokenizer, args.num_prompts, args.random_input_len,
+                                        args.random_output_len, args.random_range_ratio,
+                                        args.seed)
+    if args.dataset_name == "prefix":
+        return datasets.prefix_requests(tokenizer, args.num_prompts, args.prefix_num_groups,
+                                        args.prefix_len, args.prefix_suffix_len,
+                                        args.prefix_output_len, args.seed)
+    return datasets.sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts,
+                                      args.sharegpt_output_len, args.seed)
+
+
+def arrival_gaps(num_requests: int, request_rate: float, burstiness: float,
+                 seed: int) -> list[float]:
+    """Seconds to wait after each request before sending the next.
+
+    Gamma-distributed with shape = burstiness and mean 1 / request_rate: burstiness 1 is a
+    Poisson process, smaller values bunch arrivals together. All zero at an infinite rate.
+    """
+    if request_rate == float("inf"):
+        return [0.0] * num_requests
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"--request-rate and --burstiness must be > 0, got {request_rate} "
+                         f"and {burstiness}")
+    rng = np.random.default_rng(seed)
+    return rng.gamma(burstiness, 1.0 / (request_rate * burstiness), num_requests).tolist()
+
+
+async def _arrivals(items: list, gaps: list[float]) -> AsyncIterator:
+    for i, (item, gap) in enumerate(zip(items, gaps)):
+        yield item
+        # No wait after the last request: it would only stretch the measured duration.
+        if gap > 0 and i + 1 < len(items):
+            await asyncio.sleep(gap)
+
+
+async def _resolve_model(session: aiohttp.ClientSession, base_url: str,
+                         headers: dict[str, str]) -> str:
+    try:
+        async with session.get(base_url + "/v1/models", headers=headers) as response:
+            if response.status == 200:
+                return (await response.json())["data"][0]["id"]
+            problem = f"answered HTTP {response.status}"
+    except aiohttp.ClientError as exc:
+        problem = f"failed ({exc})"
+    raise ValueError(f"GET {base_url}/v1/models {problem}: is the server up at --base-url "
+                     "(or --host/--port)? Pass --model to skip this lookup")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The flags that need parsing, checked before any prompt is built.
+
+    Args:
+        percentiles: --metric-percentiles as numbers.
+        metric_names: --percentile-metrics as a list.
+        slos: --goodput as {metric: ms}.
+        gaps: seconds between consecutive requests.
+        metadata: --metadata as a dict.
+    """
+
+    percentiles: list[float]
+    metric_names: list[str]
+    slos: dict[str, float]
+    gaps: list[float]
+    metadata: dict[str, str]
+
+
+def parse_run_options(args: argparse.Namespace) -> RunOptions:
+    """RunOptions from the CLI flags; ValueError with the flag's name when one is wrong."""
+    metadata = {}
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata takes KEY=VALUE items, got {item!r}")
+        metadata[key] = value
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    return RunOptions(parse_metric_percentiles(args.metric_percentiles),
+                      parse_percentile_metrics(args.percentile_metrics),
+                      parse_goodput(args.goodput),
+                      arrival_gaps(args.num_prompts, args.request_rate, args.burstiness,
+                                   args.seed),
+                      metadata)
+
+
+async def benchmark(args: argparse.Namespace, options: RunOptions, base_url: str,
+                    requests: list[datasets.SampleRequest], tokenizer) -> dict:
+    """Send every request, then return the result (config, summary, server figures, detail).
+
+    Args:
+        args: the `kvserve bench serve` flags.
+        options: the parsed flags.
+        base_url: the server's URL, without a trailing slash.
+        requests: the dataset.
+        tokenizer: counts output tokens when the server sends no usage.
+    """
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    percentiles, metric_names, slos = options.percentiles, options.metric_names, options.slos
+    gaps = options.gaps[:len(requests)]
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        model = args.model or await _resolve_model(session, base_url, headers)
+        specs = [RequestSpec(base_url + args.endpoint, args.endpoint.endswith("chat/completions"),
+                             model, r.prompt, r.prompt_len, r.expected_output_len,
+                             args.ignore_eos, args.temperature, args.extra_body or {})
+                 for r in requests]
+        watcher = ServerMetricsWatcher(session, base_url + "/metrics", headers)
+        await watcher.start()
+        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        progress = None
+        if not args.disable_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(specs))
+
+        async def limited(spec: RequestSpec) -> RequestRecord:
+            if semaphore is None:
+                record = await send_request(session, spec, headers)
+            else:
+                async with semaphore:
+                    record = await send_request(session, spec, headers)
+            if progress is not None:
+                progress.update(1)
+            return record
+
+        logger.info("bench serve: %d requests to %s%s, rate %s, max concurrency %s",
+                    len(specs), base_url, args.endpoint, args.request_rate,
+                    args.max_concurrency)
+        bench_start = time.perf_counter()
+        tasks = [asyncio.create_task(limited(spec)) async for spec in _arrivals(specs, gaps)]
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - bench_start
+        if progress is not None:
+            progress.close()
+        server = await watcher.stop()
+    summary, detail = compute_metrics(records, tokenizer, duration, percentiles, slos,
+                                      bench_start)
+    print(format_report(summary, metric_names, percentiles, args.max_concurrency,
+                        args.request_rate))
+    if server is not None:
+        print(format_server_report(server))
+    for error in sorted({e for e in detail["errors"] if e})[:5]:
+        logger.warning("failed requests, e.g.: %s", error)
+    return {**_run_config(args, base_url, model, len(requests)), **options.metadata,
+            **summary, **(server or {}), **detail}
+
+
+def _run_config(args: argparse.Namespace, base_url: str, model: str, num_prompts: int) -> dict:
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai-chat" if args.endpoint.endswith("chat/completions") else "openai",
+        "label": args.label,
+        "base_url": base_url,
+        "endpoint": args.endpoint,
+        "model_id": model,
+        "tokenizer_id": args.tokenizer,
+        "dataset_name": args.dataset_name,
+        "num_prompts": num_prompts,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "ignore_eos": args.ignore_eos,
+        "seed": args.seed,
+    }
+
+
+def result_path(args: argparse.Namespace, result: dict) -> str:
+    if args.result_filename:
+        name = args.result_filename
+    else:
+        rate = result["request_rate"]
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        name = (f"{args.label or 'openai'}-{rate}qps{concurrency}-"
+                f"{os.path.basename(str(result['model_id']))}-{result['date']}.json")
+    os.makedirs(args.result_dir, exist_ok=True)
+    return os.path.join(args.result_dir, name)
