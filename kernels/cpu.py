@@ -1,10 +1,13 @@
 """Native CPU kernels: small C sources compiled at first use, called through ctypes.
 
-The torch references gather paged K/V into padded copies; for decode attention that copy
-costs more than the attention itself on CPU. The C kernel reads K/V in place through the block
-table. It is built once per machine into the kvserve cache folder (`cc -O3 -march=native
--fopenmp -fno-math-errno`, about a second) and shares torch's OpenMP runtime. Without a C
-compiler, callers fall back to the torch reference (`available()` is False).
+- Decode attention: the torch reference gathers paged K/V into padded copies, which costs more
+  than the attention itself on CPU; the C kernel reads K/V in place through the block table.
+- RMSNorm (+ residual add), SiLU-and-mul, rotary: one pass per row instead of the references'
+  chains of casts and elementwise ops (each its own OpenMP fork/join on two cores).
+
+They are built once per machine into the kvserve cache folder (`cc -O3 -march=native -fopenmp
+-fno-math-errno`, about two seconds) and share torch's OpenMP runtime. Without a C compiler,
+callers fall back to the torch references (`available()` is False).
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ from shared.logging import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("decode_attention.c", "cpu_ops.c")]
+_HEADER = Path(__file__).parent / "csrc" / "vec_math.h"
+_FUNCTIONS = [f"{op}_{suffix}" for op in ("decode_attention", "rms_norm", "silu_and_mul",
+                                          "rotary_embedding") for suffix in ("f32", "bf16")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -39,22 +46,22 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     key = hashlib.sha256(source + platform.machine().encode() + compiler.encode()
                          + Path("/proc/cpuinfo").read_bytes()[:4096]
                          if Path("/proc/cpuinfo").exists() else source).hexdigest()[:16]
     out_dir = Path(CACHE_DIR.get()) / "kernels"
-    target = out_dir / f"decode_attention-{key}.so"
+    target = out_dir / f"kvserve_cpu-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_target = Path(tmp) / target.name
         subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-fno-math-errno",
-                        "-shared", "-fPIC", "-o", str(tmp_target), str(_SOURCE), "-lm"],
+                        "-shared", "-fPIC", "-o", str(tmp_target), *map(str, _SOURCES), "-lm"],
                        check=True, capture_output=True, timeout=120)
         os.replace(tmp_target, target)  # atomic: concurrent builders race harmlessly
-    logger.info("built the CPU decode-attention kernel: %s", target)
+    logger.info("built the CPU kernels: %s", target)
     return target
 
 
@@ -65,7 +72,7 @@ def _load() -> ctypes.CDLL | None:
             return _lib
         compiler = _compiler()
         if compiler is None:
-            logger.warning("no C compiler: CPU decode attention uses the torch reference")
+            logger.warning("no C compiler: the CPU kernels fall back to the torch references")
             _failed = True
             return None
         try:
@@ -74,14 +81,14 @@ def _load() -> ctypes.CDLL | None:
             logger.warning("CPU kernel build failed (%s): using the torch reference", exc)
             _failed = True
             return None
-        for name in ("decode_attention_f32", "decode_attention_bf16"):
+        for name in _FUNCTIONS:
             getattr(lib, name).restype = None
         _lib = lib
         return _lib
 
 
 def available(dtype: torch.dtype) -> bool:
-    """Whether the C decode kernel handles this dtype here (else use the torch reference)."""
+    """Whether the C kernels handle this dtype here (else use the torch references)."""
     return dtype in (torch.float32, torch.bfloat16) and _load() is not None
 
 
@@ -118,3 +125,70 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
        ctypes.c_void_p(seq_lens.data_ptr()), ctypes.c_void_p(token_rows.data_ptr()),
        ctypes.c_int(seq_lens.shape[0]), ctypes.c_int(num_heads), ctypes.c_int(num_kv_heads),
        ctypes.c_int(head_size), ctypes.c_int(block_size), ctypes.c_float(scale))
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+
+
+def _fn(name: str, dtype: torch.dtype):
+    lib = _load()
+    assert lib is not None
+    return getattr(lib, f"{name}_{'f32' if dtype == torch.float32 else 'bf16'}")
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    assert x.dim() == 2 and x.stride(1) == 1, "rows must be 2-D with a contiguous last dim"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x's rows [T, H]; with residual, of x + residual (rounded to x's dtype), and
+    that sum is returned too. Same numbers as kernels.norm's references."""
+    _check_rows(x)
+    num_tokens, hidden_size = x.shape
+    out = torch.empty((num_tokens, hidden_size), dtype=x.dtype)
+    residual_out = None
+    if residual is not None:
+        _check_rows(residual)
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        residual_out = torch.empty_like(out)
+    weight = weight.float().contiguous()
+    _fn("rms_norm", x.dtype)(
+        _ptr(out), _ptr(x), ctypes.c_int64(x.stride(0)), _ptr(residual),
+        ctypes.c_int64(residual.stride(0) if residual is not None else 0), _ptr(residual_out),
+        _ptr(weight), ctypes.c_int(num_tokens), ctypes.c_int(hidden_size), ctypes.c_float(eps))
+    return out if residual is None else (out, residual_out)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] = [gate | up]; returns silu(gate) * up, [T, I]."""
+    _check_rows(x)
+    num_tokens, intermediate_size = x.shape[0], x.shape[1] // 2
+    out = torch.empty((num_tokens, intermediate_size), dtype=x.dtype)
+    _fn("silu_and_mul", x.dtype)(_ptr(out), _ptr(x), ctypes.c_int64(x.stride(0)),
+                                 ctypes.c_int(num_tokens), ctypes.c_int(intermediate_size))
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary embedding; query [T, Hq * D] and key [T, Hkv * D] rows may be strided
+    (views of a fused qkv). Returns new contiguous (query, key)."""
+    from kernels.rotary import _check_rotary_args
+
+    _check_rotary_args(positions, query, key, cos_sin_cache, head_size)
+    _check_rows(query)
+    _check_rows(key)
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    q_out, k_out = torch.empty(query.shape, dtype=query.dtype), torch.empty(key.shape,
+                                                                             dtype=key.dtype)
+    _fn("rotary_embedding", query.dtype)(
+        _ptr(q_out), _ptr(k_out), _ptr(query), ctypes.c_int64(query.stride(0)), _ptr(key),
+        ctypes.c_int64(key.stride(0)), _ptr(positions), _ptr(cos_sin_cache),
+        ctypes.c_int(query.shape[0]), ctypes.c_int(query.shape[1] // head_size),
+        ctypes.c_int(key.shape[1] // head_size), ctypes.c_int(head_size))
+    return q_out, k_out

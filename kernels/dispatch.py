@@ -1,24 +1,33 @@
-"""Pick the Triton kernel on CUDA tensors and the torch reference elsewhere."""
+"""Pick the Triton kernel on CUDA tensors; on CPU the native C kernel (kernels/cpu.py) where
+it is built for the dtype, else the torch reference."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import activation, attention, cache, norm, rotary
+from kernels import activation, attention, cache, cpu, norm, rotary
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def _use_cpu_kernel(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and cpu.available(t.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / rms(x) * weight over the last dim. x: [T, H]."""
+    if _use_cpu_kernel(x):
+        return cpu.rms_norm(x, weight, eps)
     return (norm.rms_norm if _use_triton(x) else norm.rms_norm_ref)(x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual = x + residual; return (rms_norm(residual), residual)."""
+    if _use_cpu_kernel(x):
+        return cpu.rms_norm(x, weight, eps, residual)
     fn = norm.fused_add_rms_norm if _use_triton(x) else norm.fused_add_rms_norm_ref
     return fn(x, residual, weight, eps)
 
@@ -32,12 +41,16 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     cos_sin_cache: [max_position, D] float32, cos in the first D/2 columns, sin in the rest.
     Returns the rotated (query, key), same shapes and dtype.
     """
+    if _use_cpu_kernel(query):
+        return cpu.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     fn = rotary.rotary_embedding if _use_triton(query) else rotary.rotary_embedding_ref
     return fn(positions, query, key, cos_sin_cache, head_size)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] = [gate | up]; returns silu(gate) * up, [T, I]."""
+    if _use_cpu_kernel(x):
+        return cpu.silu_and_mul(x)
     return (activation.silu_and_mul if _use_triton(x) else activation.silu_and_mul_ref)(x)
 
 

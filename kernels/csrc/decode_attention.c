@@ -4,64 +4,126 @@
 // Built at first use by kernels/cpu.py with `cc -O3 -march=native -fopenmp -fno-math-errno`;
 // it links the libgomp that torch already loaded, so it shares torch's OpenMP thread pool.
 //
-// For request r, query head qh and its KV head kh = qh / (num_heads / num_kv_heads):
-//   scores[qh][t] = scale * q[r, qh, :] . K[slot(r, t), kh, :]        t < seq_lens[r]
-//   out[r, qh, :] = sum_t softmax(scores[qh])[t] * V[slot(r, t), kh, :]
-// slot(r, t) = block_table[r][t / block_size], offset t % block_size. One slot holds all KV
-// heads contiguously ([Hkv, D]), so each pass streams a request's blocks front to back.
+// For request r, query head h and its KV head kh = h / (num_heads / num_kv_heads):
+//   scores[h][t] = scale * q[r, h, :] . K[slot(r, t), kh, :]        t < seq_lens[r]
+//   out[r, h, :] = sum_t softmax(scores[h])[t] * V[slot(r, t), kh, :]
+// slot(r, t) = block_table[r][t / block_size], offset t % block_size.
+//
+// Loops run KV head by KV head: each K/V row is read once for the `group` query heads that
+// share it (float32 rows in place, bfloat16 rows widened once into a small buffer). The head
+// size is a compile-time constant for the common sizes (64, 128) so the dot products unroll,
+// and the softmax's exp is a polynomial the compiler vectorizes (libm's expf is a scalar call
+// per score).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-    return (uint16_t)(u >> 16);
-}
+#include "vec_math.h"
 
-// A cache row as floats: fp32 rows are read in place, bf16 rows converted into `buf` (a
-// plain loop the compiler vectorizes).
-static inline const float *load_row_f32(float *buf, const float *src, int n) {
+static inline float load_f32(const float *p, int i) { return p[i]; }
+static inline float load_bf16(const uint16_t *p, int i) { return bf16_to_f32(p[i]); }
+static inline void store_f32(float *p, int i, float v) { p[i] = v; }
+static inline void store_bf16(uint16_t *p, int i, float v) { p[i] = f32_to_bf16_rne(v); }
+
+static inline const float *widen_f32(float *buf, const float *src, int n) {
     (void)buf;
     (void)n;
     return src;
 }
 
-static inline const float *load_row_bf16(float *buf, const uint16_t *src, int n) {
-    uint32_t *bits = (uint32_t *)buf;
-#pragma omp simd
-    for (int d = 0; d < n; d++) bits[d] = ((uint32_t)src[d]) << 16;
+static inline const float *widen_bf16(float *buf, const uint16_t *src, int n) {
+    for (int d = 0; d < n; d++) buf[d] = bf16_to_f32(src[d]);
     return buf;
 }
 
-static inline void store_row_f32(float *dst, const float *src, float mul, int n) {
-    for (int d = 0; d < n; d++) dst[d] = src[d] * mul;
+// One request. q: [H, D] float scratch; scores: [H, seq_len] scratch; acc: [H, D] scratch.
+#define DEFINE_ATTEND_ONE(NAME, T, LOAD, STORE, WIDEN)                                        \
+static inline __attribute__((always_inline)) void NAME(                                       \
+        T *out, const T *query, int64_t q_head_stride, const T *key_cache,                    \
+        const T *value_cache, int64_t block_stride, int64_t slot_stride,                      \
+        const int32_t *blocks, int seq_len, int num_heads, int group, const int head_size,    \
+        int block_size, float scale, float *q, float *scores, float *acc) {                   \
+    for (int h = 0; h < num_heads; h++)                                                       \
+        for (int d = 0; d < head_size; d++)                                                   \
+            q[h * head_size + d] = LOAD(query + h * q_head_stride, d) * scale;                \
+    const int num_blocks = (seq_len + block_size - 1) / block_size;                           \
+    float row[head_size];                                                                     \
+    for (int kh = 0; kh < num_heads / group; kh++) {                                          \
+        const int64_t head_offset = (int64_t)kh * head_size;                                  \
+        const float *qk = q + (int64_t)kh * group * head_size;                                \
+        float *sk = scores + (int64_t)kh * group * seq_len;                                   \
+        for (int b = 0; b < num_blocks; b++) {                                                \
+            const T *k_block = key_cache + blocks[b] * block_stride + head_offset;            \
+            const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size    \
+                                                                : block_size;                 \
+            for (int o = 0; o < n; o++) {                                                     \
+                const T *k = k_block + o * slot_stride;                                       \
+                const float *kr = WIDEN(row, k, head_size);                      \
+                for (int g = 0; g < group; g++) {                                             \
+                    const float *qh = qk + g * head_size;                                     \
+                    float dot = 0.f;                                                          \
+                    _Pragma("omp simd reduction(+:dot)")                                      \
+                    for (int d = 0; d < head_size; d++) dot += qh[d] * kr[d];                \
+                    sk[(int64_t)g * seq_len + b * block_size + o] = dot;                      \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    for (int h = 0; h < num_heads; h++) {                                                     \
+        float *s = scores + (int64_t)h * seq_len;                                             \
+        float max = -INFINITY, sum = 0.f;                                                     \
+        for (int t = 0; t < seq_len; t++) max = s[t] > max ? s[t] : max;                      \
+        _Pragma("omp simd reduction(+:sum)")                                                  \
+        for (int t = 0; t < seq_len; t++) {                                                   \
+            s[t] = exp_approx(s[t] - max);                                                    \
+            sum += s[t];                                                                      \
+        }                                                                                     \
+        const float inv = 1.f / sum;                                                          \
+        for (int t = 0; t < seq_len; t++) s[t] *= inv;                                        \
+    }                                                                                         \
+    for (int i = 0; i < num_heads * head_size; i++) acc[i] = 0.f;                             \
+    for (int kh = 0; kh < num_heads / group; kh++) {                                          \
+        const int64_t head_offset = (int64_t)kh * head_size;                                  \
+        const float *sk = scores + (int64_t)kh * group * seq_len;                             \
+        float *ak = acc + (int64_t)kh * group * head_size;                                    \
+        for (int b = 0; b < num_blocks; b++) {                                                \
+            const T *v_block = value_cache + blocks[b] * block_stride + head_offset;          \
+            const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size    \
+                                                                : block_size;                 \
+            for (int o = 0; o < n; o++) {                                                     \
+                const T *v = v_block + o * slot_stride;                                       \
+                const float *vr = WIDEN(row, v, head_size);                      \
+                for (int g = 0; g < group; g++) {                                             \
+                    const float p = sk[(int64_t)g * seq_len + b * block_size + o];            \
+                    float *a = ak + g * head_size;                                            \
+                    for (int d = 0; d < head_size; d++) a[d] += p * vr[d];                   \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    for (int h = 0; h < num_heads; h++)                                                       \
+        for (int d = 0; d < head_size; d++)                                                   \
+            STORE(out + h * head_size, d, acc[h * head_size + d]);                            \
 }
 
-static inline void store_row_bf16(uint16_t *dst, const float *src, float mul, int n) {
-    for (int d = 0; d < n; d++) dst[d] = f32_to_bf16(src[d] * mul);
-}
+DEFINE_ATTEND_ONE(attend_one_f32, float, load_f32, store_f32, widen_f32)
+DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, load_bf16, store_bf16, widen_bf16)
 
-// One request: q [H, D] (pre-scaled), scores [H, seq_len], acc [H, D], row [Hkv * D].
-#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD_ROW, STORE_ROW)                                 \
+// The entry point: requests in parallel; head sizes 64 and 128 get specialized bodies.
+#define DEFINE_DECODE_ATTENTION(NAME, T, ATTEND_ONE)                                          \
 void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,              \
           const T *key_cache, const T *value_cache, int64_t block_stride,                    \
           int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
           const int32_t *seq_lens, const int64_t *token_rows, int num_reqs, int num_heads,   \
           int num_kv_heads, int head_size, int block_size, float scale) {                    \
     const int group = num_heads / num_kv_heads;                                              \
-    const int slot_width = num_kv_heads * head_size;                                         \
     _Pragma("omp parallel")                                                                  \
     {                                                                                        \
         int capacity = 0;                                                                    \
         float *scores = NULL;                                                                \
         float *q = (float *)malloc(sizeof(float) * (size_t)num_heads * head_size);           \
         float *acc = (float *)malloc(sizeof(float) * (size_t)num_heads * head_size);         \
-        const int row_len = slot_width > head_size ? slot_width : head_size;                 \
-        float *row = (float *)malloc(sizeof(float) * (size_t)row_len);                       \
         _Pragma("omp for schedule(dynamic, 4)")                                              \
         for (int r = 0; r < num_reqs; r++) {                                                 \
             const int seq_len = seq_lens[r];                                                 \
@@ -71,60 +133,27 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
                 scores = (float *)malloc(sizeof(float) * (size_t)capacity * num_heads);      \
             }                                                                                \
             const int64_t token = token_rows[r];                                             \
-            for (int h = 0; h < num_heads; h++) {                                            \
-                const float *qh = LOAD_ROW(row, query + token * q_token_stride               \
-                                           + (int64_t)h * q_head_stride, head_size);         \
-                for (int d = 0; d < head_size; d++) q[h * head_size + d] = qh[d] * scale;    \
-            }                                                                                \
+            T *o = out + token * num_heads * (int64_t)head_size;                             \
+            const T *qr = query + token * q_token_stride;                                    \
             const int32_t *blocks = block_table + (int64_t)r * table_stride;                 \
-            for (int t = 0; t < seq_len; t++) {                                              \
-                const float *keys = LOAD_ROW(                                                \
-                    row, key_cache + (int64_t)blocks[t / block_size] * block_stride          \
-                    + (int64_t)(t % block_size) * slot_stride, slot_width);                  \
-                for (int h = 0; h < num_heads; h++) {                                        \
-                    const float *k = keys + (h / group) * head_size;                         \
-                    const float *qh = q + h * head_size;                                     \
-                    float dot = 0.f;                                                         \
-                    _Pragma("omp simd reduction(+:dot)")                                     \
-                    for (int d = 0; d < head_size; d++) dot += qh[d] * k[d];                 \
-                    scores[(int64_t)h * seq_len + t] = dot;                                  \
-                }                                                                            \
-            }                                                                                \
-            for (int h = 0; h < num_heads; h++) {                                            \
-                float *s = scores + (int64_t)h * seq_len;                                    \
-                float max = -INFINITY, sum = 0.f;                                            \
-                for (int t = 0; t < seq_len; t++) max = s[t] > max ? s[t] : max;             \
-                _Pragma("omp simd reduction(+:sum)")                                         \
-                for (int t = 0; t < seq_len; t++) {                                          \
-                    s[t] = expf(s[t] - max);                                                 \
-                    sum += s[t];                                                             \
-                }                                                                            \
-                const float inv = 1.f / sum;                                                 \
-                for (int t = 0; t < seq_len; t++) s[t] *= inv;                               \
-            }                                                                                \
-            memset(acc, 0, sizeof(float) * (size_t)num_heads * head_size);                   \
-            for (int t = 0; t < seq_len; t++) {                                              \
-                const float *values = LOAD_ROW(                                              \
-                    row, value_cache + (int64_t)blocks[t / block_size] * block_stride        \
-                    + (int64_t)(t % block_size) * slot_stride, slot_width);                  \
-                for (int h = 0; h < num_heads; h++) {                                        \
-                    const float p = scores[(int64_t)h * seq_len + t];                        \
-                    const float *v = values + (h / group) * head_size;                       \
-                    float *a = acc + h * head_size;                                          \
-                    _Pragma("omp simd")                                                      \
-                    for (int d = 0; d < head_size; d++) a[d] += p * v[d];                    \
-                }                                                                            \
-            }                                                                                \
-            for (int h = 0; h < num_heads; h++)                                              \
-                STORE_ROW(out + (token * num_heads + h) * (int64_t)head_size,                \
-                          acc + h * head_size, 1.f, head_size);                              \
+            if (head_size == 64)                                                             \
+                ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
+                           slot_stride, blocks, seq_len, num_heads, group, 64, block_size,   \
+                           scale, q, scores, acc);                                                \
+            else if (head_size == 128)                                                       \
+                ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
+                           slot_stride, blocks, seq_len, num_heads, group, 128, block_size,  \
+                           scale, q, scores, acc);                                                \
+            else                                                                             \
+                ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
+                           slot_stride, blocks, seq_len, num_heads, group, head_size,        \
+                           block_size, scale, q, scores, acc);                                    \
         }                                                                                    \
         free(scores);                                                                        \
         free(q);                                                                             \
         free(acc);                                                                           \
-        free(row);                                                                           \
     }                                                                                        \
 }
 
-DEFINE_DECODE_ATTENTION(decode_attention_f32, float, load_row_f32, store_row_f32)
-DEFINE_DECODE_ATTENTION(decode_attention_bf16, uint16_t, load_row_bf16, store_row_bf16)
+DEFINE_DECODE_ATTENTION(decode_attention_f32, float, attend_one_f32)
+DEFINE_DECODE_ATTENTION(decode_attention_bf16, uint16_t, attend_one_bf16)

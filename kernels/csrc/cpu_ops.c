@@ -1,0 +1,117 @@
+// Row-wise CPU kernels of the decoder layer: RMSNorm (with the fused residual add), SiLU-and-
+// mul and the neox rotary embedding, in float32 and bfloat16.
+//
+// Each op is one pass over its rows: the torch references spend most of their time in dtype
+// casts and in one OpenMP fork/join per elementwise op, which on two cores costs more than the
+// arithmetic. Numerics follow the references (kernels/norm.py, activation.py, rotary.py):
+// math in float32, every value the reference rounds to the activation dtype rounded here too.
+//
+// Built with decode_attention.c by kernels/cpu.py (`cc -O3 -march=native -fopenmp`).
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+// Ops over fewer than 16384 elements in all run on one thread (the `if` clauses below): a
+// fork/join costs more than the work.
+static inline float load_f32(const float *p, int64_t i) { return p[i]; }
+static inline float load_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
+static inline void store_f32(float *p, int64_t i, float v) { p[i] = v; }
+static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = f32_to_bf16_rne(v); }
+// The value a store then a load would give: what the reference reads back after rounding.
+static inline float round_f32(float v) { return v; }
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16_rne(v)); }
+
+// out[t] = rms_norm(s) * weight, s = x[t] (+ residual[t], rounded, stored to residual_out[t]).
+// residual may be NULL (plain RMSNorm; residual_out unused). weight is float32 [H].
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                          \
+void NAME(T *out, const T *x, int64_t x_stride, const T *residual, int64_t residual_stride,    \
+          T *residual_out, const float *weight, int num_tokens, int hidden_size, float eps) { \
+    _Pragma("omp parallel for schedule(static) if(num_tokens * hidden_size >= 16384)")       \
+    for (int t = 0; t < num_tokens; t++) {                                                    \
+        float row[hidden_size];                                                               \
+        const T *xt = x + (int64_t)t * x_stride;                                              \
+        float sum_sq = 0.f;                                                                   \
+        if (residual != NULL) {                                                               \
+            const T *rt = residual + (int64_t)t * residual_stride;                            \
+            T *ro = residual_out + (int64_t)t * hidden_size;                                  \
+            for (int i = 0; i < hidden_size; i++) {                                           \
+                float s = ROUND(LOAD(xt, i) + LOAD(rt, i));                                   \
+                STORE(ro, i, s);                                                              \
+                row[i] = s;                                                                   \
+            }                                                                                 \
+        } else {                                                                              \
+            for (int i = 0; i < hidden_size; i++) row[i] = LOAD(xt, i);                       \
+        }                                                                                     \
+        _Pragma("omp simd reduction(+:sum_sq)")                                               \
+        for (int i = 0; i < hidden_size; i++) sum_sq += row[i] * row[i];                      \
+        const float inv_rms = 1.f / sqrtf(sum_sq / hidden_size + eps);                        \
+        T *ot = out + (int64_t)t * hidden_size;                                               \
+        for (int i = 0; i < hidden_size; i++) STORE(ot, i, row[i] * inv_rms * weight[i]);     \
+    }                                                                                         \
+}
+
+DEFINE_RMS_NORM(rms_norm_f32, float, load_f32, store_f32, round_f32)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, load_bf16, store_bf16, round_bf16)
+
+// out[t] = silu(gate) * up with x[t] = [gate | up]; silu is rounded before the product, as
+// the reference's `F.silu(gate).mul_(up)` does in the activation dtype.
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                                      \
+void NAME(T *out, const T *x, int64_t x_stride, int num_tokens, int intermediate_size) {      \
+    _Pragma("omp parallel for schedule(static) if(num_tokens * intermediate_size >= 16384)") \
+    for (int t = 0; t < num_tokens; t++) {                                                    \
+        const T *gate = x + (int64_t)t * x_stride;                                            \
+        const T *up = gate + intermediate_size;                                               \
+        T *ot = out + (int64_t)t * intermediate_size;                                         \
+        _Pragma("omp simd")                                                                   \
+        for (int i = 0; i < intermediate_size; i++) {                                         \
+            const float g = LOAD(gate, i);                                                    \
+            const float silu = ROUND(g / (1.f + exp_approx(-g)));                             \
+            STORE(ot, i, silu * LOAD(up, i));                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, load_f32, store_f32, round_f32)
+DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16)
+
+// Neox (rotate-half) RoPE of one [num_heads, D] row: y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin.
+#define DEFINE_ROPE_ROW(NAME, T, LOAD, STORE)                                                 \
+static inline void NAME(T *dst, const T *src, const float *cos, const float *sin,             \
+                        int num_heads, int head_size) {                                       \
+    const int half = head_size / 2;                                                           \
+    for (int h = 0; h < num_heads; h++) {                                                     \
+        const T *xh = src + (int64_t)h * head_size;                                           \
+        T *yh = dst + (int64_t)h * head_size;                                                 \
+        _Pragma("omp simd")                                                                   \
+        for (int i = 0; i < half; i++) {                                                      \
+            const float x1 = LOAD(xh, i), x2 = LOAD(xh, i + half);                            \
+            STORE(yh, i, x1 * cos[i] - x2 * sin[i]);                                          \
+            STORE(yh, i + half, x2 * cos[i] + x1 * sin[i]);                                   \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+DEFINE_ROPE_ROW(rope_row_f32, float, load_f32, store_f32)
+DEFINE_ROPE_ROW(rope_row_bf16, uint16_t, load_bf16, store_bf16)
+
+// q_out [T, Hq * D] and k_out [T, Hkv * D] (contiguous) = RoPE of query / key rows (strided)
+// at positions[t]; cos_sin_cache [max_position, D] float32: cos | sin halves.
+#define DEFINE_ROTARY(NAME, T, ROPE_ROW)                                                      \
+void NAME(T *q_out, T *k_out, const T *query, int64_t q_stride, const T *key,                 \
+          int64_t k_stride, const int64_t *positions, const float *cos_sin_cache,             \
+          int num_tokens, int num_heads, int num_kv_heads, int head_size) {                   \
+    _Pragma("omp parallel for if(num_tokens * (num_heads + num_kv_heads) * head_size >= 16384)") \
+    for (int t = 0; t < num_tokens; t++) {                                                    \
+        const float *cos = cos_sin_cache + positions[t] * head_size;                          \
+        const float *sin = cos + head_size / 2;                                               \
+        ROPE_ROW(q_out + (int64_t)t * num_heads * head_size, query + (int64_t)t * q_stride,   \
+                 cos, sin, num_heads, head_size);                                             \
+        ROPE_ROW(k_out + (int64_t)t * num_kv_heads * head_size, key + (int64_t)t * k_stride,  \
+                 cos, sin, num_kv_heads, head_size);                                          \
+    }                                                                                         \
+}
+
+DEFINE_ROTARY(rotary_embedding_f32, float, rope_row_f32)
+DEFINE_ROTARY(rotary_embedding_bf16, uint16_t, rope_row_bf16)

@@ -1,0 +1,78 @@
+"""The native CPU RMSNorm, SiLU-and-mul and rotary kernels against their torch references.
+
+bfloat16 must round like the references (a handful of last-bit differences at most, from a
+different summation order); float32 must agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu, dispatch
+from kernels.activation import silu_and_mul_ref
+from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rotary import rotary_embedding_ref
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _needs_compiler():
+    if not cpu.available(torch.float32):
+        pytest.skip("no C compiler here: the CPU ops are the torch references themselves")
+
+
+def _assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    else:
+        # Equal up to one bfloat16 step on at most 1% of the values.
+        diff = (got.float() - expected.float()).abs()
+        step = expected.float().abs().clamp_min(1e-3) * 2 ** -7
+        assert bool((diff <= step).all()), f"max diff {diff.max().item()}"
+        assert (got != expected).sum().item() <= 0.01 * got.numel()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 300])
+def test_rms_norm_and_fused_add(dtype, num_tokens):
+    torch.manual_seed(num_tokens)
+    # x as a strided view (rows of a wider buffer), as a residual stream slice may be.
+    x = torch.randn(num_tokens, 640).to(dtype)[:, :576]
+    residual = torch.randn(num_tokens, 576).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    _assert_matches(dispatch.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
+    out, residual_out = dispatch.fused_add_rms_norm(x, residual, weight, 1e-5)
+    expected_out, expected_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual_out, expected_residual, atol=0, rtol=0)
+    _assert_matches(out, expected_out)
+    assert x.shape == (num_tokens, 576)  # inputs untouched, outputs fresh
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 200])
+def test_silu_and_mul(dtype, num_tokens):
+    torch.manual_seed(num_tokens)
+    x = (torch.randn(num_tokens, 2 * 1536) * 6).to(dtype)  # reaches exp's far ranges
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    _assert_matches(dispatch.silu_and_mul(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 9, 150])
+def test_rotary_embedding_on_a_fused_qkv_split(dtype, num_tokens):
+    torch.manual_seed(num_tokens)
+    num_heads, num_kv_heads, head_size = 9, 3, 64
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size).to(dtype)
+    query, key, _ = qkv.split([num_heads * head_size, num_kv_heads * head_size,
+                               num_kv_heads * head_size], dim=-1)
+    positions = torch.randint(0, 4096, (num_tokens,))
+    freqs = torch.outer(torch.arange(4096).float(), 1e-4 ** (torch.arange(32) / 32))
+    cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    got_q, got_k = dispatch.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+    expected_q, expected_k = rotary_embedding_ref(positions, query, key, cos_sin_cache,
+                                                  head_size)
+    _assert_matches(got_q, expected_q)
+    _assert_matches(got_k, expected_k)
