@@ -81,6 +81,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     distributed_executor_backend: Annotated[Literal["uni", "mp"] | None, _doc(
         "uni: worker in the engine process; mp: one process per rank "
         "(default: uni when TP x PP = 1)")] = None
+    master_addr: Annotated[str, _doc(
+        "address the TP/PP worker ranks rendezvous at (torch.distributed TCP store)")] = \
+        "127.0.0.1"
+    master_port: Annotated[int | None, _doc(
+        "port of that rendezvous (default: a free port picked at start-up)")] = None
 
     @property
     def world_size(self) -> int:

@@ -56,11 +56,6 @@ def make_executor(config: EngineConfig, model_dir: str) -> Executor:
                              f"{config.parallel.world_size}: use --executor mp")
         return UniExecutor(config, model_dir)
     if kind == "mp":
-        if config.parallel.world_size != 1:
-            # The mp executor runs any number of ranks, but the workers do not shard the
-            # model yet: every rank would hold and run all of it.
-            raise ValueError(f"tensor/pipeline parallelism is not implemented yet (TP x PP = "
-                             f"{config.parallel.world_size}); run with TP = PP = 1")
         from services.scheduler.mp_executor import MpExecutor
 
         return MpExecutor(config, model_dir)

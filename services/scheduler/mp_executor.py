@@ -1,8 +1,11 @@
 """MpExecutor: one worker process per rank, fed through a shared-memory ring.
 
-Every rank reads every SchedulerOutput from the ring (one write, N reads); only rank 0
-answers, with a msgspec-encoded ModelRunnerOutput on a ZMQ PUSH -> PULL socket. The protocol
-is drawn in services/worker/worker_proc.py.
+Every rank reads every SchedulerOutput from the ring (one write, N reads); only the driver
+rank (TP rank 0 of the last pipeline stage) answers, with a msgspec-encoded
+ModelRunnerOutput on a ZMQ PUSH -> PULL socket. The protocol is drawn in
+services/worker/worker_proc.py. Before spawning, the executor checks that the model splits
+over TP x PP (a ValueError, not a worker traceback) and picks the torch.distributed
+rendezvous the ranks meet at: --master-addr, and --master-port or a free port.
 
 Every wait here polls the result socket together with the workers' process sentinels, so a
 dead worker turns the next call into a RuntimeError naming its rank within a second or so,
@@ -15,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import shutil
 import signal
+import socket
 import tempfile
 import time
 import weakref
@@ -25,6 +29,7 @@ import zmq
 
 from services.scheduler.executor import Executor
 from services.worker import worker_proc
+from services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from shared.config import EngineConfig
 from shared.logging import init_logger
 from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
@@ -47,7 +52,11 @@ class MpExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_dir: str, start_timeout_s: float = 600.0,
                  execute_timeout_s: float = 300.0):
-        self.world_size = config.parallel.world_size
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        if self.world_size > 1:
+            verify_parallel_sizes(load_hf_config(model_dir), parallel.tensor_parallel_size,
+                                  parallel.pipeline_parallel_size)
         self.start_timeout_s = start_timeout_s
         self.execute_timeout_s = execute_timeout_s
         self._dead_reason: str | None = None
@@ -108,7 +117,7 @@ class MpExecutor(Executor):
                           "allocating the KV cache")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Broadcast one step to every rank and return rank 0's answer."""
+        """Broadcast one step to every rank and return the driver rank's answer."""
         self._broadcast(worker_proc.EXECUTE, scheduler_output, self.execute_timeout_s)
         body = self._receive(worker_proc.OUTPUT, self.execute_timeout_s, "executing a step")
         return self._output_decoder.decode(body)
@@ -127,6 +136,8 @@ class MpExecutor(Executor):
                   "--engine-config", msgspec.json.encode(config).decode(),
                   "--ring-handle", msgspec.json.encode(self._ring.handle).decode(),
                   "--result-addr", result_addr]
+        if self.world_size > 1:
+            common += ["--distributed-init-method", distributed_init_method(config)]
         for rank in range(self.world_size):
             proc = mp_ctx.Process(target=worker_proc.run_worker_process,
                                   args=(["--rank", str(rank), *common],),
@@ -208,6 +219,21 @@ class MpExecutor(Executor):
         self._dead_reason = reason
         logger.error("mp executor: %s", reason)
         raise RuntimeError(reason)
+
+
+def distributed_init_method(config: EngineConfig) -> str:
+    """tcp://master_addr:port for the ranks' torch.distributed rendezvous.
+
+    Without --master-port, the OS picks a free port; it is released again before rank 0
+    binds it, a short window in which another process could take it (vLLM does the same).
+    """
+    parallel = config.parallel
+    port = parallel.master_port
+    if port is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((parallel.master_addr, 0))
+            port = sock.getsockname()[1]
+    return f"tcp://{parallel.master_addr}:{port}"
 
 
 def _describe_exit(proc: BaseProcess) -> str:

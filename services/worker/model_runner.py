@@ -1,4 +1,16 @@
-"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and sampled tokens."""
+"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and sampled tokens.
+
+Under TP x PP every rank runs this same step on the same SchedulerOutput, so every rank
+builds the same inputs. One step (synchronous pipeline: one step in flight):
+
+    stage 0:       embed + its layers --send (hidden, residual)--> stage 1
+    stage 1..:     recv --> its layers --send--> next stage
+    last stage:    recv --> its layers --> norm --> logits (all-gathered over TP)
+    driver rank:   sample --broadcast sampled ids--> every rank appends them
+
+Only the driver (TP rank 0 of the last stage) samples: the others would do the same work for
+the same result, and on a shared CPU that work is taken from the driver.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +23,14 @@ from shared.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from services.worker.input_batch import InputBatch, RequestState
 from services.worker.layers.attention import Attention, AttentionMetadata
 from services.worker.models import load_model
+from services.worker.parallel_state import (
+    broadcast_from_driver,
+    is_driver,
+    is_first_pp_rank,
+    is_last_pp_rank,
+    recv_from_prev_stage,
+    send_to_next_stage,
+)
 from services.worker.sampler import Sampler, compute_topk_logprobs
 from services.worker.sampling_metadata import LogprobsTensors, SamplingMetadata
 
@@ -36,6 +56,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.model, self.hf_config = load_model(model_dir, self.dtype, device)
         self.vocab_size = self.hf_config.vocab_size
+        self.hidden_size = self.hf_config.hidden_size
+        self.is_first_stage = is_first_pp_rank()
+        self.is_last_stage = is_last_pp_rank()
+        self.is_driver = is_driver()
         self.max_model_len = effective_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -123,8 +147,8 @@ class ModelRunner:
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
         )
-        hidden = self.model(torch.from_numpy(input_ids).to(dev),
-                            torch.from_numpy(positions).to(dev), metadata)
+        hidden = self._run_stage(torch.from_numpy(input_ids).to(dev),
+                                 torch.from_numpy(positions).to(dev), metadata)
 
         # A request samples once its context reaches every token it has (the prompt chunk, or
         # the whole prompt plus outputs after a resume, is done).
@@ -133,19 +157,44 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, Logprobs] = {}
         if len(sample_idx):
-            logits_indices = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(dev)
-            logits = self.model.compute_logits(hidden[logits_indices])
             sample_states = [states[i] for i in sample_idx]
-            out = self.sampler(logits, self._sampling_metadata(sample_states, rows[sample_idx]))
-            token_ids = out.sampled_token_ids.tolist()
+            sampled_ids = torch.empty(len(sample_idx), dtype=torch.int64, device=dev)
+            if self.is_last_stage:
+                logits_indices = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(dev)
+                # Every TP rank of the stage takes part: the LM head all-gathers.
+                logits = self.model.compute_logits(hidden[logits_indices])
+                if self.is_driver:
+                    out = self.sampler(logits, self._sampling_metadata(sample_states,
+                                                                       rows[sample_idx]))
+                    sampled_ids = out.sampled_token_ids
+                    if out.logprobs is not None:
+                        logprobs = self._split_logprobs(sample_states, out.logprobs)
+            # Every rank keeps every request's tokens, to build the next step's inputs.
+            token_ids = broadcast_from_driver(sampled_ids).tolist()
             for i, state, token_id in zip(sample_idx, sample_states, token_ids):
                 batch.append_token(state, token_id)
                 sampled[i] = [token_id]
-            if out.logprobs is not None:
-                logprobs = self._split_logprobs(sample_states, out.logprobs)
-        prompt_logprobs = self._prompt_logprobs(states, hidden, query_start_loc, num_computed,
-                                                num_scheduled)
+        prompt_logprobs = {}
+        if self.is_last_stage:
+            prompt_logprobs = self._prompt_logprobs(states, hidden, query_start_loc,
+                                                    num_computed, num_scheduled)
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+
+    def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   metadata: AttentionMetadata) -> torch.Tensor | None:
+        """This pipeline stage's part of the forward: the final hidden states [T, hidden] on
+        the last stage, None on the others (which send theirs to the next stage)."""
+        intermediate = None
+        if not self.is_first_stage:
+            # The step's token count fixes the shape: (hidden, residual) as one [2, T, H].
+            received = torch.empty(2, input_ids.shape[0], self.hidden_size, dtype=self.dtype,
+                                   device=self.device)
+            intermediate = tuple(recv_from_prev_stage(received).unbind(0))
+        out = self.model(input_ids, positions, metadata, intermediate)
+        if self.is_last_stage:
+            return out
+        send_to_next_stage(torch.stack(out))
+        return None
 
     # ------------------------------------------------------------------ sampling inputs
 
@@ -229,7 +278,9 @@ class ModelRunner:
             if end <= start:
                 continue
             q0 = int(query_start_loc[i])
-            logits = self.model.compute_logits(hidden[q0:q0 + end - start])
+            logits = self.model.compute_logits(hidden[q0:q0 + end - start])  # TP collective
+            if not self.is_driver:
+                continue  # only the driver's answer reaches the engine core
             row = self.input_batch.token_ids[s.row]
             targets = torch.from_numpy(row[start + 1:end + 1].copy()).to(logits.device)
             lp = torch.log_softmax(logits, dim=-1)

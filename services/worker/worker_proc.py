@@ -6,9 +6,14 @@
     ring writer  --- INIT_KV_CACHE num_blocks -->   ring reader r
     PULL         <-- KV_CACHE_READY rank -------                       every rank
     ring writer  --- EXECUTE SchedulerOutput --->   ring reader r  ->  Worker.execute_model
-    PULL         <-- OUTPUT ModelRunnerOutput --                       rank 0 only
+    PULL         <-- OUTPUT ModelRunnerOutput --                       driver rank only
     ring writer  --- SHUTDOWN ------------------>                      exit 0
                  <-- FAILURE WorkerFailure -----   any rank, on any exception, then exit 1
+
+The driver rank is TP rank 0 of the last pipeline stage (rank 0 without PP). The ranks also
+talk among themselves through torch.distributed (gloo on CPU, nccl on CUDA), rendezvousing
+at --distributed-init-method: all-reduces within a stage, hidden states between stages, and
+the driver's sampled ids to every rank.
 
 Ring messages are one type byte and a msgpack body; result messages are two ZMQ frames,
 the type byte and the msgpack body. A worker whose engine process is gone exits by itself.
@@ -19,6 +24,7 @@ the type byte and the msgpack body. A worker whose engine process is gone exits 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -62,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the engine's shared-memory ring (ShmRingHandle, msgspec JSON)")
     parser.add_argument("--result-addr", required=True,
                         help="ZMQ address of the engine's PULL socket for ready/outputs")
+    parser.add_argument("--distributed-init-method", default=None,
+                        help="torch.distributed rendezvous, tcp://HOST:PORT (TP x PP > 1)")
     return parser
 
 
@@ -72,13 +80,43 @@ def worker_main(argv: list[str]) -> int:
     handle = msgspec.json.decode(args.ring_handle, type=ShmRingHandle)
     # Ctrl-C reaches the whole process group: the engine core decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    proc = WorkerProc(config, args.model_dir, args.rank, handle, args.result_addr)
+    _configure_torch_threads(config.parallel.world_size)
+    proc = WorkerProc(config, args.model_dir, args.rank, handle, args.result_addr,
+                      args.distributed_init_method)
     return proc.run()
 
 
+def _configure_torch_threads(num_local_ranks: int) -> None:
+    """Share the cores among the ranks on this host: max(1, cores // ranks) threads each.
+
+    Cores are OMP_NUM_THREADS when set (the engine's budget), else the affinity mask. More
+    threads than that only make the ranks preempt each other mid-matmul, and a rank that
+    waits in a collective for a preempted peer wastes its whole step.
+    """
+    import torch
+
+    from shared.env import OMP_NUM_THREADS
+
+    num_cores = OMP_NUM_THREADS.get() or len(os.sched_getaffinity(0))
+    num_threads = max(1, num_cores // num_local_ranks)
+    torch.set_num_threads(num_threads)
+    logger.info("worker uses %d torch threads (%d cores, %d ranks)", num_threads, num_cores,
+                num_local_ranks)
+
+
 def run_worker_process(argv: list[str]) -> None:
-    """multiprocessing target: worker_main, with its result as the process's exit code."""
-    sys.exit(worker_main(argv))
+    """multiprocessing target: worker_main, with its result as the process's exit code.
+
+    Exits with os._exit, skipping interpreter finalization: after torch.distributed was
+    used, native destructors (gloo, the c10d store) hung there for seconds (torch 2.13 on
+    CPU), until the executor killed the process. Everything the worker owns (sockets, the
+    ring, the process groups) is already closed by then; only the logs need a flush.
+    """
+    exit_code = worker_main(argv)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 class WorkerProc:
@@ -90,11 +128,19 @@ class WorkerProc:
         rank: this worker's global rank (also its reader index in the ring).
         ring_handle: the engine core's broadcast ring.
         result_addr: where to PUSH ready messages, outputs and failures.
+        distributed_init_method: the torch.distributed rendezvous (TP x PP > 1).
     """
 
     def __init__(self, config: EngineConfig, model_dir: str, rank: int,
-                 ring_handle: ShmRingHandle, result_addr: str):
+                 ring_handle: ShmRingHandle, result_addr: str,
+                 distributed_init_method: str | None = None):
+        from services.worker.parallel_state import driver_rank  # torch: worker side only
+
         self.config = config
+        self.distributed_init_method = distributed_init_method
+        parallel = config.parallel
+        self.is_driver = rank == driver_rank(parallel.tensor_parallel_size,
+                                             parallel.pipeline_parallel_size)
         self.model_dir = model_dir
         self.rank = rank
         self.ring_handle = ring_handle
@@ -127,7 +173,14 @@ class WorkerProc:
     def _serve(self, ring: ShmRingBuffer, sock: zmq.Socket) -> None:
         from services.worker.worker import Worker
 
-        worker = Worker(self.config, self.model_dir, self.rank)
+        worker = Worker(self.config, self.model_dir, self.rank, self.distributed_init_method)
+        self._serve_steps(worker, ring, sock)
+        # Only on SHUTDOWN: after a failure, a peer may sit in a collective with us, and
+        # leaving the group could wait on it; process exit frees everything anyway.
+        worker.shutdown()
+        logger.info("worker rank %d shut down", self.rank)
+
+    def _serve_steps(self, worker, ring: ShmRingBuffer, sock: zmq.Socket) -> None:
         ready = WorkerReady(self.rank, os.getpid(), worker.max_model_len,
                             worker.determine_num_blocks())
         sock.send_multipart([READY, self.encoder.encode(ready)])
@@ -139,7 +192,7 @@ class WorkerProc:
             if kind == EXECUTE:
                 output: ModelRunnerOutput = worker.execute_model(
                     scheduler_output_decoder.decode(body))
-                if self.rank == 0:
+                if self.is_driver:
                     sock.send_multipart([OUTPUT, self.encoder.encode(output)], copy=False)
             elif kind == INIT_KV_CACHE:
                 worker.initialize_kv_cache(int_decoder.decode(body))

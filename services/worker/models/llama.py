@@ -1,6 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral) and Qwen2 (qkv bias).
 
 Checkpoint names are HF's; q/k/v and gate/up are fused on load (`packed_modules_mapping`).
+With pipeline parallelism each stage builds only its slice of the layers (the others are
+parameter-free placeholders, so layer indices stay global), the first stage the embedding,
+the last the final norm and LM head; checkpoint tensors of other stages are skipped.
 """
 
 from __future__ import annotations
@@ -23,7 +26,21 @@ from services.worker.layers.linear import (
     divide,
 )
 from services.worker.layers.rotary_embedding import get_rope, rope_parameters_from_config
-from services.worker.parallel_state import get_tp_size
+from services.worker.parallel_state import (
+    get_pp_rank,
+    get_pp_size,
+    get_tp_size,
+    is_first_pp_rank,
+    is_last_pp_rank,
+    pp_layer_range,
+)
+
+# What one pipeline stage hands the next: (hidden_states, residual), both [T, hidden].
+IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
+
+
+class PPMissingLayer(nn.Identity):
+    """Stands in for a layer that lives on another pipeline stage (no parameters)."""
 
 
 class LlamaAttention(nn.Module):
@@ -106,21 +123,44 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm: token ids -> hidden states."""
+    """Embedding, decoder layers and final norm: token ids -> hidden states.
+
+    On a pipeline stage: the embedding only on the first stage, layers
+    [start_layer, end_layer) only, the final norm only on the last stage.
+    """
 
     def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        num_layers = config.num_hidden_layers
+        self.start_layer, self.end_layer = pp_layer_range(num_layers, get_pp_rank(),
+                                                          get_pp_size())
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if is_first_pp_rank() else None)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, o_bias)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(num_layers))
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
+                     if is_last_pp_rank() else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+                attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states on the last stage; (hidden, residual) on the others.
+
+        The first stage embeds input_ids; later stages start from the previous stage's
+        intermediate_tensors instead.
+        """
+        if self.embed_tokens is not None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate_tensors is not None, "a later stage needs the previous one's"
+            hidden_states, residual = intermediate_tensors
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        if self.norm is None:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -146,9 +186,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias, o_bias = self.attention_biases(config)
         self.model = LlamaModel(config, qkv_bias, o_bias)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size)
+                        if is_last_pp_rank() else None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.lm_head is not None \
+                and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
@@ -158,13 +200,31 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64. Returns the final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions: [T] int64. Returns the final hidden states [T, hidden]
+        (last pipeline stage) or (hidden_states, residual) for the next stage."""
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states: [N, hidden], only the rows to sample. Returns [N, vocab] float32."""
+        """hidden_states: [N, hidden], only the rows to sample. Returns [N, vocab] float32
+        (on every TP rank: the vocab slices are all-gathered). Last pipeline stage only."""
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden_states).float()
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to a module this pipeline stage holds."""
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return self.model.start_layer <= index < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        if name.startswith("model.norm."):
+            return self.model.norm is not None
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the (fused, TP-sliced) parameters.
@@ -177,6 +237,11 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:  # recomputed, never loaded
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if (self.tie_word_embeddings and name == "model.embed_tokens.weight"
+                    and self.model.embed_tokens is None and self.lm_head is not None):
+                name = "lm_head.weight"  # a last stage without the embedding it is tied to
+            if not self._on_this_stage(name):
                 continue
             param_name, shard_id = name, None
             for src, (dst, sid) in self.packed_modules_mapping.items():
