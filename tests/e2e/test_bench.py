@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.faults.harness import free_port, wait_healthy
+from tests.faults.harness import serving
 
 pytestmark = pytest.mark.slow
 
@@ -27,24 +27,11 @@ BENCH_TIMEOUT_S = 180  # a loaded 2-core machine; these runs take seconds when i
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
-    port = free_port()
     log_path = str(tmp_path_factory.mktemp("serve") / "serve.log")
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "512", "--kv-cache-memory", "128M",
-           "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
-           "--uvicorn-log-level", "warning"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
-    try:
-        wait_healthy(process, port, log_path)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with serving(["--max-model-len", "512", "--kv-cache-memory", "128M",
+                  "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
+                  "--uvicorn-log-level", "warning"], log_path) as url:
+        yield url
 
 
 def kvserve(*args: str) -> str:

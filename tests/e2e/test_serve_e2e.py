@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 
 from tests.e2e.api_server_utils import read_metric, wait_until
-from tests.faults.harness import free_port, wait_healthy
+from tests.faults.harness import serving
 
 pytestmark = pytest.mark.slow
 
@@ -31,25 +28,12 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module", params=["uni", "mp"])
 def url(request, tmp_path_factory):
     """A real `kvserve serve`, once per executor: both must pass every test here."""
-    port = free_port()
     log_path = str(tmp_path_factory.mktemp("serve") / "serve.log")
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-           "--kv-cache-memory", "256M", "--served-model-name", MODEL_NAME,
-           "--api-key", API_KEY, "--uvicorn-log-level", "warning",
-           "--executor", request.param]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
-    try:
-        wait_healthy(process, port, log_path)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with serving(["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256M",
+                  "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
+                  "--uvicorn-log-level", "warning", "--executor", request.param],
+                 log_path) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import psutil
@@ -69,6 +71,27 @@ def wait_healthy(process: subprocess.Popen, port: int, log_path: str,
             pass
         time.sleep(0.5)
     raise AssertionError(f"kvserve serve not healthy in {timeout_s} s:\n{open(log_path).read()}")
+
+
+@contextlib.contextmanager
+def serving(serve_args: list[str], log_path: str) -> Iterator[str]:
+    """`kvserve serve --host 127.0.0.1 --port P *serve_args`, healthy; yields its base URL and
+    stops it (SIGTERM, then SIGKILL after a minute) on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), *serve_args]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
+    try:
+        wait_healthy(process, port, log_path)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def engine_child(process: subprocess.Popen) -> psutil.Process:
