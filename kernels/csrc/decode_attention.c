@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "qk_avx512.h"
 #include "vec_math.h"
 
 static inline float load_f32(const float *p, int i) { return p[i]; }
@@ -37,8 +38,61 @@ static inline const float *widen_bf16(float *buf, const uint16_t *src, int n) {
     return buf;
 }
 
+// scores[o] = q . k_o for m <= 16 tokens of one block: `q_scaled` is the query times the
+// softmax scale in float32, `q_raw` the query as stored; `row` is scratch for one widened row.
+#define DEFINE_QK_CHUNK(NAME, T, WIDEN)                                                       \
+static inline void NAME##_portable(float *scores, const float *q_scaled, const T *k,           \
+                                   int64_t slot_stride, int m, int head_size, float *row) {    \
+    for (int o = 0; o < m; o++) {                                                             \
+        const float *kr = WIDEN(row, k + o * slot_stride, head_size);                         \
+        float dot = 0.f;                                                                      \
+        _Pragma("omp simd reduction(+:dot)")                                                  \
+        for (int d = 0; d < head_size; d++) dot += q_scaled[d] * kr[d];                       \
+        scores[o] = dot;                                                                      \
+    }                                                                                         \
+}
+
+DEFINE_QK_CHUNK(qk_chunk_f32, float, widen_f32)
+DEFINE_QK_CHUNK(qk_chunk_bf16, uint16_t, widen_bf16)
+
+static inline void qk_chunk_f32(float *scores, const float *q_scaled, const float *q_raw,
+                                const float *k, int64_t slot_stride, int m, int head_size,
+                                float scale, float *row) {
+    (void)q_raw;
+    (void)scale;
+#ifdef QK_AVX512
+    if (head_size % 16 == 0) {
+        qk16_f32(scores, q_scaled, k, slot_stride, m, head_size, 1.f);
+        return;
+    }
+#endif
+    qk_chunk_f32_portable(scores, q_scaled, k, slot_stride, m, head_size, row);
+}
+
+static inline void qk_chunk_bf16(float *scores, const float *q_scaled, const uint16_t *q_raw,
+                                 const uint16_t *k, int64_t slot_stride, int m, int head_size,
+                                 float scale, float *row) {
+    (void)q_raw;
+    (void)scale;
+#ifdef QK_AVX512_BF16
+    if (head_size % 32 == 0) {
+        qk16_bf16(scores, q_raw, k, slot_stride, m, head_size, scale);
+        return;
+    }
+#endif
+    qk_chunk_bf16_portable(scores, q_scaled, k, slot_stride, m, head_size, row);
+}
+
+#ifdef QK_AVX512
+#define PV_FAST(head_size) ((head_size) % 16 == 0 && (head_size) <= 256)
+#else
+#define PV_FAST(head_size) 0
+#define pv_f32(...) ((void)0)
+#define pv_bf16(...) ((void)0)
+#endif
+
 // One request. q: [H, D] float scratch; scores: [H, seq_len] scratch; acc: [H, D] scratch.
-#define DEFINE_ATTEND_ONE(NAME, T, LOAD, STORE, WIDEN)                                        \
+#define DEFINE_ATTEND_ONE(NAME, T, LOAD, STORE, WIDEN, QK_CHUNK, PV)                          \
 static inline __attribute__((always_inline)) void NAME(                                       \
         T *out, const T *query, int64_t q_head_stride, const T *key_cache,                    \
         const T *value_cache, int64_t block_stride, int64_t slot_stride,                      \
@@ -51,21 +105,19 @@ static inline __attribute__((always_inline)) void NAME(                         
     float row[head_size];                                                                     \
     for (int kh = 0; kh < num_heads / group; kh++) {                                          \
         const int64_t head_offset = (int64_t)kh * head_size;                                  \
-        const float *qk = q + (int64_t)kh * group * head_size;                                \
         float *sk = scores + (int64_t)kh * group * seq_len;                                   \
         for (int b = 0; b < num_blocks; b++) {                                                \
             const T *k_block = key_cache + blocks[b] * block_stride + head_offset;            \
             const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size    \
                                                                 : block_size;                 \
-            for (int o = 0; o < n; o++) {                                                     \
-                const T *k = k_block + o * slot_stride;                                       \
-                const float *kr = WIDEN(row, k, head_size);                      \
+            for (int o = 0; o < n; o += 16) {                                                 \
+                const int m = n - o < 16 ? n - o : 16;                                        \
                 for (int g = 0; g < group; g++) {                                             \
-                    const float *qh = qk + g * head_size;                                     \
-                    float dot = 0.f;                                                          \
-                    _Pragma("omp simd reduction(+:dot)")                                      \
-                    for (int d = 0; d < head_size; d++) dot += qh[d] * kr[d];                \
-                    sk[(int64_t)g * seq_len + b * block_size + o] = dot;                      \
+                    const int h = kh * group + g;                                             \
+                    QK_CHUNK(sk + (int64_t)g * seq_len + b * block_size + o,                  \
+                             q + h * head_size, query + h * q_head_stride,                    \
+                             k_block + o * slot_stride, slot_stride, m, head_size, scale,     \
+                             row);                                                            \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
@@ -82,22 +134,28 @@ static inline __attribute__((always_inline)) void NAME(                         
         const float inv = 1.f / sum;                                                          \
         for (int t = 0; t < seq_len; t++) s[t] *= inv;                                        \
     }                                                                                         \
-    for (int i = 0; i < num_heads * head_size; i++) acc[i] = 0.f;                             \
-    for (int kh = 0; kh < num_heads / group; kh++) {                                          \
-        const int64_t head_offset = (int64_t)kh * head_size;                                  \
-        const float *sk = scores + (int64_t)kh * group * seq_len;                             \
-        float *ak = acc + (int64_t)kh * group * head_size;                                    \
-        for (int b = 0; b < num_blocks; b++) {                                                \
-            const T *v_block = value_cache + blocks[b] * block_stride + head_offset;          \
-            const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size    \
-                                                                : block_size;                 \
-            for (int o = 0; o < n; o++) {                                                     \
-                const T *v = v_block + o * slot_stride;                                       \
-                const float *vr = WIDEN(row, v, head_size);                      \
-                for (int g = 0; g < group; g++) {                                             \
-                    const float p = sk[(int64_t)g * seq_len + b * block_size + o];            \
-                    float *a = ak + g * head_size;                                            \
-                    for (int d = 0; d < head_size; d++) a[d] += p * vr[d];                   \
+    if (PV_FAST(head_size)) {                                                                 \
+        for (int h = 0; h < num_heads; h++)                                                   \
+            PV(acc + h * head_size, scores + (int64_t)h * seq_len,                            \
+               value_cache + (int64_t)(h / group) * head_size, blocks, block_stride,          \
+               slot_stride, seq_len, block_size, head_size);                                  \
+    } else {                                                                                  \
+        for (int i = 0; i < num_heads * head_size; i++) acc[i] = 0.f;                         \
+        for (int kh = 0; kh < num_heads / group; kh++) {                                      \
+            const int64_t head_offset = (int64_t)kh * head_size;                              \
+            const float *sk = scores + (int64_t)kh * group * seq_len;                         \
+            float *ak = acc + (int64_t)kh * group * head_size;                                \
+            for (int b = 0; b < num_blocks; b++) {                                            \
+                const T *v_block = value_cache + blocks[b] * block_stride + head_offset;      \
+                const int n = seq_len - b * block_size < block_size                           \
+                              ? seq_len - b * block_size : block_size;                        \
+                for (int o = 0; o < n; o++) {                                                 \
+                    const float *vr = WIDEN(row, v_block + o * slot_stride, head_size);       \
+                    for (int g = 0; g < group; g++) {                                         \
+                        const float p = sk[(int64_t)g * seq_len + b * block_size + o];        \
+                        float *a = ak + g * head_size;                                        \
+                        for (int d = 0; d < head_size; d++) a[d] += p * vr[d];                \
+                    }                                                                         \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
@@ -107,8 +165,9 @@ static inline __attribute__((always_inline)) void NAME(                         
             STORE(out + h * head_size, d, acc[h * head_size + d]);                            \
 }
 
-DEFINE_ATTEND_ONE(attend_one_f32, float, load_f32, store_f32, widen_f32)
-DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, load_bf16, store_bf16, widen_bf16)
+DEFINE_ATTEND_ONE(attend_one_f32, float, load_f32, store_f32, widen_f32, qk_chunk_f32, pv_f32)
+DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, load_bf16, store_bf16, widen_bf16,
+                  qk_chunk_bf16, pv_bf16)
 
 // The entry point: requests in parallel; head sizes 64 and 128 get specialized bodies.
 #define DEFINE_DECODE_ATTENTION(NAME, T, ATTEND_ONE)                                          \
