@@ -31,7 +31,7 @@ logger = init_logger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("decode_attention.c", "cpu_ops.c")]
-_HEADER = Path(__file__).parent / "csrc" / "vec_math.h"
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _FUNCTIONS = [f"{op}_{suffix}" for op in ("decode_attention", "rms_norm", "silu_and_mul",
                                           "rotary_embedding") for suffix in ("f32", "bf16")]
 _lock = threading.Lock()
@@ -46,7 +46,7 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str) -> Path:
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(source + platform.machine().encode() + compiler.encode()
                          + Path("/proc/cpuinfo").read_bytes()[:4096]
                          if Path("/proc/cpuinfo").exists() else source).hexdigest()[:16]
