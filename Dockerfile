@@ -7,7 +7,7 @@ ARG TORCH_SPEC=torch==2.13.0
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 RUN pip install "${TORCH_SPEC}"
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvserve ./kvserve
 COPY shared ./shared
 COPY services ./services

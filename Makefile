@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test test-fast clean compose-tool
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

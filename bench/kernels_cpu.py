@@ -19,11 +19,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_ref
-from kernels.attention import paged_attention_ref
-from kernels.cache import write_kv_cache_ref
-from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import rotary_embedding_ref
+from kvserve.kernels.activation import silu_and_mul_ref
+from kvserve.kernels.attention import paged_attention_ref
+from kvserve.kernels.cache import write_kv_cache_ref
+from kvserve.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kvserve.kernels.rotary import rotary_embedding_ref
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, INTERMEDIATE = 576, 9, 3, 64, 1536
 BLOCK_SIZE, MAX_POSITION = 16, 8192

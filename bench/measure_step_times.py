@@ -33,9 +33,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shared.logging import init_logger
-from shared.messages import EngineCoreRequest
-from shared.sampling_params import SamplingParams
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import EngineCoreRequest
+from kvserve.shared.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 

@@ -4,7 +4,7 @@ Each op has a torch reference (`*_ref`, used on CPU) and a Triton kernel (used o
 import the op names below and never pick an implementation themselves.
 """
 
-from kernels.dispatch import (
+from kvserve.kernels.dispatch import (
     fused_add_rms_norm,
     paged_attention,
     rms_norm,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
+from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
 
 _MAX_BLOCK_SIZE = 1024
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
+from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
 
 # Keys per inner-loop step of the Triton kernel.
 _TILE_N = 32
@@ -327,7 +327,7 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
                         max_query_len: int, max_seq_len: int) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather),
     prefill chunks through SDPA as in the reference. Same contract as `paged_attention`."""
-    from kernels import cpu
+    from kvserve.kernels import cpu
 
     if not cpu.available(query.dtype):
         return paged_attention_ref(query, key_cache, value_cache, block_table, query_start_loc,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
+from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
 
 if HAS_TRITON:
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from shared.env import CACHE_DIR
-from shared.logging import init_logger
+from kvserve.shared.env import CACHE_DIR
+from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
 
@@ -177,7 +177,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary embedding; query [T, Hq * D] and key [T, Hkv * D] rows may be strided
     (views of a fused qkv). Returns new contiguous (query, key)."""
-    from kernels.rotary import _check_rotary_args
+    from kvserve.kernels.rotary import _check_rotary_args
 
     _check_rotary_args(positions, query, key, cos_sin_cache, head_size)
     _check_rows(query)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import activation, attention, cache, cpu, norm, rotary
+from kvserve.kernels import activation, attention, cache, cpu, norm, rotary
 
 
 def _use_triton(t: torch.Tensor) -> bool:

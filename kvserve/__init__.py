@@ -3,8 +3,8 @@
     from kvserve import LLM, SamplingParams
 """
 
-from shared.sampling_params import SamplingParams
-from services.api.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 

@@ -7,7 +7,7 @@ import sys
 import types
 import typing
 
-from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, \
+from kvserve.shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, \
     field_descriptions
 
 # Flags that vLLM spells differently from our field names.
@@ -73,7 +73,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_http_args(parser: argparse.ArgumentParser) -> None:
-    from shared.env import API_KEY
+    from kvserve.shared.env import API_KEY
 
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default="0.0.0.0", help="interface to listen on")
@@ -143,7 +143,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from services.worker.worker_proc import worker_main
+    from kvserve.services.worker.worker_proc import worker_main
 
     return worker_main(args.worker_argv)
 

@@ -6,12 +6,12 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from shared.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, \
+from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, \
     SchedulerConfig
-from shared.sampling_params import SamplingParams
-from services.api.output_processor import OutputProcessor, make_engine_requests
-from services.api.outputs import RequestOutput
-from services.api.tokenizer import TokenizerInfo
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
+from kvserve.services.api.outputs import RequestOutput
+from kvserve.services.api.tokenizer import TokenizerInfo
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -49,8 +49,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        from services.scheduler.engine_core import EngineCore
-        from services.worker.model_loader import resolve_model
+        from kvserve.services.scheduler.engine_core import EngineCore
+        from kvserve.services.worker.model_loader import resolve_model
 
         self.config = build_engine_config(model=model, **kwargs)
         self.model_dir = resolve_model(model)

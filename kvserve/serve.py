@@ -32,16 +32,16 @@ from dataclasses import dataclass
 
 import psutil
 
-from shared.config import EngineConfig, ModelConfig
-from shared.env import ENGINE_READY_TIMEOUT_S
-from shared.logging import init_logger
-from shared.transport import CoordinatorAddresses, EngineAddresses
-from shared.wire import EngineAssignment, EngineRegistration, this_hostname
-from services.api.engine_client import EngineDeadError
-from services.api.mp_client import EngineChannel, MPEngineClient
-from services.api.tokenizer import TokenizerInfo
-from services.coordinator.coordinator import run_coordinator, start_coordinator_process
-from services.coordinator.handshake import RegistrationServer, register_engines, rpc_address
+from kvserve.shared.config import EngineConfig, ModelConfig
+from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
+from kvserve.shared.logging import init_logger
+from kvserve.shared.transport import CoordinatorAddresses, EngineAddresses
+from kvserve.shared.wire import EngineAssignment, EngineRegistration, this_hostname
+from kvserve.services.api.engine_client import EngineDeadError
+from kvserve.services.api.mp_client import EngineChannel, MPEngineClient
+from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.coordinator.coordinator import run_coordinator, start_coordinator_process
+from kvserve.services.coordinator.handshake import RegistrationServer, register_engines, rpc_address
 
 logger = init_logger(__name__)
 
@@ -63,7 +63,7 @@ def resolve_model_dir(model: str | None) -> str:
 
 
 def _resolve_model(model: str | None) -> str:
-    from services.worker.model_loader import resolve_model
+    from kvserve.services.worker.model_loader import resolve_model
 
     return resolve_model(model)
 
@@ -88,7 +88,7 @@ def start_engine_process(config: EngineConfig, model_dir: str, addresses: Engine
 
 def _engine_main(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
                  engine_index: int, stats_addr: str | None, num_local_engines: int) -> None:
-    from services.scheduler.engine_proc import run_engine_core
+    from kvserve.services.scheduler.engine_proc import run_engine_core
 
     raise SystemExit(run_engine_core(config, model_dir, input_addr, output_addr, engine_index,
                                      watch_parent=True, stats_addr=stats_addr,
@@ -140,7 +140,7 @@ async def serve_http(client: MPEngineClient, args: argparse.Namespace,
     import uvicorn
 
     if build_app is None:
-        from services.api.server import build_app
+        from kvserve.services.api.server import build_app
     app = build_app(client, served_model_name=client.model_name, api_key=args.api_key)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -389,8 +389,8 @@ def run_engine(args: argparse.Namespace) -> int:
     """`kvserve engine [MODEL]`: one engine core, connecting to an api elsewhere."""
     from kvserve.cli import engine_kwargs
     from kvserve.llm import build_engine_config
-    from services.scheduler.engine_proc import run_engine_core
-    from services.worker.model_loader import resolve_model
+    from kvserve.services.scheduler.engine_proc import run_engine_core
+    from kvserve.services.worker.model_loader import resolve_model
 
     config = build_engine_config(model=args.model, **engine_kwargs(args))
     return run_engine_core(config, resolve_model(args.model), args.input_addr,

@@ -10,7 +10,7 @@ import enum
 
 import msgspec
 
-from shared.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams
 
 _HOT = dict(array_like=True, omit_defaults=True, gc=False)
 

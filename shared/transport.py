@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from shared.wire import PAYLOAD_TYPES, MsgType
+from kvserve.shared.wire import PAYLOAD_TYPES, MsgType
 
 # Arrays smaller than this travel inside the msgpack payload: a frame costs more than a copy.
 INLINE_ARRAY_MAX_BYTES = 256

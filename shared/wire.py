@@ -18,7 +18,7 @@ from typing import Union
 
 import msgspec
 
-from shared.messages import EngineCoreOutputs, EngineCoreRequest
+from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
 
 
 class MsgType(enum.IntEnum):

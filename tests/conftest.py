@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """The embedded SmolLM2-135M-Instruct, converted once into the cache folder."""
-    from services.worker.model_loader import resolve_model
+    from kvserve.services.worker.model_loader import resolve_model
 
     return resolve_model(None)
 

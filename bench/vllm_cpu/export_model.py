@@ -17,7 +17,7 @@ def main(out_dir: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.worker.model_loader import default_gguf_path
+    from kvserve.services.worker.model_loader import default_gguf_path
 
     gguf_path = default_gguf_path()
     folder, name = os.path.split(gguf_path)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.logging import init_logger
+from kvserve.shared.logging import init_logger
 
 logger = init_logger("kvserve.benchmarks")
 
@@ -42,7 +42,7 @@ class SampleRequest:
 def load_tokenizer(name_or_path: str | None):
     """A HF tokenizer from a local folder; None means kvserve's default model."""
     if name_or_path is None:
-        from services.worker.model_loader import resolve_model
+        from kvserve.services.worker.model_loader import resolve_model
 
         name_or_path = resolve_model(None)
     # The fast class reads tokenizer.json without importing torch (AutoTokenizer imports it).

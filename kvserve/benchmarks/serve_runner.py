@@ -18,7 +18,7 @@ from kvserve.benchmarks.endpoint_client import RequestRecord, RequestSpec, send_
 from kvserve.benchmarks.metrics import compute_metrics, format_report, parse_goodput, \
     parse_metric_percentiles, parse_percentile_metrics
 from kvserve.benchmarks.server_metrics import ServerMetricsWatcher, format_server_report
-from shared.logging import init_logger
+from kvserve.shared.logging import init_logger
 
 logger = init_logger("kvserve.benchmarks")
 

@@ -13,7 +13,7 @@ import asyncio
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.logging import init_logger
+from kvserve.shared.logging import init_logger
 
 logger = init_logger("kvserve.benchmarks")
 

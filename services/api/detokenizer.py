@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 # Re-exported: callers take the detokenizer and the stop check from one place.
-from services.api.stop_strings import check_stop_strings, num_held_back_chars
+from kvserve.services.api.stop_strings import check_stop_strings, num_held_back_chars
 
 __all__ = ["IncrementalDetokenizer", "check_stop_strings", "num_held_back_chars"]
 

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shared.hashing import HashFn, hash_new_full_blocks
-from shared.wire import EngineLoad
+from kvserve.shared.hashing import HashFn, hash_new_full_blocks
+from kvserve.shared.wire import EngineLoad
 
 DPRouting = Literal["load", "prefix"]
 WAITING_WEIGHT = 4  # a waiting request costs four running ones (vLLM's weight)

@@ -11,12 +11,12 @@ import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from shared.logging import init_logger
-from shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from shared.sampling_params import SamplingParams
-from services.api.output_processor import OutputProcessor, make_engine_requests
-from services.api.outputs import RequestOutput
-from services.api.tokenizer import TokenizerInfo
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
+from kvserve.services.api.outputs import RequestOutput
+from kvserve.services.api.tokenizer import TokenizerInfo
 
 logger = init_logger(__name__)
 

@@ -15,11 +15,11 @@ import psutil
 import zmq
 import zmq.asyncio
 
-from shared.env import ENGINE_READY_TIMEOUT_S
-from shared.messages import SchedulerStats
-from shared.transport import EngineAddresses, MessageDecoder, bound_address, make_socket
-from shared.wire import EngineHandshake, EngineHeartbeat, MsgType, this_hostname
-from services.api.engine_client import EngineDeadError, StatsTotals
+from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
+from kvserve.shared.messages import SchedulerStats
+from kvserve.shared.transport import EngineAddresses, MessageDecoder, bound_address, make_socket
+from kvserve.shared.wire import EngineHandshake, EngineHeartbeat, MsgType, this_hostname
+from kvserve.services.api.engine_client import EngineDeadError, StatsTotals
 
 
 class EngineChannel:

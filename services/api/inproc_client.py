@@ -16,11 +16,11 @@ import asyncio
 import queue
 import threading
 
-from shared.config import EngineConfig
-from shared.logging import init_logger
-from shared.messages import EngineCoreOutputs, EngineCoreRequest
-from services.api.engine_client import EngineClient
-from services.api.tokenizer import TokenizerInfo
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
+from kvserve.services.api.engine_client import EngineClient
+from kvserve.services.api.tokenizer import TokenizerInfo
 
 logger = init_logger(__name__)
 
@@ -34,8 +34,8 @@ class InprocEngineClient(EngineClient):
     """
 
     def __init__(self, config: EngineConfig | None = None, model_dir: str | None = None):
-        from services.scheduler.engine_core import EngineCore  # torch: only here
-        from services.worker.model_loader import resolve_model
+        from kvserve.services.scheduler.engine_core import EngineCore  # torch: only here
+        from kvserve.services.worker.model_loader import resolve_model
 
         config = config if config is not None else EngineConfig()
         model_dir = model_dir or resolve_model(config.model.model)

@@ -30,18 +30,18 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared.env import ENGINE_HEARTBEAT_INTERVAL_S, ENGINE_HEARTBEAT_TIMEOUT_S, \
+from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, ENGINE_HEARTBEAT_TIMEOUT_S, \
     ENGINE_READY_TIMEOUT_S, ENGINE_STALL_TIMEOUT_S
-from shared.hashing import get_hash_fn, make_extra_keys
-from shared.logging import init_logger
-from shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from shared.transport import MessageDecoder, MessageEncoder, make_socket
-from shared.wire import EngineHeartbeat, EngineStats, GetStats, LoadTable, MsgType, Ping, \
+from kvserve.shared.hashing import get_hash_fn, make_extra_keys
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.shared.transport import MessageDecoder, MessageEncoder, make_socket
+from kvserve.shared.wire import EngineHeartbeat, EngineStats, GetStats, LoadTable, MsgType, Ping, \
     ResetPrefixCache, UtilityCall, UtilityMethod, UtilityOutput, UtilityResult
-from services.api.dp_router import DPRouter, DPRouting
-from services.api.engine_client import EngineClient, EngineDeadError, StatsTotals
-from services.api.engine_connection import EngineChannel, EngineConnection
-from services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.dp_router import DPRouter, DPRouting
+from kvserve.services.api.engine_client import EngineClient, EngineDeadError, StatsTotals
+from kvserve.services.api.engine_connection import EngineChannel, EngineConnection
+from kvserve.services.api.tokenizer import TokenizerInfo
 
 logger = init_logger(__name__)
 

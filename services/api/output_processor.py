@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
-from shared.sampling_params import SamplingParams
-from services.api.detokenizer import IncrementalDetokenizer, check_stop_strings
-from services.api.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.api.detokenizer import IncrementalDetokenizer, check_stop_strings
+from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:

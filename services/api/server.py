@@ -26,14 +26,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from shared.logging import init_logger
-from services.api.engine_client import EngineClient, EngineDeadError
-from services.api.metrics import ApiMetrics
-from services.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, \
+from kvserve.shared.logging import init_logger
+from kvserve.services.api.engine_client import EngineClient, EngineDeadError
+from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, \
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, \
     TokenizeResponse, decode_request
-from services.api.serving_chat import OpenAIServingChat
-from services.api.serving_completions import OpenAIServingCompletion
+from kvserve.services.api.serving_chat import OpenAIServingChat
+from kvserve.services.api.serving_completions import OpenAIServingCompletion
 
 logger = init_logger(__name__)
 

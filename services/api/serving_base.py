@@ -18,12 +18,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from shared.sampling_params import SamplingParams
-from services.api.detokenizer import num_held_back_chars
-from services.api.engine_client import EngineClient, EngineDeadError
-from services.api.metrics import ApiMetrics
-from services.api.outputs import CompletionOutput, Logprob, RequestOutput
-from services.api.protocol import SAMPLING_FIELDS, APIError
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.api.detokenizer import num_held_back_chars
+from kvserve.services.api.engine_client import EngineClient, EngineDeadError
+from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.services.api.protocol import SAMPLING_FIELDS, APIError
 
 T = TypeVar("T")
 

@@ -10,14 +10,14 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from shared.logging import init_logger
-from shared.sampling_params import SamplingParams
-from services.api.outputs import Logprob, RequestOutput
-from services.api.protocol import UNSET, APIError, ChatChoice, ChatCompletionRequest, \
+from kvserve.shared.logging import init_logger
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.api.outputs import Logprob, RequestOutput
+from kvserve.services.api.protocol import UNSET, APIError, ChatChoice, ChatCompletionRequest, \
     ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobEntry, ChatLogprobs, \
     ChatMessage, ChatResponseMessage, ChatStreamChoice, DeltaMessage, TopLogprob, UsageInfo, \
     now_seconds
-from services.api.serving_base import MIN_LOGPROB, SSE_DONE, OpenAIServing, SSEResponse, \
+from kvserve.services.api.serving_base import MIN_LOGPROB, SSE_DONE, OpenAIServing, SSEResponse, \
     StreamedChoice, count_usage, error_event, raise_if_failed, run_until_disconnected, \
     sse_event, stop_holdback
 

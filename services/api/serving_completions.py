@@ -9,12 +9,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from shared.logging import init_logger
-from shared.sampling_params import SamplingParams
-from services.api.outputs import Logprob, RequestOutput
-from services.api.protocol import UNSET, APIError, CompletionChoice, CompletionLogprobs, \
+from kvserve.shared.logging import init_logger
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.api.outputs import Logprob, RequestOutput
+from kvserve.services.api.protocol import UNSET, APIError, CompletionChoice, CompletionLogprobs, \
     CompletionRequest, CompletionResponse, CompletionStreamResponse, UsageInfo, now_seconds
-from services.api.serving_base import MIN_LOGPROB, SSE_DONE, OpenAIServing, PromptInput, \
+from kvserve.services.api.serving_base import MIN_LOGPROB, SSE_DONE, OpenAIServing, PromptInput, \
     SSEResponse, StreamedChoice, count_usage, error_event, raise_if_failed, \
     run_until_disconnected, sse_event, stop_holdback
 

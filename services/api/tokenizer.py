@@ -6,7 +6,7 @@ import json
 import os
 from functools import cached_property
 
-from shared.logging import init_logger
+from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
 

@@ -21,11 +21,11 @@ import time
 import msgspec
 import zmq
 
-from shared.env import ENGINE_HEARTBEAT_TIMEOUT_S
-from shared.logging import init_logger
-from shared.transport import CoordinatorAddresses, bound_address, make_socket
-from shared.wire import EngineLoad, LoadTable
-from services.coordinator.load_table import EngineLoadTable
+from kvserve.shared.env import ENGINE_HEARTBEAT_TIMEOUT_S
+from kvserve.shared.logging import init_logger
+from kvserve.shared.transport import CoordinatorAddresses, bound_address, make_socket
+from kvserve.shared.wire import EngineLoad, LoadTable
+from kvserve.services.coordinator.load_table import EngineLoadTable
 
 logger = init_logger(__name__)
 

@@ -19,9 +19,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared.logging import init_logger
-from shared.transport import make_socket
-from shared.wire import EngineAssignment, EngineRegistration
+from kvserve.shared.logging import init_logger
+from kvserve.shared.transport import make_socket
+from kvserve.shared.wire import EngineAssignment, EngineRegistration
 
 logger = init_logger(__name__)
 

@@ -7,7 +7,7 @@ out of the api's routing (the api also drops an engine it sees die on its own so
 
 from __future__ import annotations
 
-from shared.wire import EngineLoad
+from kvserve.shared.wire import EngineLoad
 
 
 class EngineLoadTable:

@@ -10,11 +10,11 @@ import time
 
 import msgspec
 
-from shared.config import EngineConfig
-from shared.logging import init_logger
-from shared.messages import EngineCoreOutputs, EngineCoreRequest
-from services.scheduler.executor import make_executor
-from services.scheduler.scheduler import Scheduler
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
+from kvserve.services.scheduler.executor import make_executor
+from kvserve.services.scheduler.scheduler import Scheduler
 
 logger = init_logger(__name__)
 
@@ -51,7 +51,7 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        from services.scheduler.request import RequestStatus
+        from kvserve.services.scheduler.request import RequestStatus
 
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 

@@ -22,13 +22,13 @@ from typing import Any
 import msgspec
 import zmq
 
-from shared.config import EngineConfig
-from shared.env import ENGINE_HEARTBEAT_INTERVAL_S, OMP_NUM_THREADS
-from shared.logging import init_logger
-from shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, OMP_NUM_THREADS
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from kvserve.shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
     engine_identity, make_socket
-from shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineLoad, \
+from kvserve.shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineLoad, \
     EngineStats, GetStats, MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput, \
     this_hostname
 
@@ -84,7 +84,7 @@ class EngineCoreProc:
 
     def start(self, config: EngineConfig, model_dir: str) -> None:
         """Build the EngineCore (model load, KV profile), then say READY to the api."""
-        from services.scheduler.engine_core import EngineCore
+        from kvserve.services.scheduler.engine_core import EngineCore
 
         self.engine_core = EngineCore(config, model_dir)
         ready = self.engine_core.ready

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.config import EngineConfig
-from shared.messages import ModelRunnerOutput, SchedulerOutput
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor:
@@ -33,7 +33,7 @@ class UniExecutor(Executor):
     """The single worker runs inside the engine-core process: no IPC at all."""
 
     def __init__(self, config: EngineConfig, model_dir: str):
-        from services.worker.worker import Worker  # the one allowed in-process import
+        from kvserve.services.worker.worker import Worker  # the one allowed in-process import
 
         self.worker = Worker(config, model_dir, rank=0)
         self.max_model_len = self.worker.max_model_len
@@ -56,7 +56,7 @@ def make_executor(config: EngineConfig, model_dir: str) -> Executor:
                              f"{config.parallel.world_size}: use --executor mp")
         return UniExecutor(config, model_dir)
     if kind == "mp":
-        from services.scheduler.mp_executor import MpExecutor
+        from kvserve.services.scheduler.mp_executor import MpExecutor
 
         return MpExecutor(config, model_dir)
     raise ValueError(f"unknown executor {kind!r}; use 'uni' or 'mp'")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.block_pool import BlockPool, KVCacheBlock
-from services.scheduler.request import Request
+from kvserve.services.scheduler.block_pool import BlockPool, KVCacheBlock
+from kvserve.services.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

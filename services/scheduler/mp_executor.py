@@ -27,14 +27,14 @@ from multiprocessing.process import BaseProcess
 import msgspec
 import zmq
 
-from services.scheduler.executor import Executor
-from services.worker import worker_proc
-from services.worker.parallel_check import load_hf_config, verify_parallel_sizes
-from shared.config import EngineConfig
-from shared.logging import init_logger
-from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
-from shared.shm_ring import ShmRingBuffer, ShmRingHandle
-from shared.transport import make_socket
+from kvserve.services.scheduler.executor import Executor
+from kvserve.services.worker import worker_proc
+from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
+from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
+from kvserve.shared.transport import make_socket
 
 logger = init_logger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 
-from shared.hashing import HashFn, hash_new_full_blocks, make_extra_keys
-from shared.messages import EngineCoreRequest, FinishReason
-from shared.sampling_params import SamplingParams
+from kvserve.shared.hashing import HashFn, hash_new_full_blocks, make_extra_keys
+from kvserve.shared.messages import EngineCoreRequest, FinishReason
+from kvserve.shared.sampling_params import SamplingParams
 
 # Returns the hashes of the request's full blocks that request.block_hashes lacks.
 BlockHasher = Callable[["Request"], list[bytes]]

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.scheduler.block_pool import KVCacheBlock
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, RequestStatus, make_block_hasher
-from services.scheduler.request_queue import create_request_queue
-from services.scheduler.step_plan import StepPlan
-from services.scheduler.stop_check import check_stop
-from shared.config import CacheConfig, SchedulerConfig
-from shared.hashing import get_hash_fn
-from shared.logging import init_logger
-from shared.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest,
+from kvserve.services.scheduler.block_pool import KVCacheBlock
+from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
+from kvserve.services.scheduler.request import Request, RequestStatus, make_block_hasher
+from kvserve.services.scheduler.request_queue import create_request_queue
+from kvserve.services.scheduler.step_plan import StepPlan
+from kvserve.services.scheduler.stop_check import check_stop
+from kvserve.shared.config import CacheConfig, SchedulerConfig
+from kvserve.shared.hashing import get_hash_fn
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest,
                              FinishReason, Logprobs, ModelRunnerOutput, NewRequestData,
                              SchedulerOutput, SchedulerStats)
 

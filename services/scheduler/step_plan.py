@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.block_pool import KVCacheBlock
-from services.scheduler.request import Request
+from kvserve.services.scheduler.block_pool import KVCacheBlock
+from kvserve.services.scheduler.request import Request
 
 
 @dataclass

@@ -168,7 +168,7 @@ def convert_gguf(gguf_path: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_
     """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from services.worker.models import architecture_of_model_type
+    from kvserve.services.worker.models import architecture_of_model_type
 
     gguf_dir, gguf_file = os.path.split(os.path.abspath(gguf_path))
     names = save_sharded(iterate_gguf_tensors(gguf_path), out_dir, max_shard_bytes)

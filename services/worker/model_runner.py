@@ -17,13 +17,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shared.config import EngineConfig
-from shared.logging import init_logger
-from shared.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
-from services.worker.input_batch import InputBatch, RequestState
-from services.worker.layers.attention import Attention, AttentionMetadata
-from services.worker.models import load_model
-from services.worker.parallel_state import (
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+from kvserve.services.worker.input_batch import InputBatch, RequestState
+from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
+from kvserve.services.worker.models import load_model
+from kvserve.services.worker.parallel_state import (
     broadcast_from_driver,
     is_driver,
     is_first_pp_rank,
@@ -31,8 +31,8 @@ from services.worker.parallel_state import (
     recv_from_prev_stage,
     send_to_next_stage,
 )
-from services.worker.sampler import Sampler, compute_topk_logprobs
-from services.worker.sampling_metadata import LogprobsTensors, SamplingMetadata
+from kvserve.services.worker.sampler import Sampler, compute_topk_logprobs
+from kvserve.services.worker.sampling_metadata import LogprobsTensors, SamplingMetadata
 
 logger = init_logger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.sampling_metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
+from kvserve.services.worker.sampling_metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
 
 # Temperatures below this count as greedy (the same threshold as SamplingParams.greedy).
 _SAMPLING_EPS = 1e-5

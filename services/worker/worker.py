@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from shared.config import EngineConfig
-from shared.logging import init_logger
-from shared.messages import ModelRunnerOutput, SchedulerOutput
-from services.worker.model_runner import ModelRunner
-from services.worker.parallel_check import load_hf_config, verify_parallel_sizes
-from services.worker.parallel_state import (
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput
+from kvserve.services.worker.model_runner import ModelRunner
+from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
+from kvserve.services.worker.parallel_state import (
     destroy_distributed_environment,
     init_distributed_environment,
     initialize_model_parallel,

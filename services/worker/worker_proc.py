@@ -33,11 +33,11 @@ import traceback
 import msgspec
 import zmq
 
-from shared.config import EngineConfig
-from shared.logging import init_logger
-from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
-from shared.shm_ring import ShmRingBuffer, ShmRingHandle
-from shared.transport import make_socket
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
+from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
+from kvserve.shared.transport import make_socket
 
 logger = init_logger(__name__)
 
@@ -95,7 +95,7 @@ def _configure_torch_threads(num_local_ranks: int) -> None:
     """
     import torch
 
-    from shared.env import OMP_NUM_THREADS
+    from kvserve.shared.env import OMP_NUM_THREADS
 
     num_cores = OMP_NUM_THREADS.get() or len(os.sched_getaffinity(0))
     num_threads = max(1, num_cores // num_local_ranks)
@@ -134,7 +134,7 @@ class WorkerProc:
     def __init__(self, config: EngineConfig, model_dir: str, rank: int,
                  ring_handle: ShmRingHandle, result_addr: str,
                  distributed_init_method: str | None = None):
-        from services.worker.parallel_state import driver_rank  # torch: worker side only
+        from kvserve.services.worker.parallel_state import driver_rank  # torch: worker side only
 
         self.config = config
         self.distributed_init_method = distributed_init_method
@@ -171,7 +171,7 @@ class WorkerProc:
             ctx.term()
 
     def _serve(self, ring: ShmRingBuffer, sock: zmq.Socket) -> None:
-        from services.worker.worker import Worker
+        from kvserve.services.worker.worker import Worker
 
         worker = Worker(self.config, self.model_dir, self.rank, self.distributed_init_method)
         self._serve_steps(worker, ring, sock)

@@ -14,7 +14,7 @@ import time
 
 import uvicorn
 
-from shared.config import CacheConfig, EngineConfig, ModelConfig
+from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig
 
 SERVED_MODEL_NAME = "smollm2-test"
 MAX_MODEL_LEN = 512
@@ -66,8 +66,8 @@ def shared_api_server():
     global _shared
     with _lock:
         if _shared is None:
-            from services.api.inproc_client import InprocEngineClient
-            from services.api.server import build_app
+            from kvserve.services.api.inproc_client import InprocEngineClient
+            from kvserve.services.api.server import build_app
 
             config = EngineConfig(
                 model=ModelConfig(max_model_len=MAX_MODEL_LEN,

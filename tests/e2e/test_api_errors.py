@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from services.api.engine_client import EngineClient
-from services.api.server import build_app
-from services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.engine_client import EngineClient
+from kvserve.services.api.server import build_app
+from kvserve.services.api.tokenizer import TokenizerInfo
 from tests.e2e.api_server_utils import MAX_MODEL_LEN, SERVED_MODEL_NAME, ServerThread, \
     shared_api_server
 

@@ -69,7 +69,7 @@ def test_top_k_one_equals_greedy(llm):
 
 
 def test_logprobs_equal_log_softmax_of_our_logits(llm):
-    from services.worker.layers.attention import AttentionMetadata
+    from kvserve.services.worker.layers.attention import AttentionMetadata
 
     prompt_ids = llm.get_tokenizer().encode("The capital of France is")
     [out] = llm.generate({"prompt_token_ids": prompt_ids},

@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from kvserve import LLM, SamplingParams
-from services.scheduler.mp_executor import MpExecutor
-from shared.config import EngineConfig, ParallelConfig
-from shared.messages import CachedRequestData, SchedulerOutput
+from kvserve.services.scheduler.mp_executor import MpExecutor
+from kvserve.shared.config import EngineConfig, ParallelConfig
+from kvserve.shared.messages import CachedRequestData, SchedulerOutput
 from tests.conftest import assert_no_leaked_blocks
 
 pytestmark = pytest.mark.slow
@@ -126,9 +126,9 @@ def test_worker_exception_comes_back_with_its_traceback(default_model_dir):
 
 _ENGINE_THAT_DIES = """
 import time
-from shared.config import EngineConfig, CacheConfig, ParallelConfig
-from services.scheduler.mp_executor import MpExecutor
-from services.worker.model_loader import resolve_model
+from kvserve.shared.config import EngineConfig, CacheConfig, ParallelConfig
+from kvserve.services.scheduler.mp_executor import MpExecutor
+from kvserve.services.worker.model_loader import resolve_model
 config = EngineConfig(cache=CacheConfig(num_gpu_blocks_override=16),
                       parallel=ParallelConfig(distributed_executor_backend="mp"))
 executor = MpExecutor(config, resolve_model(None))

@@ -16,9 +16,9 @@ import msgspec
 import psutil
 import pytest
 
-from shared.sampling_params import SamplingParams
-from shared.wire import MsgType
-from services.api.tokenizer import TokenizerInfo
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.wire import MsgType
+from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.serve import stop_engine_process
 from tests.faults.harness import KV_CACHE_MEMORY, engine_child, free_port, start_engine, \
     start_serve, wait_gone, wait_healthy
@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def test_api_process_does_not_import_torch():
-    code = ("import sys, services.api.mp_client, kvserve.serve, kvserve.cli; "
+    code = ("import sys, kvserve.services.api.mp_client, kvserve.serve, kvserve.cli; "
             "kvserve.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import httpx
 import psutil
 
-from shared.config import CacheConfig, EngineConfig, ParallelConfig
-from shared.transport import EngineAddresses
-from services.api.mp_client import EngineChannel, MPEngineClient
-from services.api.tokenizer import TokenizerInfo
+from kvserve.shared.config import CacheConfig, EngineConfig, ParallelConfig
+from kvserve.shared.transport import EngineAddresses
+from kvserve.services.api.mp_client import EngineChannel, MPEngineClient
+from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.serve import start_engine_process
 
 # The tiny model's KV cache: plenty of blocks, little memory.

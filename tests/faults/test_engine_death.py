@@ -13,12 +13,12 @@ import time
 import psutil
 import pytest
 
-from shared.config import EngineConfig
-from shared.sampling_params import SamplingParams
-from shared.transport import EngineAddresses
-from services.api.engine_client import EngineDeadError
-from services.api.mp_client import EngineChannel
-from services.api.tokenizer import TokenizerInfo
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.transport import EngineAddresses
+from kvserve.services.api.engine_client import EngineDeadError
+from kvserve.services.api.mp_client import EngineChannel
+from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.serve import start_engine_process, stop_engine_process
 from tests.faults.harness import start_engine
 from tests.faults.tiny_model import build_tiny_llama

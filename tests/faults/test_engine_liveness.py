@@ -15,15 +15,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from shared.sampling_params import SamplingParams
-from shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
+from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
     engine_identity, make_socket
-from shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineStats, GetStats, \
+from kvserve.shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineStats, GetStats, \
     MsgType, Ping, UtilityOutput
-from services.api.engine_client import EngineDeadError
-from services.api.mp_client import EngineChannel, EngineStalledError, MPEngineClient
-from services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.engine_client import EngineDeadError
+from kvserve.services.api.mp_client import EngineChannel, EngineStalledError, MPEngineClient
+from kvserve.services.api.tokenizer import TokenizerInfo
 from tests.faults.tiny_model import build_tiny_llama
 
 HEARTBEAT_INTERVAL_S = 0.1

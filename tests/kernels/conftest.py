@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels._triton import HAS_TRITON, triton  # noqa: E402  (after TRITON_INTERPRET)
+from kvserve.kernels._triton import HAS_TRITON, triton  # noqa: E402  (after TRITON_INTERPRET)
 
 
 def _interpreter_active() -> bool:

@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import activation, attention, cache, norm, rotary  # noqa: E402
+from kvserve.kernels import activation, attention, cache, norm, rotary  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100 / H200)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import activation
+from kvserve.kernels import activation
 from tests.kernels.utils import DEVICE, assert_close
 
 

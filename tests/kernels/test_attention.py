@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import attention
+from kvserve.kernels import attention
 from tests.kernels.utils import (DEVICE, PagedBatch, assert_close, dense_causal_attention,
                                  make_paged_batch)
 

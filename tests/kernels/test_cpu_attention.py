@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.attention import paged_attention_cpu, paged_attention_ref
+from kvserve.kernels import cpu
+from kvserve.kernels.attention import paged_attention_cpu, paged_attention_ref
 
 
 def _case(dtype, num_reqs, query_lens, seed=0):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, dispatch
-from kernels.activation import silu_and_mul_ref
-from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import rotary_embedding_ref
+from kvserve.kernels import cpu, dispatch
+from kvserve.kernels.activation import silu_and_mul_ref
+from kvserve.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from kvserve.kernels.rotary import rotary_embedding_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 

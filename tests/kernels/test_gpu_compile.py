@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels._triton import HAS_TRITON
+from kvserve.kernels._triton import HAS_TRITON
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import norm
+from kvserve.kernels import norm
 from tests.kernels.utils import DEVICE, assert_close
 
 EPS = 1e-6

@@ -14,9 +14,9 @@ import sys
 sys.modules["triton"] = None
 sys.modules["triton.language"] = None
 import torch
-import kernels
-from kernels import norm
-from kernels._triton import HAS_TRITON
+from kvserve import kernels
+from kvserve.kernels import norm
+from kvserve.kernels._triton import HAS_TRITON
 assert not HAS_TRITON
 x = torch.randn(3, 8)
 out = kernels.rms_norm(x, torch.ones(8), 1e-6)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import rotary
+from kvserve.kernels import rotary
 from tests.kernels.utils import DEVICE, assert_close
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-
-
+from kvserve import kernels
 class SiluAndMul(nn.Module):
     """[T, 2 * I] = [gate | up] -> silu(gate) * up, [T, I]."""
 

@@ -17,9 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import kernels
-
-
+from kvserve import kernels
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where this step's tokens sit in the paged KV cache.

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.layers.linear import divide
-from services.worker.parallel_state import (
+from kvserve.services.worker.layers.linear import divide
+from kvserve.services.worker.parallel_state import (
     get_tp_rank,
     get_tp_size,
     tensor_model_parallel_all_gather,

@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-
-
+from kvserve import kernels
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight.
 

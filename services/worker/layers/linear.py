@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.parallel_state import (
+from kvserve.services.worker.parallel_state import (
     get_tp_rank,
     get_tp_size,
     tensor_model_parallel_all_reduce,

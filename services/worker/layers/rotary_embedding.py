@@ -12,9 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import kernels
-
-
+from kvserve import kernels
 def rope_parameters_from_config(config: Any) -> dict:
     """The RoPE settings of a HF config as one dict with `rope_type` and `rope_theta`.
 

@@ -14,19 +14,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.worker.layers.activation import SiluAndMul
-from services.worker.layers.attention import Attention, AttentionMetadata
-from services.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from services.worker.layers.layernorm import RMSNorm
-from services.worker.layers.linear import (
+from kvserve.services.worker.layers.activation import SiluAndMul
+from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
+from kvserve.services.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from kvserve.services.worker.layers.layernorm import RMSNorm
+from kvserve.services.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
     divide,
 )
-from services.worker.layers.rotary_embedding import get_rope, rope_parameters_from_config
-from services.worker.parallel_state import (
+from kvserve.services.worker.layers.rotary_embedding import get_rope, rope_parameters_from_config
+from kvserve.services.worker.parallel_state import (
     get_pp_rank,
     get_pp_size,
     get_tp_size,

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from services.api.detokenizer import IncrementalDetokenizer, check_stop_strings
+from kvserve.services.api.detokenizer import IncrementalDetokenizer, check_stop_strings
 
 REPLACEMENT_CHAR = "\ufffd"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

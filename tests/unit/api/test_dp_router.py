@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.hashing import get_hash_fn, hash_new_full_blocks
-from shared.wire import EngineLoad
-from services.api.dp_router import PREFIX_LOAD_SLACK, WAITING_WEIGHT, DPRouter
+from kvserve.shared.hashing import get_hash_fn, hash_new_full_blocks
+from kvserve.shared.wire import EngineLoad
+from kvserve.services.api.dp_router import PREFIX_LOAD_SLACK, WAITING_WEIGHT, DPRouter
 
 BLOCK_SIZE = 4
 

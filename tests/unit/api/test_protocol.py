@@ -9,7 +9,7 @@ import sys
 import msgspec
 import pytest
 
-from services.api.protocol import UNSET, APIError, ChatCompletionRequest, \
+from kvserve.services.api.protocol import UNSET, APIError, ChatCompletionRequest, \
     ChatCompletionStreamResponse, ChatStreamChoice, CompletionChoice, CompletionRequest, \
     CompletionStreamResponse, DeltaMessage, UsageInfo, decode_request
 
@@ -114,10 +114,10 @@ def test_chat_delta_leaves_out_unset_fields():
 
 def test_api_modules_do_not_import_torch():
     code = ("import sys\n"
-            "import services.api.server, services.api.protocol, services.api.metrics\n"
-            "import services.api.serving_completions, services.api.serving_chat\n"
+            "import kvserve.services.api.server, kvserve.services.api.protocol, kvserve.services.api.metrics\n"
+            "import kvserve.services.api.serving_completions, kvserve.services.api.serving_chat\n"
             "assert 'torch' not in sys.modules, 'the api imported torch'\n"
-            "from services.api.inproc_client import InprocEngineClient\n"
+            "from kvserve.services.api.inproc_client import InprocEngineClient\n"
             "assert 'torch' not in sys.modules, 'inproc_client imports torch at import time'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from shared.messages import EngineCoreOutputs, SchedulerStats
-from services.api.engine_client import EngineClient
-from services.api.metrics import ApiMetrics
-from services.api.outputs import CompletionOutput, RequestOutput
-from services.api.serving_base import StreamedChoice, merge_async_iterators
-from services.api.stop_strings import check_stop_strings
-from services.api.tokenizer import TokenizerInfo
+from kvserve.shared.messages import EngineCoreOutputs, SchedulerStats
+from kvserve.services.api.engine_client import EngineClient
+from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.outputs import CompletionOutput, RequestOutput
+from kvserve.services.api.serving_base import StreamedChoice, merge_async_iterators
+from kvserve.services.api.stop_strings import check_stop_strings
+from kvserve.services.api.tokenizer import TokenizerInfo
 
 
 def stream_texts(steps: list[str], stop: list[str], holdback: int) -> tuple[str, str]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, make_block_hasher
-from shared.hashing import get_hash_fn
-from shared.sampling_params import SamplingParams
+from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
+from kvserve.services.scheduler.request import Request, make_block_hasher
+from kvserve.shared.hashing import get_hash_fn
+from kvserve.shared.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.scheduler.request import RequestStatus
-from shared.messages import FinishReason
+from kvserve.services.scheduler.request import RequestStatus
+from kvserve.shared.messages import FinishReason
 from tests.unit.scheduler.utils import (SAMPLED_TOKEN_ID, assert_no_leaked_blocks,
                                         create_request, create_scheduler, run_to_completion,
                                         step)
@@ -121,7 +121,7 @@ def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
 
 def test_prompt_logprobs_are_not_repeated_after_a_preemption_mid_prompt():
     """b is preempted after two prompt chunks; its recompute must send each position once."""
-    from shared.messages import Logprobs, ModelRunnerOutput
+    from kvserve.shared.messages import Logprobs, ModelRunnerOutput
 
     prompt_len = 12
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.request import RequestStatus
-from shared.messages import FinishReason, ModelRunnerOutput
+from kvserve.services.scheduler.request import RequestStatus
+from kvserve.shared.messages import FinishReason, ModelRunnerOutput
 from tests.unit.scheduler.utils import (SAMPLED_TOKEN_ID, assert_no_leaked_blocks,
                                         create_request, create_scheduler, make_runner_output,
                                         run_to_completion, step)
@@ -222,7 +222,7 @@ def test_update_ignores_a_request_aborted_during_the_step():
 
 
 def test_sampled_logprobs_are_forwarded_and_trimmed():
-    from shared.messages import Logprobs
+    from kvserve.shared.messages import Logprobs
 
     scheduler = create_scheduler()
     scheduler.add_request(create_request("a", max_tokens=1, logprobs=1))

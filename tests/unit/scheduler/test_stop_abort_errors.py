@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.request import RequestStatus
-from shared.messages import FinishReason
+from kvserve.services.scheduler.request import RequestStatus
+from kvserve.shared.messages import FinishReason
 from tests.unit.scheduler.utils import (EOS_TOKEN_ID, SAMPLED_TOKEN_ID,
                                         assert_no_leaked_blocks, create_request,
                                         create_scheduler, run_to_completion, step)

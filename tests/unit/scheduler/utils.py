@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from shared.config import CacheConfig, SchedulerConfig
-from shared.messages import (EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput,
+from kvserve.shared.config import CacheConfig, SchedulerConfig
+from kvserve.shared.messages import (EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput,
                              SchedulerOutput)
-from shared.sampling_params import SamplingParams
-from services.scheduler.scheduler import Scheduler
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.scheduler.scheduler import Scheduler
 
 # Tokens the fake model "samples": never EOS_TOKEN_ID unless a test asks for it.
 SAMPLED_TOKEN_ID = 7

@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from shared.hashing import (get_hash_fn, hash_block_tokens, hash_new_full_blocks,
+from kvserve.shared.hashing import (get_hash_fn, hash_block_tokens, hash_new_full_blocks,
                             make_extra_keys, root_hash)
 
 TOKEN_IDS = list(range(100, 164))  # 4 blocks of 16
@@ -90,7 +90,7 @@ def test_salt_only_in_first_block_still_separates_every_block():
 
 def test_hashes_agree_across_processes_with_different_hash_seeds():
     script = textwrap.dedent("""
-        from shared.hashing import get_hash_fn, hash_new_full_blocks, make_extra_keys
+        from kvserve.shared.hashing import get_hash_fn, hash_new_full_blocks, make_extra_keys
         for algo in ("sha256", "xxhash"):
             hashes = hash_new_full_blocks(get_hash_fn(algo), 16, list(range(100, 164)), [],
                                           make_extra_keys("salt"))

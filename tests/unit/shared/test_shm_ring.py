@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from shared.shm_ring import ShmRingBuffer, ShmRingHandle
+from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
 
 
 def _segment_exists(handle: ShmRingHandle) -> bool:
@@ -190,7 +190,7 @@ def test_closing_twice_is_harmless_and_use_after_close_raises(ring):
 
 _CRASHING_WRITER = """
 import sys, time
-from shared.shm_ring import ShmRingBuffer
+from kvserve.shared.shm_ring import ShmRingBuffer
 ring = ShmRingBuffer.create(num_readers=1)
 print(ring.handle.name, flush=True)
 time.sleep(60)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import zmq
 
-from shared.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, \
+from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, \
     FinishReason, Logprobs, SchedulerStats
-from shared.sampling_params import SamplingParams
-from shared.transport import INLINE_ARRAY_MAX_BYTES, EngineAddresses, MessageDecoder, \
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.transport import INLINE_ARRAY_MAX_BYTES, EngineAddresses, MessageDecoder, \
     MessageEncoder, MsgpackDecoder, MsgpackEncoder, engine_identity, make_socket
-from shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineStats, GetStats, \
+from kvserve.shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineStats, GetStats, \
     MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput
 
 API_TO_ENGINE = (MsgType.ADD, MsgType.ABORT, MsgType.UTILITY)

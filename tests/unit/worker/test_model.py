@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.layers.attention import Attention, AttentionMetadata
-from services.worker.models import load_model
-from services.worker.parallel_state import destroy_model_parallel, initialize_model_parallel
+from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
+from kvserve.services.worker.models import load_model
+from kvserve.services.worker.parallel_state import destroy_model_parallel, initialize_model_parallel
 
 TINY_KINDS = ("llama", "llama3_rope", "qwen2")  # see conftest.make_tiny_hf_model
 ATOL = 1e-4
@@ -144,7 +144,7 @@ def test_fused_and_tied_parameters(tiny_checkpoint):
 
 
 def test_load_weights_rejects_unknown_and_missing_tensors(tiny_checkpoint):
-    from services.worker.models import iterate_safetensors
+    from kvserve.services.worker.models import iterate_safetensors
 
     model_dir, _ = tiny_checkpoint("llama")
     model, _ = load_model(model_dir, torch.float32, "cpu")

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from services.worker import model_loader
-from services.worker.layers.attention import AttentionMetadata
-from services.worker.gguf import hf_tensor_name, read_gguf_state_dict
-from services.worker.model_loader import converted_dir_name, resolve_model
+from kvserve.services.worker import model_loader
+from kvserve.services.worker.layers.attention import AttentionMetadata
+from kvserve.services.worker.gguf import hf_tensor_name, read_gguf_state_dict
+from kvserve.services.worker.model_loader import converted_dir_name, resolve_model
 
 
 def _cache_entries(cache_dir) -> list[str]:
@@ -85,7 +85,7 @@ def test_q8_gguf_weights_equal_transformers_gguf_load(tiny_gguf):
 def test_gguf_converts_once_into_a_loadable_folder(tiny_gguf, tmp_path):
     from transformers import AutoTokenizer
 
-    from services.worker.models import load_model
+    from kvserve.services.worker.models import load_model
 
     path, hf_model = tiny_gguf(quantize=False)
     model_dir = resolve_model(path, cache_dir=str(tmp_path))
@@ -128,8 +128,8 @@ def test_large_conversion_is_sharded_like_hf(tiny_gguf, tmp_path):
     # loader and transformers read.
     from transformers import AutoModelForCausalLM
 
-    from services.worker.gguf import convert_gguf
-    from services.worker.models import iterate_safetensors
+    from kvserve.services.worker.gguf import convert_gguf
+    from kvserve.services.worker.models import iterate_safetensors
 
     path, hf_model = tiny_gguf(quantize=False)
     convert_gguf(path, str(tmp_path), max_shard_bytes=40_000)

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from services.worker.parallel_check import verify_parallel_sizes
-from services.worker.parallel_state import (
+from kvserve.services.worker.parallel_check import verify_parallel_sizes
+from kvserve.services.worker.parallel_state import (
     destroy_model_parallel,
     initialize_model_parallel,
     pp_layer_range,
@@ -34,8 +34,8 @@ def _leave() -> None:
 
 
 def _tp_layers_worker(rank: int, store_path: str, out_path: str) -> None:
-    from services.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-    from services.worker.layers.linear import (
+    from kvserve.services.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+    from kvserve.services.worker.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
         QKVParallelLinear,
@@ -107,8 +107,8 @@ def test_tp2_layers_equal_the_unsplit_ones(tmp_path):
 
 
 def _pp_model_worker(rank: int, store_path: str, model_dir: str, out_path: str) -> None:
-    from services.worker.models import load_model
-    from services.worker.models.llama import PPMissingLayer
+    from kvserve.services.worker.models import load_model
+    from kvserve.services.worker.models.llama import PPMissingLayer
 
     _init_two_ranks(rank, store_path, tp=1, pp=2)
     try:

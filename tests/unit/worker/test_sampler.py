@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from services.worker.sampler import (Sampler, apply_penalties, apply_top_k_top_p,
+from kvserve.services.worker.sampler import (Sampler, apply_penalties, apply_top_k_top_p,
                                      compute_topk_logprobs)
-from services.worker.sampling_metadata import SamplingMetadata
+from kvserve.services.worker.sampling_metadata import SamplingMetadata
 
 NEG_INF = float("-inf")
 
