@@ -326,12 +326,10 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                         max_query_len: int, max_seq_len: int) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather),
-    prefill chunks through SDPA as in the reference. Same contract as `paged_attention`."""
+    prefill chunks through SDPA as in the reference. Same contract as `paged_attention`; the
+    caller (kernels.dispatch) checks that the native kernel is built for the dtype."""
     from kvserve.kernels import cpu
 
-    if not cpu.available(query.dtype):
-        return paged_attention_ref(query, key_cache, value_cache, block_table, query_start_loc,
-                                   seq_lens, scale, max_query_len, max_seq_len)
     _check_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                           max_seq_len)
     num_reqs = seq_lens.shape[0]

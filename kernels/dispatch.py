@@ -79,6 +79,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     max_query_len, max_seq_len: host-side maxima of the two (avoid a device sync).
     Returns [T, Hq, D]. Hq must be a multiple of Hkv (GQA).
     """
-    fn = attention.paged_attention if _use_triton(query) else attention.paged_attention_cpu
+    if _use_triton(query):
+        fn = attention.paged_attention
+    elif _use_cpu_kernel(query):
+        fn = attention.paged_attention_cpu
+    else:
+        fn = attention.paged_attention_ref
     return fn(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
               max_query_len, max_seq_len)

@@ -29,7 +29,7 @@ class MsgType(enum.IntEnum):
     ABORT = 1  # list of request ids
     UTILITY = 2  # UtilityCall
     # engine core -> api
-    READY = 10  # EngineHandshake, on the DEALER, once, before anything else
+    READY = 10  # EngineReady, on the DEALER, once, before anything else
     OUTPUTS = 11  # EngineCoreOutputs, one per engine step
     UTILITY_OUTPUT = 12  # UtilityOutput
     HEARTBEAT = 13  # EngineHeartbeat, from the output thread every interval
@@ -43,12 +43,9 @@ class MsgType(enum.IntEnum):
 _FRAMES = {t: bytes([t]) for t in MsgType}
 
 
-class EngineHandshake(msgspec.Struct, frozen=True, kw_only=True):
-    """The READY message: what start-up learned, plus who to watch for liveness.
-
-    Mirrors `EngineReady` (num_blocks, max_model_len, block_size) of the scheduler, which the
-    api must not import.
-    """
+class EngineReady(msgspec.Struct, frozen=True, kw_only=True):
+    """The READY message: what an engine core's start-up learned (never patched into its
+    config), plus who to watch for liveness. The offline `LLM` reads the same struct."""
 
     engine_index: int
     num_blocks: int
@@ -134,7 +131,7 @@ PAYLOAD_TYPES: dict[MsgType, type] = {
     MsgType.ADD: EngineCoreRequest,
     MsgType.ABORT: list[str],
     MsgType.UTILITY: UtilityCall,
-    MsgType.READY: EngineHandshake,
+    MsgType.READY: EngineReady,
     MsgType.OUTPUTS: EngineCoreOutputs,
     MsgType.UTILITY_OUTPUT: UtilityOutput,
     MsgType.HEARTBEAT: EngineHeartbeat,

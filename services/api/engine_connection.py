@@ -18,7 +18,7 @@ import zmq.asyncio
 from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
 from kvserve.shared.messages import SchedulerStats
 from kvserve.shared.transport import EngineAddresses, MessageDecoder, bound_address, make_socket
-from kvserve.shared.wire import EngineHandshake, EngineHeartbeat, MsgType, this_hostname
+from kvserve.shared.wire import EngineReady, EngineHeartbeat, MsgType, this_hostname
 from kvserve.services.api.engine_client import EngineDeadError, StatsTotals
 
 
@@ -39,7 +39,7 @@ class EngineChannel:
                                          bound_address(self.output_socket))
 
     async def wait_ready(self, timeout_s: float, engine_process=None
-                         ) -> tuple[bytes, EngineHandshake]:
+                         ) -> tuple[bytes, EngineReady]:
         """The engine's identity and handshake; EngineDeadError if it dies first.
 
         Args:
@@ -52,7 +52,7 @@ class EngineChannel:
 
     async def wait_all_ready(self, num_engines: int, timeout_s: float,
                              engine_processes: dict[int, Any] | None = None
-                             ) -> dict[int, tuple[bytes, EngineHandshake]]:
+                             ) -> dict[int, tuple[bytes, EngineReady]]:
         """(identity, handshake) of num_engines engines by index; EngineDeadError if one of
         them dies (or says DEAD) first.
 
@@ -66,7 +66,7 @@ class EngineChannel:
         poller = zmq.asyncio.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         poller.register(self.output_socket, zmq.POLLIN)
-        ready: dict[int, tuple[bytes, EngineHandshake]] = {}
+        ready: dict[int, tuple[bytes, EngineReady]] = {}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             events = dict(await poller.poll(timeout=200))
@@ -104,7 +104,7 @@ class EngineConnection:
             otherwise the handshake's pids are watched when on this host.
     """
 
-    def __init__(self, identity: bytes, handshake: EngineHandshake, engine_process=None):
+    def __init__(self, identity: bytes, handshake: EngineReady, engine_process=None):
         self.identity = identity
         self.handshake = handshake
         self.engine_index = handshake.engine_index
@@ -174,7 +174,7 @@ class EngineConnection:
         return entry
 
 
-def _processes_to_watch(handshake: EngineHandshake, engine_process
+def _processes_to_watch(handshake: EngineReady, engine_process
                         ) -> list[tuple[str, psutil.Process | None]]:
     """(name, process) of the engine core and its workers, when they run on this host."""
     if handshake.hostname != this_hostname():

@@ -6,34 +6,27 @@ serves the offline `LLM`; the engine-core process wraps the same object with IO 
 
 from __future__ import annotations
 
+import os
 import time
-
-import msgspec
 
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
+from kvserve.shared.wire import EngineReady, this_hostname
 from kvserve.services.scheduler.executor import make_executor
 from kvserve.services.scheduler.scheduler import Scheduler
 
 logger = init_logger(__name__)
 
 
-class EngineReady(msgspec.Struct, frozen=True):
-    """What start-up learned, for the engine's clients (never patched into the config)."""
-
-    num_blocks: int
-    max_model_len: int
-    block_size: int
-
-
 class EngineCore:
     """Args:
         config: the engine config.
         model_dir: a resolved HF-style model folder.
+        engine_index: this engine core's data-parallel index.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: str):
+    def __init__(self, config: EngineConfig, model_dir: str, engine_index: int = 0):
         start = time.perf_counter()
         self.config = config
         self.executor = make_executor(config, model_dir)
@@ -42,8 +35,12 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
                                    self.executor.max_model_len)
         # The scheduler may cap max_model_len to what the KV cache holds.
-        self.ready = EngineReady(num_blocks, self.scheduler.max_model_len,
-                                 config.cache.block_size)
+        self.ready = EngineReady(
+            engine_index=engine_index, num_blocks=num_blocks,
+            max_model_len=self.scheduler.max_model_len, block_size=config.cache.block_size,
+            hostname=this_hostname(), pid=os.getpid(), worker_pids=self.executor.worker_pids,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
         logger.info("engine core ready in %.1f s: %d KV blocks, max_model_len %d",
                     time.perf_counter() - start, num_blocks, self.ready.max_model_len)
 

@@ -28,9 +28,8 @@ from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from kvserve.shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
     engine_identity, make_socket
-from kvserve.shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineLoad, \
-    EngineStats, GetStats, MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput, \
-    this_hostname
+from kvserve.shared.wire import EngineDead, EngineReady, EngineHeartbeat, EngineLoad, \
+    EngineStats, GetStats, MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput
 
 logger = init_logger(__name__)
 
@@ -86,15 +85,8 @@ class EngineCoreProc:
         """Build the EngineCore (model load, KV profile), then say READY to the api."""
         from kvserve.services.scheduler.engine_core import EngineCore
 
-        self.engine_core = EngineCore(config, model_dir)
-        ready = self.engine_core.ready
-        handshake = EngineHandshake(
-            engine_index=self.engine_index, num_blocks=ready.num_blocks,
-            max_model_len=ready.max_model_len, block_size=ready.block_size,
-            hostname=this_hostname(), pid=os.getpid(),
-            worker_pids=self.engine_core.executor.worker_pids,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
+        self.engine_core = EngineCore(config, model_dir, self.engine_index)
+        handshake = self.engine_core.ready
         self.input_thread = threading.Thread(target=self._process_input_socket,
                                              args=(handshake,), name="EngineCoreInputIO",
                                              daemon=True)
@@ -207,7 +199,7 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------------ IO threads
 
-    def _process_input_socket(self, handshake: EngineHandshake) -> None:
+    def _process_input_socket(self, handshake: EngineReady) -> None:
         """Send READY, then decode every message into the input queue."""
         decoder = MessageDecoder((MsgType.ADD, MsgType.ABORT, MsgType.UTILITY))
         sock = make_socket(self._ctx, self.addresses.input_addr, zmq.DEALER, bind=False,

@@ -19,7 +19,7 @@ from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishR
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
     engine_identity, make_socket
-from kvserve.shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineStats, GetStats, \
+from kvserve.shared.wire import EngineDead, EngineReady, EngineHeartbeat, EngineStats, GetStats, \
     MsgType, Ping, UtilityOutput
 from kvserve.services.api.engine_client import EngineDeadError
 from kvserve.services.api.mp_client import EngineChannel, EngineStalledError, MPEngineClient
@@ -63,7 +63,7 @@ class ScriptedEngine:
         self.heartbeat_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        handshake = EngineHandshake(engine_index=0, num_blocks=64, max_model_len=128,
+        handshake = EngineReady(engine_index=0, num_blocks=64, max_model_len=128,
                                     block_size=16, hostname="scripted-host", pid=1)
         await self.dealer.send_multipart(self.encoder.encode(MsgType.READY, handshake))
         self.heartbeat_task = asyncio.create_task(self._beat())

@@ -43,3 +43,19 @@ def test_cpu_path_matches_reference(dtype, atol, query_lens):
 def test_kernel_builds_on_this_machine():
     # CI machines have a C compiler: the fast path must actually be taken there.
     assert cpu.available(torch.float32)
+
+
+def test_dispatch_picks_the_native_kernel_or_the_reference(monkeypatch):
+    from kvserve import kernels
+    from kvserve.kernels import attention
+
+    calls = []
+    monkeypatch.setattr(attention, "paged_attention_cpu",
+                        lambda *a: calls.append("cpu") or paged_attention_cpu(*a))
+    monkeypatch.setattr(attention, "paged_attention_ref",
+                        lambda *a: calls.append("ref") or paged_attention_ref(*a))
+    args = _case(torch.float32, 3, [1, 4, 1])
+    kernels.paged_attention(*args)
+    monkeypatch.setattr(cpu, "available", lambda dtype: False)
+    kernels.paged_attention(*args)
+    assert calls == ["cpu", "ref"]

@@ -15,7 +15,7 @@ from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, EngineC
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.transport import INLINE_ARRAY_MAX_BYTES, EngineAddresses, MessageDecoder, \
     MessageEncoder, MsgpackDecoder, MsgpackEncoder, engine_identity, make_socket
-from kvserve.shared.wire import EngineDead, EngineHandshake, EngineHeartbeat, EngineStats, GetStats, \
+from kvserve.shared.wire import EngineDead, EngineReady, EngineHeartbeat, EngineStats, GetStats, \
     MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput
 
 API_TO_ENGINE = (MsgType.ADD, MsgType.ABORT, MsgType.UTILITY)
@@ -53,7 +53,7 @@ def sockets():
 def test_every_message_round_trips_over_real_sockets(sockets):
     router, pull, dealer, push = sockets
     encoder = MessageEncoder()
-    handshake = EngineHandshake(engine_index=1, num_blocks=100, max_model_len=512,
+    handshake = EngineReady(engine_index=1, num_blocks=100, max_model_len=512,
                                 block_size=16, hostname="h", pid=42, worker_pids=[43, 44])
     # READY is the DEALER's first message: the ROUTER learns the engine's identity from it.
     dealer.send_multipart(encoder.encode(MsgType.READY, handshake))
