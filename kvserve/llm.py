@@ -6,35 +6,13 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, \
-    SchedulerConfig
+from kvserve.shared.config import EngineConfig
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.tokenizer import TokenizerInfo
 
 PromptType = str | list[int] | dict[str, Any]
-
-# LLM(...) keyword -> the config struct that owns it.
-_CONFIG_OWNERS = {
-    cls: set(cls.__struct_fields__)
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
-}
-
-
-def build_engine_config(**kwargs) -> EngineConfig:
-    """Split vLLM-style keyword arguments over the config structs; unknown ones are errors."""
-    parts: dict[type, dict[str, Any]] = {cls: {} for cls in _CONFIG_OWNERS}
-    for key, value in kwargs.items():
-        owner = next((cls for cls, names in _CONFIG_OWNERS.items() if key in names), None)
-        if owner is None:
-            known = sorted(set().union(*_CONFIG_OWNERS.values()))
-            raise ValueError(f"unknown engine argument {key!r}; known ones: {known}")
-        parts[owner][key] = value
-    return EngineConfig(model=ModelConfig(**parts[ModelConfig]),
-                        cache=CacheConfig(**parts[CacheConfig]),
-                        scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-                        parallel=ParallelConfig(**parts[ParallelConfig]))
 
 
 class LLM:
@@ -49,11 +27,21 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
+        self._start(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM from a whole EngineConfig (what the CLI's flags build)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
         from kvserve.services.scheduler.engine_core import EngineCore
         from kvserve.services.worker.model_loader import resolve_model
 
-        self.config = build_engine_config(model=model, **kwargs)
-        self.model_dir = resolve_model(model)
+        self.config = config
+        self.model_dir = resolve_model(config.model.model)
         self.tokenizer_info = TokenizerInfo(self.config.model.tokenizer or self.model_dir)
         self.engine_core = EngineCore(self.config, self.model_dir)
         self.max_model_len = self.engine_core.ready.max_model_len

@@ -20,7 +20,6 @@ nodes on --data-parallel-rpc-port; `kvserve serve --headless` nodes run engines 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import multiprocessing
@@ -28,11 +27,11 @@ import multiprocessing.connection
 import signal
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import psutil
 
-from kvserve.shared.config import EngineConfig, ModelConfig
+from kvserve.shared.config import APIOptions, CoordinatorOptions, DPLayout, DPRouting, \
+    EngineConfig, EngineOptions, HTTPConfig, ServeOptions
 from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
 from kvserve.shared.logging import init_logger
 from kvserve.shared.transport import CoordinatorAddresses, EngineAddresses
@@ -126,25 +125,26 @@ def _describe_exit(exitcode: int | None) -> str:
 # ---------------------------------------------------------------------- the api process
 
 
-async def serve_http(client: MPEngineClient, args: argparse.Namespace,
+async def serve_http(client: MPEngineClient, http: HTTPConfig,
                      build_app: AppFactory | None = None,
                      stop: asyncio.Event | None = None) -> int:
     """Serve the HTTP app until SIGTERM/SIGINT (0) or the engine's death (1).
 
     Args:
         client: a connected engine client (its model_name is the served name).
-        args: --host, --port, --api-key, --shutdown-timeout, --uvicorn-log-level.
-        build_app: the app factory (default: services.api.server.build_app).
+        http: the HTTP server's options.
+        build_app: the app factory (default: kvserve.services.api.server.build_app).
         stop: set by a signal that came before uvicorn took the signals over.
     """
     import uvicorn
 
     if build_app is None:
         from kvserve.services.api.server import build_app
-    app = build_app(client, served_model_name=client.model_name, api_key=args.api_key)
+    app = build_app(client, served_model_name=client.model_name,
+                    api_key=http.effective_api_key)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout))
+        app, host=http.host, port=http.port, log_level=http.uvicorn_log_level,
+        timeout_graceful_shutdown=http.shutdown_timeout))
 
     async def stop_on_engine_death() -> None:
         reason = await client.wait_dead()
@@ -191,62 +191,11 @@ def _install_stop_handlers() -> asyncio.Event:
     return stop
 
 
-@dataclass(frozen=True)
-class DPLayout:
-    """Where the data-parallel engine cores run (the --data-parallel-* flags).
-
-    Args:
-        size: N, engine cores in all.
-        size_local: engine cores on this node.
-        start_rank: the first engine index on this node (0 on the front end).
-        address: the front end's address, for other nodes (multi-node only).
-        rpc_port: the front end's registration port (multi-node only).
-    """
-
-    size: int
-    size_local: int
-    start_rank: int = 0
-    address: str | None = None
-    rpc_port: int | None = None
-
-    @property
-    def multi_node(self) -> bool:
-        return self.size_local < self.size
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, size: int, headless: bool) -> DPLayout:
-        local = args.data_parallel_size_local
-        layout = cls(size, size if local is None else local, args.data_parallel_start_rank,
-                     args.data_parallel_address, args.data_parallel_rpc_port)
-        layout.validate(headless)
-        return layout
-
-    def validate(self, headless: bool) -> None:
-        if self.size < 1:
-            raise ValueError(f"--data-parallel-size must be >= 1, got {self.size}")
-        if not 0 <= self.size_local <= self.size:
-            raise ValueError(f"--data-parallel-size-local must be in [0, {self.size}] "
-                             f"(--data-parallel-size), got {self.size_local}")
-        if not headless and self.start_rank != 0:
-            raise ValueError("--data-parallel-start-rank is for --headless nodes: the front "
-                             "end runs engines 0..L-1")
-        if headless and (self.size_local < 1
-                         or self.start_rank + self.size_local > self.size
-                         or self.start_rank < 1):
-            raise ValueError(f"a --headless node runs engines start_rank..start_rank+L-1, "
-                             f"within 1..{self.size - 1}: got --data-parallel-start-rank "
-                             f"{self.start_rank} and --data-parallel-size-local "
-                             f"{self.size_local}")
-        if (self.multi_node or headless) and (self.address is None or self.rpc_port is None):
-            raise ValueError("engines on other nodes need --data-parallel-address (the front "
-                             "end's IP or host name) and --data-parallel-rpc-port")
-
-
-async def _run_api_server(args: argparse.Namespace, channel: EngineChannel,
-                          stop: asyncio.Event, tokenizer_dir: str, model_name: str,
-                          build_app: AppFactory | None,
+async def _run_api_server(http: HTTPConfig, channel: EngineChannel, stop: asyncio.Event,
+                          tokenizer_dir: str, model_name: str, build_app: AppFactory | None,
                           engine_processes: dict[int, multiprocessing.Process] | None = None,
-                          num_engines: int = 1, load_table_addr: str | None = None) -> int:
+                          num_engines: int = 1, load_table_addr: str | None = None,
+                          routing: DPRouting = "load") -> int:
     """Load the tokenizer, wait for READY from every engine, serve; always close the channel
     and stop the engine processes that are ours."""
     engine_processes = engine_processes or {}
@@ -256,12 +205,12 @@ async def _run_api_server(args: argparse.Namespace, channel: EngineChannel,
         tokenizer_info = await asyncio.to_thread(TokenizerInfo, tokenizer_dir)
         client = await _until_signal(MPEngineClient.connect(
             channel, tokenizer_info, model_name, num_engines=num_engines,
-            engine_processes=engine_processes, routing=getattr(args, "dp_routing", "load"),
+            engine_processes=engine_processes, routing=routing,
             load_table_addr=load_table_addr), stop)
         if client is None:
             logger.info("stopped before the engines were ready")
             return 0
-        return await serve_http(client, args, build_app, stop)
+        return await serve_http(client, http, build_app, stop)
     except EngineDeadError as exc:
         logger.error("exiting with code 1: %s", exc)
         return 1
@@ -275,16 +224,13 @@ async def _run_api_server(args: argparse.Namespace, channel: EngineChannel,
                                for process in engine_processes.values()))
 
 
-def run_serve(args: argparse.Namespace, build_app: AppFactory | None = None) -> int:
+def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int:
     """`kvserve serve [MODEL]`: resolve the model once, start the coordinator and the local
     engines, serve HTTP (or, with --headless, run engines only)."""
-    from kvserve.cli import engine_kwargs
-    from kvserve.llm import build_engine_config
-
-    config = build_engine_config(model=args.model, **engine_kwargs(args))
-    layout = DPLayout.from_args(args, config.parallel.data_parallel_size, args.headless)
-    model_dir = resolve_model_dir(args.model)
-    if args.headless:
+    config, dp = options.engine, options.data_parallel
+    layout = dp.layout(config.parallel.data_parallel_size)
+    model_dir = resolve_model_dir(config.model.model)
+    if dp.headless:
         return run_headless(config, model_dir, layout)
 
     async def main() -> int:
@@ -312,9 +258,9 @@ def run_serve(args: argparse.Namespace, build_app: AppFactory | None = None) -> 
                                             stats_addr, layout.size_local)
                 for index in range(layout.size_local)}
             return await _run_api_server(
-                args, channel, stop, config.model.tokenizer or model_dir,
+                options.http, channel, stop, config.model.tokenizer or model_dir,
                 config.model.served_name, build_app, engine_processes, layout.size,
-                load_table_addr)
+                load_table_addr, dp.dp_routing)
         finally:
             if registration is not None:
                 registration.cancel()
@@ -370,33 +316,33 @@ def run_headless(config: EngineConfig, model_dir: str, layout: DPLayout) -> int:
     return exit_code
 
 
-def run_api(args: argparse.Namespace) -> int:
+def run_api(options: APIOptions) -> int:
     """`kvserve api [MODEL]`: the HTTP server alone, for engines started elsewhere."""
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model_dir(options.model.model)
 
     async def main() -> int:
         stop = _install_stop_handlers()
-        channel = EngineChannel(EngineAddresses(args.input_addr, args.output_addr))
+        channel = EngineChannel(EngineAddresses(options.sockets.input_addr,
+                                                options.sockets.output_addr))
         return await _run_api_server(
-            args, channel, stop, args.tokenizer or model_dir,
-            ModelConfig(model=args.model, served_model_name=args.served_model_name).served_name,
-            None, num_engines=args.data_parallel_size, load_table_addr=args.load_table_addr)
+            options.http, channel, stop, options.model.tokenizer or model_dir,
+            options.model.served_name, None, num_engines=options.data_parallel_size,
+            load_table_addr=options.load_table_addr, routing=options.dp_routing)
 
     return asyncio.run(main())
 
 
-def run_engine(args: argparse.Namespace) -> int:
+def run_engine(options: EngineOptions) -> int:
     """`kvserve engine [MODEL]`: one engine core, connecting to an api elsewhere."""
-    from kvserve.cli import engine_kwargs
-    from kvserve.llm import build_engine_config
     from kvserve.services.scheduler.engine_proc import run_engine_core
     from kvserve.services.worker.model_loader import resolve_model
 
-    config = build_engine_config(model=args.model, **engine_kwargs(args))
-    return run_engine_core(config, resolve_model(args.model), args.input_addr,
-                           args.output_addr, args.engine_index, stats_addr=args.stats_addr)
+    config = options.engine
+    return run_engine_core(config, resolve_model(config.model.model),
+                           options.sockets.input_addr, options.sockets.output_addr,
+                           options.engine_index, stats_addr=options.stats_addr)
 
 
-def run_coordinator_cmd(args: argparse.Namespace) -> int:
+def run_coordinator_cmd(options: CoordinatorOptions) -> int:
     """`kvserve coordinator`: the DP coordinator alone (compose runs it as a service)."""
-    return run_coordinator(CoordinatorAddresses(args.stats_addr, args.publish_addr))
+    return run_coordinator(CoordinatorAddresses(options.stats_addr, options.publish_addr))

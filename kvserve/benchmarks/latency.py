@@ -18,10 +18,10 @@ _PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def add_parser(kinds) -> None:
-    from kvserve.cli import add_engine_args
+    from kvserve.shared.cli_args import add_struct_args
+    from kvserve.shared.config import EngineConfig
 
     p = kinds.add_parser("latency", help="latency of one batch, offline (in-process engine)")
-    p.add_argument("model", nargs="?", default=None)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
@@ -32,7 +32,7 @@ def add_parser(kinds) -> None:
     p.add_argument("--output-json", "--save-result", dest="output_json", default=None,
                    help="write the latencies and percentiles to this JSON file")
     p.add_argument("--disable-tqdm", action="store_true")
-    add_engine_args(p, skip=("model",))
+    add_struct_args(p, EngineConfig, positional=("model",))
     p.set_defaults(func=run)
 
 
@@ -48,12 +48,13 @@ def latency_summary(latencies: list[float]) -> dict:
 def run(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
     from kvserve.benchmarks.throughput import random_prompts
-    from kvserve.cli import engine_kwargs
+    from kvserve.shared.cli_args import struct_from_args
+    from kvserve.shared.config import EngineConfig
 
     if args.batch_size < 1 or args.input_len < 1 or args.output_len < 1 or args.num_iters < 1:
         raise SystemExit("kvserve bench latency: --batch-size, --input-len, --output-len and "
                          "--num-iters must be >= 1")
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM.from_config(struct_from_args(EngineConfig, args))
     tokenizer = llm.get_tokenizer()
     prompts = random_prompts(args.batch_size, args.input_len, len(tokenizer),
                              set(tokenizer.all_special_ids), args.bench_seed)

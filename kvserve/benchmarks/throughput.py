@@ -14,17 +14,17 @@ import numpy as np
 
 
 def add_parser(kinds) -> None:
-    from kvserve.cli import add_engine_args
+    from kvserve.shared.cli_args import add_struct_args
+    from kvserve.shared.config import EngineConfig
 
     p = kinds.add_parser("throughput", help="offline throughput (many prompts at once)")
-    p.add_argument("model", nargs="?", default=None)
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=256)
     p.add_argument("--random-output-len", "--output-len", dest="output_len", type=int,
                    default=128)
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--save-result", default=None, help="write the figures to this JSON file")
-    add_engine_args(p, skip=("model",))
+    add_struct_args(p, EngineConfig, positional=("model",))
     p.set_defaults(func=run)
 
 
@@ -38,9 +38,10 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, special_id
 
 def run(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
-    from kvserve.cli import engine_kwargs
+    from kvserve.shared.cli_args import struct_from_args
+    from kvserve.shared.config import EngineConfig
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM.from_config(struct_from_args(EngineConfig, args))
     tokenizer = llm.get_tokenizer()
     prompts = random_prompts(args.num_prompts, args.input_len, len(tokenizer),
                              set(tokenizer.all_special_ids), args.bench_seed)

@@ -13,10 +13,25 @@ from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.shared.wire import EngineReady, this_hostname
-from kvserve.services.scheduler.executor import make_executor
+from kvserve.services.scheduler.executor import Executor, UniExecutor
 from kvserve.services.scheduler.scheduler import Scheduler
 
 logger = init_logger(__name__)
+
+
+def make_executor(config: EngineConfig, model_dir: str) -> Executor:
+    """The executor --distributed-executor-backend names (uni when TP x PP = 1)."""
+    kind = config.parallel.executor
+    if kind == "uni":
+        if config.parallel.world_size != 1:
+            raise ValueError(f"the uni executor runs one in-process worker, but TP x PP = "
+                             f"{config.parallel.world_size}: use --executor mp")
+        return UniExecutor(config, model_dir)
+    if kind == "mp":
+        from kvserve.services.scheduler.mp_executor import MpExecutor
+
+        return MpExecutor(config, model_dir)
+    raise ValueError(f"unknown executor {kind!r}; use 'uni' or 'mp'")
 
 
 class EngineCore:

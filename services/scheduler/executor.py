@@ -46,17 +46,3 @@ class UniExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
-
-
-def make_executor(config: EngineConfig, model_dir: str) -> Executor:
-    kind = config.parallel.executor
-    if kind == "uni":
-        if config.parallel.world_size != 1:
-            raise ValueError(f"the uni executor runs one in-process worker, but TP x PP = "
-                             f"{config.parallel.world_size}: use --executor mp")
-        return UniExecutor(config, model_dir)
-    if kind == "mp":
-        from kvserve.services.scheduler.mp_executor import MpExecutor
-
-        return MpExecutor(config, model_dir)
-    raise ValueError(f"unknown executor {kind!r}; use 'uni' or 'mp'")

@@ -30,7 +30,7 @@ import zmq
 from kvserve.services.scheduler.executor import Executor
 from kvserve.services.worker import worker_proc
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
-from kvserve.shared.config import EngineConfig
+from kvserve.shared.config import EngineConfig, WorkerOptions
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
 from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
@@ -132,15 +132,12 @@ class MpExecutor(Executor):
         # spawn, not fork: a forked child would inherit this process's threads (ZMQ IO,
         # torch pools) in whatever state they were in.
         mp_ctx = multiprocessing.get_context("spawn")
-        common = ["--model-dir", model_dir,
-                  "--engine-config", msgspec.json.encode(config).decode(),
-                  "--ring-handle", msgspec.json.encode(self._ring.handle).decode(),
-                  "--result-addr", result_addr]
-        if self.world_size > 1:
-            common += ["--distributed-init-method", distributed_init_method(config)]
+        init_method = distributed_init_method(config) if self.world_size > 1 else None
         for rank in range(self.world_size):
-            proc = mp_ctx.Process(target=worker_proc.run_worker_process,
-                                  args=(["--rank", str(rank), *common],),
+            options = WorkerOptions(rank=rank, model_dir=model_dir, engine_config=config,
+                                    ring_handle=self._ring.handle, result_addr=result_addr,
+                                    distributed_init_method=init_method)
+            proc = mp_ctx.Process(target=worker_proc.run_worker_process, args=(options,),
                                   name=f"kvserve-worker-{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)  # as it starts, so a failure releases the earlier ones

@@ -88,6 +88,33 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, self.block_size,
                     num_blocks * self.kv_cache_bytes_per_block() / 2**20)
 
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step there can be, before the KV cache exists: max_num_batched_tokens
+        prompt tokens over max_num_seqs requests, and their logits. Its peak memory is the
+        activation memory the KV cache must leave free (vLLM's profile run)."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
+        num_reqs = min(sched.max_num_seqs, num_tokens)
+        query_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int32)
+        query_lens[:num_tokens % num_reqs] += 1
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens)
+        dev = self.device
+        metadata = AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(query_lens).to(dev),
+            block_table=torch.zeros(num_reqs, 0, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            max_query_len=int(query_lens.max()), max_seq_len=int(query_lens.max()))
+        hidden = self._run_stage(torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+                                 torch.from_numpy(positions).to(dev), metadata)
+        if self.is_last_stage:
+            last_rows = torch.from_numpy(query_start_loc[1:] - 1).to(dev)
+            logits = self.model.compute_logits(hidden[last_rows])
+            torch.softmax(logits.float(), dim=-1)  # the sampler's largest temporary
+
     # ------------------------------------------------------------------ one step
 
     def _update_states(self, so: SchedulerOutput) -> None:

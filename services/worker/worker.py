@@ -69,15 +69,31 @@ class Worker:
             return cache.num_gpu_blocks_override
         per_block = self.runner.kv_cache_bytes_per_block()
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cache.gpu_memory_utilization)
+            budget = self._profile_cuda_budget(cache.gpu_memory_utilization)
         else:
             budget = cache.kv_cache_bytes
         num_blocks = budget // per_block
         if num_blocks < 2:
+            flag = "--gpu-memory-utilization" if self.device.type == "cuda" else \
+                "--kv-cache-memory"
             raise ValueError(f"the KV cache budget of {budget} bytes holds no block of "
-                             f"{per_block} bytes; raise --kv-cache-memory")
+                             f"{per_block} bytes; raise {flag}")
         return num_blocks
+
+    def _profile_cuda_budget(self, utilization: float) -> int:
+        """Run the largest step without a cache and measure what is left for KV blocks."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.profile_run()
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak_torch = torch.cuda.max_memory_allocated(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = kv_cache_budget(total, utilization, peak_torch, non_torch)
+        logger.info("memory profile: %.2f GiB total x %.2f; weights + peak activations "
+                    "%.2f GiB, non-torch %.2f GiB; KV cache %.2f GiB", total / 2**30,
+                    utilization, peak_torch / 2**30, non_torch / 2**30, budget / 2**30)
+        return budget
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
@@ -89,3 +105,14 @@ class Worker:
         """Leave the process groups (a no-op for a single rank)."""
         if self.world_size > 1:
             destroy_distributed_environment()
+
+
+def kv_cache_budget(total_bytes: int, utilization: float, peak_torch_bytes: int,
+                    non_torch_bytes: int) -> int:
+    """Bytes for the KV cache: --gpu-memory-utilization is the fraction of the whole device
+    for weights, activations and KV cache together (as in vLLM), so the cache gets that share
+    less the profile run's peak (weights + activations) and what non-torch code (CUDA
+    context, NCCL) holds. Never negative."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    return max(0, int(total_bytes * utilization) - peak_torch_bytes - max(0, non_torch_bytes))

@@ -18,12 +18,12 @@ the driver's sampled ids to every rank.
 Ring messages are one type byte and a msgpack body; result messages are two ZMQ frames,
 the type byte and the msgpack body. A worker whose engine process is gone exits by itself.
 
-`worker_main(argv)` is both the multiprocessing target and the `kvserve worker` entry point.
+`worker_main(WorkerOptions)` is both the multiprocessing target and the `kvserve worker` entry
+point.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -33,7 +33,7 @@ import traceback
 import msgspec
 import zmq
 
-from kvserve.shared.config import EngineConfig
+from kvserve.shared.config import EngineConfig, WorkerOptions
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
 from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
@@ -56,33 +56,14 @@ class EngineGoneError(Exception):
     """The engine-core process that started this worker has exited."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvserve worker", description="one worker rank of an engine core (started by "
-        "the engine's mp executor; not meant to be run by hand)")
-    parser.add_argument("--rank", type=int, required=True, help="this worker's global rank")
-    parser.add_argument("--model-dir", required=True, help="resolved HF-style model folder")
-    parser.add_argument("--engine-config", required=True,
-                        help="the EngineConfig, msgspec JSON")
-    parser.add_argument("--ring-handle", required=True,
-                        help="the engine's shared-memory ring (ShmRingHandle, msgspec JSON)")
-    parser.add_argument("--result-addr", required=True,
-                        help="ZMQ address of the engine's PULL socket for ready/outputs")
-    parser.add_argument("--distributed-init-method", default=None,
-                        help="torch.distributed rendezvous, tcp://HOST:PORT (TP x PP > 1)")
-    return parser
-
-
-def worker_main(argv: list[str]) -> int:
+def worker_main(options: WorkerOptions) -> int:
     """Run one worker rank until SHUTDOWN, an error, or the engine's exit; the exit code."""
-    args = build_parser().parse_args(argv)
-    config = msgspec.json.decode(args.engine_config, type=EngineConfig)
-    handle = msgspec.json.decode(args.ring_handle, type=ShmRingHandle)
+    config = options.engine_config
     # Ctrl-C reaches the whole process group: the engine core decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _configure_torch_threads(config.parallel.world_size)
-    proc = WorkerProc(config, args.model_dir, args.rank, handle, args.result_addr,
-                      args.distributed_init_method)
+    proc = WorkerProc(config, options.model_dir, options.rank, options.ring_handle,
+                      options.result_addr, options.distributed_init_method)
     return proc.run()
 
 
@@ -104,7 +85,7 @@ def _configure_torch_threads(num_local_ranks: int) -> None:
                 num_local_ranks)
 
 
-def run_worker_process(argv: list[str]) -> None:
+def run_worker_process(options: WorkerOptions) -> None:
     """multiprocessing target: worker_main, with its result as the process's exit code.
 
     Exits with os._exit, skipping interpreter finalization: after torch.distributed was
@@ -112,7 +93,7 @@ def run_worker_process(argv: list[str]) -> None:
     CPU), until the executor killed the process. Everything the worker owns (sockets, the
     ring, the process groups) is already closed by then; only the logs need a flush.
     """
-    exit_code = worker_main(argv)
+    exit_code = worker_main(options)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

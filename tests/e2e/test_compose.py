@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvserve.cli import build_parser
+from kvserve.cli import parse_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,10 +26,9 @@ def compose_config() -> dict:
 
 
 def _parse(command: list[str]):
+    """(kind, typed options) of a service's command; an unknown flag exits (SystemExit)."""
     assert command[0] == "kvserve", command
-    args, rest = build_parser().parse_known_args(command[1:])
-    assert not rest, f"unknown flags {rest} in {command}"
-    return args
+    return parse_options(command[1:])
 
 
 ENGINES = ("engine-0", "engine-1")
@@ -38,7 +37,7 @@ ENGINES = ("engine-0", "engine-1")
 def test_every_service_command_parses(compose_config):
     services = compose_config["services"]
     assert {"api", "coordinator", *ENGINES} <= set(services)
-    kinds = {name: _parse(service["command"]).command for name, service in services.items()}
+    kinds = {name: _parse(service["command"])[0] for name, service in services.items()}
     assert kinds["api"] == "api" and kinds["coordinator"] == "coordinator"
     assert all(kinds[name] == "engine" for name in ENGINES)
 
@@ -50,19 +49,20 @@ def _port(bound: str) -> str:
 
 def test_engines_connect_to_the_api_and_coordinator_sockets(compose_config):
     services = compose_config["services"]
-    api = _parse(services["api"]["command"])
-    coordinator = _parse(services["coordinator"]["command"])
-    engines = [_parse(services[name]["command"]) for name in ENGINES]
+    api = _parse(services["api"]["command"])[1]
+    coordinator = _parse(services["coordinator"]["command"])[1]
+    engines = [_parse(services[name]["command"])[1] for name in ENGINES]
     assert sorted(engine.engine_index for engine in engines) == list(range(len(ENGINES)))
     assert api.data_parallel_size == len(ENGINES)
     for engine in engines:
         for side in ("input_addr", "output_addr"):
-            assert getattr(engine, side) == f"tcp://api:{_port(getattr(api, side))}", side
+            assert (getattr(engine.sockets, side)
+                    == f"tcp://api:{_port(getattr(api.sockets, side))}"), side
         assert engine.stats_addr == f"tcp://coordinator:{_port(coordinator.stats_addr)}"
     assert api.load_table_addr == f"tcp://coordinator:{_port(coordinator.publish_addr)}"
     published = [str(p.get("target", p)) if isinstance(p, dict) else p.split(":")[-1]
                  for p in services["api"].get("ports", [])]
-    assert str(api.port) in published
+    assert str(api.http.port) in published
 
 
 def test_build_file_exists_and_serves_by_default():
