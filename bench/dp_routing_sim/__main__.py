@@ -49,8 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--refresh-s", type=float, default=0.1,
                    help="coordinator load-table refresh period")
-    p.add_argument("--prefix-slack", type=int, default=8,
-                   help="prefix router: max score above the lowest (4 x waiting + running)")
+    p.add_argument("--prefix-slack", type=int, default=None,
+                   help="prefix router: max score above the lowest (4 x waiting + running); "
+                        "default: the shipped PREFIX_LOAD_SLACK")
+    p.add_argument("--hash-algo", choices=("sha256", "xxhash"), default="sha256",
+                   help="block hash of the engines and the router")
     p.add_argument("--warmup-frac", type=float, default=0.2)
     p.add_argument("--step-times", default=DEFAULT_STEP_TIMES,
                    help="step-time model JSON (bench/measure_step_times.py)")
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
                         requests_per_engine=args.requests_per_engine,
                         num_requests=args.requests, load=args.load,
                         warmup_frac=args.warmup_frac, refresh_s=args.refresh_s,
-                        prefix_slack=args.prefix_slack, seed=args.seed)
+                        prefix_slack=args.prefix_slack, hash_algo=args.hash_algo,
+                        seed=args.seed)
     step_model = StepTimeModel.from_json(args.step_times)
     started = time.perf_counter()
     capacity, results = run_sweep(workload, engine, step_model, sweep)

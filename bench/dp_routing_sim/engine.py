@@ -1,13 +1,15 @@
-"""One simulated engine: kvserve's continuous-batching scheduler over a BlockCache, with step
-durations from the fitted step-time model.
+"""One simulated engine: kvserve's continuous-batching scheduler over the shipped
+KVCacheManager (and so BlockPool), with step durations from the fitted step-time model.
 
-Scheduling follows services/scheduler: no prefill/decode phases, each request has
-`num_computed` (tokens with KV) and `num_tokens` (tokens known); each step has a token budget
-and a sequence cap. Running requests go first (a prompt chunk or one decode token), preempting
-from the tail when blocks run out; then waiting requests are admitted in FCFS order after a
-prefix-cache lookup, their prompts chunked to the budget, unless the step preempted. Blocks are
-allocated and full prompt blocks cached at schedule time (so a request admitted in the same
-step already hits them); outputs are applied when the step ends.
+The KV cache is kvserve's own: prefix lookup, allocation, caching of full blocks and
+freeing are `KVCacheManager` calls, and block hashes come from the engine's own block
+hasher (`make_block_hasher` over shared/hashing.py). What is simulated is only the model
+(step durations, pre-drawn output tokens) and the scheduling loop, which follows
+services/scheduler/scheduler.py with the fcfs policy: each step has a token budget and a
+sequence cap; running requests go first (a prompt chunk or one decode token), preempting
+from the tail when blocks run out; then, unless the step preempted, waiting requests are
+admitted in order after a prefix-cache lookup, their prompts chunked to the budget.
+Outputs are applied when the step ends.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import json
 from collections import deque
 from dataclasses import dataclass
 
-from bench.dp_routing_sim.block_cache import BlockCache
+from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
+from kvserve.services.scheduler.request import make_block_hasher
+from kvserve.shared.hashing import HashFn
+
 from bench.dp_routing_sim.workload import SimRequest
 
 
@@ -48,7 +53,8 @@ class StepTimeModel:
 @dataclass(frozen=True)
 class EngineConfig:
     """Args:
-        num_blocks: KV blocks per engine.
+        num_blocks: KV blocks per engine, the null block included (as the engine reports
+            them in its READY handshake, and as the router bounds its record).
         block_size: tokens per block.
         max_num_batched_tokens: token budget of one step.
         max_num_seqs: running requests at most.
@@ -65,13 +71,16 @@ class SimEngine:
         engine_idx: index in the fleet.
         config: the engine's limits.
         step_model: step durations.
+        hash_fn: the block hash function (the engines' default is sha256).
     """
 
-    def __init__(self, engine_idx: int, config: EngineConfig, step_model: StepTimeModel):
+    def __init__(self, engine_idx: int, config: EngineConfig, step_model: StepTimeModel,
+                 hash_fn: HashFn):
         self.engine_idx = engine_idx
         self.config = config
         self.step_model = step_model
-        self.cache = BlockCache(config.num_blocks)
+        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size)
+        self.block_hasher = make_block_hasher(config.block_size, hash_fn)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.in_step = False
@@ -82,7 +91,9 @@ class SimEngine:
         self._batch: list[SimRequest] = []
 
     def add_request(self, request: SimRequest) -> None:
+        """Queue an arrived (materialized) request and hash its full prompt blocks."""
         request.engine_idx = self.engine_idx
+        request.block_hashes.extend(self.block_hasher(request))
         self.num_routed += 1
         self.waiting.append(request)
 
@@ -93,32 +104,23 @@ class SimEngine:
         self._batch = batch = []
         num_prefill_tokens = num_decode_reqs = num_decode_ctx_tokens = 0
         preempted = False
-        block_size = self.config.block_size
         index = 0
         while index < len(self.running) and budget:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed, budget)
-            if (num_new == 1 and request.num_computed % block_size
-                    and request.num_computed >= request.prompt_len):
-                # Fast path, most of the work: a decode token that fits the last block.
-                request.num_computed += 1
-                batch.append(request)
-                budget -= 1
-                index += 1
-                num_decode_reqs += 1
-                num_decode_ctx_tokens += request.num_computed
-                continue
-            if not self._grow(request, num_new):
-                preempted = True
-                if request not in self.running:  # it preempted itself: the tail is done
-                    break
-                continue  # a tail request made room; try again
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_preempted = self.num_preemptions
+            allocated = self._allocate_or_preempt(request, num_new)
+            preempted |= self.num_preemptions > num_preempted
+            if not allocated:
+                break  # the request itself was preempted: the cache is full
+            is_decode = num_new == 1 and request.num_computed_tokens >= request.prompt_len
+            request.num_computed_tokens += num_new
             batch.append(request)
             budget -= num_new
             index += 1
-            if num_new == 1 and request.num_computed > request.prompt_len:
+            if is_decode:
                 num_decode_reqs += 1
-                num_decode_ctx_tokens += request.num_computed
+                num_decode_ctx_tokens += request.num_computed_tokens
             else:
                 num_prefill_tokens += num_new
         if not preempted:
@@ -132,95 +134,70 @@ class SimEngine:
         self.busy_s += duration
         return duration
 
-    def _grow(self, request: SimRequest, num_new: int) -> bool:
-        """Allocate blocks for `num_new` more tokens of a running request, preempting from
-        the tail of `running` while short; False if anything was preempted (the caller
-        re-reads `running`)."""
-        num_needed = self._blocks_for(request.num_computed + num_new) - request.num_blocks
-        if num_needed > self.cache.num_free:
-            while num_needed > self.cache.num_free and self.running:
-                victim = self.running.pop()
-                self._preempt(victim)
-                if victim is request:
-                    break
-            return False
-        self._advance(request, num_new, num_needed)
+    def _allocate_or_preempt(self, request: SimRequest, num_new: int) -> bool:
+        """Allocate for a running request, preempting from the tail of `running` until it
+        fits; False if `request` itself had to go."""
+        block_size = self.config.block_size
+        # Fast path, most of the work: a decode token inside its last block, which
+        # allocate_slots would neither allocate for nor cache (nothing fills up).
+        if num_new == 1 and request.num_computed_tokens % block_size not in (0, block_size - 1):
+            return True
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return False
         return True
 
     def _admit_waiting(self, budget: int, batch: list[SimRequest]) -> int:
         """Admit waiting requests in order while budget, seats and blocks last; returns the
         prompt tokens scheduled."""
-        cache = self.cache
-        block_size = self.config.block_size
+        manager = self.kv_cache_manager
         num_scheduled = 0
         while self.waiting and budget and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            # The last token is always computed: it yields the next token's logits.
-            max_hit_blocks = min(len(request.block_hashes),
-                                 (request.num_tokens - 1) // block_size)
-            num_hit, num_free_hit = cache.longest_hit(request.block_hashes, max_hit_blocks)
-            num_new = min(request.num_tokens - num_hit * block_size, budget)
-            num_needed = self._blocks_for(num_hit * block_size + num_new) - num_hit
-            if num_needed + num_free_hit > cache.num_free:
-                break
+            hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if manager.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
+                break  # waiting requests never preempt running ones
             self.waiting.popleft()
-            hit_hashes = request.block_hashes[:num_hit]
-            cache.acquire(hit_hashes)
-            request.held_hashes = hit_hashes
-            request.num_blocks = num_hit
-            request.num_computed = num_hit * block_size
+            request.num_computed_tokens = num_hit_tokens + num_new
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit * block_size
-            self._advance(request, num_new, num_needed)
+                request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
             batch.append(request)
             budget -= num_new
             num_scheduled += num_new
         return num_scheduled
 
-    def _advance(self, request: SimRequest, num_new: int, num_new_blocks: int) -> None:
-        """Allocate, cache the prompt blocks this chunk fills, and move num_computed."""
-        self.cache.allocate(num_new_blocks)
-        request.num_blocks += num_new_blocks
-        block_size = self.config.block_size
-        first_full = request.num_computed // block_size
-        request.num_computed += num_new
-        last_full = min(request.num_computed // block_size, len(request.block_hashes))
-        for block_hash in request.block_hashes[first_full:last_full]:
-            if self.cache.register(block_hash):
-                request.held_hashes.append(block_hash)
-
     def _preempt(self, request: SimRequest) -> None:
         """Free a running request's blocks and send it back to the front of waiting; its
         prompt and outputs so far are recomputed (prefix hits permitting)."""
-        self._free(request)
-        request.num_computed = 0
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
-
-    def _free(self, request: SimRequest) -> None:
-        self.cache.release(request.held_hashes, request.num_blocks - len(request.held_hashes))
-        request.held_hashes = []
-        request.num_blocks = 0
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.block_size)
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """Apply the step's outputs at time `now`; returns the requests that finished."""
         assert self.in_step
         self.in_step = False
         finished = []
+        block_size = self.config.block_size
         for request in self._batch:
-            if request.num_computed < request.num_tokens:
+            if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk short of the end: nothing sampled
             request.num_output += 1
             request.num_tokens += 1
+            if request.num_tokens % block_size == 0:
+                # The sampled token filled a block: hash it, as Request does on append.
+                request.block_hashes.extend(self.block_hasher(request))
             if request.num_output == 1:
                 request.first_token_s = now
             if request.num_output == request.output_len:
                 request.finish_s = now
-                self._free(request)
+                self.kv_cache_manager.free(request)
+                request.release()
                 finished.append(request)
         if finished:
             done = set(map(id, finished))

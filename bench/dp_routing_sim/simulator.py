@@ -2,9 +2,11 @@
 
 Three kinds of event, in time order (ties: step ends, then table refreshes, then arrivals):
 an engine's step ends (outputs applied, next step scheduled at once if there is work), the
-coordinator refreshes the routers' load table (every `refresh_s`), a request arrives (routed,
-queued, and its engine woken if idle). Steps are never preempted by arrivals: a request that
-lands mid-step waits for the next one, as in the real engine loop.
+coordinator publishes a load table (every `refresh_s`; the router gets it through
+`update_loads`, as the api's load-table task feeds it), a request arrives (its token ids
+materialized, routed by `choose`, queued, and its engine woken if idle). Steps are never
+preempted by arrivals: a request that lands mid-step waits for the next one, as in the real
+engine loop.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from kvserve.services.api.dp_router import DPRouter
+from kvserve.shared.hashing import HashFn
+from kvserve.shared.wire import EngineLoad
 
 from bench.dp_routing_sim.engine import EngineConfig, SimEngine, StepTimeModel
+from bench.dp_routing_sim.routers import RoundRobinRouter
 from bench.dp_routing_sim.workload import SimRequest, ideal_cached_tokens
 
 
@@ -45,12 +51,12 @@ class RunMetrics:
     makespan_s: float
 
 
-def simulate(requests: list[SimRequest], engines: list[SimEngine], router,
-             refresh_s: float = 0.1) -> float:
+def simulate(requests: list[SimRequest], engines: list[SimEngine],
+             router: DPRouter | RoundRobinRouter, refresh_s: float = 0.1) -> float:
     """Run every request to completion; returns the makespan (last finish time)."""
     heap: list[tuple[float, int, int]] = []  # (step end, tie-breaker, engine index)
     sequence = 0
-    next_refresh = 0.0 if router.needs_load_table else math.inf
+    next_refresh = 0.0
     num_finished = 0
     now = 0.0
     for request in requests:
@@ -62,13 +68,14 @@ def simulate(requests: list[SimRequest], engines: list[SimEngine], router,
                 num_finished += len(engines[engine_idx].finish_step(now))
                 sequence = _start_step(engines[engine_idx], now, heap, sequence)
             elif next_refresh <= request.arrival_s:
-                router.refresh([e.num_waiting for e in engines],
-                               [e.num_running for e in engines])
+                router.update_loads([EngineLoad(e.engine_idx, e.num_waiting, e.num_running)
+                                     for e in engines])
                 next_refresh += refresh_s
             else:
                 break
         now = request.arrival_s
-        engine = engines[router.route(request)]
+        request.materialize()
+        engine = engines[router.choose(request.prompt_token_ids)]
         engine.add_request(request)
         if not engine.in_step:
             sequence = _start_step(engine, now, heap, sequence)
@@ -89,9 +96,9 @@ def _start_step(engine: SimEngine, now: float, heap: list, sequence: int) -> int
     return sequence
 
 
-def make_engines(num_engines: int, config: EngineConfig, step_model: StepTimeModel
-                 ) -> list[SimEngine]:
-    return [SimEngine(i, config, step_model) for i in range(num_engines)]
+def make_engines(num_engines: int, config: EngineConfig, step_model: StepTimeModel,
+                 hash_fn: HashFn) -> list[SimEngine]:
+    return [SimEngine(i, config, step_model, hash_fn) for i in range(num_engines)]
 
 
 def summarize(requests: list[SimRequest], engines: list[SimEngine], router_name: str,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvserve.shared.hashing import HashAlgo, get_hash_fn
+
 from bench.dp_routing_sim.engine import EngineConfig, StepTimeModel
 from bench.dp_routing_sim.routers import make_router
 from bench.dp_routing_sim.simulator import RunMetrics, make_engines, simulate, summarize
@@ -28,7 +30,9 @@ class SweepConfig:
         load: offered load relative to the prefix-blind capacity (see module doc).
         warmup_frac: leading share of requests left out of the metrics (cold caches).
         refresh_s: load-table refresh period of the coordinator.
-        prefix_slack: score slack of the prefix router.
+        prefix_slack: score slack of the prefix router; None keeps the shipped
+            PREFIX_LOAD_SLACK (services/api/dp_router.py).
+        hash_algo: block hash of the engines and the router (the engines' default sha256).
         calibration_requests: requests queued on one engine to measure its capacity.
         seed: workload seed.
     """
@@ -40,18 +44,22 @@ class SweepConfig:
     load: float = 0.7
     warmup_frac: float = 0.2
     refresh_s: float = 0.1
-    prefix_slack: int = 8
+    prefix_slack: int | None = None
+    hash_algo: HashAlgo = "sha256"
     calibration_requests: int = 400
     seed: int = 0
 
 
 def engine_capacity(workload: WorkloadConfig, engine: EngineConfig,
-                    step_model: StepTimeModel, num_requests: int, seed: int) -> float:
+                    step_model: StepTimeModel, sweep: SweepConfig) -> float:
     """Requests per second one engine completes with the tenant mix queued at t=0."""
-    requests = make_requests(workload, num_requests, math.inf, seed, stream=1)
-    engines = make_engines(1, engine, step_model)
-    makespan = simulate(requests, engines, make_router("round_robin", 1, 0, 0))
-    return num_requests / makespan
+    requests = make_requests(workload, sweep.calibration_requests, math.inf, sweep.seed,
+                             stream=1)
+    hash_fn = get_hash_fn(sweep.hash_algo)
+    engines = make_engines(1, engine, step_model, hash_fn)
+    makespan = simulate(requests, engines, make_router("round_robin", 1, engine.num_blocks,
+                                                       engine.block_size, hash_fn))
+    return sweep.calibration_requests / makespan
 
 
 def run_one(workload: WorkloadConfig, engine: EngineConfig, step_model: StepTimeModel,
@@ -60,8 +68,10 @@ def run_one(workload: WorkloadConfig, engine: EngineConfig, step_model: StepTime
     """One run; the workload depends only on the seed and the fleet size."""
     num_requests = sweep.num_requests or sweep.requests_per_engine * num_engines
     requests = make_requests(workload, num_requests, rate_per_s, sweep.seed)
-    engines = make_engines(num_engines, engine, step_model)
-    router = make_router(router_name, num_engines, engine.num_blocks, sweep.prefix_slack)
+    hash_fn = get_hash_fn(sweep.hash_algo)
+    engines = make_engines(num_engines, engine, step_model, hash_fn)
+    router = make_router(router_name, num_engines, engine.num_blocks, engine.block_size,
+                         hash_fn, sweep.prefix_slack)
     makespan = simulate(requests, engines, router, sweep.refresh_s)
     return summarize(requests, engines, router_name, rate_per_s, makespan,
                      workload.block_size, sweep.warmup_frac)
@@ -70,14 +80,17 @@ def run_one(workload: WorkloadConfig, engine: EngineConfig, step_model: StepTime
 def run_sweep(workload: WorkloadConfig, engine: EngineConfig, step_model: StepTimeModel,
               sweep: SweepConfig) -> tuple[float, list[RunMetrics]]:
     """(per-engine capacity in req/s, one RunMetrics per fleet size and router)."""
-    if workload.max_request_tokens > engine.num_blocks * engine.block_size:
+    # Block 0 is the pool's null block: the rest hold tokens.
+    if workload.max_request_tokens > (engine.num_blocks - 1) * engine.block_size:
         raise ValueError(f"a request of up to {workload.max_request_tokens} tokens does "
-                         f"not fit {engine.num_blocks} blocks of {engine.block_size}; raise "
+                         f"not fit {engine.num_blocks - 1} blocks of {engine.block_size}; raise "
                          f"--num-blocks or shorten the workload")
     if not 0 < sweep.load:
         raise ValueError(f"load must be > 0, got {sweep.load}")
-    capacity = engine_capacity(workload, engine, step_model, sweep.calibration_requests,
-                               sweep.seed)
+    if workload.block_size != engine.block_size:
+        raise ValueError(f"the workload's block size {workload.block_size} differs from the "
+                         f"engines' {engine.block_size}")
+    capacity = engine_capacity(workload, engine, step_model, sweep)
     results = []
     for num_engines in sweep.engine_counts:
         rate = sweep.load * capacity * num_engines
