@@ -62,8 +62,14 @@ def worker_main(options: WorkerOptions) -> int:
     # Ctrl-C reaches the whole process group: the engine core decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _configure_torch_threads(config.parallel.world_size)
-    proc = WorkerProc(config, options.model_dir, options.rank, options.ring_handle,
-                      options.result_addr, options.distributed_init_method)
+    proc = WorkerProc(
+        config,
+        options.model_dir,
+        options.rank,
+        options.ring_handle,
+        options.result_addr,
+        options.distributed_init_method,
+    )
     return proc.run()
 
 
@@ -81,8 +87,9 @@ def _configure_torch_threads(num_local_ranks: int) -> None:
     num_cores = OMP_NUM_THREADS.get() or len(os.sched_getaffinity(0))
     num_threads = max(1, num_cores // num_local_ranks)
     torch.set_num_threads(num_threads)
-    logger.info("worker uses %d torch threads (%d cores, %d ranks)", num_threads, num_cores,
-                num_local_ranks)
+    logger.info(
+        "worker uses %d torch threads (%d cores, %d ranks)", num_threads, num_cores, num_local_ranks
+    )
 
 
 def run_worker_process(options: WorkerOptions) -> None:
@@ -112,16 +119,23 @@ class WorkerProc:
         distributed_init_method: the torch.distributed rendezvous (TP x PP > 1).
     """
 
-    def __init__(self, config: EngineConfig, model_dir: str, rank: int,
-                 ring_handle: ShmRingHandle, result_addr: str,
-                 distributed_init_method: str | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        rank: int,
+        ring_handle: ShmRingHandle,
+        result_addr: str,
+        distributed_init_method: str | None = None,
+    ):
         from kvserve.services.worker.parallel_state import driver_rank  # torch: worker side only
 
         self.config = config
         self.distributed_init_method = distributed_init_method
         parallel = config.parallel
-        self.is_driver = rank == driver_rank(parallel.tensor_parallel_size,
-                                             parallel.pipeline_parallel_size)
+        self.is_driver = rank == driver_rank(
+            parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        )
         self.model_dir = model_dir
         self.rank = rank
         self.ring_handle = ring_handle
@@ -162,8 +176,9 @@ class WorkerProc:
         logger.info("worker rank %d shut down", self.rank)
 
     def _serve_steps(self, worker, ring: ShmRingBuffer, sock: zmq.Socket) -> None:
-        ready = WorkerReady(self.rank, os.getpid(), worker.max_model_len,
-                            worker.determine_num_blocks())
+        ready = WorkerReady(
+            self.rank, os.getpid(), worker.max_model_len, worker.determine_num_blocks()
+        )
         sock.send_multipart([READY, self.encoder.encode(ready)])
         scheduler_output_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         int_decoder = msgspec.msgpack.Decoder(int)
@@ -172,7 +187,8 @@ class WorkerProc:
             kind, body = message[:1], memoryview(message)[1:]
             if kind == EXECUTE:
                 output: ModelRunnerOutput = worker.execute_model(
-                    scheduler_output_decoder.decode(body))
+                    scheduler_output_decoder.decode(body)
+                )
                 if self.is_driver:
                     sock.send_multipart([OUTPUT, self.encoder.encode(output)], copy=False)
             elif kind == INIT_KV_CACHE:
@@ -187,6 +203,3 @@ class WorkerProc:
         if os.getppid() != self.parent_pid:
             raise EngineGoneError()
 
-
-if __name__ == "__main__":
-    run_worker_process(sys.argv[1:])
