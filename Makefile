@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast clean compose-tool
+.PHONY: install serve lint test test-fast clean compose-tool
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,7 +26,15 @@ compose-tool:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; } || \
 		echo "warning: could not install docker-compose; the compose test will be skipped"
 
-test: $(STAMP) compose-tool
+# Gates that run before the tests: lint and format (ruff), types (mypy on the packages
+# pyproject.toml lists), and the import graph (no cycles, no layering breaks).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python .ci/typecheck.py
+	$(BIN)/python .ci/check_imports.py
+
+test: $(STAMP) compose-tool lint
 	$(BIN)/python -m pytest tests -q
 
 test-fast: $(STAMP)
