@@ -19,8 +19,11 @@ def _packages() -> list[str]:
     packages = []
     for name, folder in PACKAGE_DIRS.items():
         packages.append(name)
-        packages += [f"{name}.{sub}" for sub in find_packages(folder)
-                     if not sub.startswith(("shared", "services", "kernels"))]
+        packages += [
+            f"{name}.{sub}"
+            for sub in find_packages(folder)
+            if not sub.startswith(("shared", "services", "kernels"))
+        ]
     return packages
 
 

@@ -52,11 +52,17 @@ FACADE = "kvserve facade"
 LAYERS = [
     ("kvserve.shared", ("kvserve.services", FACADE), "shared code sits below every service"),
     ("kvserve.kernels", ("kvserve.services", FACADE), "kernels sit below every service"),
-    ("kvserve.services.api", ("kvserve.services.worker", "kvserve.kernels", "torch", "triton"),
-     "the API process never loads the model side"),
+    (
+        "kvserve.services.api",
+        ("kvserve.services.worker", "kvserve.kernels", "torch", "triton"),
+        "the API process never loads the model side",
+    ),
     ("kvserve.services.worker", ("kvserve.services.api",), "workers know nothing of the API"),
-    ("kvserve.services.scheduler", ("kvserve.services.api",),
-     "the engine core knows nothing of the API"),
+    (
+        "kvserve.services.scheduler",
+        ("kvserve.services.api",),
+        "the engine core knows nothing of the API",
+    ),
 ]
 CLI_MODULE = "kvserve.cli"
 CLI_IMPORTERS = ("kvserve.__main__",)
@@ -72,6 +78,7 @@ class Import:
         lineno: line of the statement in the source's file.
         type_checking: the statement sits under `if TYPE_CHECKING:`.
     """
+
     source: str
     target: str
     lineno: int
@@ -95,6 +102,7 @@ class Report:
         layering: (import, rule broken) for each import that crosses a layer the wrong way.
         missing: imports of a kvserve.* module that does not ship (an ImportError waiting).
     """
+
     modules: dict[str, Path]
     edges: dict[tuple[str, str], Import]
     cycles: list[list[Import]]
@@ -108,20 +116,27 @@ class Report:
 
     def summary(self) -> str:
         num_type_checking = sum(imp.type_checking for imp in self.edges.values())
-        graph = (f"import graph: {len(self.modules)} modules, {len(self.edges)} edges "
-                 f"({num_type_checking} under TYPE_CHECKING only)")
+        graph = (
+            f"import graph: {len(self.modules)} modules, {len(self.edges)} edges "
+            f"({num_type_checking} under TYPE_CHECKING only)"
+        )
         if self.ok:
             return f"{graph}, no cycles"
-        return (f"{graph}: cycles {len(self.cycles)}, old-name imports {len(self.old_names)}, "
-                f"layering violations {len(self.layering)}, missing modules {len(self.missing)}")
+        return (
+            f"{graph}: cycles {len(self.cycles)}, old-name imports {len(self.old_names)}, "
+            f"layering violations {len(self.layering)}, missing modules {len(self.missing)}"
+        )
 
     def failures(self) -> list[str]:
         lines = [f"cycle: {format_cycle(cycle)}" for cycle in self.cycles]
         lines += [f"old name: {imp.where()} imports {imp.target}" for imp in self.old_names]
-        lines += [f"layering: {imp.where()} imports {imp.target}: {rule}"
-                  for imp, rule in self.layering]
-        lines += [f"missing: {imp.where()} imports {imp.target}, which does not ship"
-                  for imp in self.missing]
+        lines += [
+            f"layering: {imp.where()} imports {imp.target}: {rule}" for imp, rule in self.layering
+        ]
+        lines += [
+            f"missing: {imp.where()} imports {imp.target}, which does not ship"
+            for imp in self.missing
+        ]
         return lines
 
 
@@ -145,7 +160,8 @@ def find_modules(root: Path, package_dirs: dict[str, str] = PACKAGE_DIRS) -> dic
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(node: ast.AST, type_checking: bool = False):
@@ -168,7 +184,7 @@ def _resolve_from(module: str, is_package: bool, node: ast.ImportFrom) -> str:
         return node.module
     # Level 1 is the module's own package (a package's __init__ is its own package).
     package = module.split(".") if is_package else module.split(".")[:-1]
-    base = package[:len(package) - (node.level - 1)]
+    base = package[: len(package) - (node.level - 1)]
     assert base, f"{module}: relative import beyond the top-level package"
     return ".".join(base + ([node.module] if node.module else []))
 
@@ -183,17 +199,21 @@ def parse_imports(module: str, path: Path, modules: dict[str, Path]) -> list[Imp
         else:
             base = _resolve_from(module, is_package, node)
             # `from pkg import sub` imports the submodule; any other name comes from pkg.
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                       for alias in node.names]
-        imports += [Import(module, target, node.lineno, type_checking)
-                    for target in dict.fromkeys(targets)]
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                for alias in node.names
+            ]
+        imports += [
+            Import(module, target, node.lineno, type_checking) for target in dict.fromkeys(targets)
+        ]
     return imports
 
 
 def _in_package(name: str, package: str) -> bool:
     if package == FACADE:
         return _in_package(name, "kvserve") and not any(
-            _in_package(name, core) for core in CORE_PACKAGES)
+            _in_package(name, core) for core in CORE_PACKAGES
+        )
     return name == package or name.startswith(package + ".")
 
 
@@ -283,8 +303,7 @@ def find_cycles(edges: dict[tuple[str, str], Import]) -> list[list[Import]]:
 def check(root: Path, package_dirs: dict[str, str] = PACKAGE_DIRS) -> Report:
     """Parse every shipped module under root and check its imports."""
     modules = find_modules(root, package_dirs)
-    imports = [imp for name, path in modules.items()
-               for imp in parse_imports(name, path, modules)]
+    imports = [imp for name, path in modules.items() for imp in parse_imports(name, path, modules)]
     edges = {}
     for imp in imports:
         if imp.target not in modules:
@@ -299,8 +318,11 @@ def check(root: Path, package_dirs: dict[str, str] = PACKAGE_DIRS) -> Report:
         cycles=find_cycles(edges),
         old_names=[imp for imp in imports if imp.target.split(".")[0] in OLD_TOP_LEVEL_NAMES],
         layering=[(imp, rule) for imp in imports if (rule := layering_rule(imp))],
-        missing=[imp for imp in imports
-                 if _in_package(imp.target, "kvserve") and imp.target not in modules],
+        missing=[
+            imp
+            for imp in imports
+            if _in_package(imp.target, "kvserve") and imp.target not in modules
+        ],
     )
 
 

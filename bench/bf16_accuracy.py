@@ -18,17 +18,30 @@ import json
 import numpy as np
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.", "List three prime numbers.",
-    "What is 12 times 7?", "Who wrote Romeo and Juliet?", "Give me a tip for learning Python.",
-    "Translate 'good morning' into Spanish.", "Why is the sky blue?",
-    "Name a famous painting by Van Gogh.", "What does a CPU do?",
-    "Describe a cat in five words.", "How many legs does a spider have?",
-    "What is the boiling point of water in Celsius?", "Suggest a name for a pet goldfish.",
-    "What is the largest planet in our solar system?", "Summarize the plot of Cinderella.",
-    "What is a black hole?", "Give two synonyms for happy.", "How do vaccines work?",
-    "Write a limerick about a programmer.", "What causes rain?",
-    "Explain recursion to a child.", "What is the square root of 144?",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "What is 12 times 7?",
+    "Who wrote Romeo and Juliet?",
+    "Give me a tip for learning Python.",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+    "Name a famous painting by Van Gogh.",
+    "What does a CPU do?",
+    "Describe a cat in five words.",
+    "How many legs does a spider have?",
+    "What is the boiling point of water in Celsius?",
+    "Suggest a name for a pet goldfish.",
+    "What is the largest planet in our solar system?",
+    "Summarize the plot of Cinderella.",
+    "What is a black hole?",
+    "Give two synonyms for happy.",
+    "How do vaccines work?",
+    "Write a limerick about a programmer.",
+    "What causes rain?",
+    "Explain recursion to a child.",
+    "What is the square root of 144?",
 ]
 
 
@@ -41,8 +54,9 @@ def _score(llm, sequences: list[list[int]], prompt_lens: list[int]):
     scored = []
     for out, seq, prompt_len in zip(outputs, sequences, prompt_lens):
         entries = out.prompt_logprobs[prompt_len:]
-        scored.append([(entry[tid].logprob, entry[tid].rank)
-                       for entry, tid in zip(entries, seq[prompt_len:])])
+        scored.append(
+            [(entry[tid].logprob, entry[tid].rank) for entry, tid in zip(entries, seq[prompt_len:])]
+        )
     return scored
 
 
@@ -65,8 +79,10 @@ def main() -> int:
             reference = [list(o.outputs[0].token_ids) for o in outputs]
             sequences = [p + c for p, c in zip(prompts, reference)]
         own = [list(o.outputs[0].token_ids) for o in outputs]
-        results[dtype] = {"greedy": own,
-                          "scored": _score(llm, sequences, [len(p) for p in prompts])}
+        results[dtype] = {
+            "greedy": own,
+            "scored": _score(llm, sequences, [len(p) for p in prompts]),
+        }
         del llm
 
     ref_lp = np.concatenate([[lp for lp, _ in s] for s in results["float32"]["scored"]])
@@ -74,26 +90,32 @@ def main() -> int:
     for dtype, r in results.items():
         lps = np.concatenate([[lp for lp, _ in s] for s in r["scored"]])
         ranks = np.concatenate([[rank for _, rank in s] for s in r["scored"]])
-        prefix = [next((i for i, (a, b) in enumerate(zip(own, ref)) if a != b), min(len(own),
-                                                                                      len(ref)))
-                  for own, ref in zip(r["greedy"], reference)]
+        prefix = [
+            next((i for i, (a, b) in enumerate(zip(own, ref)) if a != b), min(len(own), len(ref)))
+            for own, ref in zip(r["greedy"], reference)
+        ]
         summary[dtype] = {
             "top1_agreement": float(np.mean(ranks == 1)),
             "mean_abs_delta_logprob": float(np.mean(np.abs(lps - ref_lp))),
             "max_abs_delta_logprob": float(np.max(np.abs(lps - ref_lp))),
             "mean_nll": float(-np.mean(lps)),
-            "greedy_match": float(np.mean([own == ref for own, ref in zip(r["greedy"],
-                                                                          reference)])),
+            "greedy_match": float(
+                np.mean([own == ref for own, ref in zip(r["greedy"], reference)])
+            ),
             "mean_common_prefix_tokens": float(np.mean(prefix)),
         }
-    print("| dtype | top-1 agreement | mean abs dlogprob | max abs dlogprob | mean NLL | "
-          "greedy match | mean common prefix |")
+    print(
+        "| dtype | top-1 agreement | mean abs dlogprob | max abs dlogprob | mean NLL | "
+        "greedy match | mean common prefix |"
+    )
     print("|---|---|---|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
         s = summary[dtype]
-        print(f"| {dtype} | {s['top1_agreement']:.1%} | {s['mean_abs_delta_logprob']:.4f} | "
-              f"{s['max_abs_delta_logprob']:.3f} | {s['mean_nll']:.3f} | "
-              f"{s['greedy_match']:.0%} | {s['mean_common_prefix_tokens']:.1f} |")
+        print(
+            f"| {dtype} | {s['top1_agreement']:.1%} | {s['mean_abs_delta_logprob']:.4f} | "
+            f"{s['max_abs_delta_logprob']:.3f} | {s['mean_nll']:.3f} | "
+            f"{s['greedy_match']:.0%} | {s['mean_common_prefix_tokens']:.1f} |"
+        )
     if args.save_result:
         with open(args.save_result, "w") as f:
             json.dump(summary, f, indent=2)

@@ -29,8 +29,9 @@ HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, INTERMEDIATE = 576, 9, 3, 64, 1536
 BLOCK_SIZE, MAX_POSITION = 16, 8192
 
 
-def time_ms(fn: Callable[[], object], rounds: int, min_round_s: float = 0.02
-            ) -> tuple[float, float]:
+def time_ms(
+    fn: Callable[[], object], rounds: int, min_round_s: float = 0.02
+) -> tuple[float, float]:
     """(best, median) milliseconds per call; each round repeats fn for >= min_round_s."""
     fn()  # warm-up: first-call allocations, oneDNN primitive creation
     start = time.perf_counter()
@@ -56,25 +57,43 @@ def attention_inputs(query_and_seq_lens: list[tuple[int, int]], dtype: torch.dty
     block_table = torch.zeros(len(blocks_per_req), max(blocks_per_req), dtype=torch.int32)
     start = 0
     for req, num_req_blocks in enumerate(blocks_per_req):
-        block_table[req, :num_req_blocks] = block_ids[start:start + num_req_blocks]
+        block_table[req, :num_req_blocks] = block_ids[start : start + num_req_blocks]
         start += num_req_blocks
     query_lens = [query_len for query_len, _ in query_and_seq_lens]
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_SIZE).to(dtype)
     query_start_loc = torch.tensor([0] + query_lens).cumsum(0).int()
     seq_lens = torch.tensor([seq_len for _, seq_len in query_and_seq_lens], dtype=torch.int32)
-    return (query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-            HEAD_SIZE ** -0.5, max(query_lens), int(seq_lens.max()))
+    return (
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        HEAD_SIZE**-0.5,
+        max(query_lens),
+        int(seq_lens.max()),
+    )
 
 
-def loop_baseline(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
-                  max_query_len, max_seq_len):
+def loop_baseline(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    query_start_loc,
+    seq_lens,
+    scale,
+    max_query_len,
+    max_seq_len,
+):
     """The first reference: one SDPA per request, K/V expanded with repeat_interleave."""
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for req, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[req], starts[req + 1]
-        blocks = block_table[req, :-(-seq_len // BLOCK_SIZE)].long()
+        blocks = block_table[req, : -(-seq_len // BLOCK_SIZE)].long()
         keys = key_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
         values = value_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=0)
@@ -82,8 +101,8 @@ def loop_baseline(query, key_cache, value_cache, block_table, query_start_loc, s
         positions = torch.arange(seq_len - (end - start), seq_len).unsqueeze(1)
         mask = torch.arange(seq_len).unsqueeze(0) <= positions
         out[start:end] = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1), keys, values, attn_mask=mask,
-            scale=scale).transpose(0, 1)
+            query[start:end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale
+        ).transpose(0, 1)
     return out
 
 
@@ -97,12 +116,15 @@ def bench_attention(dtype: torch.dtype, rounds: int) -> None:
     }
     for name, layout in cases.items():
         args = attention_inputs(layout, dtype)
-        torch.testing.assert_close(paged_attention_ref(*args).float(),
-                                   loop_baseline(*args).float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            paged_attention_ref(*args).float(), loop_baseline(*args).float(), atol=2e-2, rtol=2e-2
+        )
         best, median = time_ms(partial(paged_attention_ref, *args), rounds)
         base_best, _ = time_ms(partial(loop_baseline, *args), max(rounds // 2, 1))
-        print(f"  paged_attention_ref  {name:42s} {best:8.3f} ms (median {median:7.3f})"
-              f"   loop baseline {base_best:8.3f} ms  x{base_best / best:4.1f}")
+        print(
+            f"  paged_attention_ref  {name:42s} {best:8.3f} ms (median {median:7.3f})"
+            f"   loop baseline {base_best:8.3f} ms  x{base_best / best:4.1f}"
+        )
 
 
 def bench_elementwise(dtype: torch.dtype, rounds: int) -> None:
@@ -113,7 +135,7 @@ def bench_elementwise(dtype: torch.dtype, rounds: int) -> None:
         residual = torch.randn(num_tokens, HIDDEN).to(dtype)
         weight = torch.randn(HIDDEN).to(dtype)
         qkv = torch.randn(num_tokens, q_size + 2 * kv_size).to(dtype)
-        query, key = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+        query, key = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
         positions = torch.randint(0, MAX_POSITION, (num_tokens,))
         gate_up = torch.randn(num_tokens, 2 * INTERMEDIATE).to(dtype)
         kv_cache = torch.zeros(2, 2048, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype)
@@ -122,11 +144,13 @@ def bench_elementwise(dtype: torch.dtype, rounds: int) -> None:
         ops = {
             "rms_norm_ref": partial(rms_norm_ref, x, weight, 1e-5),
             "fused_add_rms_norm_ref": partial(fused_add_rms_norm_ref, x, residual, weight, 1e-5),
-            "rotary_embedding_ref": partial(rotary_embedding_ref, positions, query, key,
-                                            cos_sin_cache, HEAD_SIZE),
+            "rotary_embedding_ref": partial(
+                rotary_embedding_ref, positions, query, key, cos_sin_cache, HEAD_SIZE
+            ),
             "silu_and_mul_ref": partial(silu_and_mul_ref, gate_up),
-            "write_kv_cache_ref": partial(write_kv_cache_ref, new_kv[:, 0], new_kv[:, 1],
-                                          kv_cache[0], kv_cache[1], slots),
+            "write_kv_cache_ref": partial(
+                write_kv_cache_ref, new_kv[:, 0], new_kv[:, 1], kv_cache[0], kv_cache[1], slots
+            ),
         }
         for name, fn in ops.items():
             best, median = time_ms(fn, rounds)
@@ -137,8 +161,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per op")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], action="append",
-                        help="dtype(s) to run (default: both)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        action="append",
+        help="dtype(s) to run (default: both)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

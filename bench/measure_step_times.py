@@ -62,7 +62,8 @@ class StepTimer:
         for _ in range(num_reqs):
             ids = self.rng.integers(VOCAB_LOW, VOCAB_HIGH, size=prompt_len).tolist()
             self.engine_core.add_request(
-                EngineCoreRequest(f"m{self._next_id}", ids, params, None, time.time()))
+                EngineCoreRequest(f"m{self._next_id}", ids, params, None, time.time())
+            )
             self._next_id += 1
 
     def step(self, scenario: str, record: bool = True) -> dict:
@@ -84,8 +85,12 @@ class StepTimer:
     def _shape(self, scheduler_output) -> dict:
         """The step's features, read right after schedule() (which has already advanced
         each scheduled request's num_computed_tokens)."""
-        shape = {"num_prefill_tokens": 0, "num_prefill_reqs": 0, "num_decode_reqs": 0,
-                 "num_decode_ctx_tokens": 0}
+        shape = {
+            "num_prefill_tokens": 0,
+            "num_prefill_reqs": 0,
+            "num_decode_reqs": 0,
+            "num_decode_ctx_tokens": 0,
+        }
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.engine_core.scheduler.requests[req_id]
             if request.num_computed_tokens - num_tokens < request.num_prompt_tokens:
@@ -124,17 +129,33 @@ def make_scenarios(quick: bool) -> list[tuple[str, Callable[[StepTimer], None]]]
     smoke test."""
     scenarios = []
     for prompt_len in (64, 256) if quick else (64, 256, 1024, 2048):
-        scenarios.append((f"prefill_{prompt_len}",
-                          functools.partial(prefill_scenario, prompt_len=prompt_len)))
-    decode_shapes = ((1, 64), (8, 64)) if quick else (
-        (1, 128), (8, 128), (32, 128), (64, 128), (32, 512), (8, 1024))
+        scenarios.append(
+            (f"prefill_{prompt_len}", functools.partial(prefill_scenario, prompt_len=prompt_len))
+        )
+    decode_shapes = (
+        ((1, 64), (8, 64))
+        if quick
+        else ((1, 128), (8, 128), (32, 128), (64, 128), (32, 512), (8, 1024))
+    )
     for num_reqs, prompt_len in decode_shapes:
-        scenarios.append((f"decode_{num_reqs}x{prompt_len}", functools.partial(
-            decode_scenario, num_reqs=num_reqs, prompt_len=prompt_len,
-            num_steps=3 if quick else 5)))
+        scenarios.append(
+            (
+                f"decode_{num_reqs}x{prompt_len}",
+                functools.partial(
+                    decode_scenario,
+                    num_reqs=num_reqs,
+                    prompt_len=prompt_len,
+                    num_steps=3 if quick else 5,
+                ),
+            )
+        )
     for num_decodes, chunk_len in ((8, 256),) if quick else ((8, 256), (32, 1024)):
-        scenarios.append((f"mixed_{num_decodes}+{chunk_len}", functools.partial(
-            mixed_scenario, num_decodes=num_decodes, chunk_len=chunk_len)))
+        scenarios.append(
+            (
+                f"mixed_{num_decodes}+{chunk_len}",
+                functools.partial(mixed_scenario, num_decodes=num_decodes, chunk_len=chunk_len),
+            )
+        )
     return scenarios
 
 
@@ -188,8 +209,9 @@ def fit_step_model(samples: list[dict]) -> dict:
     seconds = np.array([s["seconds"] for s in samples])
     active = list(FEATURES)
     while True:
-        x = np.column_stack([np.ones(len(samples))]
-                            + [[s[name] for s in samples] for name in active])
+        x = np.column_stack(
+            [np.ones(len(samples))] + [[s[name] for s in samples] for name in active]
+        )
         coef, *_ = np.linalg.lstsq(x / seconds[:, None], np.ones(len(samples)), rcond=None)
         negative = [name for name, c in zip(active, coef[1:]) if c < 0]
         if not negative:
@@ -202,11 +224,13 @@ def fit_step_model(samples: list[dict]) -> dict:
     relative_error = np.abs(predicted - seconds) / seconds
     ss_res = float(np.sum((seconds - predicted) ** 2))
     ss_tot = float(np.sum((seconds - seconds.mean()) ** 2))
-    return {"coefficients": coefficients,
-            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
-            "median_relative_error": float(np.median(relative_error)),
-            "max_relative_error": float(np.max(relative_error)),
-            "fit_points": [{**s, "predicted_s": float(p)} for s, p in zip(samples, predicted)]}
+    return {
+        "coefficients": coefficients,
+        "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+        "median_relative_error": float(np.median(relative_error)),
+        "max_relative_error": float(np.max(relative_error)),
+        "fit_points": [{**s, "predicted_s": float(p)} for s, p in zip(samples, predicted)],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,16 +238,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--out", default="bench/step_times.json")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true",
-                        help="a handful of small shapes (smoke test, ~15 s)")
-    parser.add_argument("--max-seconds", type=float, default=150.0,
-                        help="skip the remaining scenarios after this long")
-    parser.add_argument("--refit", action="store_true",
-                        help="refit the samples already in --out instead of measuring")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads; 1 by default: on the shared 2-core VM, two "
-                             "OpenMP threads spin on each other under load and gave 3-10x "
-                             "slower, erratic steps")
+    parser.add_argument(
+        "--quick", action="store_true", help="a handful of small shapes (smoke test, ~15 s)"
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=150.0,
+        help="skip the remaining scenarios after this long",
+    )
+    parser.add_argument(
+        "--refit",
+        action="store_true",
+        help="refit the samples already in --out instead of measuring",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; 1 by default: on the shared 2-core VM, two "
+        "OpenMP threads spin on each other under load and gave 3-10x "
+        "slower, erratic steps",
+    )
     args = parser.parse_args(argv)
 
     if args.refit:
@@ -243,8 +279,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     started = time.perf_counter()
-    llm = LLM(model=None, dtype=args.dtype, enable_prefix_caching=False,
-              max_num_batched_tokens=2048, max_num_seqs=256, seed=args.seed)
+    llm = LLM(
+        model=None,
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=2048,
+        max_num_seqs=256,
+        seed=args.seed,
+    )
     timer = StepTimer(llm.engine_core, args.seed)
     skipped = []
     for name, scenario in make_scenarios(args.quick):
@@ -257,29 +299,32 @@ def main(argv: list[str] | None = None) -> None:
         write_result(args, timer.samples, skipped, time.perf_counter() - started)
     result = write_result(args, timer.samples, skipped, time.perf_counter() - started)
     coef = result["coefficients"]
-    print(f"{len(timer.samples)} steps in {result['measure_wall_s']} s; "
-          + ", ".join(f"{k}={v:.3g}" for k, v in coef.items())
-          + f"; r2={result['r2']:.3f}, median rel err {result['median_relative_error']:.1%}"
-          + (f"; skipped {skipped}" if skipped else ""))
+    print(
+        f"{len(timer.samples)} steps in {result['measure_wall_s']} s; "
+        + ", ".join(f"{k}={v:.3g}" for k, v in coef.items())
+        + f"; r2={result['r2']:.3f}, median rel err {result['median_relative_error']:.1%}"
+        + (f"; skipped {skipped}" if skipped else "")
+    )
     llm.engine_core.shutdown()
 
 
-def write_result(args: argparse.Namespace, samples: list[dict], skipped: list[str],
-                 wall_s: float) -> dict:
+def write_result(
+    args: argparse.Namespace, samples: list[dict], skipped: list[str], wall_s: float
+) -> dict:
     import torch
 
     result = {
         "model": "SmolLM2-135M-Instruct (embedded default)",
         "dtype": args.dtype,
         "machine": f"{platform.processor() or platform.machine()}, "
-                   f"{torch.get_num_threads()} torch threads",
+        f"{torch.get_num_threads()} torch threads",
         "note": "measured on a noisy shared development VM (2 cores shared with other "
-                "jobs, load average ~8 at the time): absolute times are several x a quiet "
-                "machine's and vary run to run; the ratios between terms matter most to "
-                "the routing simulator",
+        "jobs, load average ~8 at the time): absolute times are several x a quiet "
+        "machine's and vary run to run; the ratios between terms matter most to "
+        "the routing simulator",
         "max_num_batched_tokens": 2048,
         "model_formula": "step_s = intercept_s + num_prefill_tokens * b + num_decode_reqs * c"
-                         " + num_decode_ctx_tokens * d",
+        " + num_decode_ctx_tokens * d",
         **fit_step_model(samples),
         "skipped_scenarios": skipped,
         "measure_wall_s": round(wall_s, 1),
@@ -288,6 +333,7 @@ def write_result(args: argparse.Namespace, samples: list[dict], skipped: list[st
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return result
+
 
 if __name__ == "__main__":
     main()

@@ -39,14 +39,20 @@ def bench_offline(runs: int, concurrency: int) -> tuple[float, float]:
         llm.generate({"prompt_token_ids": _prompt(i)}, params, use_tqdm=False)
     latency = (time.perf_counter() - start) / runs
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": _prompt(100 + i)} for i in range(concurrency)], params,
-                 use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": _prompt(100 + i)} for i in range(concurrency)], params, use_tqdm=False
+    )
     return latency, concurrency * OUTPUT_LEN / (time.perf_counter() - start)
 
 
 async def _complete(client: httpx.AsyncClient, i: int) -> None:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": _prompt(i), "max_tokens": OUTPUT_LEN,
-            "temperature": 0.0, "ignore_eos": True}
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": _prompt(i),
+        "max_tokens": OUTPUT_LEN,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     response = await client.post("/v1/completions", json=body)
     response.raise_for_status()
     assert response.json()["usage"]["completion_tokens"] == OUTPUT_LEN
@@ -68,10 +74,24 @@ def bench_serve(executor: str, runs: int, concurrency: int) -> tuple[float, floa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
-                               "--host", "127.0.0.1", "--executor", executor,
-                               "--uvicorn-log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--executor",
+            executor,
+            "--uvicorn-log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -97,14 +117,17 @@ def main() -> int:
     os.environ.setdefault("KVSERVE_LOG_LEVEL", "WARNING")
     results = {"offline LLM": bench_offline(args.runs, args.concurrency)}
     for executor in ("uni", "mp"):
-        results[f"serve --executor {executor}"] = bench_serve(executor, args.runs,
-                                                              args.concurrency)
+        results[f"serve --executor {executor}"] = bench_serve(executor, args.runs, args.concurrency)
     base_latency, base_tps = results["offline LLM"]
-    print(f"{'setup':<24} {'1 request (s)':>14} {'vs offline':>10} "
-          f"{f'{args.concurrency} at once (tok/s)':>22} {'vs offline':>10}")
+    print(
+        f"{'setup':<24} {'1 request (s)':>14} {'vs offline':>10} "
+        f"{f'{args.concurrency} at once (tok/s)':>22} {'vs offline':>10}"
+    )
     for name, (latency, tps) in results.items():
-        print(f"{name:<24} {latency:>14.3f} {latency / base_latency - 1:>+10.1%} "
-              f"{tps:>22.1f} {tps / base_tps - 1:>+10.1%}")
+        print(
+            f"{name:<24} {latency:>14.3f} {latency / base_latency - 1:>+10.1%} "
+            f"{tps:>22.1f} {tps / base_tps - 1:>+10.1%}"
+        )
     return 0
 
 

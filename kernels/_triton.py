@@ -24,8 +24,10 @@ def require_triton(op_name: str) -> None:
         op_name: the op being launched, for the message.
     """
     if not HAS_TRITON:
-        raise RuntimeError(f"{op_name}: the Triton kernel needs the `triton` package "
-                           "(pip install triton), or call the torch reference `*_ref` instead")
+        raise RuntimeError(
+            f"{op_name}: the Triton kernel needs the `triton` package "
+            "(pip install triton), or call the torch reference `*_ref` instead"
+        )
 
 
 def next_power_of_2(n: int) -> int:

@@ -12,8 +12,9 @@ _MAX_BLOCK_SIZE = 1024
 if HAS_TRITON:
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, x_row_stride, intermediate_size,
-                             BLOCK_SIZE: tl.constexpr):
+    def _silu_and_mul_kernel(
+        x_ptr, out_ptr, x_row_stride, intermediate_size, BLOCK_SIZE: tl.constexpr
+    ):
         # Grid: (token, column block). Gate and up of a column sit intermediate_size apart.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -22,8 +23,9 @@ if HAS_TRITON:
         gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_ptrs + intermediate_size, mask=mask, other=0.0).to(tl.float32)
         out = gate * tl.sigmoid(gate) * up
-        tl.store(out_ptr + row * intermediate_size + cols, out.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(
+            out_ptr + row * intermediate_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask
+        )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -45,13 +45,32 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_attention_kernel(
-            out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr,
-            query_start_loc_ptr, seq_lens_ptr, scale, num_reqs,
-            query_token_stride, query_head_stride, out_token_stride, out_head_stride,
-            cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
-            NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
-            BLOCK_HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        out_ptr,
+        query_ptr,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        query_start_loc_ptr,
+        seq_lens_ptr,
+        scale,
+        num_reqs,
+        query_token_stride,
+        query_head_stride,
+        out_token_stride,
+        out_head_stride,
+        cache_block_stride,
+        cache_slot_stride,
+        cache_head_stride,
+        block_table_stride,
+        NUM_QUERIES_PER_KV: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        BLOCK_HEAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        TILE_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
         # Grid: (q block, KV head). A program's BLOCK_M rows are (query token, query head of
         # this KV head) pairs, row m = token m // G, head m % G, so every K/V tile it loads
         # serves the whole GQA group. Online softmax in float32, exp2 domain.
@@ -73,9 +92,14 @@ if HAS_TRITON:
         row_mask = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (query_idx < query_len)
         dim_mask = dims < HEAD_SIZE
         tokens = (query_start + query_idx).to(tl.int64)
-        q = tl.load(query_ptr + tokens[:, None] * query_token_stride
-                    + heads[:, None] * query_head_stride + dims[None, :],
-                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+        q = tl.load(
+            query_ptr
+            + tokens[:, None] * query_token_stride
+            + heads[:, None] * query_head_stride
+            + dims[None, :],
+            mask=row_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
         query_positions = context_len + query_idx
 
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -87,13 +111,21 @@ if HAS_TRITON:
         for tile_start in range(0, num_keys, TILE_N):
             keys = tile_start + tl.arange(0, TILE_N)
             key_mask = keys < num_keys
-            block_ids = tl.load(block_table_ptr + req * block_table_stride + keys // BLOCK_SIZE,
-                                mask=key_mask, other=0)
-            slot_offsets = (block_ids.to(tl.int64) * cache_block_stride
-                            + (keys % BLOCK_SIZE) * cache_slot_stride
-                            + kv_head * cache_head_stride)
-            k = tl.load(key_cache_ptr + slot_offsets[None, :] + dims[:, None],
-                        mask=key_mask[None, :] & dim_mask[:, None], other=0.0)
+            block_ids = tl.load(
+                block_table_ptr + req * block_table_stride + keys // BLOCK_SIZE,
+                mask=key_mask,
+                other=0,
+            )
+            slot_offsets = (
+                block_ids.to(tl.int64) * cache_block_stride
+                + (keys % BLOCK_SIZE) * cache_slot_stride
+                + kv_head * cache_head_stride
+            )
+            k = tl.load(
+                key_cache_ptr + slot_offsets[None, :] + dims[:, None],
+                mask=key_mask[None, :] & dim_mask[:, None],
+                other=0.0,
+            )
             scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
             visible = (keys[None, :] <= query_positions[:, None]) & key_mask[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -103,21 +135,35 @@ if HAS_TRITON:
             probs = tl.exp2(scores - shift[:, None])
             rescale = tl.exp2(row_max - shift)
             row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-            v = tl.load(value_cache_ptr + slot_offsets[:, None] + dims[None, :],
-                        mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
-            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v,
-                                                  input_precision=DOT_PRECISION)
+            v = tl.load(
+                value_cache_ptr + slot_offsets[:, None] + dims[None, :],
+                mask=key_mask[:, None] & dim_mask[None, :],
+                other=0.0,
+            )
+            acc = acc * rescale[:, None] + tl.dot(
+                probs.to(v.dtype), v, input_precision=DOT_PRECISION
+            )
             row_max = new_max
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-        tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
-                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & dim_mask[None, :])
+        tl.store(
+            out_ptr
+            + tokens[:, None] * out_token_stride
+            + heads[:, None] * out_head_stride
+            + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & dim_mask[None, :],
+        )
 
 
-def _check_attention_args(query: torch.Tensor, key_cache: torch.Tensor,
-                          value_cache: torch.Tensor, block_table: torch.Tensor,
-                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          max_seq_len: int) -> None:
+def _check_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+) -> None:
     assert query.dim() == 3, f"query must be [T, Hq, D], got {query.shape}"
     assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, key_cache.shape
     num_heads, head_size = query.shape[1:]
@@ -128,13 +174,21 @@ def _check_attention_args(query: torch.Tensor, key_cache: torch.Tensor,
     assert query_start_loc.shape == (num_reqs + 1,), (query_start_loc.shape, num_reqs)
     assert block_table.dim() == 2 and block_table.shape[0] >= num_reqs, block_table.shape
     assert block_table.shape[1] * block_size >= max_seq_len, (
-        f"block_table width {block_table.shape[1]} x {block_size} < max_seq_len {max_seq_len}")
+        f"block_table width {block_table.shape[1]} x {block_size} < max_seq_len {max_seq_len}"
+    )
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
     """Triton paged attention; contract in kernels.dispatch.paged_attention.
 
     Args:
@@ -147,8 +201,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         [T, Hq, D] contiguous, query's dtype.
     """
     require_triton("paged_attention")
-    _check_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                          max_seq_len)
+    _check_attention_args(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_seq_len
+    )
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and block_table.stride(1) == 1
     assert key_cache.stride() == value_cache.stride(), "K and V caches must share a layout"
     assert query_start_loc.is_contiguous() and seq_lens.is_contiguous()
@@ -165,19 +220,39 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     # Request r may start a partial q block, hence + num_reqs spare blocks (they exit at once).
     grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
-        num_reqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size,
-        BLOCK_HEAD=max(next_power_of_2(head_size), 16), BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_Q=block_q, TILE_N=_TILE_N,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        scale,
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        NUM_QUERIES_PER_KV=num_queries_per_kv,
+        HEAD_SIZE=head_size,
+        BLOCK_HEAD=max(next_power_of_2(head_size), 16),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=_TILE_N,
         # fp32 runs are the exactness reference: keep tf32 out of them.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
     return out
 
 
-def _group_decodes(decode_reqs: list[int], req_seq_lens: list[int], block_size: int,
-                   max_group_tokens: int) -> list[list[int]]:
+def _group_decodes(
+    decode_reqs: list[int], req_seq_lens: list[int], block_size: int, max_group_tokens: int
+) -> list[list[int]]:
     """Split decode requests into groups of similar length, longest first.
 
     A request joins the current group while its block count is >= 3/4 of the group's longest
@@ -187,8 +262,11 @@ def _group_decodes(decode_reqs: list[int], req_seq_lens: list[int], block_size: 
     group_blocks = 0
     for req in sorted(decode_reqs, key=lambda req: req_seq_lens[req], reverse=True):
         num_blocks = -(-req_seq_lens[req] // block_size)
-        if (groups and 4 * num_blocks >= 3 * group_blocks
-                and (len(groups[-1]) + 1) * group_blocks * block_size <= max_group_tokens):
+        if (
+            groups
+            and 4 * num_blocks >= 3 * group_blocks
+            and (len(groups[-1]) + 1) * group_blocks * block_size <= max_group_tokens
+        ):
             groups[-1].append(req)
         else:
             groups.append([req])
@@ -196,9 +274,15 @@ def _group_decodes(decode_reqs: list[int], req_seq_lens: list[int], block_size: 
     return groups
 
 
-def _decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
-                          value_cache: torch.Tensor, block_table: torch.Tensor,
-                          seq_lens: torch.Tensor, scale: float, num_blocks: int) -> torch.Tensor:
+def _decode_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_blocks: int,
+) -> torch.Tensor:
     # query: [R, Hq, D], one token per request, the last of its context. Gather the first
     # num_blocks blocks of every request into a padded [R, Hkv, S_pad, D] view and run one
     # masked SDPA.
@@ -213,25 +297,34 @@ def _decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
     # cache), and a masked NaN still poisons SDPA (0 * NaN): zero those rows after the gather.
     hidden_slots = (~visible).view(-1).nonzero().squeeze(1)
     keys, values = (
-        cache.index_select(0, block_ids).view(num_reqs * padded_len, num_kv_heads, head_size)
+        cache.index_select(0, block_ids)
+        .view(num_reqs * padded_len, num_kv_heads, head_size)
         .index_fill_(0, hidden_slots, 0.0)
-        .view(num_reqs, padded_len, num_kv_heads, head_size).transpose(1, 2)
-        for cache in (key_cache, value_cache))
+        .view(num_reqs, padded_len, num_kv_heads, head_size)
+        .transpose(1, 2)
+        for cache in (key_cache, value_cache)
+    )
     # A decode token's G query heads share their KV head's keys and mask: fold them into
     # SDPA's query-length dim, so GQA needs no expanded K/V copy.
     queries = query.reshape(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)
-    out = F.scaled_dot_product_attention(queries, keys, values,
-                                         attn_mask=visible[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=visible[:, None, None, :], scale=scale
+    )
     return out.reshape(num_reqs, num_heads, head_size)
 
 
-def _prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
-                           scale: float) -> torch.Tensor:
+def _prefill_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
     # query: [L, Hq, D], the last L tokens of a seq_len context; block_ids: its table row.
     query_len, num_heads = query.shape[:2]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    used_block_ids = block_ids[:-(-seq_len // block_size)]
+    used_block_ids = block_ids[: -(-seq_len // block_size)]
     keys = key_cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len].transpose(0, 1)
     values = value_cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len].transpose(0, 1)
     mask = None
@@ -239,16 +332,29 @@ def _prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor,
         # A chunk starting mid-sequence: SDPA's is_causal aligns top-left, we need bottom-right.
         positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device) <= positions.unsqueeze(1)
-    out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=mask,
-                                         is_causal=mask is None, scale=scale,
-                                         enable_gqa=num_heads != num_kv_heads)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1),
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
     return out.transpose(0, 1)
 
 
-def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                        max_seq_len: int) -> torch.Tensor:
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
     """Torch paged attention (the CPU hot path); same contract as `paged_attention`.
 
     Decodes (query_len 1) run batched: grouped by similar length, one masked SDPA per group
@@ -256,47 +362,62 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     runs one SDPA of its own. Per call: one host read of the request bounds, no Python work
     per token.
     """
-    _check_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                          max_seq_len)
+    _check_attention_args(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_seq_len
+    )
     num_reqs = seq_lens.shape[0]
     block_size, num_kv_heads, head_size = key_cache.shape[1:]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     bounds = torch.cat((query_start_loc, seq_lens)).tolist()  # the one host read
-    query_starts, req_seq_lens = bounds[:num_reqs + 1], bounds[num_reqs + 1:]
+    query_starts, req_seq_lens = bounds[: num_reqs + 1], bounds[num_reqs + 1 :]
     decode_reqs: list[int] = []
     for req, seq_len in enumerate(req_seq_lens):
         start, end = query_starts[req], query_starts[req + 1]
         if end - start == 1:
             decode_reqs.append(req)
         elif end > start:
-            out[start:end] = _prefill_attention_ref(query[start:end], key_cache, value_cache,
-                                                    block_table[req], seq_len, scale)
-    max_group_tokens = _DECODE_GROUP_BYTES // (2 * num_kv_heads * head_size
-                                               * key_cache.element_size())
+            out[start:end] = _prefill_attention_ref(
+                query[start:end], key_cache, value_cache, block_table[req], seq_len, scale
+            )
+    max_group_tokens = _DECODE_GROUP_BYTES // (
+        2 * num_kv_heads * head_size * key_cache.element_size()
+    )
     for group in _group_decodes(decode_reqs, req_seq_lens, block_size, max_group_tokens):
         num_blocks = -(-req_seq_lens[group[0]] // block_size)  # longest first
         if len(group) == num_reqs == query.shape[0] and group == list(range(num_reqs)):
             # All decodes, in order, one group (the common decode step): no index shuffles.
-            return _decode_attention_ref(query, key_cache, value_cache, block_table[:num_reqs],
-                                         seq_lens, scale, num_blocks)
+            return _decode_attention_ref(
+                query, key_cache, value_cache, block_table[:num_reqs], seq_lens, scale, num_blocks
+            )
         req_indices = torch.tensor(group, device=query.device)
         token_indices = torch.tensor([query_starts[req] for req in group], device=query.device)
         group_out = _decode_attention_ref(
-            query.index_select(0, token_indices), key_cache, value_cache,
-            block_table.index_select(0, req_indices), seq_lens.index_select(0, req_indices),
-            scale, num_blocks)
+            query.index_select(0, token_indices),
+            key_cache,
+            value_cache,
+            block_table.index_select(0, req_indices),
+            seq_lens.index_select(0, req_indices),
+            scale,
+            num_blocks,
+        )
         out.index_copy_(0, token_indices, group_out)
     return out
 
 
 def _flash(query, keys, values, causal: bool, scale: float):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, keys, values, 0.0, causal, scale=scale)
+        query, keys, values, 0.0, causal, scale=scale
+    )
 
 
-def _prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
-                           scale: float) -> torch.Tensor:
+def _prefill_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
     # A chunk that starts mid-sequence needs a bottom-right causal mask, which sends SDPA to
     # its slow math path (a materialized [H, L, S] mask and scores). Instead, two flash calls:
     # the queries over the context before the chunk (no mask) and over the chunk itself
@@ -307,31 +428,42 @@ def _prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
     query_len = query.shape[0]
     context_len = seq_len - query_len
     block_size = key_cache.shape[1]
-    used_block_ids = block_ids[:-(-seq_len // block_size)]
-    keys, values = (cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len]
-                    .transpose(0, 1).unsqueeze(0) for cache in (key_cache, value_cache))
+    used_block_ids = block_ids[: -(-seq_len // block_size)]
+    keys, values = (
+        cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        for cache in (key_cache, value_cache)
+    )
     q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     out, lse = _flash(q, keys[:, :, context_len:], values[:, :, context_len:], True, scale)
     if context_len:
-        out_ctx, lse_ctx = _flash(q, keys[:, :, :context_len], values[:, :, :context_len],
-                                  False, scale)
+        out_ctx, lse_ctx = _flash(
+            q, keys[:, :, :context_len], values[:, :, :context_len], False, scale
+        )
         lse_max = torch.maximum(lse, lse_ctx)
         w, w_ctx = (lse - lse_max).exp_().unsqueeze(-1), (lse_ctx - lse_max).exp_().unsqueeze(-1)
         out = ((out.float() * w + out_ctx.float() * w_ctx) / (w + w_ctx)).to(query.dtype)
     return out[0].transpose(0, 1)
 
 
-def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
-                        value_cache: torch.Tensor, block_table: torch.Tensor,
-                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                        max_query_len: int, max_seq_len: int) -> torch.Tensor:
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather),
     prefill chunks through SDPA as in the reference. Same contract as `paged_attention`; the
     caller (kernels.dispatch) checks that the native kernel is built for the dtype."""
     from kvserve.kernels import cpu
 
-    _check_attention_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                          max_seq_len)
+    _check_attention_args(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_seq_len
+    )
     num_reqs = seq_lens.shape[0]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -339,13 +471,13 @@ def paged_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor,
         decode_reqs = None
     else:
         bounds = torch.cat((query_start_loc, seq_lens)).tolist()
-        starts, lens = bounds[:num_reqs + 1], bounds[num_reqs + 1:]
+        starts, lens = bounds[: num_reqs + 1], bounds[num_reqs + 1 :]
         for req in range(num_reqs):
             start, end = starts[req], starts[req + 1]
             if end - start > 1:
-                out[start:end] = _prefill_attention_cpu(query[start:end], key_cache,
-                                                        value_cache, block_table[req],
-                                                        lens[req], scale)
+                out[start:end] = _prefill_attention_cpu(
+                    query[start:end], key_cache, value_cache, block_table[req], lens[req], scale
+                )
         decode_reqs = (query_lens == 1).nonzero().squeeze(1)
         if decode_reqs.numel() == 0:
             return out

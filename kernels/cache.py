@@ -16,9 +16,17 @@ from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton,
 if HAS_TRITON:
 
     @triton.jit
-    def _write_kv_cache_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr,
-                               slot_mapping_ptr, key_token_stride, value_token_stride,
-                               token_size, BLOCK_SIZE: tl.constexpr):
+    def _write_kv_cache_kernel(
+        key_ptr,
+        value_ptr,
+        key_cache_ptr,
+        value_cache_ptr,
+        slot_mapping_ptr,
+        key_token_stride,
+        value_token_stride,
+        token_size,
+        BLOCK_SIZE: tl.constexpr,
+    ):
         # One program per token: copy its Hkv * D keys and values to its slot.
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -32,19 +40,31 @@ if HAS_TRITON:
         tl.store(value_cache_ptr + slot * token_size + offsets, value, mask=mask)
 
 
-def _check_kv_cache_args(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                         value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _check_kv_cache_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     assert key.dim() == 3 and key.shape == value.shape, (key.shape, value.shape)
     assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, key_cache.shape
     assert key.shape[1:] == key_cache.shape[2:], (
-        f"key heads/head_size {tuple(key.shape[1:])} != cache {tuple(key_cache.shape[2:])}")
+        f"key heads/head_size {tuple(key.shape[1:])} != cache {tuple(key_cache.shape[2:])}"
+    )
     assert slot_mapping.shape == (key.shape[0],), (slot_mapping.shape, key.shape)
     assert key.dtype == key_cache.dtype and value.dtype == value_cache.dtype, (
-        f"K/V dtype {key.dtype} must match the cache dtype {key_cache.dtype}")
+        f"K/V dtype {key.dtype} must match the cache dtype {key_cache.dtype}"
+    )
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Triton scatter of K/V into the paged cache, in place.
 
     Args:
@@ -64,12 +84,25 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         return
     token_size = num_kv_heads * head_size
     _write_kv_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, key.stride(0), value.stride(0),
-        token_size, BLOCK_SIZE=next_power_of_2(token_size))
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        value.stride(0),
+        token_size,
+        BLOCK_SIZE=next_power_of_2(token_size),
+    )
 
 
-def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Torch scatter of K/V into the paged cache, in place; same contract as `write_kv_cache`."""
     _check_kv_cache_args(key, value, key_cache, value_cache, slot_mapping)
     num_blocks, block_size = key_cache.shape[:2]

@@ -29,11 +29,13 @@ from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("decode_attention.c", "cpu_ops.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.c", "cpu_ops.c")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-_FUNCTIONS = [f"{op}_{suffix}" for op in ("decode_attention", "rms_norm", "silu_and_mul",
-                                          "rotary_embedding") for suffix in ("f32", "bf16")]
+_FUNCTIONS = [
+    f"{op}_{suffix}"
+    for op in ("decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
+    for suffix in ("f32", "bf16")
+]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -47,9 +49,14 @@ def _compiler() -> str | None:
 
 def _build(compiler: str) -> Path:
     source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(source + platform.machine().encode() + compiler.encode()
-                         + Path("/proc/cpuinfo").read_bytes()[:4096]
-                         if Path("/proc/cpuinfo").exists() else source).hexdigest()[:16]
+    key = hashlib.sha256(
+        source
+        + platform.machine().encode()
+        + compiler.encode()
+        + Path("/proc/cpuinfo").read_bytes()[:4096]
+        if Path("/proc/cpuinfo").exists()
+        else source
+    ).hexdigest()[:16]
     out_dir = Path(CACHE_DIR.get()) / "kernels"
     target = out_dir / f"kvserve_cpu-{key}.so"
     if target.exists():
@@ -57,9 +64,24 @@ def _build(compiler: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_target = Path(tmp) / target.name
-        subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-fno-math-errno",
-                        "-shared", "-fPIC", "-o", str(tmp_target), *map(str, _SOURCES), "-lm"],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                compiler,
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "-fno-math-errno",
+                "-shared",
+                "-fPIC",
+                "-o",
+                str(tmp_target),
+                *map(str, _SOURCES),
+                "-lm",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         os.replace(tmp_target, target)  # atomic: concurrent builders race harmlessly
     logger.info("built the CPU kernels: %s", target)
     return target
@@ -92,9 +114,16 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and _load() is not None
 
 
-def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
-                     value_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, token_rows: torch.Tensor, scale: float) -> None:
+def decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    token_rows: torch.Tensor,
+    scale: float,
+) -> None:
     """Attention of one query token per request, written into out[token_rows].
 
     Args:
@@ -117,14 +146,26 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
     block_size, num_kv_heads = key_cache.shape[1:3]
     fn = lib.decode_attention_f32 if query.dtype == torch.float32 else lib.decode_attention_bf16
     i64 = ctypes.c_int64
-    fn(ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(query.data_ptr()),
-       i64(query.stride(0)), i64(query.stride(1)),
-       ctypes.c_void_p(key_cache.data_ptr()), ctypes.c_void_p(value_cache.data_ptr()),
-       i64(key_cache.stride(0)), i64(key_cache.stride(1)),
-       ctypes.c_void_p(block_table.data_ptr()), i64(block_table.stride(0)),
-       ctypes.c_void_p(seq_lens.data_ptr()), ctypes.c_void_p(token_rows.data_ptr()),
-       ctypes.c_int(seq_lens.shape[0]), ctypes.c_int(num_heads), ctypes.c_int(num_kv_heads),
-       ctypes.c_int(head_size), ctypes.c_int(block_size), ctypes.c_float(scale))
+    fn(
+        ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_void_p(query.data_ptr()),
+        i64(query.stride(0)),
+        i64(query.stride(1)),
+        ctypes.c_void_p(key_cache.data_ptr()),
+        ctypes.c_void_p(value_cache.data_ptr()),
+        i64(key_cache.stride(0)),
+        i64(key_cache.stride(1)),
+        ctypes.c_void_p(block_table.data_ptr()),
+        i64(block_table.stride(0)),
+        ctypes.c_void_p(seq_lens.data_ptr()),
+        ctypes.c_void_p(token_rows.data_ptr()),
+        ctypes.c_int(seq_lens.shape[0]),
+        ctypes.c_int(num_heads),
+        ctypes.c_int(num_kv_heads),
+        ctypes.c_int(head_size),
+        ctypes.c_int(block_size),
+        ctypes.c_float(scale),
+    )
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -141,9 +182,9 @@ def _check_rows(x: torch.Tensor) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, "rows must be 2-D with a contiguous last dim"
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x's rows [T, H]; with residual, of x + residual (rounded to x's dtype), and
     that sum is returned too. Same numbers as kernels.norm's references."""
     _check_rows(x)
@@ -156,9 +197,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual_out = torch.empty_like(out)
     weight = weight.float().contiguous()
     _fn("rms_norm", x.dtype)(
-        _ptr(out), _ptr(x), ctypes.c_int64(x.stride(0)), _ptr(residual),
-        ctypes.c_int64(residual.stride(0) if residual is not None else 0), _ptr(residual_out),
-        _ptr(weight), ctypes.c_int(num_tokens), ctypes.c_int(hidden_size), ctypes.c_float(eps))
+        _ptr(out),
+        _ptr(x),
+        ctypes.c_int64(x.stride(0)),
+        _ptr(residual),
+        ctypes.c_int64(residual.stride(0) if residual is not None else 0),
+        _ptr(residual_out),
+        _ptr(weight),
+        ctypes.c_int(num_tokens),
+        ctypes.c_int(hidden_size),
+        ctypes.c_float(eps),
+    )
     return out if residual is None else (out, residual_out)
 
 
@@ -167,14 +216,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _check_rows(x)
     num_tokens, intermediate_size = x.shape[0], x.shape[1] // 2
     out = torch.empty((num_tokens, intermediate_size), dtype=x.dtype)
-    _fn("silu_and_mul", x.dtype)(_ptr(out), _ptr(x), ctypes.c_int64(x.stride(0)),
-                                 ctypes.c_int(num_tokens), ctypes.c_int(intermediate_size))
+    _fn("silu_and_mul", x.dtype)(
+        _ptr(out),
+        _ptr(x),
+        ctypes.c_int64(x.stride(0)),
+        ctypes.c_int(num_tokens),
+        ctypes.c_int(intermediate_size),
+    )
     return out
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_size: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary embedding; query [T, Hq * D] and key [T, Hkv * D] rows may be strided
     (views of a fused qkv). Returns new contiguous (query, key)."""
     from kvserve.kernels.rotary import _check_rotary_args
@@ -184,11 +242,22 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     _check_rows(key)
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
     positions = positions.to(torch.int64).contiguous()
-    q_out, k_out = torch.empty(query.shape, dtype=query.dtype), torch.empty(key.shape,
-                                                                             dtype=key.dtype)
+    q_out, k_out = (
+        torch.empty(query.shape, dtype=query.dtype),
+        torch.empty(key.shape, dtype=key.dtype),
+    )
     _fn("rotary_embedding", query.dtype)(
-        _ptr(q_out), _ptr(k_out), _ptr(query), ctypes.c_int64(query.stride(0)), _ptr(key),
-        ctypes.c_int64(key.stride(0)), _ptr(positions), _ptr(cos_sin_cache),
-        ctypes.c_int(query.shape[0]), ctypes.c_int(query.shape[1] // head_size),
-        ctypes.c_int(key.shape[1] // head_size), ctypes.c_int(head_size))
+        _ptr(q_out),
+        _ptr(k_out),
+        _ptr(query),
+        ctypes.c_int64(query.stride(0)),
+        _ptr(key),
+        ctypes.c_int64(key.stride(0)),
+        _ptr(positions),
+        _ptr(cos_sin_cache),
+        ctypes.c_int(query.shape[0]),
+        ctypes.c_int(query.shape[1] // head_size),
+        ctypes.c_int(key.shape[1] // head_size),
+        ctypes.c_int(head_size),
+    )
     return q_out, k_out

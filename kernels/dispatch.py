@@ -23,8 +23,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (norm.rms_norm if _use_triton(x) else norm.rms_norm_ref)(x, weight, eps)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """residual = x + residual; return (rms_norm(residual), residual)."""
     if _use_cpu_kernel(x):
         return cpu.rms_norm(x, weight, eps, residual)
@@ -32,9 +33,13 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return fn(x, residual, weight, eps)
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_size: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate-half) rotary embedding.
 
     positions: [T] int64; query: [T, Hq * D]; key: [T, Hkv * D];
@@ -54,8 +59,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (activation.silu_and_mul if _use_triton(x) else activation.silu_and_mul_ref)(x)
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Scatter K/V of T tokens into the paged cache, in place.
 
     key, value: [T, Hkv, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
@@ -65,10 +75,17 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     fn(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
     """Causal attention of flattened varlen queries over K/V read through a block table.
 
     query: [T, Hq, D], the new tokens of R requests laid end to end.
@@ -85,5 +102,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         fn = attention.paged_attention_cpu
     else:
         fn = attention.paged_attention_ref
-    return fn(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
-              max_query_len, max_seq_len)
+    return fn(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len,
+        max_seq_len,
+    )

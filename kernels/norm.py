@@ -15,17 +15,28 @@ from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton,
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-                         x_row_stride, residual_row_stride, hidden_size, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr,
+        residual_ptr,
+        weight_ptr,
+        out_ptr,
+        residual_out_ptr,
+        x_row_stride,
+        residual_row_stride,
+        hidden_size,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
         # One program per token row; the whole row fits in one block.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_SIZE)
         mask = cols < hidden_size
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask,
-                               other=0.0).to(tl.float32)
+            residual = tl.load(
+                residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0
+            ).to(tl.float32)
             # Round the sum like the reference's `x + residual` before normalizing it.
             summed = (x + residual).to(residual_out_ptr.dtype.element_ty)
             tl.store(residual_out_ptr + row * hidden_size + cols, summed, mask=mask)
@@ -37,8 +48,9 @@ if HAS_TRITON:
         tl.store(out_ptr + row * hidden_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be [T, H], last dim contiguous: {x.shape}"
     num_tokens, hidden_size = x.shape
     assert weight.shape == (hidden_size,) and weight.is_contiguous(), weight.shape
@@ -51,11 +63,19 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         return out, residual_out
     block_size = next_power_of_2(hidden_size)
     _rms_norm_kernel[(num_tokens,)](
-        x, residual if residual is not None else x, weight, out,
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
         residual_out if residual_out is not None else out,
-        x.stride(0), residual.stride(0) if residual is not None else 0, hidden_size, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_SIZE=block_size,
-        num_warps=min(max(block_size // 256, 1), 8))
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        hidden_size,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_SIZE=block_size,
+        num_warps=min(max(block_size // 256, 1), 8),
+    )
     return out, residual_out
 
 
@@ -66,8 +86,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton residual add + RMSNorm; returns (normed, x + residual), inputs untouched."""
     require_triton("fused_add_rms_norm")
     out, residual_out = _launch_rms_norm(x, residual, weight, eps)
@@ -81,8 +102,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return out.to(x.dtype)
 
 
-def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch residual add + RMSNorm; returns (rms_norm(x + residual), x + residual)."""
     residual = x + residual
     return rms_norm_ref(residual, weight, eps), residual

@@ -20,9 +20,16 @@ from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton,
 if HAS_TRITON:
 
     @triton.jit
-    def _rotate_heads(x_ptr, out_ptr, num_heads, cos, sin,
-                      HEAD_SIZE: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-                      BLOCK_HALF: tl.constexpr):
+    def _rotate_heads(
+        x_ptr,
+        out_ptr,
+        num_heads,
+        cos,
+        sin,
+        HEAD_SIZE: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
         # Rotate all heads of one token: a [BLOCK_HEADS, BLOCK_HALF] tile per half.
         heads = tl.arange(0, BLOCK_HEADS)
         half_cols = tl.arange(0, BLOCK_HALF)
@@ -37,12 +44,23 @@ if HAS_TRITON:
         tl.store(out_ptr + offsets + HEAD_SIZE // 2, out2.to(out_dtype), mask=mask)
 
     @triton.jit
-    def _rotary_embedding_kernel(positions_ptr, query_ptr, key_ptr, cos_sin_ptr,
-                                 query_out_ptr, key_out_ptr,
-                                 query_token_stride, key_token_stride, cos_sin_stride,
-                                 num_query_heads, num_kv_heads,
-                                 HEAD_SIZE: tl.constexpr, BLOCK_QUERY_HEADS: tl.constexpr,
-                                 BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    def _rotary_embedding_kernel(
+        positions_ptr,
+        query_ptr,
+        key_ptr,
+        cos_sin_ptr,
+        query_out_ptr,
+        key_out_ptr,
+        query_token_stride,
+        key_token_stride,
+        cos_sin_stride,
+        num_query_heads,
+        num_kv_heads,
+        HEAD_SIZE: tl.constexpr,
+        BLOCK_QUERY_HEADS: tl.constexpr,
+        BLOCK_KV_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
         # One program per token: load its cos/sin once, rotate its query and key heads.
         token = tl.program_id(0).to(tl.int64)
         position = tl.load(positions_ptr + token).to(tl.int64)
@@ -51,28 +69,52 @@ if HAS_TRITON:
         cos_ptr = cos_sin_ptr + position * cos_sin_stride + half_cols
         cos = tl.load(cos_ptr, mask=half_mask, other=0.0).to(tl.float32)
         sin = tl.load(cos_ptr + HEAD_SIZE // 2, mask=half_mask, other=0.0).to(tl.float32)
-        _rotate_heads(query_ptr + token * query_token_stride,
-                      query_out_ptr + token * num_query_heads * HEAD_SIZE,
-                      num_query_heads, cos, sin, HEAD_SIZE, BLOCK_QUERY_HEADS, BLOCK_HALF)
-        _rotate_heads(key_ptr + token * key_token_stride,
-                      key_out_ptr + token * num_kv_heads * HEAD_SIZE,
-                      num_kv_heads, cos, sin, HEAD_SIZE, BLOCK_KV_HEADS, BLOCK_HALF)
+        _rotate_heads(
+            query_ptr + token * query_token_stride,
+            query_out_ptr + token * num_query_heads * HEAD_SIZE,
+            num_query_heads,
+            cos,
+            sin,
+            HEAD_SIZE,
+            BLOCK_QUERY_HEADS,
+            BLOCK_HALF,
+        )
+        _rotate_heads(
+            key_ptr + token * key_token_stride,
+            key_out_ptr + token * num_kv_heads * HEAD_SIZE,
+            num_kv_heads,
+            cos,
+            sin,
+            HEAD_SIZE,
+            BLOCK_KV_HEADS,
+            BLOCK_HALF,
+        )
 
 
-def _check_rotary_args(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                       cos_sin_cache: torch.Tensor, head_size: int) -> None:
+def _check_rotary_args(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> None:
     num_tokens = positions.shape[0]
     assert head_size % 2 == 0, f"head_size must be even, got {head_size}"
     for name, x in (("query", query), ("key", key)):
         assert x.dim() == 2 and x.shape[0] == num_tokens, f"{name} must be [T, H*D]: {x.shape}"
         assert x.shape[1] % head_size == 0, f"{name} width {x.shape[1]} % {head_size} != 0"
     assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_size, (
-        f"cos_sin_cache must be [max_position, {head_size}], got {cos_sin_cache.shape}")
+        f"cos_sin_cache must be [max_position, {head_size}], got {cos_sin_cache.shape}"
+    )
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_size: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton rotary embedding; query/key rows may be strided (slices of a fused qkv output).
 
     Args:
@@ -96,15 +138,28 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     num_query_heads = query.shape[1] // head_size
     num_kv_heads = key.shape[1] // head_size
     _rotary_embedding_kernel[(num_tokens,)](
-        positions, query, key, cos_sin_cache, query_out, key_out,
-        query.stride(0), key.stride(0), cos_sin_cache.stride(0), num_query_heads, num_kv_heads,
-        HEAD_SIZE=head_size, BLOCK_QUERY_HEADS=next_power_of_2(num_query_heads),
-        BLOCK_KV_HEADS=next_power_of_2(num_kv_heads), BLOCK_HALF=next_power_of_2(head_size // 2))
+        positions,
+        query,
+        key,
+        cos_sin_cache,
+        query_out,
+        key_out,
+        query.stride(0),
+        key.stride(0),
+        cos_sin_cache.stride(0),
+        num_query_heads,
+        num_kv_heads,
+        HEAD_SIZE=head_size,
+        BLOCK_QUERY_HEADS=next_power_of_2(num_query_heads),
+        BLOCK_KV_HEADS=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(head_size // 2),
+    )
     return query_out, key_out
 
 
-def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                head_size: int) -> torch.Tensor:
+def _rotate_ref(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int
+) -> torch.Tensor:
     # x: [T, H * D]; cos, sin: [T, 1, D/2] float32 (broadcast over heads).
     num_tokens, half = x.shape[0], head_size // 2
     x_heads = x.view(num_tokens, -1, head_size).float()
@@ -119,9 +174,13 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out.view(num_tokens, -1).to(x.dtype)
 
 
-def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                         cos_sin_cache: torch.Tensor, head_size: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch rotary embedding; same contract as `rotary_embedding`."""
     _check_rotary_args(positions, query, key, cos_sin_cache, head_size)
     half = head_size // 2

@@ -1,10 +1,10 @@
 """kvserve: an LLM inference server built like vLLM's V1 engine.
 
-    from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams
 """
 
-from kvserve.shared.sampling_params import SamplingParams
 from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.shared.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 

@@ -12,8 +12,14 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from kvserve.shared.cli_args import add_struct_args, struct_from_args
-from kvserve.shared.config import APIOptions, CoordinatorOptions, EngineOptions, \
-    GenerateOptions, ServeOptions, WorkerOptions
+from kvserve.shared.config import (
+    APIOptions,
+    CoordinatorOptions,
+    EngineOptions,
+    GenerateOptions,
+    ServeOptions,
+    WorkerOptions,
+)
 
 
 def _run_generate(options: GenerateOptions) -> int:
@@ -62,18 +68,42 @@ def _run_worker(options: WorkerOptions) -> int:
 # name -> (options struct, its runner, help, fields also taken as positionals, fields left out)
 _Command = tuple[type, Callable[[Any], int], str, Collection[str], Collection[str]]
 COMMANDS: dict[str, _Command] = {
-    "serve": (ServeOptions, _run_serve,
-              "serve the OpenAI-compatible API (api + engine core)", ("model",), ()),
-    "api": (APIOptions, _run_api, "the API server alone, for engines started elsewhere",
-            ("model",), ("dtype", "max_model_len", "seed")),
-    "engine": (EngineOptions, _run_engine, "one engine core, serving an api elsewhere",
-               ("model",), ()),
-    "coordinator": (CoordinatorOptions, _run_coordinator,
-                    "the DP coordinator alone: engine loads in, load table out", (), ()),
-    "worker": (WorkerOptions, _run_worker,
-               "one worker rank (started by an engine core's mp executor)", (), ()),
-    "generate": (GenerateOptions, _run_generate, "generate a completion offline",
-                 ("model",), ()),
+    "serve": (
+        ServeOptions,
+        _run_serve,
+        "serve the OpenAI-compatible API (api + engine core)",
+        ("model",),
+        (),
+    ),
+    "api": (
+        APIOptions,
+        _run_api,
+        "the API server alone, for engines started elsewhere",
+        ("model",),
+        ("dtype", "max_model_len", "seed"),
+    ),
+    "engine": (
+        EngineOptions,
+        _run_engine,
+        "one engine core, serving an api elsewhere",
+        ("model",),
+        (),
+    ),
+    "coordinator": (
+        CoordinatorOptions,
+        _run_coordinator,
+        "the DP coordinator alone: engine loads in, load table out",
+        (),
+        (),
+    ),
+    "worker": (
+        WorkerOptions,
+        _run_worker,
+        "one worker rank (started by an engine core's mp executor)",
+        (),
+        (),
+    ),
+    "generate": (GenerateOptions, _run_generate, "generate a completion offline", ("model",), ()),
 }
 
 
@@ -98,8 +128,9 @@ def parse_options(argv: list[str] | None = None) -> tuple[str, Any]:
         return args.command, args
     given = {k: v for k, v in vars(args).items() if k != "command"}
     try:
-        return args.command, struct_from_args(COMMANDS[args.command][0],
-                                              argparse.Namespace(**given))
+        return args.command, struct_from_args(
+            COMMANDS[args.command][0], argparse.Namespace(**given)
+        )
     except ValueError as exc:
         parser.error(f"{args.command}: {exc}")
 

@@ -6,11 +6,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.shared.config import EngineConfig
-from kvserve.shared.sampling_params import SamplingParams
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -56,26 +56,34 @@ class LLM:
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
         """Generate completions for one or many prompts (text, token ids, or dicts with
         `prompt` / `prompt_token_ids`), in the order given."""
         prompt_list = self._as_prompt_list(prompts)
         inputs = [self._tokenize(p) for p in prompt_list]
         return self._run(inputs, sampling_params, use_tqdm, priority)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         inputs = []
         for conversation in conversations:
             ids = self.tokenizer_info.apply_chat_template(
-                conversation, add_generation_prompt, **(chat_template_kwargs or {}))
+                conversation, add_generation_prompt, **(chat_template_kwargs or {})
+            )
             inputs.append((None, ids))
         return self._run(inputs, sampling_params, use_tqdm, None)
 
@@ -103,9 +111,11 @@ class LLM:
         if not prompt_token_ids:
             raise ValueError("prompt: the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens do not fit "
-                             f"max_model_len={self.max_model_len} (prompt + at least one "
-                             f"new token)")
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens do not fit "
+                f"max_model_len={self.max_model_len} (prompt + at least one "
+                f"new token)"
+            )
         vocab = len(self.tokenizer_info.tokenizer)
         if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab})")
@@ -113,11 +123,13 @@ class LLM:
     def _run(self, inputs, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
-                       else [sampling_params] * len(inputs))
+        params_list = (
+            list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params] * len(inputs)
+        )
         if len(params_list) != len(inputs):
-            raise ValueError(f"sampling_params: {len(params_list)} given for "
-                             f"{len(inputs)} prompts")
+            raise ValueError(f"sampling_params: {len(params_list)} given for {len(inputs)} prompts")
         for (_, ids), params in zip(inputs, params_list):
             self._validate(ids, params)
 
@@ -125,15 +137,14 @@ class LLM:
         for i, ((prompt, ids), params) in enumerate(zip(inputs, params_list)):
             request_id = str(next(self._counter))
             order[request_id] = i
-            self._add_request(request_id, prompt, ids, params,
-                              priority[i] if priority else 0)
+            self._add_request(request_id, prompt, ids, params, priority[i] if priority else 0)
         return self._run_engine(order, use_tqdm)
 
     def _add_request(self, request_id, prompt, prompt_token_ids, params, priority) -> None:
-        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids,
-                                                      params)
-        for request in make_engine_requests(child_ids, prompt_token_ids, params, priority,
-                                            self.tokenizer_info):
+        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        for request in make_engine_requests(
+            child_ids, prompt_token_ids, params, priority, self.tokenizer_info
+        ):
             self.engine_core.add_request(request)
 
     def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
@@ -160,4 +171,3 @@ class LLM:
         if bar is not None:
             bar.close()
         return results
-

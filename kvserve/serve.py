@@ -30,17 +30,25 @@ from collections.abc import Awaitable, Callable
 
 import psutil
 
-from kvserve.shared.config import APIOptions, CoordinatorOptions, DPLayout, DPRouting, \
-    EngineConfig, EngineOptions, HTTPConfig, ServeOptions
-from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
-from kvserve.shared.logging import init_logger
-from kvserve.shared.transport import CoordinatorAddresses, EngineAddresses
-from kvserve.shared.wire import EngineAssignment, EngineRegistration, this_hostname
 from kvserve.services.api.engine_client import EngineDeadError
 from kvserve.services.api.mp_client import EngineChannel, MPEngineClient
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.services.coordinator.coordinator import run_coordinator, start_coordinator_process
 from kvserve.services.coordinator.handshake import RegistrationServer, register_engines, rpc_address
+from kvserve.shared.config import (
+    APIOptions,
+    CoordinatorOptions,
+    DPLayout,
+    DPRouting,
+    EngineConfig,
+    EngineOptions,
+    HTTPConfig,
+    ServeOptions,
+)
+from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
+from kvserve.shared.logging import init_logger
+from kvserve.shared.transport import CoordinatorAddresses, EngineAddresses
+from kvserve.shared.wire import EngineAssignment, EngineRegistration, this_hostname
 
 logger = init_logger(__name__)
 
@@ -67,9 +75,14 @@ def _resolve_model(model: str | None) -> str:
     return resolve_model(model)
 
 
-def start_engine_process(config: EngineConfig, model_dir: str, addresses: EngineAddresses,
-                         engine_index: int = 0, stats_addr: str | None = None,
-                         num_local_engines: int = 1) -> multiprocessing.Process:
+def start_engine_process(
+    config: EngineConfig,
+    model_dir: str,
+    addresses: EngineAddresses,
+    engine_index: int = 0,
+    stats_addr: str | None = None,
+    num_local_engines: int = 1,
+) -> multiprocessing.Process:
     """Spawn an engine core (not a daemon: its `mp` executor has children of its own).
 
     Args:
@@ -77,33 +90,63 @@ def start_engine_process(config: EngineConfig, model_dir: str, addresses: Engine
         num_local_engines: engine cores on this host (they share its CPU cores).
     """
     process = multiprocessing.get_context("spawn").Process(
-        target=_engine_main, name=f"EngineCore_{engine_index}",
-        args=(config, model_dir, addresses.input_addr, addresses.output_addr, engine_index,
-              stats_addr, num_local_engines))
+        target=_engine_main,
+        name=f"EngineCore_{engine_index}",
+        args=(
+            config,
+            model_dir,
+            addresses.input_addr,
+            addresses.output_addr,
+            engine_index,
+            stats_addr,
+            num_local_engines,
+        ),
+    )
     process.start()
     logger.info("started engine core process %s (pid %d)", process.name, process.pid)
     return process
 
 
-def _engine_main(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
-                 engine_index: int, stats_addr: str | None, num_local_engines: int) -> None:
+def _engine_main(
+    config: EngineConfig,
+    model_dir: str,
+    input_addr: str,
+    output_addr: str,
+    engine_index: int,
+    stats_addr: str | None,
+    num_local_engines: int,
+) -> None:
     from kvserve.services.scheduler.engine_proc import run_engine_core
 
-    raise SystemExit(run_engine_core(config, model_dir, input_addr, output_addr, engine_index,
-                                     watch_parent=True, stats_addr=stats_addr,
-                                     num_local_engines=num_local_engines))
+    raise SystemExit(
+        run_engine_core(
+            config,
+            model_dir,
+            input_addr,
+            output_addr,
+            engine_index,
+            watch_parent=True,
+            stats_addr=stats_addr,
+            num_local_engines=num_local_engines,
+        )
+    )
 
 
-def stop_engine_process(process: multiprocessing.Process,
-                        leftovers: list[psutil.Process | None] = ()) -> None:
+def stop_engine_process(
+    process: multiprocessing.Process, leftovers: list[psutil.Process | None] = ()
+) -> None:
     """SIGTERM the engine (it stops its workers), kill it after ENGINE_STOP_TIMEOUT_S, then
     kill any worker left behind (a killed engine cannot stop its own)."""
     if process.is_alive():
         process.terminate()
         process.join(ENGINE_STOP_TIMEOUT_S)
         if process.is_alive():
-            logger.error("engine core process %s (pid %d) ignored SIGTERM for %.0f s; killing",
-                         process.name, process.pid, ENGINE_STOP_TIMEOUT_S)
+            logger.error(
+                "engine core process %s (pid %d) ignored SIGTERM for %.0f s; killing",
+                process.name,
+                process.pid,
+                ENGINE_STOP_TIMEOUT_S,
+            )
             process.kill()
     process.join()
     for leftover in leftovers:
@@ -112,8 +155,12 @@ def stop_engine_process(process: multiprocessing.Process,
                 leftover.kill()
         except psutil.NoSuchProcess:
             pass
-    logger.info("engine core process %s (pid %d) exited with %s", process.name, process.pid,
-                _describe_exit(process.exitcode))
+    logger.info(
+        "engine core process %s (pid %d) exited with %s",
+        process.name,
+        process.pid,
+        _describe_exit(process.exitcode),
+    )
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -125,9 +172,12 @@ def _describe_exit(exitcode: int | None) -> str:
 # ---------------------------------------------------------------------- the api process
 
 
-async def serve_http(client: MPEngineClient, http: HTTPConfig,
-                     build_app: AppFactory | None = None,
-                     stop: asyncio.Event | None = None) -> int:
+async def serve_http(
+    client: MPEngineClient,
+    http: HTTPConfig,
+    build_app: AppFactory | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
     """Serve the HTTP app until SIGTERM/SIGINT (0) or the engine's death (1).
 
     Args:
@@ -140,11 +190,16 @@ async def serve_http(client: MPEngineClient, http: HTTPConfig,
 
     if build_app is None:
         from kvserve.services.api.server import build_app
-    app = build_app(client, served_model_name=client.model_name,
-                    api_key=http.effective_api_key)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=http.host, port=http.port, log_level=http.uvicorn_log_level,
-        timeout_graceful_shutdown=http.shutdown_timeout))
+    app = build_app(client, served_model_name=client.model_name, api_key=http.effective_api_key)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=http.host,
+            port=http.port,
+            log_level=http.uvicorn_log_level,
+            timeout_graceful_shutdown=http.shutdown_timeout,
+        )
+    )
 
     async def stop_on_engine_death() -> None:
         reason = await client.wait_dead()
@@ -191,11 +246,18 @@ def _install_stop_handlers() -> asyncio.Event:
     return stop
 
 
-async def _run_api_server(http: HTTPConfig, channel: EngineChannel, stop: asyncio.Event,
-                          tokenizer_dir: str, model_name: str, build_app: AppFactory | None,
-                          engine_processes: dict[int, multiprocessing.Process] | None = None,
-                          num_engines: int = 1, load_table_addr: str | None = None,
-                          routing: DPRouting = "load") -> int:
+async def _run_api_server(
+    http: HTTPConfig,
+    channel: EngineChannel,
+    stop: asyncio.Event,
+    tokenizer_dir: str,
+    model_name: str,
+    build_app: AppFactory | None,
+    engine_processes: dict[int, multiprocessing.Process] | None = None,
+    num_engines: int = 1,
+    load_table_addr: str | None = None,
+    routing: DPRouting = "load",
+) -> int:
     """Load the tokenizer, wait for READY from every engine, serve; always close the channel
     and stop the engine processes that are ours."""
     engine_processes = engine_processes or {}
@@ -203,10 +265,18 @@ async def _run_api_server(http: HTTPConfig, channel: EngineChannel, stop: asynci
     try:
         # The tokenizer loads while the engines load the model.
         tokenizer_info = await asyncio.to_thread(TokenizerInfo, tokenizer_dir)
-        client = await _until_signal(MPEngineClient.connect(
-            channel, tokenizer_info, model_name, num_engines=num_engines,
-            engine_processes=engine_processes, routing=routing,
-            load_table_addr=load_table_addr), stop)
+        client = await _until_signal(
+            MPEngineClient.connect(
+                channel,
+                tokenizer_info,
+                model_name,
+                num_engines=num_engines,
+                engine_processes=engine_processes,
+                routing=routing,
+                load_table_addr=load_table_addr,
+            ),
+            stop,
+        )
         if client is None:
             logger.info("stopped before the engines were ready")
             return 0
@@ -220,8 +290,12 @@ async def _run_api_server(http: HTTPConfig, channel: EngineChannel, stop: asynci
         else:
             channel.close()
         leftovers = [process for _, process in client.watched_processes] if client else []
-        await asyncio.gather(*(asyncio.to_thread(stop_engine_process, process, leftovers)
-                               for process in engine_processes.values()))
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(stop_engine_process, process, leftovers)
+                for process in engine_processes.values()
+            )
+        )
 
 
 def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int:
@@ -243,24 +317,42 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
             if layout.size > 1:
                 coordinator, coordinator_addrs = await asyncio.to_thread(
                     start_coordinator_process,
-                    CoordinatorAddresses.tcp(host) if host else CoordinatorAddresses.local())
-                stats_addr, load_table_addr = (coordinator_addrs.stats_addr,
-                                               coordinator_addrs.publish_addr)
+                    CoordinatorAddresses.tcp(host) if host else CoordinatorAddresses.local(),
+                )
+                stats_addr, load_table_addr = (
+                    coordinator_addrs.stats_addr,
+                    coordinator_addrs.publish_addr,
+                )
             if layout.multi_node:
-                registration = asyncio.create_task(RegistrationServer(
-                    rpc_address(layout.address, layout.rpc_port),
-                    set(range(layout.size_local, layout.size)),
-                    EngineAssignment(input_addr=channel.addresses.input_addr,
-                                     output_addr=channel.addresses.output_addr,
-                                     stats_addr=stats_addr)).serve())
+                registration = asyncio.create_task(
+                    RegistrationServer(
+                        rpc_address(layout.address, layout.rpc_port),
+                        set(range(layout.size_local, layout.size)),
+                        EngineAssignment(
+                            input_addr=channel.addresses.input_addr,
+                            output_addr=channel.addresses.output_addr,
+                            stats_addr=stats_addr,
+                        ),
+                    ).serve()
+                )
             engine_processes = {
-                index: start_engine_process(config, model_dir, channel.addresses, index,
-                                            stats_addr, layout.size_local)
-                for index in range(layout.size_local)}
+                index: start_engine_process(
+                    config, model_dir, channel.addresses, index, stats_addr, layout.size_local
+                )
+                for index in range(layout.size_local)
+            }
             return await _run_api_server(
-                options.http, channel, stop, config.model.tokenizer or model_dir,
-                config.model.served_name, build_app, engine_processes, layout.size,
-                load_table_addr, dp.dp_routing)
+                options.http,
+                channel,
+                stop,
+                config.model.tokenizer or model_dir,
+                config.model.served_name,
+                build_app,
+                engine_processes,
+                layout.size,
+                load_table_addr,
+                dp.dp_routing,
+            )
         finally:
             if registration is not None:
                 registration.cancel()
@@ -290,24 +382,33 @@ def run_headless(config: EngineConfig, model_dir: str, layout: DPLayout) -> int:
         assignment = register_engines(
             rpc_address(layout.address, layout.rpc_port),
             EngineRegistration(engine_indices=engine_indices, hostname=this_hostname()),
-            ENGINE_READY_TIMEOUT_S.get(), stop)
+            ENGINE_READY_TIMEOUT_S.get(),
+            stop,
+        )
     except (TimeoutError, ValueError) as exc:
         logger.error("exiting with code 1: %s", exc)
         return 1
     if assignment is None:
         return 0  # stopped while registering
     addresses = EngineAddresses(assignment.input_addr, assignment.output_addr)
-    processes = [start_engine_process(config, model_dir, addresses, index,
-                                      assignment.stats_addr, layout.size_local)
-                 for index in engine_indices]
+    processes = [
+        start_engine_process(
+            config, model_dir, addresses, index, assignment.stats_addr, layout.size_local
+        )
+        for index in engine_indices
+    ]
     exit_code = 0
     try:
         sentinels = [process.sentinel for process in processes]
         while not stop.is_set():
             if multiprocessing.connection.wait(sentinels, timeout=0.5):
                 exited = next(p for p in processes if not p.is_alive())
-                logger.error("engine core process %s (pid %d) exited with %s; stopping this "
-                             "node", exited.name, exited.pid, _describe_exit(exited.exitcode))
+                logger.error(
+                    "engine core process %s (pid %d) exited with %s; stopping this node",
+                    exited.name,
+                    exited.pid,
+                    _describe_exit(exited.exitcode),
+                )
                 exit_code = 1
                 break
     finally:
@@ -322,12 +423,20 @@ def run_api(options: APIOptions) -> int:
 
     async def main() -> int:
         stop = _install_stop_handlers()
-        channel = EngineChannel(EngineAddresses(options.sockets.input_addr,
-                                                options.sockets.output_addr))
+        channel = EngineChannel(
+            EngineAddresses(options.sockets.input_addr, options.sockets.output_addr)
+        )
         return await _run_api_server(
-            options.http, channel, stop, options.model.tokenizer or model_dir,
-            options.model.served_name, None, num_engines=options.data_parallel_size,
-            load_table_addr=options.load_table_addr, routing=options.dp_routing)
+            options.http,
+            channel,
+            stop,
+            options.model.tokenizer or model_dir,
+            options.model.served_name,
+            None,
+            num_engines=options.data_parallel_size,
+            load_table_addr=options.load_table_addr,
+            routing=options.dp_routing,
+        )
 
     return asyncio.run(main())
 
@@ -338,9 +447,14 @@ def run_engine(options: EngineOptions) -> int:
     from kvserve.services.worker.model_loader import resolve_model
 
     config = options.engine
-    return run_engine_core(config, resolve_model(config.model.model),
-                           options.sockets.input_addr, options.sockets.output_addr,
-                           options.engine_index, stats_addr=options.stats_addr)
+    return run_engine_core(
+        config,
+        resolve_model(config.model.model),
+        options.sockets.input_addr,
+        options.sockets.output_addr,
+        options.engine_index,
+        stats_addr=options.stats_addr,
+    )
 
 
 def run_coordinator_cmd(options: CoordinatorOptions) -> int:

@@ -79,8 +79,7 @@ def _flag_kwargs(field: _Field) -> dict[str, Any]:
     if parse == "size":
         return {"type": parse_size, "metavar": "BYTES"}
     if parse == "json":
-        return {"type": lambda text: msgspec.json.decode(text, type=annotation),
-                "metavar": "JSON"}
+        return {"type": lambda text: msgspec.json.decode(text, type=annotation), "metavar": "JSON"}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
     if typing.get_origin(annotation) is typing.Literal:
@@ -102,8 +101,13 @@ def flag_names(struct_type: type[msgspec.Struct]) -> set[str]:
     return names
 
 
-def add_struct_args(parser: argparse.ArgumentParser, struct_type: type[msgspec.Struct], *,
-                    positional: Collection[str] = (), skip: Collection[str] = ()) -> None:
+def add_struct_args(
+    parser: argparse.ArgumentParser,
+    struct_type: type[msgspec.Struct],
+    *,
+    positional: Collection[str] = (),
+    skip: Collection[str] = (),
+) -> None:
     """One flag per scalar field of the struct tree, one argument group per nested struct.
 
     Args:
@@ -114,8 +118,13 @@ def add_struct_args(parser: argparse.ArgumentParser, struct_type: type[msgspec.S
     _add_fields(parser, struct_type, positional, skip, set())
 
 
-def _add_fields(parser: argparse.ArgumentParser, struct_type: type[msgspec.Struct],
-                positional: Collection[str], skip: Collection[str], seen: set[str]) -> None:
+def _add_fields(
+    parser: argparse.ArgumentParser,
+    struct_type: type[msgspec.Struct],
+    positional: Collection[str],
+    skip: Collection[str],
+    seen: set[str],
+) -> None:
     # argparse groups do not nest: a struct's scalar fields form one group on the parser,
     # and its struct fields recurse with the parser itself.
     group = None
@@ -132,13 +141,22 @@ def _add_fields(parser: argparse.ArgumentParser, struct_type: type[msgspec.Struc
             doc = (struct_type.__doc__ or "").strip().splitlines()
             group = parser.add_argument_group(struct_type.__name__, doc[0] if doc else None)
         if field.name in positional:
-            group.add_argument(_POSITIONAL_DEST.format(field.name), nargs="?",
-                               metavar=field.name.upper(), default=argparse.SUPPRESS,
-                               help=field.description)
+            group.add_argument(
+                _POSITIONAL_DEST.format(field.name),
+                nargs="?",
+                metavar=field.name.upper(),
+                default=argparse.SUPPRESS,
+                help=field.description,
+            )
         flags = ["--" + field.name.replace("_", "-"), *field.extra.get("aliases", [])]
-        group.add_argument(*flags, dest=field.name, default=argparse.SUPPRESS,
-                           required=field.required and field.name not in positional,
-                           help=field.description, **_flag_kwargs(field))
+        group.add_argument(
+            *flags,
+            dest=field.name,
+            default=argparse.SUPPRESS,
+            required=field.required and field.name not in positional,
+            help=field.description,
+            **_flag_kwargs(field),
+        )
 
 
 def struct_from_args(struct_type: type[msgspec.Struct], args: argparse.Namespace, **overrides):
@@ -154,8 +172,10 @@ def struct_from_args(struct_type: type[msgspec.Struct], args: argparse.Namespace
             field_name = name.removesuffix("__positional")
             value = given.pop(name)
             if field_name in given and given[field_name] != value:
-                raise ValueError(f"{field_name} given twice: {value!r} and "
-                                 f"--{field_name.replace('_', '-')} {given[field_name]!r}")
+                raise ValueError(
+                    f"{field_name} given twice: {value!r} and "
+                    f"--{field_name.replace('_', '-')} {given[field_name]!r}"
+                )
             given[field_name] = value
     given.update(overrides)
     return _build(struct_type, given)

@@ -36,8 +36,9 @@ class EnvVar(Generic[T]):
         try:
             return self.parse(text)
         except ValueError as exc:
-            raise ValueError(f"environment variable {self.name}={text!r} is invalid ({exc}); "
-                             f"{self.doc}") from None
+            raise ValueError(
+                f"environment variable {self.name}={text!r} is invalid ({exc}); {self.doc}"
+            ) from None
 
 
 def _positive_float(text: str) -> float:
@@ -55,24 +56,45 @@ def _positive_int(text: str) -> int:
 
 
 ENGINE_HEARTBEAT_INTERVAL_S = EnvVar(
-    "KVSERVE_ENGINE_HEARTBEAT_INTERVAL_S", 0.5, _positive_float,
-    "seconds between an engine core's heartbeats to the api (a positive number)")
+    "KVSERVE_ENGINE_HEARTBEAT_INTERVAL_S",
+    0.5,
+    _positive_float,
+    "seconds between an engine core's heartbeats to the api (a positive number)",
+)
 ENGINE_HEARTBEAT_TIMEOUT_S = EnvVar(
-    "KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", 3.0, _positive_float,
-    "seconds without any message from an engine core before the api declares it dead")
+    "KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S",
+    3.0,
+    _positive_float,
+    "seconds without any message from an engine core before the api declares it dead",
+)
 ENGINE_STALL_TIMEOUT_S = EnvVar(
-    "KVSERVE_ENGINE_STALL_TIMEOUT_S", 60.0, _positive_float,
+    "KVSERVE_ENGINE_STALL_TIMEOUT_S",
+    60.0,
+    _positive_float,
     "seconds an engine loop may go without progress while it has work before /health "
-    "reports 503 (one engine step must be shorter than this)")
+    "reports 503 (one engine step must be shorter than this)",
+)
 ENGINE_READY_TIMEOUT_S = EnvVar(
-    "KVSERVE_ENGINE_READY_TIMEOUT_S", 600.0, _positive_float,
-    "seconds the api waits for an engine core's ready message (model load + KV profile)")
+    "KVSERVE_ENGINE_READY_TIMEOUT_S",
+    600.0,
+    _positive_float,
+    "seconds the api waits for an engine core's ready message (model load + KV profile)",
+)
 OMP_NUM_THREADS = EnvVar(
-    "OMP_NUM_THREADS", None, _positive_int,
-    "torch CPU threads of the engine process (default: every core the process may use)")
+    "OMP_NUM_THREADS",
+    None,
+    _positive_int,
+    "torch CPU threads of the engine process (default: every core the process may use)",
+)
 API_KEY = EnvVar(
-    "KVSERVE_API_KEY", None, str,
-    "bearer token /v1/* requires when --api-key is not given (vLLM's VLLM_API_KEY)")
+    "KVSERVE_API_KEY",
+    None,
+    str,
+    "bearer token /v1/* requires when --api-key is not given (vLLM's VLLM_API_KEY)",
+)
 CACHE_DIR = EnvVar(
-    "KVSERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvserve"), str,
-    "folder for converted models and built CPU kernels (default ~/.cache/kvserve)")
+    "KVSERVE_CACHE_DIR",
+    os.path.join(os.path.expanduser("~"), ".cache", "kvserve"),
+    str,
+    "folder for converted models and built CPU kernels (default ~/.cache/kvserve)",
+)

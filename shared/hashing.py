@@ -55,7 +55,8 @@ def get_hash_fn(algo: HashAlgo = "sha256") -> HashFn:
         except ImportError as exc:
             raise ValueError(
                 "prefix_caching_hash_algo='xxhash' needs the xxhash package: "
-                "`pip install xxhash`, or use prefix_caching_hash_algo='sha256'") from exc
+                "`pip install xxhash`, or use prefix_caching_hash_algo='sha256'"
+            ) from exc
         return xxhash.xxh3_128_digest
     raise ValueError(f"unknown prefix caching hash algo {algo!r}; use 'sha256' or 'xxhash'")
 
@@ -78,8 +79,12 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     return array.astype(_TOKEN_DTYPE).tobytes()
 
 
-def hash_block_tokens(hash_fn: HashFn, parent_hash: bytes | None, token_ids: Sequence[int],
-                      extra_keys: bytes | None = None) -> bytes:
+def hash_block_tokens(
+    hash_fn: HashFn,
+    parent_hash: bytes | None,
+    token_ids: Sequence[int],
+    extra_keys: bytes | None = None,
+) -> bytes:
     """Hash one full block, chained to its parent.
 
     Args:
@@ -92,14 +97,24 @@ def hash_block_tokens(hash_fn: HashFn, parent_hash: bytes | None, token_ids: Seq
     """
     if parent_hash is None:
         parent_hash = root_hash(hash_fn)
-    message = b"".join((parent_hash, struct.pack("<I", len(token_ids)),
-                        pack_token_ids(token_ids), extra_keys or b""))
+    message = b"".join(
+        (
+            parent_hash,
+            struct.pack("<I", len(token_ids)),
+            pack_token_ids(token_ids),
+            extra_keys or b"",
+        )
+    )
     return hash_fn(message)
 
 
-def hash_new_full_blocks(hash_fn: HashFn, block_size: int, token_ids: Sequence[int],
-                         block_hashes: Sequence[bytes],
-                         extra_keys: bytes | None = None) -> list[bytes]:
+def hash_new_full_blocks(
+    hash_fn: HashFn,
+    block_size: int,
+    token_ids: Sequence[int],
+    block_hashes: Sequence[bytes],
+    extra_keys: bytes | None = None,
+) -> list[bytes]:
     """Hashes of the full blocks of `token_ids` that `block_hashes` does not cover yet.
 
     Incremental: pass the hashes computed so far and get only the new ones, so a decoding
@@ -119,8 +134,11 @@ def hash_new_full_blocks(hash_fn: HashFn, block_size: int, token_ids: Sequence[i
     for block_index in range(len(block_hashes), num_full_blocks):
         start = block_index * block_size
         parent_hash = hash_block_tokens(
-            hash_fn, parent_hash, token_ids[start:start + block_size],
-            extra_keys if block_index == 0 else None)
+            hash_fn,
+            parent_hash,
+            token_ids[start : start + block_size],
+            extra_keys if block_index == 0 else None,
+        )
         new_hashes.append(parent_hash)
     return new_hashes
 

@@ -18,11 +18,10 @@ import json
 from collections import deque
 from dataclasses import dataclass
 
+from bench.dp_routing_sim.workload import SimRequest
 from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.request import make_block_hasher
 from kvserve.shared.hashing import HashFn
-
-from bench.dp_routing_sim.workload import SimRequest
 
 
 @dataclass(frozen=True)
@@ -40,24 +39,32 @@ class StepTimeModel:
         """Read the coefficients bench/measure_step_times.py wrote."""
         with open(path) as f:
             coef = json.load(f)["coefficients"]
-        return cls(coef["intercept_s"], coef["num_prefill_tokens"],
-                   coef["num_decode_reqs"], coef["num_decode_ctx_tokens"])
+        return cls(
+            coef["intercept_s"],
+            coef["num_prefill_tokens"],
+            coef["num_decode_reqs"],
+            coef["num_decode_ctx_tokens"],
+        )
 
-    def step_s(self, num_prefill_tokens: int, num_decode_reqs: int,
-               num_decode_ctx_tokens: int) -> float:
-        return (self.intercept_s + self.per_prefill_token_s * num_prefill_tokens
-                + self.per_decode_req_s * num_decode_reqs
-                + self.per_decode_ctx_token_s * num_decode_ctx_tokens)
+    def step_s(
+        self, num_prefill_tokens: int, num_decode_reqs: int, num_decode_ctx_tokens: int
+    ) -> float:
+        return (
+            self.intercept_s
+            + self.per_prefill_token_s * num_prefill_tokens
+            + self.per_decode_req_s * num_decode_reqs
+            + self.per_decode_ctx_token_s * num_decode_ctx_tokens
+        )
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Args:
-        num_blocks: KV blocks per engine, the null block included (as the engine reports
-            them in its READY handshake, and as the router bounds its record).
-        block_size: tokens per block.
-        max_num_batched_tokens: token budget of one step.
-        max_num_seqs: running requests at most.
+    num_blocks: KV blocks per engine, the null block included (as the engine reports
+        them in its READY handshake, and as the router bounds its record).
+    block_size: tokens per block.
+    max_num_batched_tokens: token budget of one step.
+    max_num_seqs: running requests at most.
     """
 
     num_blocks: int = 4096
@@ -68,14 +75,15 @@ class EngineConfig:
 
 class SimEngine:
     """Args:
-        engine_idx: index in the fleet.
-        config: the engine's limits.
-        step_model: step durations.
-        hash_fn: the block hash function (the engines' default is sha256).
+    engine_idx: index in the fleet.
+    config: the engine's limits.
+    step_model: step durations.
+    hash_fn: the block hash function (the engines' default is sha256).
     """
 
-    def __init__(self, engine_idx: int, config: EngineConfig, step_model: StepTimeModel,
-                 hash_fn: HashFn):
+    def __init__(
+        self, engine_idx: int, config: EngineConfig, step_model: StepTimeModel, hash_fn: HashFn
+    ):
         self.engine_idx = engine_idx
         self.config = config
         self.step_model = step_model
@@ -129,8 +137,9 @@ class SimEngine:
             return None
         self.in_step = True
         self.num_steps += 1
-        duration = self.step_model.step_s(num_prefill_tokens, num_decode_reqs,
-                                          num_decode_ctx_tokens)
+        duration = self.step_model.step_s(
+            num_prefill_tokens, num_decode_reqs, num_decode_ctx_tokens
+        )
         self.busy_s += duration
         return duration
 

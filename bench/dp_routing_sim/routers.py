@@ -42,9 +42,14 @@ class RoundRobinRouter:
         return engine_idx
 
 
-def make_router(name: str, num_engines: int, num_blocks: int, block_size: int,
-                hash_fn: HashFn, prefix_slack: int | None = None
-                ) -> DPRouter | RoundRobinRouter:
+def make_router(
+    name: str,
+    num_engines: int,
+    num_blocks: int,
+    block_size: int,
+    hash_fn: HashFn,
+    prefix_slack: int | None = None,
+) -> DPRouter | RoundRobinRouter:
     """A router by name (see ROUTER_NAMES).
 
     Args:
@@ -63,8 +68,9 @@ def make_router(name: str, num_engines: int, num_blocks: int, block_size: int,
     if prefix_slack is None:
         prefix_slack = dp_router.PREFIX_LOAD_SLACK
     # As the api does: only prefix routing hashes prompts.
-    router = DPRouter(name, block_size, hash_fn if name == "prefix" else None,
-                      prefix_slack=prefix_slack)
+    router = DPRouter(
+        name, block_size, hash_fn if name == "prefix" else None, prefix_slack=prefix_slack
+    )
     for engine_idx in range(num_engines):
         router.add_engine(engine_idx, num_blocks)
     return router

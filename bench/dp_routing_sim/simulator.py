@@ -16,13 +16,13 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from kvserve.services.api.dp_router import DPRouter
-from kvserve.shared.hashing import HashFn
-from kvserve.shared.wire import EngineLoad
 
 from bench.dp_routing_sim.engine import EngineConfig, SimEngine, StepTimeModel
 from bench.dp_routing_sim.routers import RoundRobinRouter
 from bench.dp_routing_sim.workload import SimRequest, ideal_cached_tokens
+from kvserve.services.api.dp_router import DPRouter
+from kvserve.shared.hashing import HashFn
+from kvserve.shared.wire import EngineLoad
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,12 @@ class RunMetrics:
     makespan_s: float
 
 
-def simulate(requests: list[SimRequest], engines: list[SimEngine],
-             router: DPRouter | RoundRobinRouter, refresh_s: float = 0.1) -> float:
+def simulate(
+    requests: list[SimRequest],
+    engines: list[SimEngine],
+    router: DPRouter | RoundRobinRouter,
+    refresh_s: float = 0.1,
+) -> float:
     """Run every request to completion; returns the makespan (last finish time)."""
     heap: list[tuple[float, int, int]] = []  # (step end, tie-breaker, engine index)
     sequence = 0
@@ -68,8 +72,9 @@ def simulate(requests: list[SimRequest], engines: list[SimEngine],
                 num_finished += len(engines[engine_idx].finish_step(now))
                 sequence = _start_step(engines[engine_idx], now, heap, sequence)
             elif next_refresh <= request.arrival_s:
-                router.update_loads([EngineLoad(e.engine_idx, e.num_waiting, e.num_running)
-                                     for e in engines])
+                router.update_loads(
+                    [EngineLoad(e.engine_idx, e.num_waiting, e.num_running) for e in engines]
+                )
                 next_refresh += refresh_s
             else:
                 break
@@ -96,33 +101,45 @@ def _start_step(engine: SimEngine, now: float, heap: list, sequence: int) -> int
     return sequence
 
 
-def make_engines(num_engines: int, config: EngineConfig, step_model: StepTimeModel,
-                 hash_fn: HashFn) -> list[SimEngine]:
+def make_engines(
+    num_engines: int, config: EngineConfig, step_model: StepTimeModel, hash_fn: HashFn
+) -> list[SimEngine]:
     return [SimEngine(i, config, step_model, hash_fn) for i in range(num_engines)]
 
 
-def summarize(requests: list[SimRequest], engines: list[SimEngine], router_name: str,
-              rate_per_s: float, makespan_s: float, block_size: int,
-              warmup_frac: float) -> RunMetrics:
+def summarize(
+    requests: list[SimRequest],
+    engines: list[SimEngine],
+    router_name: str,
+    rate_per_s: float,
+    makespan_s: float,
+    block_size: int,
+    warmup_frac: float,
+) -> RunMetrics:
     """Metrics over the requests after the first `warmup_frac` (caches start cold)."""
     ideal = ideal_cached_tokens(requests, block_size)
     start = int(len(requests) * warmup_frac)
     measured = requests[start:]
     prompt_tokens = sum(r.prompt_len for r in measured)
     ttft = np.array([r.first_token_s - r.arrival_s for r in measured])
-    tpot = np.array([(r.finish_s - r.first_token_s) / (r.output_len - 1)
-                     for r in measured if r.output_len > 1])
+    tpot = np.array(
+        [(r.finish_s - r.first_token_s) / (r.output_len - 1) for r in measured if r.output_len > 1]
+    )
     busy = np.array([e.busy_s for e in engines])
     routed = np.array([e.num_routed for e in engines])
     return RunMetrics(
-        num_engines=len(engines), router=router_name, num_requests=len(measured),
+        num_engines=len(engines),
+        router=router_name,
+        num_requests=len(measured),
         rate_per_s=rate_per_s,
         hit_rate=sum(r.num_cached_tokens for r in measured) / prompt_tokens,
         ideal_hit_rate=sum(ideal[start:]) / prompt_tokens,
-        ttft_mean_s=float(ttft.mean()), ttft_p99_s=float(np.percentile(ttft, 99)),
+        ttft_mean_s=float(ttft.mean()),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
         tpot_mean_s=float(tpot.mean()) if tpot.size else 0.0,
         busy_skew=float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
         req_skew=float(routed.max() / routed.mean()),
         utilization=float(busy.mean() / makespan_s) if makespan_s > 0 else 0.0,
         num_preemptions=sum(e.num_preemptions for e in engines),
-        makespan_s=makespan_s)
+        makespan_s=makespan_s,
+    )

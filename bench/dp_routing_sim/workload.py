@@ -26,14 +26,14 @@ _TOKEN_DTYPE = np.int32
 @dataclass(frozen=True)
 class WorkloadConfig:
     """Args:
-        num_tenants: tenants, each with one shared prefix.
-        prefix_len_range: inclusive (min, max) tokens of a tenant's prefix, drawn once per
-            tenant; (0, 0) gives a workload with nothing shared.
-        suffix_len_range: inclusive (min, max) unique prompt tokens per request.
-        output_len_range: inclusive (min, max) generated tokens per request.
-        zipf_exponent: tenant popularity ~ 1 / rank**zipf_exponent (0 = uniform).
-        block_size: tokens per KV block.
-        vocab_size: token ids are drawn from [0, vocab_size) (SmolLM2's 49152 by default).
+    num_tenants: tenants, each with one shared prefix.
+    prefix_len_range: inclusive (min, max) tokens of a tenant's prefix, drawn once per
+        tenant; (0, 0) gives a workload with nothing shared.
+    suffix_len_range: inclusive (min, max) unique prompt tokens per request.
+    output_len_range: inclusive (min, max) generated tokens per request.
+    zipf_exponent: tenant popularity ~ 1 / rank**zipf_exponent (0 = uniform).
+    block_size: tokens per KV block.
+    vocab_size: token ids are drawn from [0, vocab_size) (SmolLM2's 49152 by default).
     """
 
     num_tenants: int = 128
@@ -50,8 +50,9 @@ class WorkloadConfig:
         for name in ("prefix_len_range", "suffix_len_range", "output_len_range"):
             low, high = getattr(self, name)
             if not 0 <= low <= high:
-                raise ValueError(f"{name} must be (min, max) with 0 <= min <= max, "
-                                 f"got {(low, high)}")
+                raise ValueError(
+                    f"{name} must be (min, max) with 0 <= min <= max, got {(low, high)}"
+                )
         if self.suffix_len_range[0] < 1 or self.output_len_range[0] < 1:
             raise ValueError("suffix and output lengths must be >= 1 token")
         if self.vocab_size < 2:
@@ -59,8 +60,7 @@ class WorkloadConfig:
 
     @property
     def max_request_tokens(self) -> int:
-        return (self.prefix_len_range[1] + self.suffix_len_range[1]
-                + self.output_len_range[1])
+        return self.prefix_len_range[1] + self.suffix_len_range[1] + self.output_len_range[1]
 
 
 @dataclass(slots=True, eq=False)
@@ -121,12 +121,12 @@ class SimRequest:
 
     @property
     def prompt_token_ids(self) -> np.ndarray:
-        return self.token_ids[:self.prompt_len]
+        return self.token_ids[: self.prompt_len]
 
     @property
     def all_token_ids(self) -> np.ndarray:
         """The tokens known so far (prompt and outputs sampled), as kvserve's Request has."""
-        return self.token_ids[:self.num_tokens]
+        return self.token_ids[: self.num_tokens]
 
 
 def make_tenant_prefixes(config: WorkloadConfig, seed: int) -> list[np.ndarray]:
@@ -134,12 +134,14 @@ def make_tenant_prefixes(config: WorkloadConfig, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng([seed, 1])
     low, high = config.prefix_len_range
     prefix_lens = rng.integers(low, high + 1, size=config.num_tenants)
-    return [rng.integers(0, config.vocab_size, size=int(n), dtype=_TOKEN_DTYPE)
-            for n in prefix_lens]
+    return [
+        rng.integers(0, config.vocab_size, size=int(n), dtype=_TOKEN_DTYPE) for n in prefix_lens
+    ]
 
 
-def make_requests(config: WorkloadConfig, num_requests: int, rate_per_s: float,
-                  seed: int, stream: int = 0) -> list[SimRequest]:
+def make_requests(
+    config: WorkloadConfig, num_requests: int, rate_per_s: float, seed: int, stream: int = 0
+) -> list[SimRequest]:
     """Requests with Poisson arrivals at `rate_per_s` (all at t=0 when rate is inf).
 
     Args:
@@ -160,16 +162,16 @@ def make_requests(config: WorkloadConfig, num_requests: int, rate_per_s: float,
     else:
         arrivals = np.cumsum(rng.exponential(1.0 / rate_per_s, size=num_requests))
     popularity = 1.0 / np.arange(1, config.num_tenants + 1) ** config.zipf_exponent
-    tenants = rng.choice(config.num_tenants, size=num_requests,
-                         p=popularity / popularity.sum())
-    suffix_lens = rng.integers(config.suffix_len_range[0], config.suffix_len_range[1] + 1,
-                               size=num_requests)
-    output_lens = rng.integers(config.output_len_range[0], config.output_len_range[1] + 1,
-                               size=num_requests)
+    tenants = rng.choice(config.num_tenants, size=num_requests, p=popularity / popularity.sum())
+    suffix_lens = rng.integers(
+        config.suffix_len_range[0], config.suffix_len_range[1] + 1, size=num_requests
+    )
+    output_lens = rng.integers(
+        config.output_len_range[0], config.output_len_range[1] + 1, size=num_requests
+    )
     own_lens = suffix_lens + output_lens
     # One draw for every request's own tokens, split below (views, no copies).
-    own_tokens = rng.integers(0, config.vocab_size, size=int(own_lens.sum()),
-                              dtype=_TOKEN_DTYPE)
+    own_tokens = rng.integers(0, config.vocab_size, size=int(own_lens.sum()), dtype=_TOKEN_DTYPE)
     starts = np.concatenate(([0], np.cumsum(own_lens)[:-1]))
     own_tokens[starts] = np.arange(num_requests) % config.vocab_size
     requests = []
@@ -177,10 +179,17 @@ def make_requests(config: WorkloadConfig, num_requests: int, rate_per_s: float,
         tenant = int(tenants[req_idx])
         prefix = prefixes[tenant]
         start = int(starts[req_idx])
-        requests.append(SimRequest(
-            req_idx, float(arrivals[req_idx]), tenant, prefix,
-            own_tokens[start:start + int(own_lens[req_idx])],
-            len(prefix) + int(suffix_lens[req_idx]), int(output_lens[req_idx])))
+        requests.append(
+            SimRequest(
+                req_idx,
+                float(arrivals[req_idx]),
+                tenant,
+                prefix,
+                own_tokens[start : start + int(own_lens[req_idx])],
+                len(prefix) + int(suffix_lens[req_idx]),
+                int(output_lens[req_idx]),
+            )
+        )
     return requests
 
 
@@ -193,7 +202,8 @@ def ideal_cached_tokens(requests: list[SimRequest], block_size: int) -> list[int
     for request in requests:
         num_shared_blocks = request.num_prefix_tokens // block_size
         max_blocks = (request.prompt_len - 1) // block_size
-        cached.append(min(num_shared_blocks, max_blocks) * block_size
-                      if request.tenant in seen else 0)
+        cached.append(
+            min(num_shared_blocks, max_blocks) * block_size if request.tenant in seen else 0
+        )
         seen.add(request.tenant)
     return cached

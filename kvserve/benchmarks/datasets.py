@@ -58,8 +58,13 @@ def _allowed_token_ids(tokenizer) -> np.ndarray:
     return np.array([i for i in range(len(tokenizer)) if i not in special_ids])
 
 
-def _text_of_len(tokenizer, token_ids: list[int], target_len: int, allowed_ids: np.ndarray,
-                 rng: np.random.Generator) -> tuple[str, int]:
+def _text_of_len(
+    tokenizer,
+    token_ids: list[int],
+    target_len: int,
+    allowed_ids: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[str, int]:
     """Text that tokenizes to target_len tokens (or close), starting from token_ids.
 
     Decoding random ids and encoding the text again can merge or split tokens, so the ids
@@ -79,15 +84,22 @@ def _text_of_len(tokenizer, token_ids: list[int], target_len: int, allowed_ids: 
     return text, num_tokens
 
 
-def _random_lens(rng: np.random.Generator, num: int, mean_len: int, range_ratio: float,
-                 minimum: int) -> np.ndarray:
+def _random_lens(
+    rng: np.random.Generator, num: int, mean_len: int, range_ratio: float, minimum: int
+) -> np.ndarray:
     low = max(minimum, math.floor(mean_len * (1 - range_ratio)))
     high = max(low, math.ceil(mean_len * (1 + range_ratio)))
     return rng.integers(low, high + 1, size=num)
 
 
-def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int,
-                    range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+def random_requests(
+    tokenizer,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """Prompts of random tokens (vLLM's `random` dataset).
 
     Args:
@@ -101,8 +113,10 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     if input_len < 1 or output_len < 1:
-        raise ValueError(f"--random-input-len and --random-output-len must be >= 1, "
-                         f"got {input_len} and {output_len}")
+        raise ValueError(
+            f"--random-input-len and --random-output-len must be >= 1, "
+            f"got {input_len} and {output_len}"
+        )
     rng = np.random.default_rng(seed)
     allowed_ids = _allowed_token_ids(tokenizer)
     input_lens = _random_lens(rng, num_prompts, input_len, range_ratio, minimum=1)
@@ -115,8 +129,15 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
     return requests
 
 
-def prefix_requests(tokenizer, num_prompts: int, num_groups: int, prefix_len: int,
-                    suffix_len: int, output_len: int, seed: int = 0) -> list[SampleRequest]:
+def prefix_requests(
+    tokenizer,
+    num_prompts: int,
+    num_groups: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """Prompts that share one of num_groups long prefixes (the RAG case).
 
     Request i belongs to group i % num_groups; the order is then shuffled, so a group's
@@ -132,18 +153,25 @@ def prefix_requests(tokenizer, num_prompts: int, num_groups: int, prefix_len: in
         seed: seed of the token ids and the order.
     """
     if num_groups < 1 or prefix_len < 1 or suffix_len < 1 or output_len < 1:
-        raise ValueError("--prefix-num-groups, --prefix-len, --prefix-suffix-len and "
-                         "--prefix-output-len must all be >= 1")
+        raise ValueError(
+            "--prefix-num-groups, --prefix-len, --prefix-suffix-len and "
+            "--prefix-output-len must all be >= 1"
+        )
     rng = np.random.default_rng(seed)
     allowed_ids = _allowed_token_ids(tokenizer)
-    prefixes = [_text_of_len(tokenizer, rng.choice(allowed_ids, prefix_len).tolist(),
-                             prefix_len, allowed_ids, rng)[0] for _ in range(num_groups)]
+    prefixes = [
+        _text_of_len(
+            tokenizer, rng.choice(allowed_ids, prefix_len).tolist(), prefix_len, allowed_ids, rng
+        )[0]
+        for _ in range(num_groups)
+    ]
     requests = []
     for i in range(num_prompts):
         # A newline between prefix and suffix keeps the tokenizer from merging across them,
         # so every request of a group starts with the same prefix tokens.
-        suffix, _ = _text_of_len(tokenizer, rng.choice(allowed_ids, suffix_len).tolist(),
-                                 suffix_len, allowed_ids, rng)
+        suffix, _ = _text_of_len(
+            tokenizer, rng.choice(allowed_ids, suffix_len).tolist(), suffix_len, allowed_ids, rng
+        )
         prompt = prefixes[i % num_groups] + "\n" + suffix
         prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
         requests.append(SampleRequest(prompt, prompt_len, output_len))
@@ -161,12 +189,16 @@ def _load_conversations(path: str) -> list[list[dict]]:
         entries = [json.loads(line) for line in text.splitlines() if line.strip()]
     if isinstance(entries, dict):
         entries = [entries]
-    return [entry["conversations"] for entry in entries
-            if isinstance(entry, dict) and isinstance(entry.get("conversations"), list)]
+    return [
+        entry["conversations"]
+        for entry in entries
+        if isinstance(entry, dict) and isinstance(entry.get("conversations"), list)
+    ]
 
 
 def _first_exchange(turns: list[dict]) -> tuple[str, str] | None:
     """(first human turn, the gpt answer after it), or None if the layout differs."""
+
     def speaker(turn: dict) -> str:
         return turn.get("from", turn.get("role", ""))
 
@@ -180,8 +212,9 @@ def _first_exchange(turns: list[dict]) -> tuple[str, str] | None:
     return value(turns[0]), value(turns[1])
 
 
-def sharegpt_requests(tokenizer, path: str, num_prompts: int, output_len: int | None = None,
-                      seed: int = 0) -> list[SampleRequest]:
+def sharegpt_requests(
+    tokenizer, path: str, num_prompts: int, output_len: int | None = None, seed: int = 0
+) -> list[SampleRequest]:
     """Prompts from a ShareGPT file: the first human turn of each conversation.
 
     Args:
@@ -192,8 +225,10 @@ def sharegpt_requests(tokenizer, path: str, num_prompts: int, output_len: int | 
         seed: seed of the sampling order.
     """
     if not path or not os.path.exists(path):
-        raise ValueError(f"--dataset-path {path!r} does not exist: the sharegpt dataset needs "
-                         "a JSON or JSONL file of ShareGPT conversations")
+        raise ValueError(
+            f"--dataset-path {path!r} does not exist: the sharegpt dataset needs "
+            "a JSON or JSONL file of ShareGPT conversations"
+        )
     samples = []
     for turns in _load_conversations(path):
         exchange = _first_exchange(turns)
@@ -206,11 +241,17 @@ def sharegpt_requests(tokenizer, path: str, num_prompts: int, output_len: int | 
             continue
         samples.append(SampleRequest(prompt, prompt_len, answer_len))
     if not samples:
-        raise ValueError(f"{path} holds no usable conversation (a human turn followed by a "
-                         f"gpt turn, each of at least {_MIN_SHAREGPT_TOKENS} tokens)")
+        raise ValueError(
+            f"{path} holds no usable conversation (a human turn followed by a "
+            f"gpt turn, each of at least {_MIN_SHAREGPT_TOKENS} tokens)"
+        )
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(samples)).tolist()
     if len(samples) < num_prompts:
-        logger.warning("%s has %d usable conversations: reusing them for %d prompts",
-                       path, len(samples), num_prompts)
+        logger.warning(
+            "%s has %d usable conversations: reusing them for %d prompts",
+            path,
+            len(samples),
+            num_prompts,
+        )
     return [samples[order[i % len(samples)]] for i in range(num_prompts)]

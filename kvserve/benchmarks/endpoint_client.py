@@ -43,8 +43,13 @@ class RequestSpec:
     extra_body: dict = field(default_factory=dict)
 
     def body(self) -> dict:
-        body = {"model": self.model, "max_tokens": self.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "temperature": self.temperature}
+        body = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": self.temperature,
+        }
         if self.chat:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:
@@ -97,11 +102,12 @@ async def _events(response: aiohttp.ClientResponse):
     async for raw_line in response.content:
         line = raw_line.decode("utf-8").strip()
         if line.startswith(_SSE_DATA):
-            yield line[len(_SSE_DATA):].strip()
+            yield line[len(_SSE_DATA) :].strip()
 
 
-async def send_request(session: aiohttp.ClientSession, spec: RequestSpec,
-                       headers: dict[str, str]) -> RequestRecord:
+async def send_request(
+    session: aiohttp.ClientSession, spec: RequestSpec, headers: dict[str, str]
+) -> RequestRecord:
     """Send one streaming request and time its chunks; never raises for a failed request.
 
     Args:

@@ -29,8 +29,13 @@ def add_parser(kinds) -> None:
     p.add_argument("--num-iters-warmup", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=30)
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--output-json", "--save-result", dest="output_json", default=None,
-                   help="write the latencies and percentiles to this JSON file")
+    p.add_argument(
+        "--output-json",
+        "--save-result",
+        dest="output_json",
+        default=None,
+        help="write the latencies and percentiles to this JSON file",
+    )
     p.add_argument("--disable-tqdm", action="store_true")
     add_struct_args(p, EngineConfig, positional=("model",))
     p.set_defaults(func=run)
@@ -40,9 +45,11 @@ def latency_summary(latencies: list[float]) -> dict:
     """vLLM's latency JSON: avg_latency, latencies and percentiles {"10": s, ...}."""
     assert latencies, "at least one measured iteration"
     values = np.asarray(latencies)
-    return {"avg_latency": float(values.mean()),
-            "latencies": [float(x) for x in values],
-            "percentiles": {str(p): float(np.percentile(values, p)) for p in _PERCENTILES}}
+    return {
+        "avg_latency": float(values.mean()),
+        "latencies": [float(x) for x in values],
+        "percentiles": {str(p): float(np.percentile(values, p)) for p in _PERCENTILES},
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,15 +59,23 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.shared.config import EngineConfig
 
     if args.batch_size < 1 or args.input_len < 1 or args.output_len < 1 or args.num_iters < 1:
-        raise SystemExit("kvserve bench latency: --batch-size, --input-len, --output-len and "
-                         "--num-iters must be >= 1")
+        raise SystemExit(
+            "kvserve bench latency: --batch-size, --input-len, --output-len and "
+            "--num-iters must be >= 1"
+        )
     llm = LLM.from_config(struct_from_args(EngineConfig, args))
     tokenizer = llm.get_tokenizer()
-    prompts = random_prompts(args.batch_size, args.input_len, len(tokenizer),
-                             set(tokenizer.all_special_ids), args.bench_seed)
+    prompts = random_prompts(
+        args.batch_size,
+        args.input_len,
+        len(tokenizer),
+        set(tokenizer.all_special_ids),
+        args.bench_seed,
+    )
     batch = [{"prompt_token_ids": p} for p in prompts]
-    params = SamplingParams(n=args.n, max_tokens=args.output_len, ignore_eos=True,
-                            temperature=1.0, top_p=1.0)
+    params = SamplingParams(
+        n=args.n, max_tokens=args.output_len, ignore_eos=True, temperature=1.0, top_p=1.0
+    )
 
     def run_once() -> float:
         llm.reset_prefix_cache()
@@ -73,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         iterations = tqdm(iterations, desc="Iterations (warm-up first)")
-    latencies = [run_once() for _ in iterations][args.num_iters_warmup:]
+    latencies = [run_once() for _ in iterations][args.num_iters_warmup :]
     result = latency_summary(latencies)
     print(f"Avg latency: {result['avg_latency']} seconds")
     for p, value in result["percentiles"].items():

@@ -33,7 +33,9 @@ def parse_metric_percentiles(text: str) -> list[float]:
     try:
         percentiles = [float(p) for p in text.split(",") if p.strip()]
     except ValueError:
-        raise ValueError(f"--metric-percentiles takes numbers like 50,90,99, got {text!r}")
+        raise ValueError(
+            f"--metric-percentiles takes numbers like 50,90,99, got {text!r}"
+        ) from None
     if not percentiles or any(not 0 < p <= 100 for p in percentiles):
         raise ValueError(f"--metric-percentiles must be in (0, 100], got {text!r}")
     return percentiles
@@ -44,8 +46,9 @@ def parse_percentile_metrics(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in METRIC_SECTIONS]
     if not names or unknown:
-        raise ValueError(f"--percentile-metrics takes a comma list of "
-                         f"{','.join(METRIC_SECTIONS)}, got {text!r}")
+        raise ValueError(
+            f"--percentile-metrics takes a comma list of {','.join(METRIC_SECTIONS)}, got {text!r}"
+        )
     return names
 
 
@@ -55,12 +58,16 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     for item in items or []:
         name, sep, value = item.partition(":")
         if not sep or name not in GOODPUT_METRICS:
-            raise ValueError(f"--goodput takes KEY:MS pairs with KEY in "
-                             f"{', '.join(GOODPUT_METRICS)}, got {item!r}")
+            raise ValueError(
+                f"--goodput takes KEY:MS pairs with KEY in "
+                f"{', '.join(GOODPUT_METRICS)}, got {item!r}"
+            )
         try:
             slos[name] = float(value)
         except ValueError:
-            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds")
+            raise ValueError(
+                f"--goodput {item!r}: {value!r} is not a number of milliseconds"
+            ) from None
         if slos[name] < 0:
             raise ValueError(f"--goodput {item!r}: an SLO cannot be negative")
     return slos
@@ -82,8 +89,9 @@ def tpot_of(record: RequestRecord, output_len: int) -> float | None:
     return (record.latency - record.ttft) / (output_len - 1)
 
 
-def meets_slos(ttft_ms: float, tpot_ms: float | None, e2el_ms: float,
-               slos: dict[str, float]) -> bool:
+def meets_slos(
+    ttft_ms: float, tpot_ms: float | None, e2el_ms: float, slos: dict[str, float]
+) -> bool:
     """Whether one request met every SLO given (a request without a TPOT meets that one)."""
     values = {"ttft": ttft_ms, "tpot": tpot_ms, "e2el": e2el_ms}
     return all(values[name] is None or values[name] <= slo for name, slo in slos.items())
@@ -92,18 +100,25 @@ def meets_slos(ttft_ms: float, tpot_ms: float | None, e2el_ms: float,
 def _summarize(name: str, values_ms: list[float], percentiles: list[float]) -> dict:
     # vLLM reports 0 for a metric without samples (e.g. TPOT when every output is 1 token).
     values = np.asarray(values_ms or [0.0], dtype=np.float64)
-    summary = {f"mean_{name}_ms": float(values.mean()),
-               f"median_{name}_ms": float(np.median(values)),
-               f"std_{name}_ms": float(values.std()),
-               f"max_{name}_ms": float(values.max())}
+    summary = {
+        f"mean_{name}_ms": float(values.mean()),
+        f"median_{name}_ms": float(np.median(values)),
+        f"std_{name}_ms": float(values.std()),
+        f"max_{name}_ms": float(values.max()),
+    }
     for p in percentiles:
         summary[f"p{percentile_key(p)}_{name}_ms"] = float(np.percentile(values, p))
     return summary
 
 
-def compute_metrics(records: list[RequestRecord], tokenizer, duration_s: float,
-                    percentiles: list[float], slos: dict[str, float],
-                    bench_start: float) -> tuple[dict, dict]:
+def compute_metrics(
+    records: list[RequestRecord],
+    tokenizer,
+    duration_s: float,
+    percentiles: list[float],
+    slos: dict[str, float],
+    bench_start: float,
+) -> tuple[dict, dict]:
     """(summary, per-request detail) of one run.
 
     Args:
@@ -137,12 +152,18 @@ def compute_metrics(records: list[RequestRecord], tokenizer, duration_s: float,
         "total_token_throughput": (total_input + total_output) / duration_s,
     }
     if slos:
-        num_good = sum(meets_slos(r.ttft * 1000, None if t is None else t * 1000,
-                                  r.latency * 1000, slos)
-                       for r, t in zip(records, tpots) if r.success)
+        num_good = sum(
+            meets_slos(r.ttft * 1000, None if t is None else t * 1000, r.latency * 1000, slos)
+            for r, t in zip(records, tpots)
+            if r.success
+        )
         summary["request_goodput"] = num_good / duration_s
-    for name, values in (("ttft", ttfts_ms), ("tpot", tpots_ms), ("itl", itls_ms),
-                         ("e2el", e2els_ms)):
+    for name, values in (
+        ("ttft", ttfts_ms),
+        ("tpot", tpots_ms),
+        ("itl", itls_ms),
+        ("e2el", e2els_ms),
+    ):
         summary.update(_summarize(name, values, percentiles))
     detail = {
         "input_lens": [r.prompt_len for r in records],
@@ -162,25 +183,35 @@ def _line(label: str, value, fmt: str = "") -> str:
     return f"{label:<40} {value:<10{fmt}}"
 
 
-def format_report(summary: dict, percentile_metrics: list[str], percentiles: list[float],
-                  max_concurrency: int | None, request_rate: float) -> str:
+def format_report(
+    summary: dict,
+    percentile_metrics: list[str],
+    percentiles: list[float],
+    max_concurrency: int | None,
+    request_rate: float,
+) -> str:
     """The result block that `vllm bench serve` prints, in its layout."""
-    lines = [f"{' Serving Benchmark Result ':=^{_WIDTH}}",
-             _line("Successful requests:", summary["completed"]),
-             _line("Failed requests:", summary["failed"])]
+    lines = [
+        f"{' Serving Benchmark Result ':=^{_WIDTH}}",
+        _line("Successful requests:", summary["completed"]),
+        _line("Failed requests:", summary["failed"]),
+    ]
     if max_concurrency is not None:
         lines.append(_line("Maximum request concurrency:", max_concurrency))
     if request_rate != float("inf"):
         lines.append(_line("Request rate configured (RPS):", request_rate, ".2f"))
-    lines += [_line("Benchmark duration (s):", summary["duration"], ".2f"),
-              _line("Total input tokens:", summary["total_input_tokens"]),
-              _line("Total generated tokens:", summary["total_output_tokens"]),
-              _line("Request throughput (req/s):", summary["request_throughput"], ".2f")]
+    lines += [
+        _line("Benchmark duration (s):", summary["duration"], ".2f"),
+        _line("Total input tokens:", summary["total_input_tokens"]),
+        _line("Total generated tokens:", summary["total_output_tokens"]),
+        _line("Request throughput (req/s):", summary["request_throughput"], ".2f"),
+    ]
     if summary["request_goodput"] is not None:
         lines.append(_line("Request goodput (req/s):", summary["request_goodput"], ".2f"))
-    lines += [_line("Output token throughput (tok/s):", summary["output_throughput"], ".2f"),
-              _line("Total Token throughput (tok/s):", summary["total_token_throughput"],
-                    ".2f")]
+    lines += [
+        _line("Output token throughput (tok/s):", summary["output_throughput"], ".2f"),
+        _line("Total Token throughput (tok/s):", summary["total_token_throughput"], ".2f"),
+    ]
     for name in percentile_metrics:
         header, short = METRIC_SECTIONS[name]
         lines.append(f"{header:-^{_WIDTH}}")

@@ -17,8 +17,10 @@ import numpy as np
 # metric -> (title, how to get its samples in ms from a result)
 _CDF_METRICS = {
     "ttft": ("Time to first token", lambda r: [t * 1000 for t in _successful(r, "ttfts")]),
-    "itl": ("Inter-token latency",
-            lambda r: [gap * 1000 for gaps in _successful(r, "itls") for gap in gaps]),
+    "itl": (
+        "Inter-token latency",
+        lambda r: [gap * 1000 for gaps in _successful(r, "itls") for gap in gaps],
+    ),
     "e2el": ("End-to-end latency", lambda r: [t * 1000 for t in _successful(r, "e2els")]),
 }
 
@@ -76,10 +78,13 @@ def plot_cdfs(plt, named: list[tuple[str, dict]], output_dir: str) -> list[str]:
             if samples.size:
                 # Start each curve at 0 on its smallest sample, so it rises from the x axis.
                 fractions = np.arange(samples.size + 1) / samples.size
-                ax.step(np.concatenate([samples[:1], samples]), fractions, where="post",
-                        label=name)
-        ax.set(title=f"{title} (CDF)", xlabel=f"{metric.upper()} (ms)",
-               ylabel="fraction of samples", ylim=(0, 1.02))
+                ax.step(np.concatenate([samples[:1], samples]), fractions, where="post", label=name)
+        ax.set(
+            title=f"{title} (CDF)",
+            xlabel=f"{metric.upper()} (ms)",
+            ylabel="fraction of samples",
+            ylim=(0, 1.02),
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         paths.append(_save(fig, plt, os.path.join(output_dir, f"cdf_{metric}.png")))
@@ -95,13 +100,15 @@ def plot_sweep(plt, named: list[tuple[str, dict]], axis: str, output_dir: str) -
     xlabel = "request rate (req/s)" if axis == "request_rate" else "max concurrency"
     paths = []
     for key, ylabel, value_of in (
-            ("output_throughput", "output tokens/s", lambda r: r["output_throughput"]),
-            ("p99_ttft", "P99 TTFT (ms)", _p99_ttft_ms)):
+        ("output_throughput", "output tokens/s", lambda r: r["output_throughput"]),
+        ("p99_ttft", "P99 TTFT (ms)", _p99_ttft_ms),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, points in sorted(lines.items()):
             points.sort(key=lambda point: point[0])
-            ax.plot([x for x, _ in points], [value_of(r) for _, r in points], marker="o",
-                    label=label)
+            ax.plot(
+                [x for x, _ in points], [value_of(r) for _, r in points], marker="o", label=label
+            )
         ax.set(title=f"{ylabel} vs {xlabel}", xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -128,10 +135,12 @@ def run(args: argparse.Namespace) -> int:
             with open(path) as f:
                 result = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
-            raise SystemExit(f"kvserve bench plot: cannot read {path}: {exc}")
+            raise SystemExit(f"kvserve bench plot: cannot read {path}: {exc}") from None
         if "ttfts" not in result:
-            raise SystemExit(f"kvserve bench plot: {path} is not a `kvserve bench serve "
-                             "--save-result` JSON (it has no per-request ttfts)")
+            raise SystemExit(
+                f"kvserve bench plot: {path} is not a `kvserve bench serve "
+                "--save-result` JSON (it has no per-request ttfts)"
+            )
         named.append((curve_name(result, path), result))
     os.makedirs(args.output_dir, exist_ok=True)
     paths = plot_cdfs(plt, named, args.output_dir)

@@ -15,24 +15,32 @@ import os
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
+
 def add_parser(kinds) -> None:
     p = kinds.add_parser("serve", help="online serving benchmark (any OpenAI-compatible server)")
     server = p.add_argument_group("server")
-    server.add_argument("--base-url", default=None,
-                        help="e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)")
+    server.add_argument(
+        "--base-url", default=None, help="e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)"
+    )
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
-    server.add_argument("--model", default=None,
-                        help="the `model` field (default: the first id of GET /v1/models)")
-    server.add_argument("--tokenizer", default=None,
-                        help="local tokenizer folder (default: kvserve's default model)")
-    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="bearer token (default: $OPENAI_API_KEY)")
+    server.add_argument(
+        "--model", default=None, help="the `model` field (default: the first id of GET /v1/models)"
+    )
+    server.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local tokenizer folder (default: kvserve's default model)",
+    )
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $OPENAI_API_KEY)",
+    )
 
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=("random", "prefix",
-                                                                   "sharegpt"))
+    data.add_argument("--dataset-name", default="random", choices=("random", "prefix", "sharegpt"))
     data.add_argument("--dataset-path", default=None, help="ShareGPT JSON or JSONL file")
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)
@@ -43,27 +51,51 @@ def add_parser(kinds) -> None:
     data.add_argument("--prefix-len", type=int, default=256)
     data.add_argument("--prefix-suffix-len", type=int, default=32)
     data.add_argument("--prefix-output-len", type=int, default=128)
-    data.add_argument("--sharegpt-output-len", type=int, default=None,
-                      help="max_tokens of every request (default: the gpt answer's length)")
+    data.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="max_tokens of every request (default: the gpt answer's length)",
+    )
 
     load = p.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=float("inf"),
-                      help="requests per second (inf: all at once)")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of the arrival gaps (1: Poisson; <1 burstier)")
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second (inf: all at once)",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps (1: Poisson; <1 burstier)",
+    )
     load.add_argument("--max-concurrency", type=int, default=None)
-    load.add_argument("--ignore-eos", action="store_true",
-                      help="send ignore_eos: true, so every request generates max_tokens")
+    load.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos: true, so every request generates max_tokens",
+    )
     load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--extra-body", type=json.loads, default=None,
-                      help="JSON object merged into every request body")
+    load.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default=None,
+        help="JSON object merged into every request body",
+    )
     load.add_argument("--disable-tqdm", action="store_true")
 
     report = p.add_argument_group("report")
     report.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     report.add_argument("--metric-percentiles", default="99")
-    report.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    report.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000",
+    )
     report.add_argument("--save-result", action="store_true")
     report.add_argument("--result-dir", default=".")
     report.add_argument("--result-filename", default=None)
@@ -76,8 +108,12 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvserve.benchmarks import datasets
-    from kvserve.benchmarks.serve_runner import benchmark, parse_run_options, result_path, \
-        sample_requests
+    from kvserve.benchmarks.serve_runner import (
+        benchmark,
+        parse_run_options,
+        result_path,
+        sample_requests,
+    )
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     try:
@@ -86,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         requests = sample_requests(args, tokenizer)
         result = asyncio.run(benchmark(args, options, base_url, requests, tokenizer))
     except ValueError as exc:
-        raise SystemExit(f"kvserve bench serve: {exc}")
+        raise SystemExit(f"kvserve bench serve: {exc}") from None
     if args.save_result:
         path = result_path(args, result)
         with open(path, "w") as f:

@@ -15,8 +15,13 @@ import numpy as np
 
 from kvserve.benchmarks import datasets
 from kvserve.benchmarks.endpoint_client import RequestRecord, RequestSpec, send_request
-from kvserve.benchmarks.metrics import compute_metrics, format_report, parse_goodput, \
-    parse_metric_percentiles, parse_percentile_metrics
+from kvserve.benchmarks.metrics import (
+    compute_metrics,
+    format_report,
+    parse_goodput,
+    parse_metric_percentiles,
+    parse_percentile_metrics,
+)
 from kvserve.benchmarks.server_metrics import ServerMetricsWatcher, format_server_report
 from kvserve.shared.logging import init_logger
 
@@ -28,19 +33,32 @@ _REQUEST_TIMEOUT_S = 6 * 60 * 60
 
 def sample_requests(args: argparse.Namespace, tokenizer) -> list[datasets.SampleRequest]:
     if args.dataset_name == "random":
-        return datasets.random_requests(tokenizer, args.num_prompts, args.random_input_len,
-                                        args.random_output_len, args.random_range_ratio,
-                                        args.seed)
+        return datasets.random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+        )
     if args.dataset_name == "prefix":
-        return datasets.prefix_requests(tokenizer, args.num_prompts, args.prefix_num_groups,
-                                        args.prefix_len, args.prefix_suffix_len,
-                                        args.prefix_output_len, args.seed)
-    return datasets.sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts,
-                                      args.sharegpt_output_len, args.seed)
+        return datasets.prefix_requests(
+            tokenizer,
+            args.num_prompts,
+            args.prefix_num_groups,
+            args.prefix_len,
+            args.prefix_suffix_len,
+            args.prefix_output_len,
+            args.seed,
+        )
+    return datasets.sharegpt_requests(
+        tokenizer, args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed
+    )
 
 
-def arrival_gaps(num_requests: int, request_rate: float, burstiness: float,
-                 seed: int) -> list[float]:
+def arrival_gaps(
+    num_requests: int, request_rate: float, burstiness: float, seed: int
+) -> list[float]:
     """Seconds to wait after each request before sending the next.
 
     Gamma-distributed with shape = burstiness and mean 1 / request_rate: burstiness 1 is a
@@ -49,8 +67,9 @@ def arrival_gaps(num_requests: int, request_rate: float, burstiness: float,
     if request_rate == float("inf"):
         return [0.0] * num_requests
     if request_rate <= 0 or burstiness <= 0:
-        raise ValueError(f"--request-rate and --burstiness must be > 0, got {request_rate} "
-                         f"and {burstiness}")
+        raise ValueError(
+            f"--request-rate and --burstiness must be > 0, got {request_rate} and {burstiness}"
+        )
     rng = np.random.default_rng(seed)
     return rng.gamma(burstiness, 1.0 / (request_rate * burstiness), num_requests).tolist()
 
@@ -63,8 +82,9 @@ async def _arrivals(items: list, gaps: list[float]) -> AsyncIterator:
             await asyncio.sleep(gap)
 
 
-async def _resolve_model(session: aiohttp.ClientSession, base_url: str,
-                         headers: dict[str, str]) -> str:
+async def _resolve_model(
+    session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
+) -> str:
     try:
         async with session.get(base_url + "/v1/models", headers=headers) as response:
             if response.status == 200:
@@ -72,8 +92,10 @@ async def _resolve_model(session: aiohttp.ClientSession, base_url: str,
             problem = f"answered HTTP {response.status}"
     except aiohttp.ClientError as exc:
         problem = f"failed ({exc})"
-    raise ValueError(f"GET {base_url}/v1/models {problem}: is the server up at --base-url "
-                     "(or --host/--port)? Pass --model to skip this lookup")
+    raise ValueError(
+        f"GET {base_url}/v1/models {problem}: is the server up at --base-url "
+        "(or --host/--port)? Pass --model to skip this lookup"
+    )
 
 
 @dataclass(frozen=True)
@@ -107,16 +129,22 @@ def parse_run_options(args: argparse.Namespace) -> RunOptions:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    return RunOptions(parse_metric_percentiles(args.metric_percentiles),
-                      parse_percentile_metrics(args.percentile_metrics),
-                      parse_goodput(args.goodput),
-                      arrival_gaps(args.num_prompts, args.request_rate, args.burstiness,
-                                   args.seed),
-                      metadata)
+    return RunOptions(
+        parse_metric_percentiles(args.metric_percentiles),
+        parse_percentile_metrics(args.percentile_metrics),
+        parse_goodput(args.goodput),
+        arrival_gaps(args.num_prompts, args.request_rate, args.burstiness, args.seed),
+        metadata,
+    )
 
 
-async def benchmark(args: argparse.Namespace, options: RunOptions, base_url: str,
-                    requests: list[datasets.SampleRequest], tokenizer) -> dict:
+async def benchmark(
+    args: argparse.Namespace,
+    options: RunOptions,
+    base_url: str,
+    requests: list[datasets.SampleRequest],
+    tokenizer,
+) -> dict:
     """Send every request, then return the result (config, summary, server figures, detail).
 
     Args:
@@ -128,15 +156,25 @@ async def benchmark(args: argparse.Namespace, options: RunOptions, base_url: str
     """
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     percentiles, metric_names, slos = options.percentiles, options.metric_names, options.slos
-    gaps = options.gaps[:len(requests)]
+    gaps = options.gaps[: len(requests)]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = args.model or await _resolve_model(session, base_url, headers)
-        specs = [RequestSpec(base_url + args.endpoint, args.endpoint.endswith("chat/completions"),
-                             model, r.prompt, r.prompt_len, r.expected_output_len,
-                             args.ignore_eos, args.temperature, args.extra_body or {})
-                 for r in requests]
+        specs = [
+            RequestSpec(
+                base_url + args.endpoint,
+                args.endpoint.endswith("chat/completions"),
+                model,
+                r.prompt,
+                r.prompt_len,
+                r.expected_output_len,
+                args.ignore_eos,
+                args.temperature,
+                args.extra_body or {},
+            )
+            for r in requests
+        ]
         watcher = ServerMetricsWatcher(session, base_url + "/metrics", headers)
         await watcher.start()
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -156,9 +194,14 @@ async def benchmark(args: argparse.Namespace, options: RunOptions, base_url: str
                 progress.update(1)
             return record
 
-        logger.info("bench serve: %d requests to %s%s, rate %s, max concurrency %s",
-                    len(specs), base_url, args.endpoint, args.request_rate,
-                    args.max_concurrency)
+        logger.info(
+            "bench serve: %d requests to %s%s, rate %s, max concurrency %s",
+            len(specs),
+            base_url,
+            args.endpoint,
+            args.request_rate,
+            args.max_concurrency,
+        )
         bench_start = time.perf_counter()
         tasks = [asyncio.create_task(limited(spec)) async for spec in _arrivals(specs, gaps)]
         records = await asyncio.gather(*tasks)
@@ -166,16 +209,21 @@ async def benchmark(args: argparse.Namespace, options: RunOptions, base_url: str
         if progress is not None:
             progress.close()
         server = await watcher.stop()
-    summary, detail = compute_metrics(records, tokenizer, duration, percentiles, slos,
-                                      bench_start)
-    print(format_report(summary, metric_names, percentiles, args.max_concurrency,
-                        args.request_rate))
+    summary, detail = compute_metrics(records, tokenizer, duration, percentiles, slos, bench_start)
+    print(
+        format_report(summary, metric_names, percentiles, args.max_concurrency, args.request_rate)
+    )
     if server is not None:
         print(format_server_report(server))
     for error in sorted({e for e in detail["errors"] if e})[:5]:
         logger.warning("failed requests, e.g.: %s", error)
-    return {**_run_config(args, base_url, model, len(requests)), **options.metadata,
-            **summary, **(server or {}), **detail}
+    return {
+        **_run_config(args, base_url, model, len(requests)),
+        **options.metadata,
+        **summary,
+        **(server or {}),
+        **detail,
+    }
 
 
 def _run_config(args: argparse.Namespace, base_url: str, model: str, num_prompts: int) -> dict:
@@ -203,7 +251,9 @@ def result_path(args: argparse.Namespace, result: dict) -> str:
     else:
         rate = result["request_rate"]
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
-        name = (f"{args.label or 'openai'}-{rate}qps{concurrency}-"
-                f"{os.path.basename(str(result['model_id']))}-{result['date']}.json")
+        name = (
+            f"{args.label or 'openai'}-{rate}qps{concurrency}-"
+            f"{os.path.basename(str(result['model_id']))}-{result['date']}.json"
+        )
     os.makedirs(args.result_dir, exist_ok=True)
     return os.path.join(args.result_dir, name)

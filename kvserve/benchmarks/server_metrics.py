@@ -53,8 +53,9 @@ def parse_engine_metrics(text: str) -> dict[str, float] | None:
     return None
 
 
-async def scrape(session: aiohttp.ClientSession, url: str,
-                 headers: dict[str, str]) -> dict[str, float] | None:
+async def scrape(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str]
+) -> dict[str, float] | None:
     """The engine metrics at url, or None if the server has none."""
     try:
         async with session.get(url, headers=headers, timeout=_SCRAPE_TIMEOUT) as response:
@@ -85,8 +86,9 @@ class ServerMetricsWatcher:
     async def start(self) -> None:
         self.before = await scrape(self.session, self.url, self.headers)
         if self.before is None:
-            logger.info("no kvserve:/vllm: engine metrics at %s: server-side section skipped",
-                        self.url)
+            logger.info(
+                "no kvserve:/vllm: engine metrics at %s: server-side section skipped", self.url
+            )
             return
         self._poller = asyncio.create_task(self._poll_kv_usage())
 
@@ -113,9 +115,9 @@ class ServerMetricsWatcher:
         return server_delta(self.before, after, self.peak_kv_usage)
 
 
-def server_delta(before: dict[str, float], after: dict[str, float],
-                 peak_kv_usage: float) -> dict:
+def server_delta(before: dict[str, float], after: dict[str, float], peak_kv_usage: float) -> dict:
     """The run's preemptions, prefix-cache hit rate (None without queries) and peak KV use."""
+
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
@@ -126,7 +128,8 @@ def server_delta(before: dict[str, float], after: dict[str, float],
         "server_prefix_cache_queries": int(num_queries),
         "server_prefix_cache_hits": int(delta("prefix_cache_hits")),
         "server_prefix_cache_hit_rate": delta("prefix_cache_hits") / num_queries
-        if num_queries > 0 else None,
+        if num_queries > 0
+        else None,
         "server_peak_kv_cache_usage": peak,
     }
 
@@ -136,9 +139,11 @@ def format_server_report(figures: dict) -> str:
     hit_rate = figures["server_prefix_cache_hit_rate"]
     hit_rate_text = f"{hit_rate * 100:<10.2f}" if hit_rate is not None else "n/a"
     peak_kv_percent = figures["server_peak_kv_cache_usage"] * 100
-    lines = [f"{'Server-side (/metrics delta)':-^50}",
-             f"{'Preemptions:':<40} {figures['server_num_preemptions']:<10}",
-             f"{'Prefix cache hit rate (%):':<40} {hit_rate_text}",
-             f"{'Peak KV-cache usage (%):':<40} {peak_kv_percent:<10.2f}",
-             "=" * 50]
+    lines = [
+        f"{'Server-side (/metrics delta)':-^50}",
+        f"{'Preemptions:':<40} {figures['server_num_preemptions']:<10}",
+        f"{'Prefix cache hit rate (%):':<40} {hit_rate_text}",
+        f"{'Peak KV-cache usage (%):':<40} {peak_kv_percent:<10.2f}",
+        "=" * 50,
+    ]
     return "\n".join(lines)

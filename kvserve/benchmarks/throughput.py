@@ -20,16 +20,16 @@ def add_parser(kinds) -> None:
     p = kinds.add_parser("throughput", help="offline throughput (many prompts at once)")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=256)
-    p.add_argument("--random-output-len", "--output-len", dest="output_len", type=int,
-                   default=128)
+    p.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=128)
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--save-result", default=None, help="write the figures to this JSON file")
     add_struct_args(p, EngineConfig, positional=("model",))
     p.set_defaults(func=run)
 
 
-def random_prompts(num_prompts: int, input_len: int, vocab_size: int, special_ids: set[int],
-                   seed: int) -> list[list[int]]:
+def random_prompts(
+    num_prompts: int, input_len: int, vocab_size: int, special_ids: set[int], seed: int
+) -> list[list[int]]:
     """Token-id prompts drawn uniformly from the non-special vocabulary."""
     rng = np.random.default_rng(seed)
     allowed = np.array([i for i in range(vocab_size) if i not in special_ids])
@@ -43,10 +43,14 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM.from_config(struct_from_args(EngineConfig, args))
     tokenizer = llm.get_tokenizer()
-    prompts = random_prompts(args.num_prompts, args.input_len, len(tokenizer),
-                             set(tokenizer.all_special_ids), args.bench_seed)
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=1.0,
-                            top_p=1.0)
+    prompts = random_prompts(
+        args.num_prompts,
+        args.input_len,
+        len(tokenizer),
+        set(tokenizer.all_special_ids),
+        args.bench_seed,
+    )
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=1.0, top_p=1.0)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -61,9 +65,11 @@ def run(args: argparse.Namespace) -> int:
         "output_tokens_per_second": num_out / elapsed,
         "dtype": llm.config.model.dtype,
     }
-    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
-          f"{result['tokens_per_second']:.2f} total tokens/s, "
-          f"{result['output_tokens_per_second']:.2f} output tokens/s")
+    print(
+        f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+        f"{result['tokens_per_second']:.2f} total tokens/s, "
+        f"{result['output_tokens_per_second']:.2f} output tokens/s"
+    )
     if args.save_result:
         with open(args.save_result, "w") as f:
             json.dump(result, f, indent=2)

@@ -44,20 +44,26 @@ class IncrementalDetokenizer:
             inline whatever its value.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 spaces_between_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         # Only slow tokenizers need added tokens decoded apart from the rest.
         self._added_vocab: dict[str, int] = (
-            {} if getattr(tokenizer, "is_fast", True) else tokenizer.get_added_vocab())
+            {} if getattr(tokenizer, "is_fast", True) else tokenizer.get_added_vocab()
+        )
         self._special_tokens = set(tokenizer.all_special_tokens) if self._added_vocab else set()
         # Two extra prompt tokens so that skipped special tokens still leave enough context.
-        self.tokens = self._convert(prompt_token_ids[-(_NUM_PROMPT_CONTEXT_TOKENS + 2):])
+        self.tokens = self._convert(prompt_token_ids[-(_NUM_PROMPT_CONTEXT_TOKENS + 2) :])
         self.read_offset = len(self.tokens)
         self.prefix_offset = max(self.read_offset - _NUM_PROMPT_CONTEXT_TOKENS, 0)
-        self._prefix_text = self._to_string(self.tokens[self.prefix_offset:self.read_offset])
+        self._prefix_text = self._to_string(self.tokens[self.prefix_offset : self.read_offset])
         self._output_text = ""
 
     @property
@@ -72,22 +78,23 @@ class IncrementalDetokenizer:
             new_token_ids: the ids generated since the last call, in order.
         """
         self.tokens.extend(self._convert(new_token_ids))
-        new_text = self._to_string(self.tokens[self.prefix_offset:])
+        new_text = self._to_string(self.tokens[self.prefix_offset :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             # A character is still incomplete (or the tokens added no text): hold it back
             # and decode it again, with the tokens that complete it, next step.
             return ""
-        delta = new_text[len(self._prefix_text):]
+        delta = new_text[len(self._prefix_text) :]
         # The emitted window becomes the next step's decoding context.
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.tokens)
-        self._prefix_text = self._to_string(self.tokens[self.prefix_offset:self.read_offset])
+        self._prefix_text = self._to_string(self.tokens[self.prefix_offset : self.read_offset])
         self._output_text += delta
         return delta
 
     def _convert(self, token_ids: list[int]) -> list[str]:
         tokens = self.tokenizer.convert_ids_to_tokens(
-            token_ids, skip_special_tokens=self.skip_special_tokens)
+            token_ids, skip_special_tokens=self.skip_special_tokens
+        )
         # Ids past the tokenizer's vocabulary (models pad their embedding) have no text.
         return [token for token in tokens if token is not None]
 

@@ -65,15 +65,20 @@ class _EngineView:
 
 class DPRouter:
     """Args:
-        routing: "load" or "prefix" (see the module docstring).
-        block_size: the engines' tokens per KV block.
-        hash_fn: the engines' block hash function (None: prefix caching is off, so `prefix`
-            routing degrades to `load`).
-        prefix_slack: score margin within which a prefix holder is preferred.
+    routing: "load" or "prefix" (see the module docstring).
+    block_size: the engines' tokens per KV block.
+    hash_fn: the engines' block hash function (None: prefix caching is off, so `prefix`
+        routing degrades to `load`).
+    prefix_slack: score margin within which a prefix holder is preferred.
     """
 
-    def __init__(self, routing: DPRouting, block_size: int, hash_fn: HashFn | None,
-                 prefix_slack: int = PREFIX_LOAD_SLACK):
+    def __init__(
+        self,
+        routing: DPRouting,
+        block_size: int,
+        hash_fn: HashFn | None,
+        prefix_slack: int = PREFIX_LOAD_SLACK,
+    ):
         if routing not in ("load", "prefix"):
             raise ValueError(f"unknown DP routing {routing!r}: use 'load' or 'prefix'")
         assert block_size > 0, block_size
@@ -106,16 +111,20 @@ class DPRouter:
             if view is not None:
                 view.num_waiting, view.num_running = load.num_waiting, load.num_running
 
-    def block_hashes(self, prompt_token_ids: Sequence[int],
-                     extra_keys: bytes | None = None) -> list[bytes]:
+    def block_hashes(
+        self, prompt_token_ids: Sequence[int], extra_keys: bytes | None = None
+    ) -> list[bytes]:
         """The prompt's full-block hash chain, as the engines compute it (prefix mode only)."""
         if self.routing != "prefix" or self.hash_fn is None:
             return []
-        return hash_new_full_blocks(self.hash_fn, self.block_size, prompt_token_ids, [],
-                                    extra_keys)
+        return hash_new_full_blocks(self.hash_fn, self.block_size, prompt_token_ids, [], extra_keys)
 
-    def choose(self, prompt_token_ids: Sequence[int], extra_keys: bytes | None = None,
-               candidate_ids: Iterable[int] | None = None) -> int:
+    def choose(
+        self,
+        prompt_token_ids: Sequence[int],
+        extra_keys: bytes | None = None,
+        candidate_ids: Iterable[int] | None = None,
+    ) -> int:
         """Pick the engine for one request and count it there until the next load table.
 
         Args:
@@ -123,8 +132,11 @@ class DPRouter:
             extra_keys: the request's extra hash keys (cache salt), as the engine mixes them.
             candidate_ids: engines that may take it (default: every engine in the router).
         """
-        candidates = sorted(self._engines if candidate_ids is None else
-                            (i for i in candidate_ids if i in self._engines))
+        candidates = sorted(
+            self._engines
+            if candidate_ids is None
+            else (i for i in candidate_ids if i in self._engines)
+        )
         if not candidates:
             raise ValueError("no engine core can take requests: every engine is dead")
         block_hashes = self.block_hashes(prompt_token_ids, extra_keys)
@@ -138,8 +150,9 @@ class DPRouter:
         view.remember(block_hashes)
         return chosen
 
-    def _prefer_prefix_holder(self, candidate_ids: list[int], least_loaded: int,
-                              block_hashes: list[bytes]) -> int:
+    def _prefer_prefix_holder(
+        self, candidate_ids: list[int], least_loaded: int, block_hashes: list[bytes]
+    ) -> int:
         """The engine with the most leading blocks among those within the slack; the least
         loaded engine when nobody holds any."""
         max_score = self.score(least_loaded) + self.prefix_slack

@@ -11,12 +11,12 @@ import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from kvserve.shared.sampling_params import SamplingParams
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.shared.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
@@ -41,9 +41,9 @@ class StatsTotals:
 
 class EngineClient:
     """Args:
-        tokenizer_info: the model's tokenizer and stop ids.
-        max_model_len: the engine's effective max_model_len (from its ready message).
-        model_name: the name the API serves the model under.
+    tokenizer_info: the model's tokenizer and stop ids.
+    max_model_len: the engine's effective max_model_len (from its ready message).
+    model_name: the name the API serves the model under.
     """
 
     def __init__(self, tokenizer_info: TokenizerInfo, max_model_len: int, model_name: str):
@@ -88,9 +88,14 @@ class EngineClient:
         """(engine index, latest stats, counter sums) of every engine core, for /metrics."""
         return [(0, self.latest_stats, self.stats_totals)]
 
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0
-                       ) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield cumulative RequestOutputs until the last one (finished=True).
 
         Closing the generator early (a client that went away) aborts the request.
@@ -98,25 +103,29 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         queue: asyncio.Queue = asyncio.Queue()
-        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids,
-                                                      params)
+        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         self.queues[request_id] = queue
         finished = False
         try:
-            await self._send_requests(make_engine_requests(
-                child_ids, prompt_token_ids, params, priority, self.tokenizer_info))
+            await self._send_requests(
+                make_engine_requests(
+                    child_ids, prompt_token_ids, params, priority, self.tokenizer_info
+                )
+            )
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
                 if finished:
-                    logger.info("request %s finished (%s): %d prompt + %d output tokens, "
-                                "%d cached", request_id,
-                                ",".join(str(c.finish_reason) for c in item.outputs),
-                                len(prompt_token_ids),
-                                sum(len(c.token_ids) for c in item.outputs),
-                                item.num_cached_tokens)
+                    logger.info(
+                        "request %s finished (%s): %d prompt + %d output tokens, %d cached",
+                        request_id,
+                        ",".join(str(c.finish_reason) for c in item.outputs),
+                        len(prompt_token_ids),
+                        sum(len(c.token_ids) for c in item.outputs),
+                        item.num_cached_tokens,
+                    )
                 yield item
         finally:
             self.queues.pop(request_id, None)
@@ -155,6 +164,5 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         """The engine is gone: every waiting request ends with EngineDeadError."""
         self.dead_reason = reason
-        logger.error("engine dead: %s; failing %d in-flight requests", reason,
-                     len(self.queues))
+        logger.error("engine dead: %s; failing %d in-flight requests", reason, len(self.queues))
         self._fail_requests(list(self.queues), reason)

@@ -15,11 +15,11 @@ import psutil
 import zmq
 import zmq.asyncio
 
+from kvserve.services.api.engine_client import EngineDeadError, StatsTotals
 from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
 from kvserve.shared.messages import SchedulerStats
 from kvserve.shared.transport import EngineAddresses, MessageDecoder, bound_address, make_socket
-from kvserve.shared.wire import EngineReady, EngineHeartbeat, MsgType, this_hostname
-from kvserve.services.api.engine_client import EngineDeadError, StatsTotals
+from kvserve.shared.wire import EngineHeartbeat, EngineReady, MsgType, this_hostname
 
 
 class EngineChannel:
@@ -35,11 +35,11 @@ class EngineChannel:
         self.ctx = zmq.asyncio.Context()
         self.input_socket = make_socket(self.ctx, addresses.input_addr, zmq.ROUTER, bind=True)
         self.output_socket = make_socket(self.ctx, addresses.output_addr, zmq.PULL, bind=True)
-        self.addresses = EngineAddresses(bound_address(self.input_socket),
-                                         bound_address(self.output_socket))
+        self.addresses = EngineAddresses(
+            bound_address(self.input_socket), bound_address(self.output_socket)
+        )
 
-    async def wait_ready(self, timeout_s: float, engine_process=None
-                         ) -> tuple[bytes, EngineReady]:
+    async def wait_ready(self, timeout_s: float, engine_process=None) -> tuple[bytes, EngineReady]:
         """The engine's identity and handshake; EngineDeadError if it dies first.
 
         Args:
@@ -50,9 +50,9 @@ class EngineChannel:
         ready = await self.wait_all_ready(1, timeout_s, processes)
         return next(iter(ready.values()))
 
-    async def wait_all_ready(self, num_engines: int, timeout_s: float,
-                             engine_processes: dict[int, Any] | None = None
-                             ) -> dict[int, tuple[bytes, EngineReady]]:
+    async def wait_all_ready(
+        self, num_engines: int, timeout_s: float, engine_processes: dict[int, Any] | None = None
+    ) -> dict[int, tuple[bytes, EngineReady]]:
         """(identity, handshake) of num_engines engines by index; EngineDeadError if one of
         them dies (or says DEAD) first.
 
@@ -78,18 +78,24 @@ class EngineChannel:
                     return ready
             if self.output_socket in events:
                 msg_type, payload = output_decoder.decode(
-                    await self.output_socket.recv_multipart(copy=False))
+                    await self.output_socket.recv_multipart(copy=False)
+                )
                 if msg_type == MsgType.DEAD:
-                    raise EngineDeadError(f"engine core {payload.engine_index} failed to "
-                                          f"start: {payload.reason}")
+                    raise EngineDeadError(
+                        f"engine core {payload.engine_index} failed to start: {payload.reason}"
+                    )
             for process in (engine_processes or {}).values():
                 if not process.is_alive():
-                    raise EngineDeadError(f"engine core process {process.name} (pid "
-                                          f"{process.pid}) exited with code "
-                                          f"{process.exitcode} before it was ready")
+                    raise EngineDeadError(
+                        f"engine core process {process.name} (pid "
+                        f"{process.pid}) exited with code "
+                        f"{process.exitcode} before it was ready"
+                    )
         missing = sorted(set(range(num_engines)) - set(ready))
-        raise EngineDeadError(f"no READY from engine cores {missing} within {timeout_s:.0f} s "
-                              f"(raise {ENGINE_READY_TIMEOUT_S.name} for a slow model load)")
+        raise EngineDeadError(
+            f"no READY from engine cores {missing} within {timeout_s:.0f} s "
+            f"(raise {ENGINE_READY_TIMEOUT_S.name} for a slow model load)"
+        )
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -98,10 +104,10 @@ class EngineChannel:
 
 class EngineConnection:
     """Args:
-        identity: the engine's DEALER identity.
-        handshake: its READY message.
-        engine_process: its multiprocessing.Process when it is our child (named in errors);
-            otherwise the handshake's pids are watched when on this host.
+    identity: the engine's DEALER identity.
+    handshake: its READY message.
+    engine_process: its multiprocessing.Process when it is our child (named in errors);
+        otherwise the handshake's pids are watched when on this host.
     """
 
     def __init__(self, identity: bytes, handshake: EngineReady, engine_process=None):
@@ -128,8 +134,10 @@ class EngineConnection:
         stalled_s = time.monotonic() - self.last_progress_time
         if stalled_s <= stall_timeout_s:
             return None
-        return (f"engine core {self.engine_index} made no progress for {stalled_s:.0f} s "
-                f"with work queued (limit {stall_timeout_s:g} s)")
+        return (
+            f"engine core {self.engine_index} made no progress for {stalled_s:.0f} s "
+            f"with work queued (limit {stall_timeout_s:g} s)"
+        )
 
     def state(self, stall_timeout_s: float) -> str:
         """serving, stalled or dead (for /health)."""
@@ -145,8 +153,11 @@ class EngineConnection:
     def on_heartbeat(self, heartbeat: EngineHeartbeat, now: float) -> None:
         # An idle loop is not stuck: it has nothing to do.
         previous = self.last_heartbeat
-        progress = heartbeat.idle or previous is None or (
-            heartbeat.num_iterations != previous.num_iterations)
+        progress = (
+            heartbeat.idle
+            or previous is None
+            or (heartbeat.num_iterations != previous.num_iterations)
+        )
         self.on_message(now, progress)
         self.last_heartbeat = heartbeat
 
@@ -164,26 +175,36 @@ class EngineConnection:
     def describe(self, stall_timeout_s: float) -> dict:
         """One engine's entry in /health's body."""
         stats = self.latest_stats
-        entry = {"engine": self.engine_index, "state": self.state(stall_timeout_s),
-                 "hostname": self.handshake.hostname, "pid": self.handshake.pid,
-                 "num_running": stats.num_running_reqs if stats else 0,
-                 "num_waiting": stats.num_waiting_reqs if stats else 0}
+        entry = {
+            "engine": self.engine_index,
+            "state": self.state(stall_timeout_s),
+            "hostname": self.handshake.hostname,
+            "pid": self.handshake.pid,
+            "num_running": stats.num_running_reqs if stats else 0,
+            "num_waiting": stats.num_waiting_reqs if stats else 0,
+        }
         reason = self.dead_reason or self.stall_reason(stall_timeout_s)
         if reason is not None:
             entry["reason"] = reason
         return entry
 
 
-def _processes_to_watch(handshake: EngineReady, engine_process
-                        ) -> list[tuple[str, psutil.Process | None]]:
+def _processes_to_watch(
+    handshake: EngineReady, engine_process
+) -> list[tuple[str, psutil.Process | None]]:
     """(name, process) of the engine core and its workers, when they run on this host."""
     if handshake.hostname != this_hostname():
         return []  # remote engine: heartbeats are all we have
-    name = (f"engine core process {engine_process.name}" if engine_process is not None
-            else f"engine core {handshake.engine_index} process")
+    name = (
+        f"engine core process {engine_process.name}"
+        if engine_process is not None
+        else f"engine core {handshake.engine_index} process"
+    )
     named_pids = [(f"{name} (pid {handshake.pid})", handshake.pid)]
-    named_pids += [(f"worker process (pid {pid}) of engine core {handshake.engine_index}", pid)
-                   for pid in handshake.worker_pids]
+    named_pids += [
+        (f"worker process (pid {pid}) of engine core {handshake.engine_index}", pid)
+        for pid in handshake.worker_pids
+    ]
     watched = []
     for process_name, pid in named_pids:
         try:
@@ -196,7 +217,10 @@ def _processes_to_watch(handshake: EngineReady, engine_process
 def _is_alive(process: psutil.Process | None) -> bool:
     # is_running() also guards against pid reuse; a zombie has exited but is not reaped yet.
     try:
-        return (process is not None and process.is_running()
-                and process.status() != psutil.STATUS_ZOMBIE)
+        return (
+            process is not None
+            and process.is_running()
+            and process.status() != psutil.STATUS_ZOMBIE
+        )
     except psutil.NoSuchProcess:
         return False

@@ -17,35 +17,120 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, \
-    generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvserve.services.api.outputs import RequestOutput
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_ITL_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 _GAUGES = (
-    ("kvserve:num_requests_running", "Requests in the engine's running batch.",
-     lambda stats: stats.num_running_reqs),
-    ("kvserve:num_requests_waiting", "Requests waiting to be scheduled.",
-     lambda stats: stats.num_waiting_reqs),
-    ("kvserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-     lambda stats: stats.kv_cache_usage),
+    (
+        "kvserve:num_requests_running",
+        "Requests in the engine's running batch.",
+        lambda stats: stats.num_running_reqs,
+    ),
+    (
+        "kvserve:num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        lambda stats: stats.num_waiting_reqs,
+    ),
+    (
+        "kvserve:kv_cache_usage_perc",
+        "Fraction of KV-cache blocks in use (0..1).",
+        lambda stats: stats.kv_cache_usage,
+    ),
 )
 _COUNTERS = (
-    ("kvserve:num_preemptions", "Requests preempted by the scheduler.",
-     lambda totals: totals.num_preemptions),
-    ("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-     lambda totals: totals.prefix_cache_queries),
-    ("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-     lambda totals: totals.prefix_cache_hits),
+    (
+        "kvserve:num_preemptions",
+        "Requests preempted by the scheduler.",
+        lambda totals: totals.num_preemptions,
+    ),
+    (
+        "kvserve:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        lambda totals: totals.prefix_cache_queries,
+    ),
+    (
+        "kvserve:prefix_cache_hits",
+        "Prompt tokens found in the prefix cache.",
+        lambda totals: totals.prefix_cache_hits,
+    ),
 )
 
 
@@ -76,14 +161,19 @@ class _EngineStatsCollector:
                 family.add_metric(label_values(engine_index), read(totals))
             yield family
         if labelled:
-            states = {entry["engine"]: entry["state"]
-                      for entry in self.engine_client.health_report()["engines"]}
-            family = GaugeMetricFamily("kvserve:engine_up",
-                                       "1 while the engine core serves, 0 once it is gone.",
-                                       labels=names)
+            states = {
+                entry["engine"]: entry["state"]
+                for entry in self.engine_client.health_report()["engines"]
+            }
+            family = GaugeMetricFamily(
+                "kvserve:engine_up",
+                "1 while the engine core serves, 0 once it is gone.",
+                labels=names,
+            )
             for engine_index, _, _ in per_engine:
-                family.add_metric(label_values(engine_index),
-                                  float(states.get(engine_index) != "dead"))
+                family.add_metric(
+                    label_values(engine_index), float(states.get(engine_index) != "dead")
+                )
             yield family
 
 
@@ -104,36 +194,47 @@ class ApiMetrics:
             return Counter(name, doc, labels, registry=self.registry).labels(model_name)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(
+                model_name
+            )
 
         self.prompt_tokens = counter("kvserve:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("kvserve:generation_tokens", "Generated tokens.")
         self.request_success = Counter(
-            "kvserve:request_success", "Requests that finished, by finish reason.",
-            labels + ["finished_reason"], registry=self.registry)
+            "kvserve:request_success",
+            "Requests that finished, by finish reason.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
         self.model_name = model_name
         self.time_to_first_token = histogram(
-            "kvserve:time_to_first_token_seconds", "Time to the first generated token.",
-            _TTFT_BUCKETS)
+            "kvserve:time_to_first_token_seconds",
+            "Time to the first generated token.",
+            _TTFT_BUCKETS,
+        )
         self.inter_token_latency = histogram(
-            "kvserve:inter_token_latency_seconds", "Time between two outputs of a request.",
-            _ITL_BUCKETS)
+            "kvserve:inter_token_latency_seconds",
+            "Time between two outputs of a request.",
+            _ITL_BUCKETS,
+        )
         self.e2e_request_latency = histogram(
-            "kvserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
-            _REQUEST_BUCKETS)
+            "kvserve:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            _REQUEST_BUCKETS,
+        )
         self.request_queue_time = histogram(
             "kvserve:request_queue_time_seconds",
             "Time from arrival to the first output (approximates the time spent waiting).",
-            _REQUEST_BUCKETS)
+            _REQUEST_BUCKETS,
+        )
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    async def observe(self, outputs: AsyncIterator[RequestOutput],
-                      arrival_time: float | None = None
-                      ) -> AsyncGenerator[RequestOutput, None]:
+    async def observe(
+        self, outputs: AsyncIterator[RequestOutput], arrival_time: float | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Pass one request's cumulative outputs through, timing them on the way.
 
         Args:
@@ -162,7 +263,8 @@ class ApiMetrics:
                     self.e2e_request_latency.observe(now - arrival)
                     for completion in output.outputs:
                         self.request_success.labels(
-                            self.model_name, completion.finish_reason or "abort").inc()
+                            self.model_name, completion.finish_reason or "abort"
+                        ).inc()
                 yield output
         finally:
             await outputs.aclose()

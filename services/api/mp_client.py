@@ -30,18 +30,33 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, ENGINE_HEARTBEAT_TIMEOUT_S, \
-    ENGINE_READY_TIMEOUT_S, ENGINE_STALL_TIMEOUT_S
-from kvserve.shared.hashing import get_hash_fn, make_extra_keys
-from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from kvserve.shared.transport import MessageDecoder, MessageEncoder, make_socket
-from kvserve.shared.wire import EngineHeartbeat, EngineStats, GetStats, LoadTable, MsgType, Ping, \
-    ResetPrefixCache, UtilityCall, UtilityMethod, UtilityOutput, UtilityResult
 from kvserve.services.api.dp_router import DPRouter, DPRouting
 from kvserve.services.api.engine_client import EngineClient, EngineDeadError, StatsTotals
 from kvserve.services.api.engine_connection import EngineChannel, EngineConnection
 from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.shared.env import (
+    ENGINE_HEARTBEAT_INTERVAL_S,
+    ENGINE_HEARTBEAT_TIMEOUT_S,
+    ENGINE_READY_TIMEOUT_S,
+    ENGINE_STALL_TIMEOUT_S,
+)
+from kvserve.shared.hashing import get_hash_fn, make_extra_keys
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.shared.transport import MessageDecoder, MessageEncoder, make_socket
+from kvserve.shared.wire import (
+    EngineHeartbeat,
+    EngineStats,
+    GetStats,
+    LoadTable,
+    MsgType,
+    Ping,
+    ResetPrefixCache,
+    UtilityCall,
+    UtilityMethod,
+    UtilityOutput,
+    UtilityResult,
+)
 
 logger = init_logger(__name__)
 
@@ -54,21 +69,28 @@ class EngineStalledError(EngineDeadError):
 
 class MPEngineClient(EngineClient):
     """Args:
-        tokenizer_info: the model's tokenizer and stop ids.
-        model_name: the name the API serves the model under.
-        channel: the bound sockets; every engine has said READY on them.
-        engines: one EngineConnection per engine core.
-        routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
-        load_table_addr: the DP coordinator's PUB address (None: no coordinator).
+    tokenizer_info: the model's tokenizer and stop ids.
+    model_name: the name the API serves the model under.
+    channel: the bound sockets; every engine has said READY on them.
+    engines: one EngineConnection per engine core.
+    routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
+    load_table_addr: the DP coordinator's PUB address (None: no coordinator).
     """
 
-    def __init__(self, tokenizer_info: TokenizerInfo, model_name: str, channel: EngineChannel,
-                 engines: list[EngineConnection], routing: DPRouting = "load",
-                 load_table_addr: str | None = None):
+    def __init__(
+        self,
+        tokenizer_info: TokenizerInfo,
+        model_name: str,
+        channel: EngineChannel,
+        engines: list[EngineConnection],
+        routing: DPRouting = "load",
+        load_table_addr: str | None = None,
+    ):
         assert engines, "a client needs at least one engine core"
         first = engines[0].handshake
-        super().__init__(tokenizer_info, min(e.handshake.max_model_len for e in engines),
-                         model_name)
+        super().__init__(
+            tokenizer_info, min(e.handshake.max_model_len for e in engines), model_name
+        )
         self.channel = channel
         self.engines = {engine.engine_index: engine for engine in engines}
         self.router = _make_router(engines, routing)
@@ -81,19 +103,31 @@ class MPEngineClient(EngineClient):
         self._utility_futures: dict[int, tuple[int, asyncio.Future]] = {}
         self._child_engine: dict[str, int] = {}  # engine-core request id -> engine index
         self._dead_event = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._process_outputs(), name="engine-outputs"),
-                       asyncio.create_task(self._watch_liveness(), name="engine-liveness")]
+        self._tasks = [
+            asyncio.create_task(self._process_outputs(), name="engine-outputs"),
+            asyncio.create_task(self._watch_liveness(), name="engine-liveness"),
+        ]
         if load_table_addr is not None:
-            self._tasks.append(asyncio.create_task(self._receive_load_tables(load_table_addr),
-                                                   name="dp-load-table"))
+            self._tasks.append(
+                asyncio.create_task(
+                    self._receive_load_tables(load_table_addr), name="dp-load-table"
+                )
+            )
 
     @classmethod
-    async def connect(cls, channel: EngineChannel, tokenizer_info: TokenizerInfo,
-                      model_name: str, engine_process=None,
-                      ready_timeout_s: float | None = None, *, num_engines: int = 1,
-                      engine_processes: dict[int, Any] | None = None,
-                      routing: DPRouting = "load",
-                      load_table_addr: str | None = None) -> MPEngineClient:
+    async def connect(
+        cls,
+        channel: EngineChannel,
+        tokenizer_info: TokenizerInfo,
+        model_name: str,
+        engine_process=None,
+        ready_timeout_s: float | None = None,
+        *,
+        num_engines: int = 1,
+        engine_processes: dict[int, Any] | None = None,
+        routing: DPRouting = "load",
+        load_table_addr: str | None = None,
+    ) -> MPEngineClient:
         """Wait for READY from engines 0..num_engines-1 on `channel`; return a running client.
 
         Args:
@@ -108,9 +142,14 @@ class MPEngineClient(EngineClient):
         engines = []
         for engine_index in sorted(ready):
             identity, handshake = ready[engine_index]
-            logger.info("engine core %d ready (pid %d on %s): %d KV blocks, max_model_len %d",
-                        engine_index, handshake.pid, handshake.hostname, handshake.num_blocks,
-                        handshake.max_model_len)
+            logger.info(
+                "engine core %d ready (pid %d on %s): %d KV blocks, max_model_len %d",
+                engine_index,
+                handshake.pid,
+                handshake.hostname,
+                handshake.num_blocks,
+                handshake.max_model_len,
+            )
             engines.append(EngineConnection(identity, handshake, processes.get(engine_index)))
         return cls(tokenizer_info, model_name, channel, engines, routing, load_table_addr)
 
@@ -122,12 +161,14 @@ class MPEngineClient(EngineClient):
 
     @property
     def watched_processes(self) -> list:
-        return [watched for engine in self.engines.values()
-                for watched in engine.watched_processes]
+        return [watched for engine in self.engines.values() for watched in engine.watched_processes]
 
     def _serving_engines(self) -> list[EngineConnection]:
-        return [engine for engine in self.engines.values()
-                if engine.state(self.stall_timeout_s) == "serving"]
+        return [
+            engine
+            for engine in self.engines.values()
+            if engine.state(self.stall_timeout_s) == "serving"
+        ]
 
     @property
     def is_healthy(self) -> bool:
@@ -138,20 +179,27 @@ class MPEngineClient(EngineClient):
         """Why no engine takes requests while some live, or None while one serves."""
         if self.dead_reason is not None or self._serving_engines():
             return None
-        return "; ".join(engine.stall_reason(self.stall_timeout_s)
-                         for engine in self.engines.values() if engine.is_alive)
+        return "; ".join(
+            engine.stall_reason(self.stall_timeout_s)
+            for engine in self.engines.values()
+            if engine.is_alive
+        )
 
     def health_report(self) -> dict:
-        engines = [engine.describe(self.stall_timeout_s)
-                   for _, engine in sorted(self.engines.items())]
+        engines = [
+            engine.describe(self.stall_timeout_s) for _, engine in sorted(self.engines.items())
+        ]
         num_serving = sum(entry["state"] == "serving" for entry in engines)
-        status = ("healthy" if num_serving == len(engines) else
-                  "degraded" if num_serving else "unhealthy")
+        status = (
+            "healthy" if num_serving == len(engines) else "degraded" if num_serving else "unhealthy"
+        )
         return {"status": status, "engines": engines}
 
     def per_engine_stats(self) -> list[tuple[int, SchedulerStats | None, StatsTotals]]:
-        return [(index, engine.latest_stats, engine.stats_totals)
-                for index, engine in sorted(self.engines.items())]
+        return [
+            (index, engine.latest_stats, engine.stats_totals)
+            for index, engine in sorted(self.engines.items())
+        ]
 
     async def check_health(self) -> None:
         """Raise EngineDeadError when dead, EngineStalledError while no engine serves."""
@@ -173,10 +221,16 @@ class MPEngineClient(EngineClient):
         engine.dead_reason = reason
         self.router.remove_engine(engine.engine_index)
         num_alive = sum(e.is_alive for e in self.engines.values())
-        logger.error("engine core %d is gone (%s); failing its %d in-flight requests; %d of "
-                     "%d engine cores left", engine.engine_index, reason,
-                     len(engine.request_ids), num_alive, len(self.engines))
-        for call_id, (engine_index, future) in list(self._utility_futures.items()):
+        logger.error(
+            "engine core %d is gone (%s); failing its %d in-flight requests; %d of "
+            "%d engine cores left",
+            engine.engine_index,
+            reason,
+            len(engine.request_ids),
+            num_alive,
+            len(self.engines),
+        )
+        for engine_index, future in list(self._utility_futures.values()):
             if engine_index == engine.engine_index and not future.done():
                 future.set_exception(EngineDeadError(reason))
         self._fail_requests(list(engine.request_ids), reason)
@@ -197,8 +251,9 @@ class MPEngineClient(EngineClient):
 
     # ------------------------------------------------------------------ utilities
 
-    async def call_utility(self, method: UtilityMethod, timeout_s: float | None = None,
-                           engine_index: int | None = None) -> UtilityResult:
+    async def call_utility(
+        self, method: UtilityMethod, timeout_s: float | None = None, engine_index: int | None = None
+    ) -> UtilityResult:
         """Run a utility in one engine's busy loop (between two steps) and return its result.
 
         Args:
@@ -224,22 +279,27 @@ class MPEngineClient(EngineClient):
             raise EngineDeadError(self.dead_reason)
         if engine_index is not None:
             if engine_index not in self.engines:
-                raise ValueError(f"no engine core {engine_index}: engines are "
-                                 f"{sorted(self.engines)}")
+                raise ValueError(
+                    f"no engine core {engine_index}: engines are {sorted(self.engines)}"
+                )
             return self.engines[engine_index]
         return next(e for _, e in sorted(self.engines.items()) if e.is_alive)
 
     async def reset_prefix_cache(self) -> bool:
         """Reset every live engine's prefix cache; True when all of them did."""
-        results = [await self.call_utility(ResetPrefixCache(), engine_index=index)
-                   for index, engine in sorted(self.engines.items()) if engine.is_alive]
+        results = [
+            await self.call_utility(ResetPrefixCache(), engine_index=index)
+            for index, engine in sorted(self.engines.items())
+            if engine.is_alive
+        ]
         return all(results)
 
     async def get_stats(self, engine_index: int | None = None) -> EngineStats:
         return await self.call_utility(GetStats(), engine_index=engine_index)
 
-    async def ping(self, timeout_s: float | None = None,
-                   engine_index: int | None = None) -> EngineHeartbeat:
+    async def ping(
+        self, timeout_s: float | None = None, engine_index: int | None = None
+    ) -> EngineHeartbeat:
         """Answered by the busy loop itself: proves it is not stuck."""
         return await self.call_utility(Ping(), timeout_s, engine_index)
 
@@ -252,9 +312,13 @@ class MPEngineClient(EngineClient):
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
             serving = [e.engine_index for e in self._serving_engines()]
-            engine = self.engines[self.router.choose(
-                first.prompt_token_ids, make_extra_keys(first.cache_salt),
-                candidate_ids=serving or None)]
+            engine = self.engines[
+                self.router.choose(
+                    first.prompt_token_ids,
+                    make_extra_keys(first.cache_salt),
+                    candidate_ids=serving or None,
+                )
+            ]
             try:
                 for request in requests:
                     await self._send(engine, MsgType.ADD, request)
@@ -267,8 +331,7 @@ class MPEngineClient(EngineClient):
         if parent is not None:
             engine.request_ids.add(parent.request_id)
             if len(self.engines) > 1:
-                logger.debug("request %s -> engine core %d", parent.request_id,
-                             engine.engine_index)
+                logger.debug("request %s -> engine core %d", parent.request_id, engine.engine_index)
         for request in requests:
             self._child_engine[request.request_id] = engine.engine_index
 
@@ -296,8 +359,7 @@ class MPEngineClient(EngineClient):
         try:
             await self.channel.input_socket.send_multipart(frames, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the engine's DEALER is gone
-            self._engine_died(engine, f"engine core {engine.engine_index} is unreachable: "
-                                      f"{exc}")
+            self._engine_died(engine, f"engine core {engine.engine_index} is unreachable: {exc}")
             raise EngineDeadError(engine.dead_reason) from exc
 
     async def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
@@ -307,8 +369,9 @@ class MPEngineClient(EngineClient):
         await super()._handle_outputs(outputs)
 
     async def _process_outputs(self) -> None:
-        decoder = MessageDecoder((MsgType.OUTPUTS, MsgType.UTILITY_OUTPUT, MsgType.HEARTBEAT,
-                                  MsgType.DEAD))
+        decoder = MessageDecoder(
+            (MsgType.OUTPUTS, MsgType.UTILITY_OUTPUT, MsgType.HEARTBEAT, MsgType.DEAD)
+        )
         socket = self.channel.output_socket
         try:
             while self.dead_reason is None:
@@ -327,8 +390,9 @@ class MPEngineClient(EngineClient):
                     engine.on_heartbeat(payload, now)
                 else:
                     assert msg_type == MsgType.DEAD, msg_type
-                    self._engine_died(engine, f"engine core {payload.engine_index} died: "
-                                              f"{payload.reason}")
+                    self._engine_died(
+                        engine, f"engine core {payload.engine_index} died: {payload.reason}"
+                    )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail the requests rather than hang them
@@ -342,8 +406,7 @@ class MPEngineClient(EngineClient):
         if future is None or future.done():
             return  # the caller timed out or went away
         if output.failure_message is not None:
-            future.set_exception(RuntimeError(f"engine utility failed: "
-                                              f"{output.failure_message}"))
+            future.set_exception(RuntimeError(f"engine utility failed: {output.failure_message}"))
         else:
             future.set_result(output.result)
 
@@ -362,9 +425,12 @@ class MPEngineClient(EngineClient):
                     continue
                 silence_s = now - engine.last_message_time
                 if silence_s > self.heartbeat_timeout_s and not waiting:
-                    self._engine_died(engine, f"engine core {engine.engine_index} sent nothing "
-                                              f"for {silence_s:.1f} s: its process is gone or "
-                                              f"frozen")
+                    self._engine_died(
+                        engine,
+                        f"engine core {engine.engine_index} sent nothing "
+                        f"for {silence_s:.1f} s: its process is gone or "
+                        f"frozen",
+                    )
 
     async def _receive_load_tables(self, load_table_addr: str) -> None:
         """Feed the coordinator's load tables to the router."""
@@ -399,15 +465,26 @@ class MPEngineClient(EngineClient):
 def _make_router(engines: list[EngineConnection], routing: DPRouting) -> DPRouter:
     """A router that hashes prompts as every engine does (they must agree)."""
     first = engines[0].handshake
-    hashing = {(e.handshake.block_size, e.handshake.enable_prefix_caching,
-                e.handshake.prefix_caching_hash_algo) for e in engines}
+    hashing = {
+        (
+            e.handshake.block_size,
+            e.handshake.enable_prefix_caching,
+            e.handshake.prefix_caching_hash_algo,
+        )
+        for e in engines
+    }
     if routing == "prefix" and len(hashing) > 1:
-        raise ValueError(f"prefix routing needs engine cores that hash blocks alike; they "
-                         f"report (block_size, prefix caching, hash algo) {sorted(hashing)}: "
-                         f"start them with the same --block-size and "
-                         f"--prefix-caching-hash-algo")
-    hash_fn = (get_hash_fn(first.prefix_caching_hash_algo)
-               if routing == "prefix" and first.enable_prefix_caching else None)
+        raise ValueError(
+            f"prefix routing needs engine cores that hash blocks alike; they "
+            f"report (block_size, prefix caching, hash algo) {sorted(hashing)}: "
+            f"start them with the same --block-size and "
+            f"--prefix-caching-hash-algo"
+        )
+    hash_fn = (
+        get_hash_fn(first.prefix_caching_hash_algo)
+        if routing == "prefix" and first.enable_prefix_caching
+        else None
+    )
     router = DPRouter(routing, first.block_size, hash_fn)
     for engine in engines:
         router.add_engine(engine.engine_index, engine.handshake.num_blocks)

@@ -12,19 +12,23 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
-from kvserve.shared.sampling_params import SamplingParams
 from kvserve.services.api.detokenizer import IncrementalDetokenizer, check_stop_strings
 from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
+from kvserve.shared.sampling_params import SamplingParams
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
-def make_engine_requests(child_ids: list[str], prompt_token_ids: list[int],
-                         params: SamplingParams, priority: int, tokenizer_info
-                         ) -> list[EngineCoreRequest]:
+def make_engine_requests(
+    child_ids: list[str],
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    priority: int,
+    tokenizer_info,
+) -> list[EngineCoreRequest]:
     """One EngineCoreRequest per child; child i of a seeded request gets seed + i."""
     if tokenizer_info.extra_stop_token_ids and not params.ignore_eos:
         stop_ids = list(params.stop_token_ids or ()) + tokenizer_info.extra_stop_token_ids
@@ -36,8 +40,11 @@ def make_engine_requests(child_ids: list[str], prompt_token_ids: list[int],
         if params.n > 1:
             seed = None if params.seed is None else params.seed + index
             child_params = msgspec.structs.replace(params, n=1, seed=seed)
-        requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params,
-                                          tokenizer_info.eos_token_id, now, priority))
+        requests.append(
+            EngineCoreRequest(
+                child_id, prompt_token_ids, child_params, tokenizer_info.eos_token_id, now, priority
+            )
+        )
     return requests
 
 
@@ -61,7 +68,7 @@ class _Parent:
 
 class OutputProcessor:
     """Args:
-        tokenizer: a HF tokenizer, or None to return token ids only.
+    tokenizer: a HF tokenizer, or None to return token ids only.
     """
 
     def __init__(self, tokenizer):
@@ -69,21 +76,26 @@ class OutputProcessor:
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, _Parent] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[str]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> list[str]:
         """Track a request; returns the engine-core ids of its n children."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        parent = _Parent(request_id, prompt, prompt_token_ids, params,
-                         num_unfinished=params.n)
+        parent = _Parent(request_id, prompt, prompt_token_ids, params, num_unfinished=params.n)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         for index in range(params.n):
             child_id = child_request_id(request_id, index, params.n)
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                               params.skip_special_tokens)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, params.skip_special_tokens
+                )
             parent.children[child_id] = _Child(CompletionOutput(index=index), detok)
             self.child_to_parent[child_id] = parent
         self.parents[request_id] = parent
@@ -101,8 +113,9 @@ class OutputProcessor:
             self.child_to_parent.pop(child_id, None)
         return list(parent.children)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]
-                        ) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Returns (updated request outputs, engine-core ids to abort after a stop string)."""
         changed: dict[str, _Parent] = {}
         to_abort: list[str] = []
@@ -148,8 +161,9 @@ class OutputProcessor:
         comp.text = child.detokenizer.output_text
         if not (params.stop and new_text):
             return False
-        hit = check_stop_strings(comp.text, len(new_text), params.stop,
-                                 params.include_stop_str_in_output)
+        hit = check_stop_strings(
+            comp.text, len(new_text), params.stop, params.include_stop_str_in_output
+        )
         if hit is None:
             return False
         stop_str, truncate_to = hit
@@ -176,14 +190,24 @@ class OutputProcessor:
 
     @staticmethod
     def _make_output(parent: _Parent, finished: bool) -> RequestOutput:
-        completions = [CompletionOutput(
-            index=c.completion.index, text=c.completion.text,
-            token_ids=list(c.completion.token_ids),
-            cumulative_logprob=c.completion.cumulative_logprob,
-            logprobs=list(c.completion.logprobs) if c.completion.logprobs is not None else None,
-            finish_reason=c.completion.finish_reason, stop_reason=c.completion.stop_reason,
-        ) for c in parent.children.values()]
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             completions, finished,
-                             list(parent.prompt_logprobs) if parent.prompt_logprobs else None,
-                             parent.num_cached_tokens)
+        completions = [
+            CompletionOutput(
+                index=c.completion.index,
+                text=c.completion.text,
+                token_ids=list(c.completion.token_ids),
+                cumulative_logprob=c.completion.cumulative_logprob,
+                logprobs=list(c.completion.logprobs) if c.completion.logprobs is not None else None,
+                finish_reason=c.completion.finish_reason,
+                stop_reason=c.completion.stop_reason,
+            )
+            for c in parent.children.values()
+        ]
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            completions,
+            finished,
+            list(parent.prompt_logprobs) if parent.prompt_logprobs else None,
+            parent.num_cached_tokens,
+        )

@@ -16,9 +16,21 @@ from msgspec import UNSET, UnsetType
 
 # Sampling knobs that map one to one onto SamplingParams (None = SamplingParams' default).
 SAMPLING_FIELDS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
 )
 
 
@@ -32,11 +44,17 @@ class APIError(Exception):
         err_type: OpenAI's error type; derived from the status when None.
     """
 
-    _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-              500: "InternalServerError", 503: "ServiceUnavailableError"}
+    _TYPES = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
 
-    def __init__(self, status_code: int, message: str, param: str | None = None,
-                 err_type: str | None = None):
+    def __init__(
+        self, status_code: int, message: str, param: str | None = None, err_type: str | None = None
+    ):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -44,8 +62,7 @@ class APIError(Exception):
         self.err_type = err_type or self._TYPES.get(status_code, "BadRequestError")
 
     def to_body(self) -> ErrorResponse:
-        return ErrorResponse(ErrorInfo(self.message, self.err_type, self.param,
-                                       self.status_code))
+        return ErrorResponse(ErrorInfo(self.message, self.err_type, self.param, self.status_code))
 
 
 class ErrorInfo(msgspec.Struct):
@@ -68,8 +85,9 @@ def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
         return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
         match = _VALIDATION_PATH.search(str(exc))
-        raise APIError(400, f"invalid request: {exc}",
-                       param=match.group(1) if match else None) from None
+        raise APIError(
+            400, f"invalid request: {exc}", param=match.group(1) if match else None
+        ) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
 
@@ -107,8 +125,9 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling knobs the client set, with SamplingParams' names."""
-        return {name: value for name in SAMPLING_FIELDS
-                if (value := getattr(self, name)) is not None}
+        return {
+            name: value for name in SAMPLING_FIELDS if (value := getattr(self, name)) is not None
+        }
 
     @property
     def include_usage(self) -> bool:
@@ -179,8 +198,9 @@ class UsageInfo(msgspec.Struct):
 
     @classmethod
     def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
-        return cls(num_prompt_tokens, num_completion_tokens,
-                   num_prompt_tokens + num_completion_tokens)
+        return cls(
+            num_prompt_tokens, num_completion_tokens, num_prompt_tokens + num_completion_tokens
+        )
 
 
 class CompletionLogprobs(msgspec.Struct):

@@ -26,14 +26,23 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.shared.logging import init_logger
 from kvserve.services.api.engine_client import EngineClient, EngineDeadError
 from kvserve.services.api.metrics import ApiMetrics
-from kvserve.services.api.protocol import APIError, ChatCompletionRequest, CompletionRequest, \
-    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, \
-    TokenizeResponse, decode_request
+from kvserve.services.api.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    decode_request,
+)
 from kvserve.services.api.serving_chat import OpenAIServingChat
 from kvserve.services.api.serving_completions import OpenAIServingCompletion
+from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
 
@@ -41,8 +50,9 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def json_response(body: msgspec.Struct, status_code: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status_code,
-                    media_type="application/json")
+    return Response(
+        msgspec.json.encode(body), status_code=status_code, media_type="application/json"
+    )
 
 
 def error_response(exc: APIError) -> Response:
@@ -61,8 +71,7 @@ def _with_errors(endpoint: Endpoint) -> Endpoint:
             return error_response(APIError(503, f"the engine is dead: {exc}"))
         except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the server
             logger.exception("%s %s failed", request.method, request.url.path)
-            return error_response(APIError(500, f"internal error: {type(exc).__name__}: "
-                                                f"{exc}"))
+            return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     return wrapped
 
@@ -78,16 +87,21 @@ class _APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                response = error_response(APIError(
-                    401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    err_type="AuthenticationError"))
+                response = error_response(
+                    APIError(
+                        401,
+                        "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                        err_type="AuthenticationError",
+                    )
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-def build_app(engine_client: EngineClient, *, served_model_name: str,
-              api_key: str | None = None) -> Starlette:
+def build_app(
+    engine_client: EngineClient, *, served_model_name: str, api_key: str | None = None
+) -> Starlette:
     """The HTTP app over one engine client.
 
     Args:
@@ -108,15 +122,20 @@ def build_app(engine_client: EngineClient, *, served_model_name: str,
         return await chat.create_chat_completion(body, request)
 
     async def list_models(request: Request) -> Response:
-        card = ModelCard(id=served_model_name, root=engine_client.model_name,
-                         max_model_len=engine_client.max_model_len)
+        card = ModelCard(
+            id=served_model_name,
+            root=engine_client.model_name,
+            max_model_len=engine_client.max_model_len,
+        )
         return json_response(ModelList(data=[card]))
 
     async def health(request: Request) -> Response:
         # Degraded (some engines gone) still serves: 200, and the body says which are gone.
-        return Response(msgspec.json.encode(engine_client.health_report()),
-                        status_code=200 if engine_client.is_healthy else 503,
-                        media_type="application/json")
+        return Response(
+            msgspec.json.encode(engine_client.health_report()),
+            status_code=200 if engine_client.is_healthy else 503,
+            media_type="application/json",
+        )
 
     async def metrics_endpoint(request: Request) -> Response:
         text, content_type = metrics.render()
@@ -131,17 +150,20 @@ def build_app(engine_client: EngineClient, *, served_model_name: str,
             token_ids = chat.apply_chat_template(body.messages, body.add_generation_prompt)
         else:
             token_ids = engine_client.tokenizer_info.tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens)
-        return json_response(TokenizeResponse(len(token_ids), engine_client.max_model_len,
-                                              list(token_ids)))
+                body.prompt, add_special_tokens=body.add_special_tokens
+            )
+        return json_response(
+            TokenizeResponse(len(token_ids), engine_client.max_model_len, list(token_ids))
+        )
 
     async def detokenize(request: Request) -> Response:
         body = decode_request(await request.body(), DetokenizeRequest)
         completions.check_model(body.model)
         if body.tokens:
             completions.check_token_ids(body.tokens, "tokens")
-        return json_response(DetokenizeResponse(
-            engine_client.tokenizer_info.tokenizer.decode(body.tokens)))
+        return json_response(
+            DetokenizeResponse(engine_client.tokenizer_info.tokenizer.decode(body.tokens))
+        )
 
     routes = [
         Route("/v1/completions", _with_errors(create_completion), methods=["POST"]),

@@ -1,10 +1,10 @@
 """What the completions and chat handlers share: checks, sampling params, fan-out, SSE.
 
-    handler ──check_model / make_sampling_params──▶ generate(prompts)
-                                                     │ one EngineClient.generate per prompt,
-                                                     │ each timed by ApiMetrics.observe
-                                                     ▼
-                                     merge_async_iterators ──▶ (prompt_index, RequestOutput)
+handler ──check_model / make_sampling_params──▶ generate(prompts)
+                                                 │ one EngineClient.generate per prompt,
+                                                 │ each timed by ApiMetrics.observe
+                                                 ▼
+                                 merge_async_iterators ──▶ (prompt_index, RequestOutput)
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from kvserve.shared.sampling_params import SamplingParams
 from kvserve.services.api.detokenizer import num_held_back_chars
 from kvserve.services.api.engine_client import EngineClient, EngineDeadError
 from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.services.api.protocol import SAMPLING_FIELDS, APIError
+from kvserve.shared.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
@@ -42,13 +42,12 @@ def sse_event(body: msgspec.Struct) -> bytes:
 
 class OpenAIServing:
     """Args:
-        engine_client: where requests go.
-        served_model_name: the only model name requests may ask for.
-        metrics: the app's metrics (each request is timed).
+    engine_client: where requests go.
+    served_model_name: the only model name requests may ask for.
+    metrics: the app's metrics (each request is timed).
     """
 
-    def __init__(self, engine_client: EngineClient, served_model_name: str,
-                 metrics: ApiMetrics):
+    def __init__(self, engine_client: EngineClient, served_model_name: str, metrics: ApiMetrics):
         self.engine_client = engine_client
         self.served_model_name = served_model_name
         self.metrics = metrics
@@ -71,8 +70,11 @@ class OpenAIServing:
     def check_engine(self) -> None:
         """Fail before a stream starts (a stream's status is sent before its first chunk)."""
         if not self.engine_client.is_healthy:
-            reason = self.engine_client.dead_reason or getattr(
-                self.engine_client, "stall_reason", None) or "the engine is not healthy"
+            reason = (
+                self.engine_client.dead_reason
+                or getattr(self.engine_client, "stall_reason", None)
+                or "the engine is not healthy"
+            )
             raise EngineDeadError(reason)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
@@ -82,8 +84,14 @@ class OpenAIServing:
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param=param)
 
-    def make_sampling_params(self, request, num_prompt_tokens: int, max_tokens: int | None,
-                             prompt_param: str, **overrides: Any) -> SamplingParams:
+    def make_sampling_params(
+        self,
+        request,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        prompt_param: str,
+        **overrides: Any,
+    ) -> SamplingParams:
         """SamplingParams for one prompt; limits are checked as vLLM words them.
 
         Args:
@@ -95,19 +103,25 @@ class OpenAIServing:
         """
         max_model_len = self.engine_client.max_model_len
         if num_prompt_tokens >= max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} "
-                                f"tokens. However, your request has {num_prompt_tokens} input "
-                                f"tokens. Please reduce the length of the input.",
-                           param=prompt_param)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} "
+                f"tokens. However, your request has {num_prompt_tokens} input "
+                f"tokens. Please reduce the length of the input.",
+                param=prompt_param,
+            )
         if max_tokens is None:
             max_tokens = max_model_len - num_prompt_tokens
         elif max_tokens >= 1 and num_prompt_tokens + max_tokens > max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} "
-                                f"tokens. However, you requested "
-                                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} "
-                                f"in the input, {max_tokens} in the completion). Please reduce "
-                                f"the length of the input or of the completion.",
-                           param="max_tokens")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} "
+                f"tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} "
+                f"in the input, {max_tokens} in the completion). Please reduce "
+                f"the length of the input or of the completion.",
+                param="max_tokens",
+            )
         kwargs = request.sampling_kwargs() | overrides
         try:
             return SamplingParams(max_tokens=max_tokens, **kwargs)
@@ -117,25 +131,30 @@ class OpenAIServing:
             known = field in SAMPLING_FIELDS or field in overrides or field == "max_tokens"
             raise APIError(400, str(exc), param=field if known else None) from None
 
-    def generate(self, request_id: str, prompts: list[PromptInput],
-                 params_list: list[SamplingParams], priority: int
-                 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    def generate(
+        self,
+        request_id: str,
+        prompts: list[PromptInput],
+        params_list: list[SamplingParams],
+        priority: int,
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Submit every prompt; yield (prompt index, cumulative RequestOutput) as they come.
 
         Closing the returned generator aborts whatever is still running.
         """
         streams = []
-        for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list,
-                                                                  strict=True)):
+        for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
             engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-            stream = self.engine_client.generate(engine_request_id, text, token_ids, params,
-                                                 priority)
+            stream = self.engine_client.generate(
+                engine_request_id, text, token_ids, params, priority
+            )
             streams.append(self.metrics.observe(stream))
         return merge_async_iterators(streams)
 
 
-async def merge_async_iterators(iterators: list[AsyncIterator[T]]
-                                ) -> AsyncGenerator[tuple[int, T], None]:
+async def merge_async_iterators(
+    iterators: list[AsyncIterator[T]],
+) -> AsyncGenerator[tuple[int, T], None]:
     """Interleave several async iterators as items arrive; yields (iterator index, item).
 
     Each iterator is drained by its own task. When the consumer stops early (a disconnected
@@ -196,8 +215,9 @@ class StreamedChoice:
         self.started = False
         self.finished = False
 
-    def next_delta(self, completion: CompletionOutput, want_tokens: bool
-                   ) -> tuple[str, int, str | None] | None:
+    def next_delta(
+        self, completion: CompletionOutput, want_tokens: bool
+    ) -> tuple[str, int, str | None] | None:
         """(text, first new token position, finish_reason) to send, or None for nothing.
 
         Args:
@@ -210,7 +230,7 @@ class StreamedChoice:
         text_end = len(completion.text)
         if finish_reason is None:
             text_end = max(self.num_sent_chars, text_end - self.holdback)
-        text = completion.text[self.num_sent_chars:text_end]
+        text = completion.text[self.num_sent_chars : text_end]
         has_new_tokens = len(completion.token_ids) > self.num_sent_tokens
         if not (text or finish_reason or (want_tokens and has_new_tokens)):
             return None

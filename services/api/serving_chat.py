@@ -10,16 +10,39 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvserve.services.api.outputs import Logprob, RequestOutput
+from kvserve.services.api.protocol import (
+    UNSET,
+    APIError,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobEntry,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    now_seconds,
+)
+from kvserve.services.api.serving_base import (
+    MIN_LOGPROB,
+    SSE_DONE,
+    OpenAIServing,
+    SSEResponse,
+    StreamedChoice,
+    count_usage,
+    error_event,
+    raise_if_failed,
+    run_until_disconnected,
+    sse_event,
+    stop_holdback,
+)
 from kvserve.shared.logging import init_logger
 from kvserve.shared.sampling_params import SamplingParams
-from kvserve.services.api.outputs import Logprob, RequestOutput
-from kvserve.services.api.protocol import UNSET, APIError, ChatChoice, ChatCompletionRequest, \
-    ChatCompletionResponse, ChatCompletionStreamResponse, ChatLogprobEntry, ChatLogprobs, \
-    ChatMessage, ChatResponseMessage, ChatStreamChoice, DeltaMessage, TopLogprob, UsageInfo, \
-    now_seconds
-from kvserve.services.api.serving_base import MIN_LOGPROB, SSE_DONE, OpenAIServing, SSEResponse, \
-    StreamedChoice, count_usage, error_event, raise_if_failed, run_until_disconnected, \
-    sse_event, stop_holdback
 
 logger = init_logger(__name__)
 
@@ -31,8 +54,11 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
         content = message.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
-                raise APIError(400, "only text content parts are supported "
-                                    "({'type': 'text', 'text': ...})", param="messages")
+                raise APIError(
+                    400,
+                    "only text content parts are supported ({'type': 'text', 'text': ...})",
+                    param="messages",
+                )
             content = "\n".join(part.text for part in content)
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
@@ -44,9 +70,13 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
 class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint (see OpenAIServing for the constructor's arguments)."""
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                            continue_final_message: bool = False,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
         """Token ids of the templated conversation; a template failure is a 400."""
         if not messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
@@ -57,64 +87,104 @@ class OpenAIServingChat(OpenAIServing):
             add_generation_prompt = False
         try:
             return self.engine_client.tokenizer_info.apply_chat_template(
-                messages_to_dicts(messages), add_generation_prompt, **kwargs)
+                messages_to_dicts(messages), add_generation_prompt, **kwargs
+            )
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise APIError(400, f"the chat template failed: {exc}", param="messages") from None
 
-    async def create_chat_completion(self, request: ChatCompletionRequest,
-                                     raw_request: Request) -> Response:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
         """Validate, template, submit, and answer with JSON or an SSE stream."""
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         prompt_token_ids = self.apply_chat_template(
-            request.messages, request.add_generation_prompt, request.continue_final_message,
-            request.chat_template_kwargs)
+            request.messages,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            request.chat_template_kwargs,
+        )
         self.check_token_ids(prompt_token_ids, "messages")
-        max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
-                      else request.max_tokens)
+        max_tokens = (
+            request.max_completion_tokens
+            if request.max_completion_tokens is not None
+            else request.max_tokens
+        )
         params = self.make_sampling_params(
-            request, len(prompt_token_ids), max_tokens, "messages",
-            logprobs=(request.top_logprobs or 0) if request.logprobs else None)
+            request,
+            len(prompt_token_ids),
+            max_tokens,
+            "messages",
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        )
         self.check_engine()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if request.stream:
             return SSEResponse(self._stream(request_id, request, prompt_token_ids, params))
         return await run_until_disconnected(
-            raw_request, self._complete(request_id, request, prompt_token_ids, params))
+            raw_request, self._complete(request_id, request, prompt_token_ids, params)
+        )
 
     # ------------------------------------------------------------------ non-streaming
 
-    async def _complete(self, request_id: str, request: ChatCompletionRequest,
-                        prompt_token_ids: list[int], params: SamplingParams) -> Response:
+    async def _complete(
+        self,
+        request_id: str,
+        request: ChatCompletionRequest,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> Response:
         final: RequestOutput | None = None
-        async with aclosing(self.generate(request_id, [(None, prompt_token_ids)], [params],
-                                          request.priority)) as results:
+        async with aclosing(
+            self.generate(request_id, [(None, prompt_token_ids)], [params], request.priority)
+        ) as results:
             async for _, output in results:
                 final = output
         assert final is not None and final.finished, "the request's stream ended early"
         raise_if_failed(final)
-        choices = [ChatChoice(
-            completion.index, ChatResponseMessage("assistant", completion.text),
-            self._logprobs(completion.token_ids, completion.logprobs, request)
-            if request.logprobs else None,
-            completion.finish_reason, completion.stop_reason)
-            for completion in final.outputs]
-        body = ChatCompletionResponse(id=request_id, model=self.served_model_name,
-                                      choices=choices, usage=UsageInfo.of(*count_usage([final])))
+        choices = [
+            ChatChoice(
+                completion.index,
+                ChatResponseMessage("assistant", completion.text),
+                self._logprobs(completion.token_ids, completion.logprobs, request)
+                if request.logprobs
+                else None,
+                completion.finish_reason,
+                completion.stop_reason,
+            )
+            for completion in final.outputs
+        ]
+        body = ChatCompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=choices,
+            usage=UsageInfo.of(*count_usage([final])),
+        )
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     # ------------------------------------------------------------------ streaming
 
-    async def _stream(self, request_id: str, request: ChatCompletionRequest,
-                      prompt_token_ids: list[int], params: SamplingParams):
+    async def _stream(
+        self,
+        request_id: str,
+        request: ChatCompletionRequest,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ):
         created = now_seconds()
         usage = None if request.include_usage else UNSET
 
         def chunk(choices: list[ChatStreamChoice]) -> bytes:
-            return sse_event(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.served_model_name, choices=choices,
-                usage=usage))
+            return sse_event(
+                ChatCompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=self.served_model_name,
+                    choices=choices,
+                    usage=usage,
+                )
+            )
 
         final: RequestOutput | None = None
         streamed = [StreamedChoice(stop_holdback(params)) for _ in range(params.n)]
@@ -122,24 +192,36 @@ class OpenAIServingChat(OpenAIServing):
             # OpenAI opens every choice with the role and empty content.
             for index in range(params.n):
                 yield chunk([ChatStreamChoice(index, DeltaMessage("assistant", ""), None, None)])
-            async with aclosing(self.generate(request_id, [(None, prompt_token_ids)], [params],
-                                              request.priority)) as results:
+            async with aclosing(
+                self.generate(request_id, [(None, prompt_token_ids)], [params], request.priority)
+            ) as results:
                 async for _, final in results:
                     raise_if_failed(final)
                     for completion in final.outputs:
                         delta = streamed[completion.index].next_delta(
-                            completion, want_tokens=request.logprobs)
+                            completion, want_tokens=request.logprobs
+                        )
                         if delta is None:
                             continue
                         text, first_token, finish_reason = delta
                         logprobs = None
                         if request.logprobs:
-                            logprobs = self._logprobs(completion.token_ids[first_token:],
-                                                      (completion.logprobs or [])[first_token:],
-                                                      request)
-                        yield chunk([ChatStreamChoice(
-                            completion.index, DeltaMessage(content=text), logprobs,
-                            finish_reason, completion.stop_reason if finish_reason else None)])
+                            logprobs = self._logprobs(
+                                completion.token_ids[first_token:],
+                                (completion.logprobs or [])[first_token:],
+                                request,
+                            )
+                        yield chunk(
+                            [
+                                ChatStreamChoice(
+                                    completion.index,
+                                    DeltaMessage(content=text),
+                                    logprobs,
+                                    finish_reason,
+                                    completion.stop_reason if finish_reason else None,
+                                )
+                            ]
+                        )
             if request.include_usage:
                 usage = UsageInfo.of(*count_usage([final]))
                 yield chunk([])
@@ -150,8 +232,12 @@ class OpenAIServingChat(OpenAIServing):
 
     # ------------------------------------------------------------------ logprobs
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
-                  request: ChatCompletionRequest) -> ChatLogprobs:
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[dict[int, Logprob]] | None,
+        request: ChatCompletionRequest,
+    ) -> ChatLogprobs:
         """OpenAI's chat logprobs: per token, its logprob and the `top_logprobs` best."""
         num_top = request.top_logprobs or 0
         entries = []
@@ -163,9 +249,19 @@ class OpenAIServingChat(OpenAIServing):
             top = []
             for top_id, top_logprob in best[:num_top]:
                 top_token = self.token_text(top_id, top_logprob)
-                top.append(TopLogprob(top_token, max(top_logprob.logprob, MIN_LOGPROB),
-                                      list(top_token.encode("utf-8"))))
-            entries.append(ChatLogprobEntry(
-                token, max(chosen.logprob, MIN_LOGPROB) if chosen else MIN_LOGPROB,
-                list(token.encode("utf-8")), top))
+                top.append(
+                    TopLogprob(
+                        top_token,
+                        max(top_logprob.logprob, MIN_LOGPROB),
+                        list(top_token.encode("utf-8")),
+                    )
+                )
+            entries.append(
+                ChatLogprobEntry(
+                    token,
+                    max(chosen.logprob, MIN_LOGPROB) if chosen else MIN_LOGPROB,
+                    list(token.encode("utf-8")),
+                    top,
+                )
+            )
         return ChatLogprobs(entries)

@@ -9,14 +9,34 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvserve.services.api.outputs import Logprob, RequestOutput
+from kvserve.services.api.protocol import (
+    UNSET,
+    APIError,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    UsageInfo,
+    now_seconds,
+)
+from kvserve.services.api.serving_base import (
+    MIN_LOGPROB,
+    SSE_DONE,
+    OpenAIServing,
+    PromptInput,
+    SSEResponse,
+    StreamedChoice,
+    count_usage,
+    error_event,
+    raise_if_failed,
+    run_until_disconnected,
+    sse_event,
+    stop_holdback,
+)
 from kvserve.shared.logging import init_logger
 from kvserve.shared.sampling_params import SamplingParams
-from kvserve.services.api.outputs import Logprob, RequestOutput
-from kvserve.services.api.protocol import UNSET, APIError, CompletionChoice, CompletionLogprobs, \
-    CompletionRequest, CompletionResponse, CompletionStreamResponse, UsageInfo, now_seconds
-from kvserve.services.api.serving_base import MIN_LOGPROB, SSE_DONE, OpenAIServing, PromptInput, \
-    SSEResponse, StreamedChoice, count_usage, error_event, raise_if_failed, \
-    run_until_disconnected, sse_event, stop_holdback
 
 logger = init_logger(__name__)
 
@@ -24,24 +44,30 @@ logger = init_logger(__name__)
 class OpenAIServingCompletion(OpenAIServing):
     """The completions endpoint (see OpenAIServing for the constructor's arguments)."""
 
-    async def create_completion(self, request: CompletionRequest,
-                                raw_request: Request) -> Response:
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Validate, submit every prompt, and answer with JSON or an SSE stream."""
         self.check_model(request.model)
         prompts = self._prompt_inputs(request.prompt)
         # echo + logprobs also reports the prompt's logprobs, as OpenAI's API did.
         prompt_logprobs = request.logprobs if request.echo else None
         params_list = [
-            self.make_sampling_params(request, len(token_ids), request.max_tokens, "prompt",
-                                      logprobs=request.logprobs,
-                                      prompt_logprobs=prompt_logprobs)
-            for _, token_ids in prompts]
+            self.make_sampling_params(
+                request,
+                len(token_ids),
+                request.max_tokens,
+                "prompt",
+                logprobs=request.logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+            for _, token_ids in prompts
+        ]
         self.check_engine()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if request.stream:
             return SSEResponse(self._stream(request_id, request, prompts, params_list))
         return await run_until_disconnected(
-            raw_request, self._complete(request_id, request, prompts, params_list))
+            raw_request, self._complete(request_id, request, prompts, params_list)
+        )
 
     def _prompt_inputs(self, prompt: str | list) -> list[PromptInput]:
         """The prompt field as a list of (text, token ids), whatever form it came in."""
@@ -52,9 +78,12 @@ class OpenAIServingCompletion(OpenAIServing):
         elif prompt and all(isinstance(p, (str, list)) for p in prompt):
             items = prompt
         else:
-            raise APIError(400, "prompt must be a string, a list of strings, a list of token "
-                                "ids or a list of token-id lists, not empty and not mixed",
-                           param="prompt")
+            raise APIError(
+                400,
+                "prompt must be a string, a list of strings, a list of token "
+                "ids or a list of token-id lists, not empty and not mixed",
+                param="prompt",
+            )
         inputs = []
         for item in items:
             if isinstance(item, str):
@@ -72,12 +101,17 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------------ non-streaming
 
-    async def _complete(self, request_id: str, request: CompletionRequest,
-                        prompts: list[PromptInput], params_list: list[SamplingParams]
-                        ) -> Response:
+    async def _complete(
+        self,
+        request_id: str,
+        request: CompletionRequest,
+        prompts: list[PromptInput],
+        params_list: list[SamplingParams],
+    ) -> Response:
         final: list[RequestOutput | None] = [None] * len(prompts)
-        async with aclosing(self.generate(request_id, prompts, params_list,
-                                          request.priority)) as results:
+        async with aclosing(
+            self.generate(request_id, prompts, params_list, request.priority)
+        ) as results:
             async for prompt_index, output in results:
                 final[prompt_index] = output
         choices = []
@@ -91,21 +125,38 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.logprobs is not None:
                     logprobs = CompletionLogprobs()
                     if request.echo:
-                        self._add_logprobs(logprobs, output.prompt_token_ids,
-                                           output.prompt_logprobs, 0)
-                    self._add_logprobs(logprobs, completion.token_ids, completion.logprobs,
-                                       _next_offset(logprobs))
-                choices.append(CompletionChoice(
-                    prompt_index * request.n + completion.index, text, logprobs,
-                    completion.finish_reason, completion.stop_reason))
-        body = CompletionResponse(id=request_id, model=self.served_model_name,
-                                  choices=choices, usage=UsageInfo.of(*count_usage(final)))
+                        self._add_logprobs(
+                            logprobs, output.prompt_token_ids, output.prompt_logprobs, 0
+                        )
+                    self._add_logprobs(
+                        logprobs, completion.token_ids, completion.logprobs, _next_offset(logprobs)
+                    )
+                choices.append(
+                    CompletionChoice(
+                        prompt_index * request.n + completion.index,
+                        text,
+                        logprobs,
+                        completion.finish_reason,
+                        completion.stop_reason,
+                    )
+                )
+        body = CompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=choices,
+            usage=UsageInfo.of(*count_usage(final)),
+        )
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     # ------------------------------------------------------------------ streaming
 
-    async def _stream(self, request_id: str, request: CompletionRequest,
-                      prompts: list[PromptInput], params_list: list[SamplingParams]):
+    async def _stream(
+        self,
+        request_id: str,
+        request: CompletionRequest,
+        prompts: list[PromptInput],
+        params_list: list[SamplingParams],
+    ):
         created = now_seconds()
         want_logprobs = request.logprobs is not None
         usage = None if request.include_usage else UNSET
@@ -113,18 +164,21 @@ class OpenAIServingCompletion(OpenAIServing):
         streamed: dict[tuple[int, int], StreamedChoice] = {}
         next_offsets: dict[tuple[int, int], int] = {}
         try:
-            async with aclosing(self.generate(request_id, prompts, params_list,
-                                              request.priority)) as results:
+            async with aclosing(
+                self.generate(request_id, prompts, params_list, request.priority)
+            ) as results:
                 async for prompt_index, output in results:
                     final[prompt_index] = output
                     raise_if_failed(output)
                     for completion in output.outputs:
                         key = (prompt_index, completion.index)
                         if key not in streamed:
-                            prefix = self._prompt_text(prompts[prompt_index]) \
-                                if request.echo else ""
+                            prefix = (
+                                self._prompt_text(prompts[prompt_index]) if request.echo else ""
+                            )
                             streamed[key] = StreamedChoice(
-                                stop_holdback(params_list[prompt_index]), prefix)
+                                stop_holdback(params_list[prompt_index]), prefix
+                            )
                         state = streamed[key]
                         is_first = not state.started
                         delta = state.next_delta(completion, want_tokens=want_logprobs)
@@ -137,25 +191,47 @@ class OpenAIServingCompletion(OpenAIServing):
                             # Offsets run on across chunks, from where the last one ended.
                             offset = next_offsets.get(key, 0)
                             if is_first and request.echo:
-                                self._add_logprobs(logprobs, output.prompt_token_ids,
-                                                   output.prompt_logprobs, offset)
+                                self._add_logprobs(
+                                    logprobs,
+                                    output.prompt_token_ids,
+                                    output.prompt_logprobs,
+                                    offset,
+                                )
                                 offset = _next_offset(logprobs)
-                            self._add_logprobs(logprobs,
-                                               completion.token_ids[first_token:],
-                                               (completion.logprobs or [])[first_token:],
-                                               offset)
+                            self._add_logprobs(
+                                logprobs,
+                                completion.token_ids[first_token:],
+                                (completion.logprobs or [])[first_token:],
+                                offset,
+                            )
                             if logprobs.tokens:
                                 next_offsets[key] = _next_offset(logprobs)
                         choice = CompletionChoice(
-                            prompt_index * request.n + completion.index, text, logprobs,
-                            finish_reason, completion.stop_reason if finish_reason else None)
-                        yield sse_event(CompletionStreamResponse(
-                            id=request_id, created=created, model=self.served_model_name,
-                            choices=[choice], usage=usage))
+                            prompt_index * request.n + completion.index,
+                            text,
+                            logprobs,
+                            finish_reason,
+                            completion.stop_reason if finish_reason else None,
+                        )
+                        yield sse_event(
+                            CompletionStreamResponse(
+                                id=request_id,
+                                created=created,
+                                model=self.served_model_name,
+                                choices=[choice],
+                                usage=usage,
+                            )
+                        )
             if request.include_usage:
-                yield sse_event(CompletionStreamResponse(
-                    id=request_id, created=created, model=self.served_model_name, choices=[],
-                    usage=UsageInfo.of(*count_usage(final))))
+                yield sse_event(
+                    CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.served_model_name,
+                        choices=[],
+                        usage=UsageInfo.of(*count_usage(final)),
+                    )
+                )
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
             logger.warning("completion stream %s failed: %r", request_id, exc)
             yield error_event(exc)
@@ -163,9 +239,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------------ logprobs
 
-    def _add_logprobs(self, out: CompletionLogprobs, token_ids: list[int],
-                      logprobs: list[dict[int, Logprob] | None] | None,
-                      text_offset: int) -> None:
+    def _add_logprobs(
+        self,
+        out: CompletionLogprobs,
+        token_ids: list[int],
+        logprobs: list[dict[int, Logprob] | None] | None,
+        text_offset: int,
+    ) -> None:
         """Append one entry per token to OpenAI's parallel lists.
 
         Args:
@@ -182,12 +262,15 @@ class OpenAIServingCompletion(OpenAIServing):
             out.tokens.append(token)
             out.text_offset.append(text_offset)
             text_offset += len(token)
-            out.token_logprobs.append(None if chosen is None
-                                      else max(chosen.logprob, MIN_LOGPROB))
-            out.top_logprobs.append(None if row is None else {
-                self.token_text(tid, lp): max(lp.logprob, MIN_LOGPROB)
-                for tid, lp in row.items()})
-
+            out.token_logprobs.append(None if chosen is None else max(chosen.logprob, MIN_LOGPROB))
+            out.top_logprobs.append(
+                None
+                if row is None
+                else {
+                    self.token_text(tid, lp): max(lp.logprob, MIN_LOGPROB)
+                    for tid, lp in row.items()
+                }
+            )
 
 
 def _next_offset(logprobs: CompletionLogprobs) -> int:

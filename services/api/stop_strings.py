@@ -11,8 +11,9 @@ detokenized text, not on ids. Only the tail that can hold a new match is searche
 from __future__ import annotations
 
 
-def check_stop_strings(output_text: str, new_char_count: int, stop: list[str],
-                       include_in_output: bool) -> tuple[str, int] | None:
+def check_stop_strings(
+    output_text: str, new_char_count: int, stop: list[str], include_in_output: bool
+) -> tuple[str, int] | None:
     """Returns (matched stop string, length to truncate output_text to), or None.
 
     When several stop strings match, the one that starts first wins (ties go to the one

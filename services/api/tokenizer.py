@@ -46,13 +46,14 @@ class TokenizerInfo:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 **kwargs)
+        ids = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

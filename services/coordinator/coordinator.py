@@ -21,11 +21,11 @@ import time
 import msgspec
 import zmq
 
+from kvserve.services.coordinator.load_table import EngineLoadTable
 from kvserve.shared.env import ENGINE_HEARTBEAT_TIMEOUT_S
 from kvserve.shared.logging import init_logger
 from kvserve.shared.transport import CoordinatorAddresses, bound_address, make_socket
 from kvserve.shared.wire import EngineLoad, LoadTable
-from kvserve.services.coordinator.load_table import EngineLoadTable
 
 logger = init_logger(__name__)
 
@@ -45,10 +45,10 @@ class DPCoordinator:
     def __init__(self, addresses: CoordinatorAddresses, stale_after_s: float):
         self._ctx = zmq.Context()
         self._stats_socket = make_socket(self._ctx, addresses.stats_addr, zmq.PULL, bind=True)
-        self._publish_socket = make_socket(self._ctx, addresses.publish_addr, zmq.PUB,
-                                           bind=True)
-        self.addresses = CoordinatorAddresses(bound_address(self._stats_socket),
-                                              bound_address(self._publish_socket))
+        self._publish_socket = make_socket(self._ctx, addresses.publish_addr, zmq.PUB, bind=True)
+        self.addresses = CoordinatorAddresses(
+            bound_address(self._stats_socket), bound_address(self._publish_socket)
+        )
         self.table = EngineLoadTable(stale_after_s)
         self._load_decoder = msgspec.msgpack.Decoder(EngineLoad)
         self._encoder = msgspec.msgpack.Encoder()
@@ -58,17 +58,24 @@ class DPCoordinator:
         last_publish_time = 0.0
         while True:
             now = time.monotonic()
-            wait_s = (PUBLISH_INTERVAL_S if self.table.changed
-                      else KEEPALIVE_S) - (now - last_publish_time)
+            wait_s = (PUBLISH_INTERVAL_S if self.table.changed else KEEPALIVE_S) - (
+                now - last_publish_time
+            )
             if self._stats_socket.poll(max(int(wait_s * 1000), 0) + 1):
                 self._receive_loads()
             now = time.monotonic()
             for engine_index in self.table.drop_stale(now):
-                logger.warning("engine core %d sent no load for %.1f s; dropped from the load "
-                               "table", engine_index, self.table.stale_after_s)
+                logger.warning(
+                    "engine core %d sent no load for %.1f s; dropped from the load table",
+                    engine_index,
+                    self.table.stale_after_s,
+                )
             since_publish_s = now - last_publish_time
-            if (self.table.changed and since_publish_s >= PUBLISH_INTERVAL_S
-                    or since_publish_s >= KEEPALIVE_S):
+            if (
+                self.table.changed
+                and since_publish_s >= PUBLISH_INTERVAL_S
+                or since_publish_s >= KEEPALIVE_S
+            ):
                 self._publish(now)
                 last_publish_time = now
             if parent_pid is not None and os.getppid() != parent_pid:
@@ -92,8 +99,9 @@ class DPCoordinator:
             self.table.update(load, now)
 
     def _publish(self, now: float) -> None:
-        self._publish_socket.send(self._encoder.encode(LoadTable(self.table.snapshot(),
-                                                                 time.time())))
+        self._publish_socket.send(
+            self._encoder.encode(LoadTable(self.table.snapshot(), time.time()))
+        )
         self.table.changed = False
 
     def close(self) -> None:
@@ -101,8 +109,9 @@ class DPCoordinator:
         self.addresses.remove_ipc_files()
 
 
-def run_coordinator(addresses: CoordinatorAddresses, ready_conn=None,
-                    watch_parent: bool = False) -> int:
+def run_coordinator(
+    addresses: CoordinatorAddresses, ready_conn=None, watch_parent: bool = False
+) -> int:
     """The coordinator process's body: bind, report the bound addresses, loop until SIGTERM.
 
     Args:
@@ -110,14 +119,18 @@ def run_coordinator(addresses: CoordinatorAddresses, ready_conn=None,
         ready_conn: a multiprocessing Connection that receives the bound addresses.
         watch_parent: exit when the launching process dies (a child of `kvserve serve`).
     """
+
     def _exit(signum, frame):
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, _exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN if watch_parent else _exit)
     coordinator = DPCoordinator(addresses, ENGINE_HEARTBEAT_TIMEOUT_S.get())
-    logger.info("DP coordinator collects loads on %s, publishes on %s",
-                coordinator.addresses.stats_addr, coordinator.addresses.publish_addr)
+    logger.info(
+        "DP coordinator collects loads on %s, publishes on %s",
+        coordinator.addresses.stats_addr,
+        coordinator.addresses.publish_addr,
+    )
     if ready_conn is not None:
         ready_conn.send(coordinator.addresses)
         ready_conn.close()
@@ -130,25 +143,31 @@ def run_coordinator(addresses: CoordinatorAddresses, ready_conn=None,
     return 0
 
 
-def start_coordinator_process(addresses: CoordinatorAddresses
-                              ) -> tuple[multiprocessing.Process, CoordinatorAddresses]:
+def start_coordinator_process(
+    addresses: CoordinatorAddresses,
+) -> tuple[multiprocessing.Process, CoordinatorAddresses]:
     """Spawn the coordinator (no torch in it); returns it and the addresses it bound."""
     spawn = multiprocessing.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe(duplex=False)
-    process = spawn.Process(target=_coordinator_main, name="DPCoordinator",
-                            args=(addresses, child_conn), daemon=True)
+    process = spawn.Process(
+        target=_coordinator_main, name="DPCoordinator", args=(addresses, child_conn), daemon=True
+    )
     process.start()
     child_conn.close()
     if not parent_conn.poll(_START_TIMEOUT_S):
         process.kill()
-        raise RuntimeError(f"the DP coordinator did not bind {addresses} within "
-                           f"{_START_TIMEOUT_S:.0f} s (exit code {process.exitcode})")
+        raise RuntimeError(
+            f"the DP coordinator did not bind {addresses} within "
+            f"{_START_TIMEOUT_S:.0f} s (exit code {process.exitcode})"
+        )
     try:
         bound = parent_conn.recv()
     except EOFError:
         process.join(5)
-        raise RuntimeError(f"the DP coordinator failed to bind {addresses} (exit code "
-                           f"{process.exitcode}); see its log above") from None
+        raise RuntimeError(
+            f"the DP coordinator failed to bind {addresses} (exit code "
+            f"{process.exitcode}); see its log above"
+        ) from None
     logger.info("started DP coordinator process (pid %d)", process.pid)
     return process, bound
 

@@ -42,8 +42,9 @@ class RegistrationServer:
         assignment: what every registered node receives.
     """
 
-    def __init__(self, rpc_addr: str, remote_engine_indices: set[int],
-                 assignment: EngineAssignment):
+    def __init__(
+        self, rpc_addr: str, remote_engine_indices: set[int], assignment: EngineAssignment
+    ):
         self.ctx = zmq.asyncio.Context()
         self.socket = make_socket(self.ctx, rpc_addr, zmq.ROUTER, bind=True)
         self.rpc_addr = rpc_addr
@@ -53,8 +54,9 @@ class RegistrationServer:
 
     async def serve(self) -> None:
         """Answer registrations until every remote rank has one; then close."""
-        logger.info("waiting on %s for headless engines %s", self.rpc_addr,
-                    sorted(self.pending_indices))
+        logger.info(
+            "waiting on %s for headless engines %s", self.rpc_addr, sorted(self.pending_indices)
+        )
         try:
             while self.pending_indices:
                 peer, payload = await self.socket.recv_multipart()
@@ -71,22 +73,31 @@ class RegistrationServer:
             return EngineAssignment(error=f"malformed registration: {exc}")
         unexpected = set(registration.engine_indices) - self.pending_indices
         if unexpected or not registration.engine_indices:
-            error = (f"engine ranks {sorted(unexpected)} are not expected here (waiting for "
-                     f"{sorted(self.pending_indices)}): check --data-parallel-start-rank and "
-                     f"--data-parallel-size-local of node {registration.hostname}")
+            error = (
+                f"engine ranks {sorted(unexpected)} are not expected here (waiting for "
+                f"{sorted(self.pending_indices)}): check --data-parallel-start-rank and "
+                f"--data-parallel-size-local of node {registration.hostname}"
+            )
             logger.error("refused a registration: %s", error)
             return EngineAssignment(error=error)
         self.pending_indices -= set(registration.engine_indices)
-        logger.info("headless node %s registered engines %s", registration.hostname,
-                    registration.engine_indices)
+        logger.info(
+            "headless node %s registered engines %s",
+            registration.hostname,
+            registration.engine_indices,
+        )
         return self.assignment
 
     def close(self) -> None:
         self.ctx.destroy(linger=1000)  # lets the last answer out
 
 
-def register_engines(rpc_addr: str, registration: EngineRegistration, timeout_s: float,
-                     stop: threading.Event | None = None) -> EngineAssignment | None:
+def register_engines(
+    rpc_addr: str,
+    registration: EngineRegistration,
+    timeout_s: float,
+    stop: threading.Event | None = None,
+) -> EngineAssignment | None:
     """The headless node's side: register, and return the addresses to connect to (None when
     `stop` was set first).
 
@@ -98,8 +109,9 @@ def register_engines(rpc_addr: str, registration: EngineRegistration, timeout_s:
     try:
         sock = make_socket(ctx, rpc_addr, zmq.DEALER, bind=False)
         sock.send(msgspec.msgpack.encode(registration))
-        logger.info("registering engines %s with the front end at %s",
-                    registration.engine_indices, rpc_addr)
+        logger.info(
+            "registering engines %s with the front end at %s", registration.engine_indices, rpc_addr
+        )
         deadline = time.monotonic() + timeout_s
         # Short polls, so a SIGTERM (which sets `stop`) is noticed.
         while not sock.poll(_POLL_MS):
@@ -109,11 +121,13 @@ def register_engines(rpc_addr: str, registration: EngineRegistration, timeout_s:
                 raise TimeoutError(
                     f"no answer from the front-end node at {rpc_addr} within {timeout_s:.0f} "
                     f"s: is `kvserve serve --data-parallel-address ... "
-                    f"--data-parallel-rpc-port ...` running there?")
+                    f"--data-parallel-rpc-port ...` running there?"
+                )
         assignment = msgspec.msgpack.decode(sock.recv(), type=EngineAssignment)
     finally:
         ctx.destroy(linger=0)
     if assignment.error is not None:
-        raise ValueError(f"the front-end node refused engines {registration.engine_indices}: "
-                         f"{assignment.error}")
+        raise ValueError(
+            f"the front-end node refused engines {registration.engine_indices}: {assignment.error}"
+        )
     return assignment

@@ -12,7 +12,7 @@ from kvserve.shared.wire import EngineLoad
 
 class EngineLoadTable:
     """Args:
-        stale_after_s: seconds without a report after which an engine's row is dropped.
+    stale_after_s: seconds without a report after which an engine's row is dropped.
     """
 
     def __init__(self, stale_after_s: float):
@@ -38,8 +38,11 @@ class EngineLoadTable:
 
     def drop_stale(self, now: float) -> list[int]:
         """Forget engines silent for longer than stale_after_s; returns their indices."""
-        stale_ids = [engine_index for engine_index, seen in self._last_report_time.items()
-                     if now - seen > self.stale_after_s]
+        stale_ids = [
+            engine_index
+            for engine_index, seen in self._last_report_time.items()
+            if now - seen > self.stale_after_s
+        ]
         for engine_index in stale_ids:
             del self._rows[engine_index]
             del self._last_report_time[engine_index]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import time
 
+from kvserve.services.scheduler.executor import Executor, UniExecutor
+from kvserve.services.scheduler.scheduler import Scheduler
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.shared.wire import EngineReady, this_hostname
-from kvserve.services.scheduler.executor import Executor, UniExecutor
-from kvserve.services.scheduler.scheduler import Scheduler
 
 logger = init_logger(__name__)
 
@@ -24,8 +24,10 @@ def make_executor(config: EngineConfig, model_dir: str) -> Executor:
     kind = config.parallel.executor
     if kind == "uni":
         if config.parallel.world_size != 1:
-            raise ValueError(f"the uni executor runs one in-process worker, but TP x PP = "
-                             f"{config.parallel.world_size}: use --executor mp")
+            raise ValueError(
+                f"the uni executor runs one in-process worker, but TP x PP = "
+                f"{config.parallel.world_size}: use --executor mp"
+            )
         return UniExecutor(config, model_dir)
     if kind == "mp":
         from kvserve.services.scheduler.mp_executor import MpExecutor
@@ -36,9 +38,9 @@ def make_executor(config: EngineConfig, model_dir: str) -> Executor:
 
 class EngineCore:
     """Args:
-        config: the engine config.
-        model_dir: a resolved HF-style model folder.
-        engine_index: this engine core's data-parallel index.
+    config: the engine config.
+    model_dir: a resolved HF-style model folder.
+    engine_index: this engine core's data-parallel index.
     """
 
     def __init__(self, config: EngineConfig, model_dir: str, engine_index: int = 0):
@@ -47,17 +49,27 @@ class EngineCore:
         self.executor = make_executor(config, model_dir)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
-                                   self.executor.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, num_blocks, self.executor.max_model_len
+        )
         # The scheduler may cap max_model_len to what the KV cache holds.
         self.ready = EngineReady(
-            engine_index=engine_index, num_blocks=num_blocks,
-            max_model_len=self.scheduler.max_model_len, block_size=config.cache.block_size,
-            hostname=this_hostname(), pid=os.getpid(), worker_pids=self.executor.worker_pids,
+            engine_index=engine_index,
+            num_blocks=num_blocks,
+            max_model_len=self.scheduler.max_model_len,
+            block_size=config.cache.block_size,
+            hostname=this_hostname(),
+            pid=os.getpid(),
+            worker_pids=self.executor.worker_pids,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo)
-        logger.info("engine core ready in %.1f s: %d KV blocks, max_model_len %d",
-                    time.perf_counter() - start, num_blocks, self.ready.max_model_len)
+            prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo,
+        )
+        logger.info(
+            "engine core ready in %.1f s: %d KV blocks, max_model_len %d",
+            time.perf_counter() - start,
+            num_blocks,
+            self.ready.max_model_len,
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
@@ -76,8 +88,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
-                                 timestamp=time.monotonic())
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic()
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -32,8 +32,13 @@ class KVCacheManager:
             ceil(max_model_len / block_size) blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -79,10 +84,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None
-                       ) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
         """Give a request blocks for `num_new_tokens` more tokens, or fail without side effects.
 
             | computed (held) | new computed (prefix hit) | new tokens  | ... |
@@ -105,20 +113,25 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         new_computed_blocks = new_computed_blocks or []
         held_blocks = self.req_to_blocks.get(request.req_id, [])
-        assert not (new_computed_blocks and held_blocks), \
+        assert not (new_computed_blocks and held_blocks), (
             f"{request} already holds blocks; prefix hits apply to new requests only"
+        )
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_with_slots = num_computed_tokens + num_new_tokens
-        assert self.max_model_len is None or num_tokens_with_slots <= self.max_model_len, \
+        assert self.max_model_len is None or num_tokens_with_slots <= self.max_model_len, (
             f"{request} would hold {num_tokens_with_slots} > max_model_len tokens"
+        )
 
         num_required_blocks = cdiv(num_tokens_with_slots, self.block_size)
         num_blocks_to_allocate = max(
-            0, num_required_blocks - len(held_blocks) - len(new_computed_blocks))
+            0, num_required_blocks - len(held_blocks) - len(new_computed_blocks)
+        )
         # Hit blocks that sit in the free queue leave it when touched, so they count too.
         num_evictable_hit_blocks = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_blocks_to_allocate + num_evictable_hit_blocks > \
-                self.block_pool.get_num_free_blocks():
+        if (
+            num_blocks_to_allocate + num_evictable_hit_blocks
+            > self.block_pool.get_num_free_blocks()
+        ):
             return None
 
         if request.req_id not in self.req_to_blocks:
@@ -135,15 +148,14 @@ class KVCacheManager:
             self._cache_full_blocks(request, held_blocks, num_tokens_with_slots)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
-                           num_tokens_with_slots: int) -> None:
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_tokens_with_slots: int
+    ) -> None:
         # Blocks past the request's known tokens (speculative slots) have no hash yet.
-        num_full_blocks = min(num_tokens_with_slots // self.block_size,
-                              len(request.block_hashes))
+        num_full_blocks = min(num_tokens_with_slots // self.block_size, len(request.block_hashes))
         num_cached_blocks = self.num_cached_block[request.req_id]
         if num_full_blocks > num_cached_blocks:
-            self.block_pool.cache_full_blocks(request, blocks, num_cached_blocks,
-                                              num_full_blocks)
+            self.block_pool.cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks)
             self.num_cached_block[request.req_id] = num_full_blocks
 
     def free(self, request: Request) -> None:

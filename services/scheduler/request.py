@@ -42,8 +42,9 @@ def make_block_hasher(block_size: int, hash_fn: HashFn) -> BlockHasher:
     """A closure that hashes a request's newly filled blocks (see `Request.block_hashes`)."""
 
     def hash_new_blocks(request: Request) -> list[bytes]:
-        return hash_new_full_blocks(hash_fn, block_size, request.all_token_ids,
-                                    request.block_hashes, request.extra_keys)
+        return hash_new_full_blocks(
+            hash_fn, block_size, request.all_token_ids, request.block_hashes, request.extra_keys
+        )
 
     return hash_new_blocks
 
@@ -62,10 +63,17 @@ class Request:
         block_hasher: hashes full blocks as tokens arrive; None when prefix caching is off.
     """
 
-    def __init__(self, req_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, eos_token_id: int | None = None,
-                 arrival_time: float = 0.0, priority: int = 0, cache_salt: str | None = None,
-                 block_hasher: BlockHasher | None = None) -> None:
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        block_hasher: BlockHasher | None = None,
+    ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -96,12 +104,19 @@ class Request:
         self._update_block_hashes()
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest,
-                                 block_hasher: BlockHasher | None) -> Request:
-        return cls(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                   sampling_params=req.sampling_params, eos_token_id=req.eos_token_id,
-                   arrival_time=req.arrival_time, priority=req.priority,
-                   cache_salt=req.cache_salt, block_hasher=block_hasher)
+    def from_engine_core_request(
+        cls, req: EngineCoreRequest, block_hasher: BlockHasher | None
+    ) -> Request:
+        return cls(
+            req_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            block_hasher=block_hasher,
+        )
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens and hash any block they complete."""
@@ -146,5 +161,7 @@ class Request:
         return _FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:
-        return (f"Request({self.req_id!r}, {self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.req_id!r}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

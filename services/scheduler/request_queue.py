@@ -86,8 +86,9 @@ class PriorityRequestQueue(RequestQueue):
         self._seq = itertools.count()
 
     def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap,
-                       (request.priority, request.arrival_time, next(self._seq), request))
+        heapq.heappush(
+            self._heap, (request.priority, request.arrival_time, next(self._seq), request)
+        )
 
     def prepend_request(self, request: Request) -> None:
         self.add_request(request)

@@ -23,9 +23,17 @@ from kvserve.services.scheduler.stop_check import check_stop
 from kvserve.shared.config import CacheConfig, SchedulerConfig
 from kvserve.shared.hashing import get_hash_fn
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import (CachedRequestData, EngineCoreOutput, EngineCoreRequest,
-                             FinishReason, Logprobs, ModelRunnerOutput, NewRequestData,
-                             SchedulerOutput, SchedulerStats)
+from kvserve.shared.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
 
 logger = init_logger(__name__)
 
@@ -44,8 +52,14 @@ class Scheduler:
         log_stats: collect the counters `make_stats` reports.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, max_model_len: int, log_stats: bool = True) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        log_stats: bool = True,
+    ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -54,9 +68,9 @@ class Scheduler:
         self._check_config()
 
         block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size,
-                                               cache_config.enable_prefix_caching,
-                                               self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, cache_config.enable_prefix_caching, self.max_model_len
+        )
         self.block_hasher = None
         if cache_config.enable_prefix_caching:
             hash_fn = get_hash_fn(cache_config.prefix_caching_hash_algo)
@@ -74,20 +88,23 @@ class Scheduler:
 
     def _check_config(self) -> None:
         config = self.scheduler_config
-        if (not config.enable_chunked_prefill
-                and config.max_num_batched_tokens < self.max_model_len):
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({self.max_model_len}), so a long prompt could never be "
                 f"scheduled without chunked prefill: raise max_num_batched_tokens, lower "
-                f"max_model_len, or enable chunked prefill")
+                f"max_model_len, or enable chunked prefill"
+            )
 
     def _fit_max_model_len_to_cache(self, num_blocks: int) -> None:
         # A request longer than the whole cache would preempt itself forever: cap lengths.
         num_cache_tokens = (num_blocks - 1) * self.cache_config.block_size
         if num_cache_tokens < self.max_model_len:
-            logger.warning("the KV cache holds only %d tokens: capping max_model_len %d to it",
-                           num_cache_tokens, self.max_model_len)
+            logger.warning(
+                "the KV cache holds only %d tokens: capping max_model_len %d to it",
+                num_cache_tokens,
+                self.max_model_len,
+            )
             self.max_model_len = num_cache_tokens
 
     # ------------------------------------------------------------------ requests in
@@ -102,9 +119,14 @@ class Scheduler:
             error = f"invalid request: {exc}"
         if error is not None:
             logger.warning("request %s rejected: %s", engine_request.request_id, error)
-            self._pending_outputs.append(EngineCoreOutput(
-                request_id=engine_request.request_id, new_token_ids=[],
-                finish_reason=FinishReason.ERROR, error=error))
+            self._pending_outputs.append(
+                EngineCoreOutput(
+                    request_id=engine_request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    error=error,
+                )
+            )
             return
         self.requests[request.req_id] = request
         self.waiting.add_request(request)
@@ -116,9 +138,11 @@ class Scheduler:
         if not prompt_token_ids:
             return "the prompt is empty; send at least one token"
         if len(prompt_token_ids) >= self.max_model_len:
-            return (f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
-                    f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} "
-                    f"tokens so that at least one can be generated")
+            return (
+                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} "
+                f"tokens so that at least one can be generated"
+            )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) > _MAX_TOKEN_ID:
             return f"prompt token ids must be in [0, {_MAX_TOKEN_ID}]"
         return None
@@ -134,14 +158,15 @@ class Scheduler:
             raise ValueError(f"finish_requests needs a FINISHED_* status, got {status!r}")
         if isinstance(req_ids, str):
             req_ids = (req_ids,)
-        requests = {req_id: self.requests[req_id] for req_id in req_ids
-                    if req_id in self.requests}
+        requests = {req_id: self.requests[req_id] for req_id in req_ids if req_id in self.requests}
         if not requests:
             return
         self.running = [r for r in self.running if r.req_id not in requests]
-        self.waiting.remove_requests(r for r in requests.values()
-                                     if r.status in (RequestStatus.WAITING,
-                                                     RequestStatus.PREEMPTED))
+        self.waiting.remove_requests(
+            r
+            for r in requests.values()
+            if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        )
         for request in requests.values():
             request.status = status
             self._free_request(request)
@@ -174,7 +199,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new_tokens = self._num_tokens_to_schedule(
-                request, request.num_computed_tokens, plan.token_budget)
+                request, request.num_computed_tokens, plan.token_budget
+            )
             if num_new_tokens == 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
@@ -185,18 +211,21 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         config = self.scheduler_config
-        while (self.waiting and plan.token_budget > 0
-               and len(self.running) < config.max_num_seqs):
+        while self.waiting and plan.token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
             assert request.num_computed_tokens == 0, f"{request} waits with computed tokens"
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            if (not config.enable_chunked_prefill
-                    and request.num_tokens - num_hit_tokens > plan.token_budget):
+            if (
+                not config.enable_chunked_prefill
+                and request.num_tokens - num_hit_tokens > plan.token_budget
+            ):
                 break  # no partial prefill: wait for a step with room for all of it
-            num_new_tokens = self._num_tokens_to_schedule(request, num_hit_tokens,
-                                                          plan.token_budget)
+            num_new_tokens = self._num_tokens_to_schedule(
+                request, num_hit_tokens, plan.token_budget
+            )
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_hit_tokens, hit_blocks)
+                request, num_new_tokens, num_hit_tokens, hit_blocks
+            )
             if new_blocks is None:
                 break  # waiting requests never preempt running ones
             self.waiting.pop_request()
@@ -208,16 +237,18 @@ class Scheduler:
             plan.add(request, num_new_tokens, new_blocks)
             plan.scheduled_new.append(request)
 
-    def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int,
-                                token_budget: int) -> int:
+    def _num_tokens_to_schedule(
+        self, request: Request, num_computed_tokens: int, token_budget: int
+    ) -> int:
         num_new_tokens = request.num_tokens - num_computed_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
         if threshold > 0 and self.scheduler_config.enable_chunked_prefill:
             num_new_tokens = min(num_new_tokens, threshold)
         return min(num_new_tokens, token_budget)
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
-                             plan: StepPlan) -> list[KVCacheBlock] | None:
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, plan: StepPlan
+    ) -> list[KVCacheBlock] | None:
         """Allocate for a running request, preempting others until it fits.
 
         Returns:
@@ -252,37 +283,48 @@ class Scheduler:
         plan.preempted.append(request)
         self.num_preemptions_total += 1
         self._num_step_preemptions += 1
-        logger.info("request %s preempted (KV cache full); it will recompute %d tokens",
-                    request.req_id, request.num_tokens)
+        logger.info(
+            "request %s preempted (KV cache full); it will recompute %d tokens",
+            request.req_id,
+            request.num_tokens,
+        )
 
     def _make_scheduler_output(self, plan: StepPlan) -> SchedulerOutput:
         # Built before num_computed_tokens advances: the workers get pre-step values.
-        new_reqs = [NewRequestData(
-            req_id=request.req_id, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=request.sampling_params,
-            block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
-            num_computed_tokens=request.num_computed_tokens,
-            output_token_ids=list(request.output_token_ids),
-            eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id)
-            for request in plan.scheduled_new]
+        new_reqs = [
+            NewRequestData(
+                req_id=request.req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
+                num_computed_tokens=request.num_computed_tokens,
+                output_token_ids=list(request.output_token_ids),
+                eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id,
+            )
+            for request in plan.scheduled_new
+        ]
         cached_reqs = CachedRequestData(
             req_ids=[request.req_id for request in plan.scheduled_running],
-            new_block_ids=[plan.new_block_ids[request.req_id]
-                           for request in plan.scheduled_running],
-            num_computed_tokens=[request.num_computed_tokens
-                                 for request in plan.scheduled_running])
+            new_block_ids=[
+                plan.new_block_ids[request.req_id] for request in plan.scheduled_running
+            ],
+            num_computed_tokens=[request.num_computed_tokens for request in plan.scheduled_running],
+        )
         finished_req_ids, self.finished_req_ids = sorted(self.finished_req_ids), set()
         return SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
-            preempted_req_ids=[request.req_id for request in plan.preempted])
+            preempted_req_ids=[request.req_id for request in plan.preempted],
+        )
 
     # ------------------------------------------------------------------ outputs back
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Append the sampled tokens, finish stopped requests and make the step's outputs.
 
         Args:
@@ -301,8 +343,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran
             row = row_of.get(req_id)
-            sampled_token_ids = (model_runner_output.sampled_token_ids[row]
-                                 if row is not None else [])
+            sampled_token_ids = (
+                model_runner_output.sampled_token_ids[row] if row is not None else []
+            )
             output = self._update_request(request, sampled_token_ids, model_runner_output)
             if output is not None:
                 outputs.append(output)
@@ -315,10 +358,12 @@ class Scheduler:
                 self._free_request(request)
         return outputs
 
-    def _update_request(self, request: Request, sampled_token_ids: list[int],
-                        model_runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
-        assert not sampled_token_ids or request.num_computed_tokens >= request.num_tokens, \
+    def _update_request(
+        self, request: Request, sampled_token_ids: list[int], model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        assert not sampled_token_ids or request.num_computed_tokens >= request.num_tokens, (
             f"{request} got tokens sampled before its prompt was computed"
+        )
         new_token_ids = []
         # Several tokens may arrive at once (speculative decoding): stop at the first that
         # ends the request and drop the rest.
@@ -331,25 +376,29 @@ class Scheduler:
         if logprobs is not None and len(logprobs.ranks) > len(new_token_ids):
             logprobs = _slice_logprobs(logprobs, 0, len(new_token_ids))
         prompt_logprobs = self._take_new_prompt_logprobs(
-            request, model_runner_output.prompt_logprobs.get(request.req_id))
+            request, model_runner_output.prompt_logprobs.get(request.req_id)
+        )
         if not new_token_ids and prompt_logprobs is None and not request.is_finished:
             return None
         return EngineCoreOutput(
-            request_id=request.req_id, new_token_ids=new_token_ids,
+            request_id=request.req_id,
+            new_token_ids=new_token_ids,
             new_logprobs=logprobs if new_token_ids else None,
             new_prompt_logprobs=prompt_logprobs,
-            finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0))
+            finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
     @staticmethod
-    def _take_new_prompt_logprobs(request: Request,
-                                  prompt_logprobs: Logprobs | None) -> Logprobs | None:
+    def _take_new_prompt_logprobs(
+        request: Request, prompt_logprobs: Logprobs | None
+    ) -> Logprobs | None:
         """Drop rows already sent before a preemption made the prompt run again."""
         if prompt_logprobs is None:
             return None
         num_rows = len(prompt_logprobs.ranks)
-        first_new_row = max(0, request.num_prompt_logprobs_sent
-                            - request.num_prompt_logprobs_seen)
+        first_new_row = max(0, request.num_prompt_logprobs_sent - request.num_prompt_logprobs_seen)
         request.num_prompt_logprobs_seen += num_rows
         if first_new_row >= num_rows:
             return None
@@ -367,8 +416,11 @@ class Scheduler:
     def has_requests(self) -> bool:
         """True while a step is needed: unfinished requests, or finished ids and error
         outputs not yet delivered (such a step may schedule zero tokens)."""
-        return (self.has_unfinished_requests() or bool(self.finished_req_ids)
-                or bool(self._pending_outputs))
+        return (
+            self.has_unfinished_requests()
+            or bool(self.finished_req_ids)
+            or bool(self._pending_outputs)
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing done) while requests hold blocks."""
@@ -381,12 +433,18 @@ class Scheduler:
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
         num_preemptions, self._num_step_preemptions = self._num_step_preemptions, 0
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage, num_preemptions=num_preemptions,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=num_preemptions,
             prefix_cache_queries=prefix_stats.num_queried_tokens,
-            prefix_cache_hits=prefix_stats.num_hit_tokens)
+            prefix_cache_hits=prefix_stats.num_hit_tokens,
+        )
 
 
 def _slice_logprobs(logprobs: Logprobs, start: int, stop: int) -> Logprobs:
-    return Logprobs(token_ids=logprobs.token_ids[start:stop],
-                    logprobs=logprobs.logprobs[start:stop], ranks=logprobs.ranks[start:stop])
+    return Logprobs(
+        token_ids=logprobs.token_ids[start:stop],
+        logprobs=logprobs.logprobs[start:stop],
+        ranks=logprobs.ranks[start:stop],
+    )

@@ -32,8 +32,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
             request.stop_reason = last_token_id
             return True
     max_tokens = request.max_tokens
-    if ((max_tokens is not None and request.num_output_tokens >= max_tokens)
-            or request.num_tokens >= max_model_len):
+    if (
+        max_tokens is not None and request.num_output_tokens >= max_tokens
+    ) or request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False

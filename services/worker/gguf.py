@@ -64,8 +64,11 @@ def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     for the rotate-half RoPE that HF checkpoints and our kernel use.
     """
     rows = weight.shape[0]
-    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -86,8 +89,10 @@ def iterate_gguf_tensors(gguf_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     reader = GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; "
-                         f"supported: {SUPPORTED_GGUF_ARCHITECTURES}")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; "
+            f"supported: {SUPPORTED_GGUF_ARCHITECTURES}"
+        )
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv"))
     for tensor in reader.tensors:
@@ -113,8 +118,11 @@ def read_gguf_state_dict(gguf_path: str) -> dict[str, torch.Tensor]:
     return dict(iterate_gguf_tensors(gguf_path))
 
 
-def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str,
-                 max_shard_bytes: int = MAX_SHARD_BYTES) -> set[str]:
+def save_sharded(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> set[str]:
     """Write tensors as HF safetensors: one model.safetensors, or numbered shards and
     model.safetensors.index.json when they exceed max_shard_bytes. Returns the names written.
 
@@ -151,8 +159,10 @@ def save_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str,
     names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
     for path, file_name in zip(shard_files, names):
         os.rename(path, os.path.join(out_dir, file_name))
-    index = {"metadata": {"total_size": total_bytes},
-             "weight_map": {name: names[i] for name, i in weight_map.items()}}
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": {name: names[i] for name, i in weight_map.items()},
+    }
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2)
     return set(weight_map)

@@ -38,8 +38,9 @@ class InputBatch:
         vocab_size: used to pad prompt token ids for the repetition penalty.
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
-                 vocab_size: int):
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int
+    ):
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -73,14 +74,21 @@ class InputBatch:
         if params.seed is not None:
             generator = torch.Generator()
             generator.manual_seed(params.seed + seed_offset)
-        state = RequestState(new.req_id, row, params, len(new.prompt_token_ids),
-                             list(new.output_token_ids), generator, new.eos_token_id)
+        state = RequestState(
+            new.req_id,
+            row,
+            params,
+            len(new.prompt_token_ids),
+            list(new.output_token_ids),
+            generator,
+            new.eos_token_id,
+        )
         if params.repetition_penalty != 1.0:
             state.prompt_token_ids = list(new.prompt_token_ids)
         self.requests[new.req_id] = state
 
         tokens = new.prompt_token_ids + new.output_token_ids
-        self.token_ids[row, :len(tokens)] = tokens
+        self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
@@ -102,7 +110,7 @@ class InputBatch:
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
-        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
     def append_token(self, state: RequestState, token_id: int) -> None:

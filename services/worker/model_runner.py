@@ -17,9 +17,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.shared.config import EngineConfig
-from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvserve.services.worker.input_batch import InputBatch, RequestState
 from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
 from kvserve.services.worker.models import load_model
@@ -33,6 +30,9 @@ from kvserve.services.worker.parallel_state import (
 )
 from kvserve.services.worker.sampler import Sampler, compute_topk_logprobs
 from kvserve.services.worker.sampling_metadata import LogprobsTensors, SamplingMetadata
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = init_logger(__name__)
 
@@ -72,21 +72,42 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         layer = self.attention_layers[0]
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return (2 * self.block_size * layer.num_kv_heads * layer.head_size * element_size
-                * len(self.attention_layers))
+        return (
+            2
+            * self.block_size
+            * layer.num_kv_heads
+            * layer.head_size
+            * element_size
+            * len(self.attention_layers)
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate [2, num_blocks, block_size, Hkv, D] per layer and bind it to the layer."""
         for layer in self.attention_layers:
-            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
-                                layer.head_size, dtype=self.dtype, device=self.device)
+            cache = torch.zeros(
+                2,
+                num_blocks,
+                self.block_size,
+                layer.num_kv_heads,
+                layer.head_size,
+                dtype=self.dtype,
+                device=self.device,
+            )
             layer.kv_cache = cache
             self.kv_caches.append(cache)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
-        self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
-                                      max_blocks_per_req, self.vocab_size)
-        logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, self.block_size,
-                    num_blocks * self.kv_cache_bytes_per_block() / 2**20)
+        self.input_batch = InputBatch(
+            self.config.scheduler.max_num_seqs,
+            self.max_model_len,
+            max_blocks_per_req,
+            self.vocab_size,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %.1f MiB",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+        )
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -97,7 +118,7 @@ class ModelRunner:
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
         num_reqs = min(sched.max_num_seqs, num_tokens)
         query_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int32)
-        query_lens[:num_tokens % num_reqs] += 1
+        query_lens[: num_tokens % num_reqs] += 1
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
         positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens)
@@ -107,9 +128,14 @@ class ModelRunner:
             seq_lens=torch.from_numpy(query_lens).to(dev),
             block_table=torch.zeros(num_reqs, 0, dtype=torch.int32, device=dev),
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-            max_query_len=int(query_lens.max()), max_seq_len=int(query_lens.max()))
-        hidden = self._run_stage(torch.zeros(num_tokens, dtype=torch.int64, device=dev),
-                                 torch.from_numpy(positions).to(dev), metadata)
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(query_lens.max()),
+        )
+        hidden = self._run_stage(
+            torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+            torch.from_numpy(positions).to(dev),
+            metadata,
+        )
         if self.is_last_stage:
             last_rows = torch.from_numpy(query_start_loc[1:] - 1).to(dev)
             logits = self.model.compute_logits(hidden[last_rows])
@@ -126,8 +152,9 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
         cached = so.scheduled_cached_reqs
-        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                   cached.num_computed_tokens):
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
             row = batch.requests[req_id].row
             if block_ids:
                 batch.append_block_ids(row, block_ids)
@@ -142,8 +169,9 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         states = [batch.requests[r] for r in req_ids]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64,
-                                    count=len(req_ids))
+        num_scheduled = np.fromiter(
+            so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids)
+        )
         num_computed = batch.num_computed_tokens[rows]
 
         # Example: num_scheduled = [3, 1, 2], num_computed = [0, 7, 4]
@@ -158,8 +186,10 @@ class ModelRunner:
         token_rows = rows[req_indices]
         input_ids = batch.token_ids[token_rows, positions]
         block_size = self.block_size
-        slot_mapping = (batch.block_table[token_rows, positions // block_size].astype(np.int64)
-                        * block_size + positions % block_size)
+        slot_mapping = (
+            batch.block_table[token_rows, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size
+        )
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
         max_seq_len = int(seq_lens.max())
         num_blocks_needed = -(-max_seq_len // block_size)
@@ -169,13 +199,15 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(query_start_loc).to(dev),
             seq_lens=torch.from_numpy(seq_lens).to(dev),
             block_table=torch.from_numpy(
-                np.ascontiguousarray(batch.block_table[rows, :num_blocks_needed])).to(dev),
+                np.ascontiguousarray(batch.block_table[rows, :num_blocks_needed])
+            ).to(dev),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
         )
-        hidden = self._run_stage(torch.from_numpy(input_ids).to(dev),
-                                 torch.from_numpy(positions).to(dev), metadata)
+        hidden = self._run_stage(
+            torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata
+        )
 
         # A request samples once its context reaches every token it has (the prompt chunk, or
         # the whole prompt plus outputs after a resume, is done).
@@ -191,8 +223,9 @@ class ModelRunner:
                 # Every TP rank of the stage takes part: the LM head all-gathers.
                 logits = self.model.compute_logits(hidden[logits_indices])
                 if self.is_driver:
-                    out = self.sampler(logits, self._sampling_metadata(sample_states,
-                                                                       rows[sample_idx]))
+                    out = self.sampler(
+                        logits, self._sampling_metadata(sample_states, rows[sample_idx])
+                    )
                     sampled_ids = out.sampled_token_ids
                     if out.logprobs is not None:
                         logprobs = self._split_logprobs(sample_states, out.logprobs)
@@ -203,19 +236,22 @@ class ModelRunner:
                 sampled[i] = [token_id]
         prompt_logprobs = {}
         if self.is_last_stage:
-            prompt_logprobs = self._prompt_logprobs(states, hidden, query_start_loc,
-                                                    num_computed, num_scheduled)
+            prompt_logprobs = self._prompt_logprobs(
+                states, hidden, query_start_loc, num_computed, num_scheduled
+            )
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
 
-    def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                   metadata: AttentionMetadata) -> torch.Tensor | None:
+    def _run_stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor | None:
         """This pipeline stage's part of the forward: the final hidden states [T, hidden] on
         the last stage, None on the others (which send theirs to the next stage)."""
         intermediate = None
         if not self.is_first_stage:
             # The step's token count fixes the shape: (hidden, residual) as one [2, T, H].
-            received = torch.empty(2, input_ids.shape[0], self.hidden_size, dtype=self.dtype,
-                                   device=self.device)
+            received = torch.empty(
+                2, input_ids.shape[0], self.hidden_size, dtype=self.dtype, device=self.device
+            )
             intermediate = tuple(recv_from_prev_stage(received).unbind(0))
         out = self.model(input_ids, positions, metadata, intermediate)
         if self.is_last_stage:
@@ -225,8 +261,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling inputs
 
-    def _sampling_metadata(self, states: list[RequestState], rows: np.ndarray
-                           ) -> SamplingMetadata:
+    def _sampling_metadata(self, states: list[RequestState], rows: np.ndarray) -> SamplingMetadata:
         b = self.input_batch
         temperature = b.temperature[rows]
         greedy = temperature < 1e-5
@@ -242,14 +277,16 @@ class ModelRunner:
             md.top_k = torch.from_numpy(top_k) if (top_k > 0).any() else None
             md.min_p = torch.from_numpy(min_p) if (min_p > 0.0).any() else None
             md.generators = {i: s.generator for i, s in enumerate(states) if s.generator}
-        wanted = [s.sampling_params.logprobs for s in states
-                  if s.sampling_params.logprobs is not None]
+        wanted = [
+            s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None
+        ]
         md.max_num_logprobs = max(wanted) if wanted else None
 
         presence, frequency = b.presence_penalty[rows], b.frequency_penalty[rows]
         repetition = b.repetition_penalty[rows]
-        md.no_penalties = not ((presence != 0).any() or (frequency != 0).any()
-                               or (repetition != 1).any())
+        md.no_penalties = not (
+            (presence != 0).any() or (frequency != 0).any() or (repetition != 1).any()
+        )
         needs_outputs = not md.no_penalties
         for i, s in enumerate(states):
             p = s.sampling_params
@@ -273,7 +310,7 @@ class ModelRunner:
         width = max(len(s.prompt_token_ids) for s in states) or 1
         out = torch.full((len(states), width), self.vocab_size, dtype=torch.int64)
         for i, s in enumerate(states):
-            out[i, :len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids, dtype=torch.int64)
+            out[i, : len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids, dtype=torch.int64)
         return out
 
     @staticmethod
@@ -283,13 +320,16 @@ class ModelRunner:
             n = s.sampling_params.logprobs
             if n is None:
                 continue
-            out[s.req_id] = Logprobs(t.token_ids[i:i + 1, :n + 1].tolist(),
-                                     t.logprobs[i:i + 1, :n + 1].tolist(),
-                                     t.ranks[i:i + 1].tolist())
+            out[s.req_id] = Logprobs(
+                t.token_ids[i : i + 1, : n + 1].tolist(),
+                t.logprobs[i : i + 1, : n + 1].tolist(),
+                t.ranks[i : i + 1].tolist(),
+            )
         return out
 
-    def _prompt_logprobs(self, states, hidden, query_start_loc, num_computed, num_scheduled
-                         ) -> dict[str, Logprobs]:
+    def _prompt_logprobs(
+        self, states, hidden, query_start_loc, num_computed, num_scheduled
+    ) -> dict[str, Logprobs]:
         """Logprobs of each prompt token given the ones before it, for requests that ask.
 
         The hidden state at position p predicts token p + 1, so a chunk covering positions
@@ -305,11 +345,11 @@ class ModelRunner:
             if end <= start:
                 continue
             q0 = int(query_start_loc[i])
-            logits = self.model.compute_logits(hidden[q0:q0 + end - start])  # TP collective
+            logits = self.model.compute_logits(hidden[q0 : q0 + end - start])  # TP collective
             if not self.is_driver:
                 continue  # only the driver's answer reaches the engine core
             row = self.input_batch.token_ids[s.row]
-            targets = torch.from_numpy(row[start + 1:end + 1].copy()).to(logits.device)
+            targets = torch.from_numpy(row[start + 1 : end + 1].copy()).to(logits.device)
             lp = torch.log_softmax(logits, dim=-1)
             out[s.req_id] = _to_logprobs(compute_topk_logprobs(lp, targets, k))
         return out
@@ -318,8 +358,7 @@ class ModelRunner:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[dtype]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
 def effective_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -328,6 +367,5 @@ def effective_max_model_len(config: EngineConfig, hf_config) -> int:
     if wanted is None:
         return model_len
     if wanted > model_len:
-        raise ValueError(f"max_model_len={wanted} exceeds the model's context length "
-                         f"{model_len}")
+        raise ValueError(f"max_model_len={wanted} exceeds the model's context length {model_len}")
     return wanted

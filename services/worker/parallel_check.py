@@ -17,8 +17,9 @@ def load_hf_config(model_dir: str) -> Any:
     return AutoConfig.from_pretrained(model_dir)
 
 
-def verify_parallel_sizes(hf_config: Any, tensor_parallel_size: int,
-                          pipeline_parallel_size: int) -> None:
+def verify_parallel_sizes(
+    hf_config: Any, tensor_parallel_size: int, pipeline_parallel_size: int
+) -> None:
     """Raise ValueError naming every size that does not split over the layout.
 
     Args:
@@ -29,8 +30,9 @@ def verify_parallel_sizes(hf_config: Any, tensor_parallel_size: int,
     """
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     if tp < 1 or pp < 1:
-        raise ValueError(f"tensor_parallel_size ({tp}) and pipeline_parallel_size ({pp}) "
-                         "must be at least 1")
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) and pipeline_parallel_size ({pp}) must be at least 1"
+        )
     num_heads = hf_config.num_attention_heads
     sizes = {
         "num_attention_heads": num_heads,
@@ -40,12 +42,17 @@ def verify_parallel_sizes(hf_config: Any, tensor_parallel_size: int,
     }
     bad = [f"{name}={size}" for name, size in sizes.items() if size % tp]
     if bad:
-        fitting = [n for n in range(1, num_heads + 1)
-                   if all(size % n == 0 for size in sizes.values())]
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
-                         f"{', '.join(bad)}; tensor-parallel sizes that fit this model: "
-                         f"{fitting}")
+        fitting = [
+            n for n in range(1, num_heads + 1) if all(size % n == 0 for size in sizes.values())
+        ]
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model's "
+            f"{', '.join(bad)}; tensor-parallel sizes that fit this model: "
+            f"{fitting}"
+        )
     num_layers = hf_config.num_hidden_layers
     if num_layers < pp:
-        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's "
-                         f"num_hidden_layers={num_layers}: every stage needs a layer")
+        raise ValueError(
+            f"pipeline_parallel_size={pp} exceeds the model's "
+            f"num_hidden_layers={num_layers}: every stage needs a layer"
+        )

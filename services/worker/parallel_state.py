@@ -28,8 +28,9 @@ _PP_SIZE = 1
 _WORLD_RANK = 0
 
 
-def init_distributed_environment(world_size: int, rank: int, init_method: str,
-                                 backend: str) -> None:
+def init_distributed_environment(
+    world_size: int, rank: int, init_method: str, backend: str
+) -> None:
     """Join the world process group (every rank calls this with the same init_method).
 
     Args:
@@ -38,8 +39,7 @@ def init_distributed_environment(world_size: int, rank: int, init_method: str,
         init_method: the rendezvous, e.g. tcp://127.0.0.1:29501.
         backend: gloo (CPU) or nccl (CUDA).
     """
-    dist.init_process_group(backend, init_method=init_method, world_size=world_size,
-                            rank=rank)
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank)
 
 
 def destroy_distributed_environment() -> None:
@@ -49,8 +49,9 @@ def destroy_distributed_environment() -> None:
         dist.destroy_process_group()
 
 
-def initialize_model_parallel(tensor_parallel_size: int = 1,
-                              pipeline_parallel_size: int = 1) -> None:
+def initialize_model_parallel(
+    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+) -> None:
     """Build the TP and PP process groups; every rank of the world must call this.
 
     Args:
@@ -61,8 +62,10 @@ def initialize_model_parallel(tensor_parallel_size: int = 1,
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     if not dist.is_initialized():
         if tp * pp != 1:
-            raise ValueError(f"TP={tp} x PP={pp} needs torch.distributed to be initialized "
-                             "first (dist.init_process_group)")
+            raise ValueError(
+                f"TP={tp} x PP={pp} needs torch.distributed to be initialized "
+                "first (dist.init_process_group)"
+            )
         return
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if world_size != tp * pp:
@@ -127,8 +130,10 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
     cheap next to a layer.
     """
     if num_layers < pp_size:
-        raise ValueError(f"the model has {num_layers} layers, fewer than the "
-                         f"{pp_size} pipeline stages asked for; lower --pipeline-parallel-size")
+        raise ValueError(
+            f"the model has {num_layers} layers, fewer than the "
+            f"{pp_size} pipeline stages asked for; lower --pipeline-parallel-size"
+        )
     base, remainder = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, remainder)
     return start, start + base + (pp_rank < remainder)

@@ -16,7 +16,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.services.worker.sampling_metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
+from kvserve.services.worker.sampling_metadata import (
+    LogprobsTensors,
+    SamplerOutput,
+    SamplingMetadata,
+)
 
 # Temperatures below this count as greedy (the same threshold as SamplingParams.greedy).
 _SAMPLING_EPS = 1e-5
@@ -31,8 +35,8 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Args:
-            logits: [R, V] scores of the positions to sample, one row per request.
-            metadata: the batched sampling state; row r of every tensor is row r of logits.
+        logits: [R, V] scores of the positions to sample, one row per request.
+        metadata: the batched sampling state; row r of every tensor is row r of logits.
         """
         assert logits.dim() == 2, f"logits must be [R, V], got {tuple(logits.shape)}"
         logits = logits.float()  # a no-op when already float32
@@ -48,8 +52,9 @@ class Sampler(torch.nn.Module):
         sampled_token_ids = self.sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = compute_topk_logprobs(raw_logprobs, sampled_token_ids,
-                                             metadata.max_num_logprobs)
+            logprobs = compute_topk_logprobs(
+                raw_logprobs, sampled_token_ids, metadata.max_num_logprobs
+            )
         return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs=logprobs)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -82,8 +87,10 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[
         row_ids.extend([row] * len(forbidden_ids))
         token_ids.extend(forbidden_ids)
     if token_ids:
-        logits[torch.tensor(row_ids, device=logits.device),
-               torch.tensor(token_ids, device=logits.device)] = float("-inf")
+        logits[
+            torch.tensor(row_ids, device=logits.device),
+            torch.tensor(token_ids, device=logits.device),
+        ] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -120,7 +127,7 @@ def _pad_token_ids(token_ids_per_row: list[list[int]], vocab_size: int) -> torch
     max_len = max((len(ids) for ids in token_ids_per_row), default=0)
     padded_np = np.full((len(token_ids_per_row), max_len), vocab_size, dtype=np.int64)
     for row, ids in enumerate(token_ids_per_row):
-        padded_np[row, :len(ids)] = ids
+        padded_np[row, : len(ids)] = ids
     return torch.from_numpy(padded_np)
 
 
@@ -128,22 +135,24 @@ def _count_token_ids(padded_token_ids: torch.Tensor, vocab_size: int) -> torch.T
     """[R, V] float32 occurrence counts of [R, L] token ids padded with vocab_size."""
     num_reqs = padded_token_ids.shape[0]
     # One spare column absorbs the padding, so ragged rows need no mask.
-    counts = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.float32,
-                         device=padded_token_ids.device)
-    counts.scatter_add_(1, padded_token_ids, torch.ones_like(padded_token_ids,
-                                                             dtype=torch.float32))
+    counts = torch.zeros(
+        num_reqs, vocab_size + 1, dtype=torch.float32, device=padded_token_ids.device
+    )
+    counts.scatter_add_(1, padded_token_ids, torch.ones_like(padded_token_ids, dtype=torch.float32))
     return counts[:, :vocab_size]
 
 
 def _token_id_mask(padded_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[R, V] bool: which ids occur in each row of [R, L] ids padded with vocab_size."""
-    mask = torch.zeros(padded_token_ids.shape[0], vocab_size + 1, dtype=torch.bool,
-                       device=padded_token_ids.device)
+    mask = torch.zeros(
+        padded_token_ids.shape[0], vocab_size + 1, dtype=torch.bool, device=padded_token_ids.device
+    )
     return mask.scatter_(1, padded_token_ids, True)[:, :vocab_size]
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Sets the logits outside each row's top-k and nucleus (top-p) to -inf, in place.
 
     Both filters keep the tokens at or above a per-row threshold logit, found on a sorted
@@ -199,8 +208,7 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
     probs.masked_fill_(probs < min_p.unsqueeze(1) * max_probs, 0.0)
 
 
-def inverse_cdf_sample(probs: torch.Tensor,
-                       generators: dict[int, torch.Generator]) -> torch.Tensor:
+def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Samples one token per row from (possibly unnormalized) probs by inverting the CDF.
 
     One uniform draw per row, not per vocabulary entry: on CPU this is ~10x cheaper than a
@@ -218,8 +226,9 @@ def inverse_cdf_sample(probs: torch.Tensor,
     return token_ids.clamp_(max=probs.shape[1] - 1)
 
 
-def compute_topk_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
-                          k: int) -> LogprobsTensors:
+def compute_topk_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> LogprobsTensors:
     """The chosen token's logprob and rank plus the k best, per row.
 
     Args:
@@ -234,6 +243,8 @@ def compute_topk_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
     token_logprobs = logprobs.gather(1, token_ids)
     ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
     top_logprobs, top_token_ids = logprobs.topk(k, dim=-1)
-    return LogprobsTensors(token_ids=torch.cat([token_ids, top_token_ids], dim=1),
-                           logprobs=torch.cat([token_logprobs, top_logprobs], dim=1),
-                           ranks=ranks)
+    return LogprobsTensors(
+        token_ids=torch.cat([token_ids, top_token_ids], dim=1),
+        logprobs=torch.cat([token_logprobs, top_logprobs], dim=1),
+        ranks=ranks,
+    )

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.shared.config import EngineConfig
-from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput
 from kvserve.services.worker.model_runner import ModelRunner
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.services.worker.parallel_state import (
@@ -14,22 +11,30 @@ from kvserve.services.worker.parallel_state import (
     init_distributed_environment,
     initialize_model_parallel,
 )
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = init_logger(__name__)
 
 
 class Worker:
     """Args:
-        config: the engine config.
-        model_dir: a resolved HF-style model folder.
-        rank: this worker's global rank (TP-major; see parallel_state).
-        distributed_init_method: the torch.distributed rendezvous (tcp://host:port); needed
-            when TP x PP > 1, where the constructor joins the world group and builds the
-            TP and PP groups before it builds this rank's shard of the model.
+    config: the engine config.
+    model_dir: a resolved HF-style model folder.
+    rank: this worker's global rank (TP-major; see parallel_state).
+    distributed_init_method: the torch.distributed rendezvous (tcp://host:port); needed
+        when TP x PP > 1, where the constructor joins the world group and builds the
+        TP and PP groups before it builds this rank's shard of the model.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: str, rank: int = 0,
-                 distributed_init_method: str | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+    ):
         self.config = config
         self.rank = rank
         parallel = config.parallel
@@ -41,19 +46,29 @@ class Worker:
             self.device = torch.device("cpu")
         if self.world_size > 1:
             if distributed_init_method is None:
-                raise ValueError(f"TP x PP = {self.world_size} needs a rendezvous address "
-                                 "(distributed_init_method)")
+                raise ValueError(
+                    f"TP x PP = {self.world_size} needs a rendezvous address "
+                    "(distributed_init_method)"
+                )
             # Before the rendezvous: every rank fails alike, none waits for the others.
-            verify_parallel_sizes(load_hf_config(model_dir), parallel.tensor_parallel_size,
-                                  parallel.pipeline_parallel_size)
+            verify_parallel_sizes(
+                load_hf_config(model_dir),
+                parallel.tensor_parallel_size,
+                parallel.pipeline_parallel_size,
+            )
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            init_distributed_environment(self.world_size, rank, distributed_init_method,
-                                         backend)
-            initialize_model_parallel(parallel.tensor_parallel_size,
-                                      parallel.pipeline_parallel_size)
-            logger.info("worker rank %d joined %s over %s (TP %d x PP %d)", rank,
-                        distributed_init_method, backend, parallel.tensor_parallel_size,
-                        parallel.pipeline_parallel_size)
+            init_distributed_environment(self.world_size, rank, distributed_init_method, backend)
+            initialize_model_parallel(
+                parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+            )
+            logger.info(
+                "worker rank %d joined %s over %s (TP %d x PP %d)",
+                rank,
+                distributed_init_method,
+                backend,
+                parallel.tensor_parallel_size,
+                parallel.pipeline_parallel_size,
+            )
         # The RNG unseeded requests draw from (only the driver rank samples; see ModelRunner).
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, model_dir, self.device)
@@ -74,10 +89,11 @@ class Worker:
             budget = cache.kv_cache_bytes
         num_blocks = budget // per_block
         if num_blocks < 2:
-            flag = "--gpu-memory-utilization" if self.device.type == "cuda" else \
-                "--kv-cache-memory"
-            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of "
-                             f"{per_block} bytes; raise {flag}")
+            flag = "--gpu-memory-utilization" if self.device.type == "cuda" else "--kv-cache-memory"
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds no block of "
+                f"{per_block} bytes; raise {flag}"
+            )
         return num_blocks
 
     def _profile_cuda_budget(self, utilization: float) -> int:
@@ -90,9 +106,15 @@ class Worker:
         peak_torch = torch.cuda.max_memory_allocated(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         budget = kv_cache_budget(total, utilization, peak_torch, non_torch)
-        logger.info("memory profile: %.2f GiB total x %.2f; weights + peak activations "
-                    "%.2f GiB, non-torch %.2f GiB; KV cache %.2f GiB", total / 2**30,
-                    utilization, peak_torch / 2**30, non_torch / 2**30, budget / 2**30)
+        logger.info(
+            "memory profile: %.2f GiB total x %.2f; weights + peak activations "
+            "%.2f GiB, non-torch %.2f GiB; KV cache %.2f GiB",
+            total / 2**30,
+            utilization,
+            peak_torch / 2**30,
+            non_torch / 2**30,
+            budget / 2**30,
+        )
         return budget
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -107,8 +129,9 @@ class Worker:
             destroy_distributed_environment()
 
 
-def kv_cache_budget(total_bytes: int, utilization: float, peak_torch_bytes: int,
-                    non_torch_bytes: int) -> int:
+def kv_cache_budget(
+    total_bytes: int, utilization: float, peak_torch_bytes: int, non_torch_bytes: int
+) -> int:
     """Bytes for the KV cache: --gpu-memory-utilization is the fraction of the whole device
     for weights, activations and KV cache together (as in vLLM), so the cache gets that share
     less the profile run's peak (weights + activations) and what non-torch code (CUDA

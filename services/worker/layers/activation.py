@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from kvserve import kernels
+
+
 class SiluAndMul(nn.Module):
     """[T, 2 * I] = [gate | up] -> silu(gate) * up, [T, I]."""
 

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from kvserve import kernels
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where this step's tokens sit in the paged KV cache.
@@ -34,9 +36,9 @@ class AttentionMetadata:
     """
 
     query_start_loc: torch.Tensor  # [R+1] int32
-    seq_lens: torch.Tensor         # [R] int32, context length after this step
-    block_table: torch.Tensor      # [R, max_blocks] int32
-    slot_mapping: torch.Tensor     # [T] int64
+    seq_lens: torch.Tensor  # [R] int32, context length after this step
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
     max_query_len: int
     max_seq_len: int
 
@@ -63,8 +65,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, Hq * D]; k, v: [T, Hkv * D]. Returns [T, Hq * D]."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_size)
@@ -76,13 +79,21 @@ class Attention(nn.Module):
             key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
             kernels.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
             out = kernels.paged_attention(
-                q, key_cache, value_cache, attn_metadata.block_table,
-                attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
-                attn_metadata.max_query_len, attn_metadata.max_seq_len)
+                q,
+                key_cache,
+                value_cache,
+                attn_metadata.block_table,
+                attn_metadata.query_start_loc,
+                attn_metadata.seq_lens,
+                self.scale,
+                attn_metadata.max_query_len,
+                attn_metadata.max_seq_len,
+            )
         return out.view(num_tokens, self.num_heads * self.head_size)
 
-    def _attend_without_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def _attend_without_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """Prompt-only attention before a cache exists (the runner's memory-profile run).
 
         Treats this step's own K/V as a cache of block_size 1: token t is block t, so request
@@ -94,6 +105,13 @@ class Attention(nn.Module):
         offsets = torch.arange(attn_metadata.max_query_len, device=q.device, dtype=torch.int32)
         block_table = (query_start_loc[:-1, None] + offsets[None, :]).clamp_(max=q.shape[0] - 1)
         return kernels.paged_attention(
-            q, k.unsqueeze(1), v.unsqueeze(1), block_table, query_start_loc,
-            query_lens.to(torch.int32), self.scale, attn_metadata.max_query_len,
-            attn_metadata.max_query_len)
+            q,
+            k.unsqueeze(1),
+            v.unsqueeze(1),
+            block_table,
+            query_start_loc,
+            query_lens.to(torch.int32),
+            self.scale,
+            attn_metadata.max_query_len,
+            attn_metadata.max_query_len,
+        )

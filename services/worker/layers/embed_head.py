@@ -32,15 +32,18 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_idx = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
         self.weight = nn.Parameter(
-            torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+            torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
         assert shard_id is None, "the embedding has no shards"
         if loaded_weight.shape[0] != self.num_embeddings:
-            raise ValueError(f"checkpoint vocab {loaded_weight.shape[0]} != config vocab "
-                             f"{self.num_embeddings}")
+            raise ValueError(
+                f"checkpoint vocab {loaded_weight.shape[0]} != config vocab {self.num_embeddings}"
+            )
         rows = self.num_embeddings_per_partition
         param.data.copy_(loaded_weight.narrow(0, self.vocab_start_idx, rows))
 

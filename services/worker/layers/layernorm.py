@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from kvserve import kernels
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight.
 
@@ -19,8 +21,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H]. Without residual returns y; with it returns (rms_norm(x + residual),
         x + residual), the second being the next layer's residual."""
         if residual is None:

@@ -27,20 +27,25 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
-                          shard_id: object = None) -> None:
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+) -> None:
     """Copy a whole (unsplit) checkpoint tensor into param."""
     assert shard_id is None, "an unsplit parameter has no shards"
     if param.shape != loaded_weight.shape:
-        raise ValueError(f"checkpoint tensor shape {tuple(loaded_weight.shape)} does not match "
-                         f"parameter shape {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor shape {tuple(loaded_weight.shape)} does not match "
+            f"parameter shape {tuple(param.shape)}"
+        )
     param.data.copy_(loaded_weight)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"checkpoint shard shape {tuple(src.shape)} does not match "
-                         f"parameter shard shape {tuple(dst.shape)}")
+        raise ValueError(
+            f"checkpoint shard shape {tuple(src.shape)} does not match "
+            f"parameter shard shape {tuple(dst.shape)}"
+        )
     dst.copy_(src)
 
 
@@ -66,8 +71,9 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +125,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         local_sizes = [divide(size, self.tp_size) for size in self.output_sizes]
         offset, size = sum(local_sizes[:shard_id]), local_sizes[shard_id]
-        _copy_checked(param.data.narrow(0, offset, size),
-                      loaded_weight.narrow(0, self.tp_rank * size, size))
+        _copy_checked(
+            param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size)
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -134,8 +141,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: whether q/k/v have biases (Qwen2 does).
     """
 
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ):
         tp_size = get_tp_size()
         self.head_size = head_size
         self.num_heads = divide(total_num_heads, tp_size)
@@ -151,10 +164,12 @@ class QKVParallelLinear(ColumnParallelLinear):
             for sid, part in zip("qkv", loaded_weight.split(full, dim=0)):
                 self.weight_loader(param, part, sid)
             return
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size),
-                        "v": (q_size + kv_size, kv_size)}[shard_id]
-        _copy_checked(param.data.narrow(0, offset, size),
-                      loaded_weight.narrow(0, self.tp_rank * size, size))
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
+            shard_id
+        ]
+        _copy_checked(
+            param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size)
+        )
 
 
 class RowParallelLinear(LinearBase):

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from kvserve import kernels
+
+
 def rope_parameters_from_config(config: Any) -> dict:
     """The RoPE settings of a HF config as one dict with `rope_type` and `rope_theta`.
 
@@ -55,33 +57,34 @@ class RotaryEmbedding(nn.Module):
             supported.
     """
 
-    def __init__(self, head_size: int, max_position: int, base: float,
-                 rope_parameters: dict | None = None):
+    def __init__(
+        self, head_size: int, max_position: int, base: float, rope_parameters: dict | None = None
+    ):
         super().__init__()
         rope_parameters = rope_parameters or {}
         rope_type = rope_parameters.get("rope_type", "default")
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
         if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial rotary embeddings are not supported: the kernel rotates "
-                             "the whole head")
+            raise ValueError(
+                "partial rotary embeddings are not supported: the kernel rotates the whole head"
+            )
         self.head_size = head_size
         exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
-        inv_freq = 1.0 / (base ** exponents)
+        inv_freq = 1.0 / (base**exponents)
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64; query: [T, Hq * D]; key: [T, Hkv * D]. Returns rotated q, k."""
-        return kernels.rotary_embedding(positions, query, key, self.cos_sin_cache,
-                                        self.head_size)
+        return kernels.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
 
 
 def get_rope(head_size: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:
     """Build the RoPE layer from `rope_parameters_from_config(config)`."""
-    return RotaryEmbedding(head_size, max_position, rope_parameters["rope_theta"],
-                           rope_parameters)
+    return RotaryEmbedding(head_size, max_position, rope_parameters["rope_theta"], rope_parameters)

@@ -42,8 +42,10 @@ def get_model_class(architectures: list[str]) -> type[nn.Module]:
             module_name, class_name = _MODELS[arch]
             module = importlib.import_module(f"{__name__}.{module_name}")
             return getattr(module, class_name)
-    raise ValueError(f"model architectures {architectures} are not supported; "
-                     f"supported: {supported_architectures()}")
+    raise ValueError(
+        f"model architectures {architectures} are not supported; "
+        f"supported: {supported_architectures()}"
+    )
 
 
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -69,8 +71,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str
-               ) -> tuple[nn.Module, object]:
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: torch.device | str
+) -> tuple[nn.Module, object]:
     """Build the model of model_dir/config.json in dtype on device and load its weights.
 
     Args:

@@ -61,16 +61,18 @@ class LlamaAttention(nn.Module):
         num_kv_heads = divide(total_num_kv_heads, tp_size)
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, total_num_heads,
-                                          total_num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(total_num_heads * head_dim, config.hidden_size,
-                                        bias=o_bias)
-        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings,
-                                   rope_parameters_from_config(config))
-        self.attn = Attention(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, total_num_heads, total_num_kv_heads, bias=qkv_bias
+        )
+        self.o_proj = RowParallelLinear(total_num_heads * head_dim, config.hidden_size, bias=o_bias)
+        self.rotary_emb = get_rope(
+            head_dim, config.max_position_embeddings, rope_parameters_from_config(config)
+        )
+        self.attn = Attention(num_heads, head_dim, head_dim**-0.5, num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
@@ -108,9 +110,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None, attn_metadata: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream travels beside the hidden states so each norm fuses its add.
         if residual is None:
             residual = hidden_states
@@ -132,21 +138,27 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
         super().__init__()
         num_layers = config.num_hidden_layers
-        self.start_layer, self.end_layer = pp_layer_range(num_layers, get_pp_rank(),
-                                                          get_pp_size())
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-                             if is_first_pp_rank() else None)
+        self.start_layer, self.end_layer = pp_layer_range(num_layers, get_pp_rank(), get_pp_size())
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+            if is_first_pp_rank()
+            else None
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias, o_bias)
-            if self.start_layer <= i < self.end_layer else PPMissingLayer()
-            for i in range(num_layers))
-        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps)
-                     if is_last_pp_rank() else None)
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
+            for i in range(num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last_pp_rank() else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata,
-                intermediate_tensors: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         """The final hidden states on the last stage; (hidden, residual) on the others.
 
         The first stage embeds input_ids; later stages start from the previous stage's
@@ -157,7 +169,7 @@ class LlamaModel(nn.Module):
         else:
             assert intermediate_tensors is not None, "a later stage needs the previous one's"
             hidden_states, residual = intermediate_tensors
-        for layer in self.layers[self.start_layer:self.end_layer]:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         if self.norm is None:
             return hidden_states, residual
@@ -186,11 +198,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias, o_bias = self.attention_biases(config)
         self.model = LlamaModel(config, qkv_bias, o_bias)
-        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size)
-                        if is_last_pp_rank() else None)
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.hidden_size) if is_last_pp_rank() else None
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings and self.lm_head is not None \
-                and self.model.embed_tokens is not None:
+        if (
+            self.tie_word_embeddings
+            and self.lm_head is not None
+            and self.model.embed_tokens is not None
+        ):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
@@ -199,10 +215,13 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata,
-                intermediate_tensors: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions: [T] int64. Returns the final hidden states [T, hidden]
         (last pipeline stage) or (hidden_states, residual) for the next stage."""
         return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
@@ -238,8 +257,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            if (self.tie_word_embeddings and name == "model.embed_tokens.weight"
-                    and self.model.embed_tokens is None and self.lm_head is not None):
+            if (
+                self.tie_word_embeddings
+                and name == "model.embed_tokens.weight"
+                and self.model.embed_tokens is None
+                and self.lm_head is not None
+            ):
                 name = "lm_head.weight"  # a last stage without the embedding it is tied to
             if not self._on_this_stage(name):
                 continue
@@ -250,8 +273,10 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(param_name)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
-                                 f"{type(self).__name__}: is this the right architecture?")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} matches no parameter of "
+                    f"{type(self).__name__}: is this the right architecture?"
+                )
             loader = getattr(param, "weight_loader", default_weight_loader)
             if shard_id is None:
                 loader(param, loaded_weight)
