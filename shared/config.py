@@ -34,13 +34,17 @@ def _doc(text: str, **extra: Any) -> msgspec.Meta:
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The model and its numerics."""
 
-    model: Annotated[str | None, _doc(
-        "HF folder, GGUF file, or None for the embedded SmolLM2-135M-Instruct")] = None
+    model: Annotated[
+        str | None, _doc("HF folder, GGUF file, or None for the embedded SmolLM2-135M-Instruct")
+    ] = None
     tokenizer: Annotated[str | None, _doc("tokenizer folder (default: the model's)")] = None
-    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], _doc(
-        "weight and activation dtype; auto = float32 on CPU, bfloat16 on GPU")] = "auto"
-    max_model_len: Annotated[int | None, _doc(
-        "longest prompt + output in tokens (default: the model's context length)")] = None
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        _doc("weight and activation dtype; auto = float32 on CPU, bfloat16 on GPU"),
+    ] = "auto"
+    max_model_len: Annotated[
+        int | None, _doc("longest prompt + output in tokens (default: the model's context length)")
+    ] = None
     seed: Annotated[int, _doc("seed of the engine's random state")] = 0
     served_model_name: Annotated[str | None, _doc("model name the API reports")] = None
 
@@ -55,15 +59,22 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     block_size: Annotated[int, _doc("tokens per KV-cache block")] = 16
     enable_prefix_caching: Annotated[bool, _doc("reuse KV blocks of shared prefixes")] = True
-    prefix_caching_hash_algo: Annotated[Literal["sha256", "xxhash"], _doc(
-        "block hash: sha256 or a fast 128-bit xxhash")] = "sha256"
-    kv_cache_memory: Annotated[int | None, _doc(
-        "bytes for the KV cache on CPU, e.g. 4G (default 4 GiB)", parse="size")] = None
-    gpu_memory_utilization: Annotated[float, _doc(
-        "fraction of the GPU's whole memory for weights, activations and KV cache (the KV "
-        "cache gets it less a profile run's peak)")] = 0.9
-    num_gpu_blocks_override: Annotated[int | None, _doc(
-        "force the number of KV blocks (testing)")] = None
+    prefix_caching_hash_algo: Annotated[
+        Literal["sha256", "xxhash"], _doc("block hash: sha256 or a fast 128-bit xxhash")
+    ] = "sha256"
+    kv_cache_memory: Annotated[
+        int | None, _doc("bytes for the KV cache on CPU, e.g. 4G (default 4 GiB)", parse="size")
+    ] = None
+    gpu_memory_utilization: Annotated[
+        float,
+        _doc(
+            "fraction of the GPU's whole memory for weights, activations and KV cache (the KV "
+            "cache gets it less a profile run's peak)"
+        ),
+    ] = 0.9
+    num_gpu_blocks_override: Annotated[
+        int | None, _doc("force the number of KV blocks (testing)")
+    ] = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -79,12 +90,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     max_num_batched_tokens: Annotated[int, _doc("token budget of one engine step")] = 2048
     max_num_seqs: Annotated[int, _doc("requests in one engine step at most")] = 256
-    enable_chunked_prefill: Annotated[bool, _doc(
-        "split long prompts across steps")] = True
-    long_prefill_token_threshold: Annotated[int, _doc(
-        "cap on one request's prompt tokens per step (0 = none)")] = 0
-    scheduling_policy: Annotated[Literal["fcfs", "priority"], _doc(
-        "fcfs, or priority (lower value first, then arrival)")] = "fcfs"
+    enable_chunked_prefill: Annotated[bool, _doc("split long prompts across steps")] = True
+    long_prefill_token_threshold: Annotated[
+        int, _doc("cap on one request's prompt tokens per step (0 = none)")
+    ] = 0
+    scheduling_policy: Annotated[
+        Literal["fcfs", "priority"], _doc("fcfs, or priority (lower value first, then arrival)")
+    ] = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -99,14 +111,20 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: Annotated[int, _doc("tensor-parallel ranks")] = 1
     pipeline_parallel_size: Annotated[int, _doc("pipeline-parallel stages")] = 1
     data_parallel_size: Annotated[int, _doc("data-parallel engine cores")] = 1
-    distributed_executor_backend: Annotated[Literal["uni", "mp"] | None, _doc(
-        "uni: worker in the engine process; mp: one process per rank "
-        "(default: uni when TP x PP = 1)", aliases=["--executor"])] = None
-    master_addr: Annotated[str, _doc(
-        "address the TP/PP worker ranks rendezvous at (torch.distributed TCP store)")] = \
-        "127.0.0.1"
-    master_port: Annotated[int | None, _doc(
-        "port of that rendezvous (default: a free port picked at start-up)")] = None
+    distributed_executor_backend: Annotated[
+        Literal["uni", "mp"] | None,
+        _doc(
+            "uni: worker in the engine process; mp: one process per rank "
+            "(default: uni when TP x PP = 1)",
+            aliases=["--executor"],
+        ),
+    ] = None
+    master_addr: Annotated[
+        str, _doc("address the TP/PP worker ranks rendezvous at (torch.distributed TCP store)")
+    ] = "127.0.0.1"
+    master_port: Annotated[
+        int | None, _doc("port of that rendezvous (default: a free port picked at start-up)")
+    ] = None
 
     @property
     def world_size(self) -> int:
@@ -134,26 +152,36 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         areas = {name: _ENGINE_AREAS[name] for name in cls.__struct_fields__}
         parts: dict[str, dict[str, Any]] = {name: {} for name in areas}
         for key, value in kwargs.items():
-            owner = next((name for name, area in areas.items()
-                          if key in area.__struct_fields__), None)
+            owner = next(
+                (name for name, area in areas.items() if key in area.__struct_fields__), None
+            )
             if owner is None:
                 known = sorted(f for area in areas.values() for f in area.__struct_fields__)
                 raise ValueError(f"unknown engine argument {key!r}; known ones: {known}")
             parts[owner][key] = value
-        return cls(**{name: areas[name](**parts[name]) for name in areas})
+        # Each field gets the area struct of its own name, a pairing mypy cannot follow.
+        area_structs: dict[str, Any] = {name: areas[name](**parts[name]) for name in areas}
+        return cls(**area_structs)
 
 
 _ENGINE_AREAS: dict[str, type[msgspec.Struct]] = {
-    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "parallel": ParallelConfig}
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
 
 
 # ---------------------------------------------------------------------- launch options
 
 DPRouting = Literal["load", "prefix"]
-DPRoutingOption = Annotated[DPRouting, _doc(
-    "load: lowest 4 x waiting + running; prefix: prefer the engine holding the prompt's "
-    "prefix blocks, within a load slack")]
+DPRoutingOption = Annotated[
+    DPRouting,
+    _doc(
+        "load: lowest 4 x waiting + running; prefix: prefer the engine holding the prompt's "
+        "prefix blocks, within a load slack"
+    ),
+]
 
 
 class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,13 +189,16 @@ class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     host: Annotated[str, _doc("interface to listen on")] = "0.0.0.0"
     port: Annotated[int, _doc("port to listen on")] = 8000
-    api_key: Annotated[str | None, _doc(
-        f"require this bearer token on /v1/* (default: ${API_KEY.name})")] = None
-    shutdown_timeout: Annotated[float, _doc(
-        "seconds SIGTERM/SIGINT waits for in-flight requests")] = 30.0
+    api_key: Annotated[
+        str | None, _doc(f"require this bearer token on /v1/* (default: ${API_KEY.name})")
+    ] = None
+    shutdown_timeout: Annotated[
+        float, _doc("seconds SIGTERM/SIGINT waits for in-flight requests")
+    ] = 30.0
     uvicorn_log_level: Annotated[
         Literal["critical", "error", "warning", "info", "debug", "trace"],
-        _doc("uvicorn's log level")] = "info"
+        _doc("uvicorn's log level"),
+    ] = "info"
 
     @property
     def effective_api_key(self) -> str | None:
@@ -178,25 +209,33 @@ class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
 class DataParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where the data-parallel engine cores run (their count is --data-parallel-size)."""
 
-    data_parallel_size_local: Annotated[int | None, _doc(
-        "engine cores on this node (default: --data-parallel-size, one node)")] = None
-    data_parallel_start_rank: Annotated[int, _doc(
-        "index of this node's first engine core (--headless nodes)")] = 0
-    data_parallel_address: Annotated[str | None, _doc(
-        "IP or host name of the front-end node, which other nodes reach")] = None
-    data_parallel_rpc_port: Annotated[int, _doc(
-        "front-end port where headless nodes register their engines")] = 29550
-    headless: Annotated[bool, _doc(
-        "run engine cores only, registering with the front-end node")] = False
+    data_parallel_size_local: Annotated[
+        int | None, _doc("engine cores on this node (default: --data-parallel-size, one node)")
+    ] = None
+    data_parallel_start_rank: Annotated[
+        int, _doc("index of this node's first engine core (--headless nodes)")
+    ] = 0
+    data_parallel_address: Annotated[
+        str | None, _doc("IP or host name of the front-end node, which other nodes reach")
+    ] = None
+    data_parallel_rpc_port: Annotated[
+        int, _doc("front-end port where headless nodes register their engines")
+    ] = 29550
+    headless: Annotated[
+        bool, _doc("run engine cores only, registering with the front-end node")
+    ] = False
     dp_routing: DPRoutingOption = "load"
 
     def layout(self, size: int) -> DPLayout:
         """The checked layout of `size` engine cores in all."""
         local = self.data_parallel_size_local
-        layout = DPLayout(size=size, size_local=size if local is None else local,
-                          start_rank=self.data_parallel_start_rank,
-                          address=self.data_parallel_address,
-                          rpc_port=self.data_parallel_rpc_port)
+        layout = DPLayout(
+            size=size,
+            size_local=size if local is None else local,
+            start_rank=self.data_parallel_start_rank,
+            address=self.data_parallel_address,
+            rpc_port=self.data_parallel_rpc_port,
+        )
         layout.validate(self.headless)
         return layout
 
@@ -226,32 +265,49 @@ class DPLayout(msgspec.Struct, frozen=True, kw_only=True):
         if self.size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.size}")
         if not 0 <= self.size_local <= self.size:
-            raise ValueError(f"--data-parallel-size-local must be in [0, {self.size}] "
-                             f"(--data-parallel-size), got {self.size_local}")
+            raise ValueError(
+                f"--data-parallel-size-local must be in [0, {self.size}] "
+                f"(--data-parallel-size), got {self.size_local}"
+            )
         if not headless and self.start_rank != 0:
-            raise ValueError("--data-parallel-start-rank is for --headless nodes: the front "
-                             "end runs engines 0..L-1")
-        if headless and (self.size_local < 1
-                         or self.start_rank + self.size_local > self.size
-                         or self.start_rank < 1):
-            raise ValueError(f"a --headless node runs engines start_rank..start_rank+L-1, "
-                             f"within 1..{self.size - 1}: got --data-parallel-start-rank "
-                             f"{self.start_rank} and --data-parallel-size-local "
-                             f"{self.size_local}")
+            raise ValueError(
+                "--data-parallel-start-rank is for --headless nodes: the front "
+                "end runs engines 0..L-1"
+            )
+        if headless and (
+            self.size_local < 1
+            or self.start_rank + self.size_local > self.size
+            or self.start_rank < 1
+        ):
+            raise ValueError(
+                f"a --headless node runs engines start_rank..start_rank+L-1, "
+                f"within 1..{self.size - 1}: got --data-parallel-start-rank "
+                f"{self.start_rank} and --data-parallel-size-local "
+                f"{self.size_local}"
+            )
         if (self.multi_node or headless) and (self.address is None or self.rpc_port is None):
-            raise ValueError("engines on other nodes need --data-parallel-address (the front "
-                             "end's IP or host name) and --data-parallel-rpc-port")
+            raise ValueError(
+                "engines on other nodes need --data-parallel-address (the front "
+                "end's IP or host name) and --data-parallel-rpc-port"
+            )
 
 
 class EngineSockets(msgspec.Struct, frozen=True, kw_only=True):
     """The engine cores' two sockets: the api binds them, engine cores connect to them."""
 
-    input_addr: Annotated[str, _doc(
-        "requests to the engine cores: tcp://*:5555 on the api, tcp://API_HOST:5555 on an "
-        "engine")]
-    output_addr: Annotated[str, _doc(
-        "the engine cores' outputs: tcp://*:5556 on the api, tcp://API_HOST:5556 on an "
-        "engine")]
+    input_addr: Annotated[
+        str,
+        _doc(
+            "requests to the engine cores: tcp://*:5555 on the api, tcp://API_HOST:5555 on an "
+            "engine"
+        ),
+    ]
+    output_addr: Annotated[
+        str,
+        _doc(
+            "the engine cores' outputs: tcp://*:5556 on the api, tcp://API_HOST:5556 on an engine"
+        ),
+    ]
 
 
 class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -272,10 +328,12 @@ class APIOptions(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     sockets: EngineSockets
     http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
-    data_parallel_size: Annotated[int, _doc(
-        "engine cores that connect to the sockets (serving starts when all are ready)")] = 1
-    load_table_addr: Annotated[str | None, _doc(
-        "the DP coordinator's --publish-addr, e.g. tcp://coordinator:5558")] = None
+    data_parallel_size: Annotated[
+        int, _doc("engine cores that connect to the sockets (serving starts when all are ready)")
+    ] = 1
+    load_table_addr: Annotated[
+        str | None, _doc("the DP coordinator's --publish-addr, e.g. tcp://coordinator:5558")
+    ] = None
     dp_routing: DPRoutingOption = "load"
 
 
@@ -285,17 +343,18 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     sockets: EngineSockets
     engine_index: Annotated[int, _doc("this engine core's data-parallel index")] = 0
-    stats_addr: Annotated[str | None, _doc(
-        "the DP coordinator's --stats-addr, e.g. tcp://coordinator:5557")] = None
+    stats_addr: Annotated[
+        str | None, _doc("the DP coordinator's --stats-addr, e.g. tcp://coordinator:5557")
+    ] = None
 
 
 class CoordinatorOptions(msgspec.Struct, frozen=True, kw_only=True):
     """`kvserve coordinator`: the DP coordinator alone (engine loads in, load table out)."""
 
-    stats_addr: Annotated[str, _doc("address to bind for the engines' loads")] = \
-        "tcp://*:5557"
-    publish_addr: Annotated[str, _doc(
-        "address to bind for publishing the load table to api servers")] = "tcp://*:5558"
+    stats_addr: Annotated[str, _doc("address to bind for the engines' loads")] = "tcp://*:5557"
+    publish_addr: Annotated[
+        str, _doc("address to bind for publishing the load table to api servers")
+    ] = "tcp://*:5558"
 
 
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -304,12 +363,13 @@ class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):
     rank: Annotated[int, _doc("this worker's global rank (TP-major)")]
     model_dir: Annotated[str, _doc("resolved HF-style model folder")]
     engine_config: Annotated[EngineConfig, _doc("the EngineConfig", parse="json")]
-    ring_handle: Annotated[ShmRingHandle, _doc(
-        "the engine's shared-memory ring", parse="json")]
-    result_addr: Annotated[str, _doc(
-        "ZMQ address of the engine's PULL socket for ready messages and outputs")]
-    distributed_init_method: Annotated[str | None, _doc(
-        "torch.distributed rendezvous, tcp://HOST:PORT (TP x PP > 1)")] = None
+    ring_handle: Annotated[ShmRingHandle, _doc("the engine's shared-memory ring", parse="json")]
+    result_addr: Annotated[
+        str, _doc("ZMQ address of the engine's PULL socket for ready messages and outputs")
+    ]
+    distributed_init_method: Annotated[
+        str | None, _doc("torch.distributed rendezvous, tcp://HOST:PORT (TP x PP > 1)")
+    ] = None
 
 
 class GenerateOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 # The largest number of top logprobs a request may ask for (OpenAI allows 20).
 MAX_LOGPROBS = 20
 
 
-class _StrictKeywords(type(msgspec.Struct)):
+class _StrictKeywords(msgspec.StructMeta):
     """Turns an unknown keyword into a ValueError that names it, instead of a TypeError."""
 
-    def __call__(cls, *args, **kwargs):
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
         if unknown:
             raise ValueError(
                 f"{cls.__name__}: unknown parameter(s) {unknown}; "
-                f"valid ones are {sorted(cls.__struct_fields__)}")
+                f"valid ones are {sorted(cls.__struct_fields__)}"
+            )
         return super().__call__(*args, **kwargs)
 
 
-class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True,
-                     omit_defaults=True):
+class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, omit_defaults=True):
     """How to sample the tokens of one request (vLLM's names and defaults).
 
     Args:

@@ -94,26 +94,32 @@ class ShmRingBuffer:
         max_sleep_s: the longest sleep between two looks at the flags.
     """
 
-    def __init__(self, handle: ShmRingHandle, buf: memoryview, reader_rank: int | None,
-                 closer: Callable[[], None], spin_s: float = 1e-3,
-                 max_sleep_s: float = 2e-3):
+    def __init__(
+        self,
+        handle: ShmRingHandle,
+        buf: memoryview,
+        reader_rank: int | None,
+        closer: Callable[[], None],
+        spin_s: float = 1e-3,
+        max_sleep_s: float = 2e-3,
+    ):
         assert len(buf) >= handle.total_bytes, "segment smaller than the ring it holds"
         self.handle = handle
         self.reader_rank = reader_rank
         self.spin_s = spin_s
         self.max_sleep_s = max_sleep_s
         self._buf = buf
-        self._closer = closer
+        self._closer: Callable[[], None] | None = closer  # None once closed
         self._index = 0  # next chunk to write (writer) or read (reader)
         self._all_read = b"\x01" * handle.num_readers
-        self._my_flag = None if reader_rank is None else _READ_FLAGS + reader_rank
         self._broken = False
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def create(cls, num_readers: int, num_chunks: int = 8, chunk_bytes: int = 1 << 20,
-               **wait_knobs) -> ShmRingBuffer:
+    def create(
+        cls, num_readers: int, num_chunks: int = 8, chunk_bytes: int = 1 << 20, **wait_knobs
+    ) -> ShmRingBuffer:
         """Create a new segment and return its writer side (which unlinks it on close).
 
         Args:
@@ -123,9 +129,11 @@ class ShmRingBuffer:
             **wait_knobs: spin_s / max_sleep_s, see the class.
         """
         if num_readers < 1 or num_chunks < 1 or chunk_bytes < 1:
-            raise ValueError(f"a ring needs at least one reader, chunk and byte per chunk; got "
-                             f"num_readers={num_readers}, num_chunks={num_chunks}, "
-                             f"chunk_bytes={chunk_bytes}")
+            raise ValueError(
+                f"a ring needs at least one reader, chunk and byte per chunk; got "
+                f"num_readers={num_readers}, num_chunks={num_chunks}, "
+                f"chunk_bytes={chunk_bytes}"
+            )
         geometry = ShmRingHandle("", num_readers, num_chunks, chunk_bytes)
         # The segment is registered with the resource tracker, so it is unlinked even if
         # this process dies without closing the ring. A new segment is all zeros: every
@@ -140,7 +148,9 @@ class ShmRingBuffer:
             except FileNotFoundError:
                 pass  # already gone (the resource tracker or a crash cleaner beat us)
 
-        return cls(handle, shm.buf, None, close_and_unlink, **wait_knobs)
+        buf = shm.buf
+        assert buf is not None, "a newly created segment is mapped"
+        return cls(handle, buf, None, close_and_unlink, **wait_knobs)
 
     @classmethod
     def attach(cls, handle: ShmRingHandle, reader_rank: int, **wait_knobs) -> ShmRingBuffer:
@@ -177,8 +187,12 @@ class ShmRingBuffer:
 
     # ------------------------------------------------------------------ writer
 
-    def enqueue(self, payload: bytes | bytearray | memoryview, timeout: float | None = None,
-                check_alive: Callable[[], None] | None = None) -> None:
+    def enqueue(
+        self,
+        payload: bytes | bytearray | memoryview,
+        timeout: float | None = None,
+        check_alive: Callable[[], None] | None = None,
+    ) -> None:
         """Write one message for every reader (writer only).
 
         Args:
@@ -194,13 +208,12 @@ class ShmRingBuffer:
         chunk_bytes = self.handle.chunk_bytes
         start = 0
         while True:
-            piece = view[start:start + chunk_bytes]
+            piece = view[start : start + chunk_bytes]
             partial = start > 0  # earlier pieces of this message are already out
             start += len(piece)
             more = start < len(view)
             offset = self._chunk_offset(self._index)
-            self._wait(functools.partial(self._is_free, offset), deadline, check_alive,
-                       partial)
+            self._wait(functools.partial(self._is_free, offset), deadline, check_alive, partial)
             self._write_chunk(offset, piece, more)
             self._index = (self._index + 1) % self.handle.num_chunks
             if not more:
@@ -211,7 +224,7 @@ class ShmRingBuffer:
         if buf[offset + _WRITTEN] == 0:
             return True
         flags = offset + _READ_FLAGS
-        return buf[flags:flags + self.handle.num_readers] == self._all_read
+        return buf[flags : flags + self.handle.num_readers] == self._all_read
 
     def _write_chunk(self, offset: int, piece: memoryview, more: bool) -> None:
         buf, header = self._buf, self.handle.header_bytes
@@ -219,18 +232,19 @@ class ShmRingBuffer:
         # cleared once the payload is complete: no reader can see half a message.
         buf[offset + _WRITTEN] = 0
         _memory_fence()
-        buf[offset + header:offset + header + len(piece)] = piece
+        buf[offset + header : offset + header + len(piece)] = piece
         _LENGTH.pack_into(buf, offset + header - _LENGTH.size, len(piece))
         buf[offset + _MORE] = int(more)
         flags = offset + _READ_FLAGS
-        buf[flags:flags + self.handle.num_readers] = bytes(self.handle.num_readers)
+        buf[flags : flags + self.handle.num_readers] = bytes(self.handle.num_readers)
         _memory_fence()
         buf[offset + _WRITTEN] = 1
 
     # ------------------------------------------------------------------ reader
 
-    def dequeue(self, timeout: float | None = None,
-                check_alive: Callable[[], None] | None = None) -> bytes:
+    def dequeue(
+        self, timeout: float | None = None, check_alive: Callable[[], None] | None = None
+    ) -> bytes:
         """Read the next message (reader only), waiting for it if need be.
 
         Args:
@@ -241,17 +255,21 @@ class ShmRingBuffer:
         assert self.reader_rank is not None, "only readers dequeue"
         self._check_usable()
         deadline = None if timeout is None else time.monotonic() + timeout
-        my_flag = self._my_flag
+        my_flag = _READ_FLAGS + self.reader_rank
         header = self.handle.header_bytes
-        pieces = []
+        pieces: list[bytes] = []
         while True:
             offset = self._chunk_offset(self._index)
-            self._wait(functools.partial(self._is_ready, offset), deadline, check_alive,
-                       partial=bool(pieces))
+            self._wait(
+                functools.partial(self._is_ready, offset, my_flag),
+                deadline,
+                check_alive,
+                partial=bool(pieces),
+            )
             buf = self._buf
             _memory_fence()
             (num_bytes,) = _LENGTH.unpack_from(buf, offset + header - _LENGTH.size)
-            pieces.append(bytes(buf[offset + header:offset + header + num_bytes]))
+            pieces.append(bytes(buf[offset + header : offset + header + num_bytes]))
             more = buf[offset + _MORE] == 1
             # The copy must be complete before the writer may reuse the chunk.
             _memory_fence()
@@ -260,8 +278,8 @@ class ShmRingBuffer:
             if not more:
                 return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
-    def _is_ready(self, offset: int) -> bool:
-        return self._buf[offset + _WRITTEN] == 1 and self._buf[offset + self._my_flag] == 0
+    def _is_ready(self, offset: int, my_flag: int) -> bool:
+        return self._buf[offset + _WRITTEN] == 1 and self._buf[offset + my_flag] == 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -272,11 +290,18 @@ class ShmRingBuffer:
         if self._closer is None:
             raise RuntimeError("the shared-memory ring is closed")
         if self._broken:
-            raise RuntimeError("the shared-memory ring gave up in the middle of a message and "
-                               "is out of step with its peers; build a new one")
+            raise RuntimeError(
+                "the shared-memory ring gave up in the middle of a message and "
+                "is out of step with its peers; build a new one"
+            )
 
-    def _wait(self, ready: Callable[[], bool], deadline: float | None,
-              check_alive: Callable[[], None] | None, partial: bool) -> None:
+    def _wait(
+        self,
+        ready: Callable[[], bool],
+        deadline: float | None,
+        check_alive: Callable[[], None] | None,
+        partial: bool,
+    ) -> None:
         """Spin, then back off, until ready(); mid-message give-ups break the ring."""
         start = time.monotonic()
         next_check = start + 0.1
@@ -285,9 +310,14 @@ class ShmRingBuffer:
             while not ready():
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
-                    raise TimeoutError("the shared-memory ring timed out waiting for "
-                                       + ("readers to free a chunk" if self.reader_rank is None
-                                          else "the writer's next message"))
+                    raise TimeoutError(
+                        "the shared-memory ring timed out waiting for "
+                        + (
+                            "readers to free a chunk"
+                            if self.reader_rank is None
+                            else "the writer's next message"
+                        )
+                    )
                 if check_alive is not None and now >= next_check:
                     check_alive()
                     next_check = now + 0.1

@@ -60,7 +60,6 @@ class EngineAddresses(msgspec.Struct, frozen=True):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(addr.removeprefix("ipc://"))
 
-
     @classmethod
     def tcp(cls, host: str) -> EngineAddresses:
         """Addresses on `host` with ports the OS picks at bind time (see `bound_address`),
@@ -98,7 +97,7 @@ class CoordinatorAddresses(msgspec.Struct, frozen=True):
 def bound_address(sock: zmq.Socket) -> str:
     """The address a bound socket really listens on: `tcp://host:*` becomes the port the OS
     picked, which is what peers must connect to."""
-    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def engine_identity(engine_index: int) -> bytes:
@@ -106,8 +105,15 @@ def engine_identity(engine_index: int) -> bytes:
     return engine_index.to_bytes(2, "little")
 
 
-def make_socket(ctx: zmq.Context, addr: str, kind: int, bind: bool, *,
-                identity: bytes | None = None, linger_ms: int = 0) -> zmq.Socket:
+def make_socket(
+    ctx: zmq.Context,
+    addr: str,
+    kind: int,
+    bind: bool,
+    *,
+    identity: bytes | None = None,
+    linger_ms: int = 0,
+) -> zmq.Socket:
     """One socket of the engine channel, configured the same way on both ends.
 
     Args:
@@ -120,8 +126,10 @@ def make_socket(ctx: zmq.Context, addr: str, kind: int, bind: bool, *,
             lingers so its DEAD sentinel gets out).
     """
     if not addr.startswith(_SCHEMES):
-        raise ValueError(f"socket address {addr!r} must start with one of {_SCHEMES} "
-                         f"(ipc:// on one host, tcp://host:port across hosts)")
+        raise ValueError(
+            f"socket address {addr!r} must start with one of {_SCHEMES} "
+            f"(ipc:// on one host, tcp://host:port across hosts)"
+        )
     sock = ctx.socket(kind)
     # No high-water mark: a full queue would drop (PUSH blocks, ROUTER drops) messages we
     # cannot lose; the scheduler's max_num_seqs already bounds what is in flight.
@@ -151,7 +159,7 @@ class MsgpackEncoder:
 
     def __init__(self):
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._frames: list | None = None  # frames of the object being encoded
+        self._frames: list[bytes | memoryview] | None = None  # frames of the object being encoded
 
     def encode(self, obj: Any, first_frames: Sequence[bytes] = ()) -> list[bytes | memoryview]:
         """Frames of `obj`, after `first_frames` (which array frame indices count in)."""
@@ -168,11 +176,15 @@ class MsgpackEncoder:
             arr = np.ascontiguousarray(obj)
             if arr.nbytes < INLINE_ARRAY_MAX_BYTES:
                 return arr.dtype.str, arr.shape, arr.tobytes()
+            frames = self._frames
+            assert frames is not None, "the hook runs only inside encode()"
             # Zero-copy: zmq keeps a reference to the buffer until the frame is sent.
-            self._frames.append(arr.data)
-            return arr.dtype.str, arr.shape, len(self._frames) - 1
-        raise TypeError(f"{type(obj).__name__} cannot cross the engine socket: send msgspec "
-                        f"Structs, builtins or numpy arrays (never pickle)")
+            frames.append(arr.data)
+            return arr.dtype.str, arr.shape, len(frames) - 1
+        raise TypeError(
+            f"{type(obj).__name__} cannot cross the engine socket: send msgspec "
+            f"Structs, builtins or numpy arrays (never pickle)"
+        )
 
 
 class MsgpackDecoder:
@@ -210,8 +222,9 @@ class MessageEncoder:
 
     def encode(self, msg_type: MsgType, payload: Any) -> list[bytes | memoryview]:
         expected = typing.get_origin(PAYLOAD_TYPES[msg_type]) or PAYLOAD_TYPES[msg_type]
-        assert isinstance(payload, expected), \
+        assert isinstance(payload, expected), (
             f"{msg_type.name} carries {expected.__name__}, got {type(payload).__name__}"
+        )
         return self._encoder.encode(payload, first_frames=(msg_type.frame,))
 
 
@@ -228,14 +241,18 @@ class MessageDecoder:
     def decode(self, frames: Sequence[bytes | memoryview | zmq.Frame]) -> tuple[MsgType, Any]:
         buffers = [f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames]
         if len(buffers) < 2 or len(buffers[0]) != 1:
-            raise ValueError(f"malformed message of {len(buffers)} frames: expected a 1-byte "
-                             f"type frame and a payload frame")
+            raise ValueError(
+                f"malformed message of {len(buffers)} frames: expected a 1-byte "
+                f"type frame and a payload frame"
+            )
         type_byte = buffers[0][0]
         try:
             msg_type = MsgType(type_byte)
             decoder = self._decoders[msg_type]
         except (ValueError, KeyError):
-            raise ValueError(f"unexpected message type {type_byte} here (expected one of "
-                             f"{sorted(t.name for t in self._decoders)}): is the peer a "
-                             f"kvserve of the same version?") from None
+            raise ValueError(
+                f"unexpected message type {type_byte} here (expected one of "
+                f"{sorted(t.name for t in self._decoders)}): is the peer a "
+                f"kvserve of the same version?"
+            ) from None
         return msg_type, decoder.decode(buffers, payload_index=1)

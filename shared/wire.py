@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import enum
 import socket
-from typing import Union
 
 import msgspec
 
@@ -59,8 +58,7 @@ class EngineReady(msgspec.Struct, frozen=True, kw_only=True):
     prefix_caching_hash_algo: str = "sha256"
 
 
-class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True,
-                      gc=False):
+class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True, gc=False):
     """Progress of the engine's busy loop, so the api tells a hung loop from a busy one.
 
     The output thread sends it every interval whatever the main loop does: silence means the
@@ -108,8 +106,8 @@ class Ping(msgspec.Struct, frozen=True, tag="ping"):
     """Answered by the busy loop itself (not an IO thread): an `EngineHeartbeat`."""
 
 
-UtilityMethod = Union[ResetPrefixCache, GetStats, Ping]
-UtilityResult = Union[bool, EngineStats, EngineHeartbeat, None]
+UtilityMethod = ResetPrefixCache | GetStats | Ping
+UtilityResult = bool | EngineStats | EngineHeartbeat | None
 
 
 class UtilityCall(msgspec.Struct, frozen=True, array_like=True):
@@ -118,7 +116,9 @@ class UtilityCall(msgspec.Struct, frozen=True, array_like=True):
 
     @property
     def method_name(self) -> str:
-        return type(self.method).__struct_config__.tag
+        tag = type(self.method).__struct_config__.tag
+        assert isinstance(tag, str), "every UtilityMethod is tagged with its name"
+        return tag
 
 
 class UtilityOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -59,12 +59,13 @@ class StepTimeModel:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Args:
-    num_blocks: KV blocks per engine, the null block included (as the engine reports
-        them in its READY handshake, and as the router bounds its record).
-    block_size: tokens per block.
-    max_num_batched_tokens: token budget of one step.
-    max_num_seqs: running requests at most.
+    """
+    Args:
+        num_blocks: KV blocks per engine, the null block included (as the engine reports
+            them in its READY handshake, and as the router bounds its record).
+        block_size: tokens per block.
+        max_num_batched_tokens: token budget of one step.
+        max_num_seqs: running requests at most.
     """
 
     num_blocks: int = 4096
@@ -74,11 +75,12 @@ class EngineConfig:
 
 
 class SimEngine:
-    """Args:
-    engine_idx: index in the fleet.
-    config: the engine's limits.
-    step_model: step durations.
-    hash_fn: the block hash function (the engines' default is sha256).
+    """
+    Args:
+        engine_idx: index in the fleet.
+        config: the engine's limits.
+        step_model: step durations.
+        hash_fn: the block hash function (the engines' default is sha256).
     """
 
     def __init__(

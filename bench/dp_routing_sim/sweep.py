@@ -21,19 +21,20 @@ from kvserve.shared.hashing import HashAlgo, get_hash_fn
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """Args:
-    engine_counts: fleet sizes to simulate.
-    routers: router names.
-    requests_per_engine: requests per run = this x engines (unless num_requests).
-    num_requests: a fixed number of requests per run instead.
-    load: offered load relative to the prefix-blind capacity (see module doc).
-    warmup_frac: leading share of requests left out of the metrics (cold caches).
-    refresh_s: load-table refresh period of the coordinator.
-    prefix_slack: score slack of the prefix router; None keeps the shipped
-        PREFIX_LOAD_SLACK (services/api/dp_router.py).
-    hash_algo: block hash of the engines and the router (the engines' default sha256).
-    calibration_requests: requests queued on one engine to measure its capacity.
-    seed: workload seed.
+    """
+    Args:
+        engine_counts: fleet sizes to simulate.
+        routers: router names.
+        requests_per_engine: requests per run = this x engines (unless num_requests).
+        num_requests: a fixed number of requests per run instead.
+        load: offered load relative to the prefix-blind capacity (see module doc).
+        warmup_frac: leading share of requests left out of the metrics (cold caches).
+        refresh_s: load-table refresh period of the coordinator.
+        prefix_slack: score slack of the prefix router; None keeps the shipped
+            PREFIX_LOAD_SLACK (services/api/dp_router.py).
+        hash_algo: block hash of the engines and the router (the engines' default sha256).
+        calibration_requests: requests queued on one engine to measure its capacity.
+        seed: workload seed.
     """
 
     engine_counts: tuple[int, ...] = (8, 16, 32, 64)

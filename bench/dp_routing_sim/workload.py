@@ -25,15 +25,16 @@ _TOKEN_DTYPE = np.int32
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """Args:
-    num_tenants: tenants, each with one shared prefix.
-    prefix_len_range: inclusive (min, max) tokens of a tenant's prefix, drawn once per
-        tenant; (0, 0) gives a workload with nothing shared.
-    suffix_len_range: inclusive (min, max) unique prompt tokens per request.
-    output_len_range: inclusive (min, max) generated tokens per request.
-    zipf_exponent: tenant popularity ~ 1 / rank**zipf_exponent (0 = uniform).
-    block_size: tokens per KV block.
-    vocab_size: token ids are drawn from [0, vocab_size) (SmolLM2's 49152 by default).
+    """
+    Args:
+        num_tenants: tenants, each with one shared prefix.
+        prefix_len_range: inclusive (min, max) tokens of a tenant's prefix, drawn once per
+            tenant; (0, 0) gives a workload with nothing shared.
+        suffix_len_range: inclusive (min, max) unique prompt tokens per request.
+        output_len_range: inclusive (min, max) generated tokens per request.
+        zipf_exponent: tenant popularity ~ 1 / rank**zipf_exponent (0 = uniform).
+        block_size: tokens per KV block.
+        vocab_size: token ids are drawn from [0, vocab_size) (SmolLM2's 49152 by default).
     """
 
     num_tenants: int = 128

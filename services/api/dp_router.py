@@ -64,12 +64,13 @@ class _EngineView:
 
 
 class DPRouter:
-    """Args:
-    routing: "load" or "prefix" (see the module docstring).
-    block_size: the engines' tokens per KV block.
-    hash_fn: the engines' block hash function (None: prefix caching is off, so `prefix`
-        routing degrades to `load`).
-    prefix_slack: score margin within which a prefix holder is preferred.
+    """
+    Args:
+        routing: "load" or "prefix" (see the module docstring).
+        block_size: the engines' tokens per KV block.
+        hash_fn: the engines' block hash function (None: prefix caching is off, so `prefix`
+            routing degrades to `load`).
+        prefix_slack: score margin within which a prefix holder is preferred.
     """
 
     def __init__(

@@ -40,10 +40,11 @@ class StatsTotals:
 
 
 class EngineClient:
-    """Args:
-    tokenizer_info: the model's tokenizer and stop ids.
-    max_model_len: the engine's effective max_model_len (from its ready message).
-    model_name: the name the API serves the model under.
+    """
+    Args:
+        tokenizer_info: the model's tokenizer and stop ids.
+        max_model_len: the engine's effective max_model_len (from its ready message).
+        model_name: the name the API serves the model under.
     """
 
     def __init__(self, tokenizer_info: TokenizerInfo, max_model_len: int, model_name: str):

@@ -103,11 +103,12 @@ class EngineChannel:
 
 
 class EngineConnection:
-    """Args:
-    identity: the engine's DEALER identity.
-    handshake: its READY message.
-    engine_process: its multiprocessing.Process when it is our child (named in errors);
-        otherwise the handshake's pids are watched when on this host.
+    """
+    Args:
+        identity: the engine's DEALER identity.
+        handshake: its READY message.
+        engine_process: its multiprocessing.Process when it is our child (named in errors);
+            otherwise the handshake's pids are watched when on this host.
     """
 
     def __init__(self, identity: bytes, handshake: EngineReady, engine_process=None):

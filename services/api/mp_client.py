@@ -68,13 +68,14 @@ class EngineStalledError(EngineDeadError):
 
 
 class MPEngineClient(EngineClient):
-    """Args:
-    tokenizer_info: the model's tokenizer and stop ids.
-    model_name: the name the API serves the model under.
-    channel: the bound sockets; every engine has said READY on them.
-    engines: one EngineConnection per engine core.
-    routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
-    load_table_addr: the DP coordinator's PUB address (None: no coordinator).
+    """
+    Args:
+        tokenizer_info: the model's tokenizer and stop ids.
+        model_name: the name the API serves the model under.
+        channel: the bound sockets; every engine has said READY on them.
+        engines: one EngineConnection per engine core.
+        routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
+        load_table_addr: the DP coordinator's PUB address (None: no coordinator).
     """
 
     def __init__(

@@ -67,8 +67,9 @@ class _Parent:
 
 
 class OutputProcessor:
-    """Args:
-    tokenizer: a HF tokenizer, or None to return token ids only.
+    """
+    Args:
+        tokenizer: a HF tokenizer, or None to return token ids only.
     """
 
     def __init__(self, tokenizer):

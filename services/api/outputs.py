@@ -45,14 +45,15 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Args:
-    request_id: the request's id.
-    prompt: the prompt text (None when given as token ids).
-    prompt_token_ids: the tokenized prompt.
-    prompt_logprobs: per prompt token (None for the first), when asked for.
-    outputs: the n completions.
-    finished: all n completions are done.
-    num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+    Args:
+        request_id: the request's id.
+        prompt: the prompt text (None when given as token ids).
+        prompt_token_ids: the tokenized prompt.
+        prompt_logprobs: per prompt token (None for the first), when asked for.
+        outputs: the n completions.
+        finished: all n completions are done.
+        num_cached_tokens: prompt tokens served from the prefix cache.
     """
 
     request_id: str

@@ -41,10 +41,11 @@ def sse_event(body: msgspec.Struct) -> bytes:
 
 
 class OpenAIServing:
-    """Args:
-    engine_client: where requests go.
-    served_model_name: the only model name requests may ask for.
-    metrics: the app's metrics (each request is timed).
+    """
+    Args:
+        engine_client: where requests go.
+        served_model_name: the only model name requests may ask for.
+        metrics: the app's metrics (each request is timed).
     """
 
     def __init__(self, engine_client: EngineClient, served_model_name: str, metrics: ApiMetrics):

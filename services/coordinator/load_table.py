@@ -11,8 +11,9 @@ from kvserve.shared.wire import EngineLoad
 
 
 class EngineLoadTable:
-    """Args:
-    stale_after_s: seconds without a report after which an engine's row is dropped.
+    """
+    Args:
+        stale_after_s: seconds without a report after which an engine's row is dropped.
     """
 
     def __init__(self, stale_after_s: float):

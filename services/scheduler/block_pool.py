@@ -37,8 +37,10 @@ class KVCacheBlock:
         # Only neighbour ids: the default repr would recurse along the whole list.
         prev_id = self.prev_free_block.block_id if self.prev_free_block else None
         next_id = self.next_free_block.block_id if self.next_free_block else None
-        return (f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, "
-                f"hashed={self.block_hash is not None}, prev={prev_id}, next={next_id})")
+        return (
+            f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, "
+            f"hashed={self.block_hash is not None}, prev={prev_id}, next={next_id})"
+        )
 
 
 class FreeKVCacheBlockQueue:
@@ -48,7 +50,8 @@ class FreeKVCacheBlockQueue:
 
     The links live in the blocks themselves, so `remove` of a block in the middle (a cached
     free block that gets a prefix hit) is O(1) and no operation allocates. The sentinels
-    remove every None check on the way.
+    remove every None check on the way: every link between them is set, which the asserts
+    only tell the type checker.
 
     Args:
         blocks: the initially free blocks, in order.
@@ -66,6 +69,7 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         """Take the block that is next to be evicted."""
         block = self.head.next_free_block
+        assert block is not None, "the head sentinel is always linked"
         if block is self.tail:
             raise ValueError("no free KV-cache blocks left")
         self.remove(block)
@@ -74,17 +78,21 @@ class FreeKVCacheBlockQueue:
     def popleft_n(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take the first `num_blocks` blocks, relinking the head once."""
         if num_blocks > self.num_free_blocks:
-            raise ValueError(f"asked for {num_blocks} free blocks, only "
-                             f"{self.num_free_blocks} left")
+            raise ValueError(
+                f"asked for {num_blocks} free blocks, only {self.num_free_blocks} left"
+            )
         if num_blocks == 0:
             return []
         blocks = []
         block = self.head.next_free_block
         for _ in range(num_blocks):
+            # At most num_free_blocks steps from the head: never past the tail sentinel.
+            assert block is not None
             blocks.append(block)
             next_block = block.next_free_block
             block.prev_free_block = block.next_free_block = None
             block = next_block
+        assert block is not None
         self.head.next_free_block = block
         block.prev_free_block = self.head
         self.num_free_blocks -= num_blocks
@@ -93,8 +101,9 @@ class FreeKVCacheBlockQueue:
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink `block` from wherever it sits in the queue."""
         prev_block, next_block = block.prev_free_block, block.next_free_block
-        assert prev_block is not None and next_block is not None, \
+        assert prev_block is not None and next_block is not None, (
             f"{block} is not in the free queue"
+        )
         prev_block.next_free_block = next_block
         next_block.prev_free_block = prev_block
         block.prev_free_block = block.next_free_block = None
@@ -102,9 +111,11 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         """Put `block` at the tail: it will be evicted last."""
-        assert block.prev_free_block is None and block.next_free_block is None, \
+        assert block.prev_free_block is None and block.next_free_block is None, (
             f"{block} is already in the free queue"
+        )
         last = self.tail.prev_free_block
+        assert last is not None, "the tail sentinel is always linked"
         last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self.tail
@@ -120,6 +131,7 @@ class FreeKVCacheBlockQueue:
         blocks = []
         block = self.head.next_free_block
         while block is not self.tail:
+            assert block is not None, "the free queue is broken before its tail"
             blocks.append(block)
             block = block.next_free_block
         return blocks
@@ -137,8 +149,10 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 2:
-            raise ValueError(f"the KV cache needs at least 2 blocks (block 0 is reserved), "
-                             f"got {num_blocks}; give it more memory")
+            raise ValueError(
+                f"the KV cache needs at least 2 blocks (block 0 is reserved), "
+                f"got {num_blocks}; give it more memory"
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
@@ -155,8 +169,9 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the free-queue head, evicting their cached hashes."""
         if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"cannot get {num_blocks} blocks, only "
-                             f"{self.get_num_free_blocks()} free")
+            raise ValueError(
+                f"cannot get {num_blocks} blocks, only {self.get_num_free_blocks()} free"
+            )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0, f"{block} was in the free queue while held"
@@ -186,8 +201,13 @@ class BlockPool:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under the request's hashes.
 
         Args:
@@ -198,8 +218,9 @@ class BlockPool:
         """
         if not self.enable_caching or num_cached_blocks >= num_full_blocks:
             return
-        assert len(request.block_hashes) >= num_full_blocks, \
+        assert len(request.block_hashes) >= num_full_blocks, (
             f"{request} has {len(request.block_hashes)} hashes, needs {num_full_blocks}"
+        )
         for block_index in range(num_cached_blocks, num_full_blocks):
             block = blocks[block_index]
             assert block.block_hash is None, f"{block} is cached twice"
@@ -232,8 +253,10 @@ class BlockPool:
         if entry is None:
             self.cached_block_hash_to_block[block_hash] = block
         elif isinstance(entry, KVCacheBlock):
-            self.cached_block_hash_to_block[block_hash] = {entry.block_id: entry,
-                                                           block.block_id: block}
+            self.cached_block_hash_to_block[block_hash] = {
+                entry.block_id: entry,
+                block.block_id: block,
+            }
         else:
             entry[block.block_id] = block
 

@@ -37,10 +37,11 @@ def make_executor(config: EngineConfig, model_dir: str) -> Executor:
 
 
 class EngineCore:
-    """Args:
-    config: the engine config.
-    model_dir: a resolved HF-style model folder.
-    engine_index: this engine core's data-parallel index.
+    """
+    Args:
+        config: the engine config.
+        model_dir: a resolved HF-style model folder.
+        engine_index: this engine core's data-parallel index.
     """
 
     def __init__(self, config: EngineConfig, model_dir: str, engine_index: int = 0):

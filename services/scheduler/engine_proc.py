@@ -17,7 +17,7 @@ import queue
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -26,10 +26,30 @@ from kvserve.shared.config import EngineConfig
 from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, OMP_NUM_THREADS
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from kvserve.shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
-    engine_identity, make_socket
-from kvserve.shared.wire import EngineDead, EngineReady, EngineHeartbeat, EngineLoad, \
-    EngineStats, GetStats, MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput
+from kvserve.shared.transport import (
+    EngineAddresses,
+    MessageDecoder,
+    MessageEncoder,
+    engine_identity,
+    make_socket,
+)
+from kvserve.shared.wire import (
+    EngineDead,
+    EngineHeartbeat,
+    EngineLoad,
+    EngineReady,
+    EngineStats,
+    GetStats,
+    MsgType,
+    Ping,
+    ResetPrefixCache,
+    UtilityCall,
+    UtilityOutput,
+    UtilityResult,
+)
+
+if TYPE_CHECKING:
+    from kvserve.services.scheduler.engine_core import EngineCore  # torch: imported in start()
 
 logger = init_logger(__name__)
 
@@ -57,13 +77,18 @@ class EngineCoreProc:
         stats_addr: the DP coordinator's load address (None: no coordinator).
     """
 
-    def __init__(self, addresses: EngineAddresses, engine_index: int = 0,
-                 parent_pid: int | None = None, stats_addr: str | None = None):
+    def __init__(
+        self,
+        addresses: EngineAddresses,
+        engine_index: int = 0,
+        parent_pid: int | None = None,
+        stats_addr: str | None = None,
+    ):
         self.addresses = addresses
         self.engine_index = engine_index
         self.parent_pid = parent_pid
         self.stats_addr = stats_addr
-        self.engine_core = None  # built by start(), after the output thread runs
+        self.engine_core: EngineCore | None = None  # start() builds it, once output IO runs
         self.input_queue: queue.Queue[tuple[MsgType | None, Any]] = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         # Progress, read by the output thread for heartbeats (plain ints: GIL-atomic).
@@ -74,8 +99,9 @@ class EngineCoreProc:
         self._ctx = zmq.Context()
         # The output thread starts first: it heartbeats through a long model load, and can
         # carry the DEAD sentinel if the load fails.
-        self.output_thread = threading.Thread(target=self._process_output_queue,
-                                              name="EngineCoreOutputIO", daemon=True)
+        self.output_thread = threading.Thread(
+            target=self._process_output_queue, name="EngineCoreOutputIO", daemon=True
+        )
         self.output_thread.start()
         self.input_thread: threading.Thread | None = None
 
@@ -87,9 +113,12 @@ class EngineCoreProc:
 
         self.engine_core = EngineCore(config, model_dir, self.engine_index)
         handshake = self.engine_core.ready
-        self.input_thread = threading.Thread(target=self._process_input_socket,
-                                             args=(handshake,), name="EngineCoreInputIO",
-                                             daemon=True)
+        self.input_thread = threading.Thread(
+            target=self._process_input_socket,
+            args=(handshake,),
+            name="EngineCoreInputIO",
+            daemon=True,
+        )
         self.input_thread.start()
 
     def send_dead(self, reason: str) -> None:
@@ -104,11 +133,18 @@ class EngineCoreProc:
             self.input_thread.join(timeout=_INPUT_POLL_MS / 1000 + 1)
         if self.engine_core is not None:
             self.engine_core.shutdown()
-        if not self.output_thread.is_alive() and not (self.input_thread
-                                                      and self.input_thread.is_alive()):
+        if not self.output_thread.is_alive() and not (
+            self.input_thread and self.input_thread.is_alive()
+        ):
             self._ctx.term()  # every socket is closed: term() returns at once
 
     # ------------------------------------------------------------------ busy loop
+
+    @property
+    def _core(self) -> EngineCore:
+        """The engine core, for the busy loop (which only runs once start() built it)."""
+        assert self.engine_core is not None, "start() builds the engine core"
+        return self.engine_core
 
     def run_busy_loop(self) -> None:
         """Handle inputs and step the engine, forever; raises on a fatal error."""
@@ -118,7 +154,7 @@ class EngineCoreProc:
             self.num_iterations += 1
 
     def _process_input_queue(self) -> None:
-        if not self.engine_core.has_work():
+        if not self._core.has_work():
             self.idle = True
             item = None
             while item is None:
@@ -140,9 +176,9 @@ class EngineCoreProc:
 
     def _handle_input(self, msg_type: MsgType | None, payload: Any) -> None:
         if msg_type == MsgType.ADD:
-            self.engine_core.add_request(payload)
+            self._core.add_request(payload)
         elif msg_type == MsgType.ABORT:
-            self.engine_core.abort_requests(payload)
+            self._core.abort_requests(payload)
         elif msg_type == MsgType.UTILITY:
             self.output_queue.put_nowait((MsgType.UTILITY_OUTPUT, self._run_utility(payload)))
         else:
@@ -150,19 +186,20 @@ class EngineCoreProc:
             raise EngineFailure(payload)
 
     def _process_engine_step(self) -> None:
-        if not self.engine_core.has_work():
+        if not self._core.has_work():
             return
-        outputs = self.engine_core.step()
+        outputs = self._core.step()
         self.num_steps += 1
         outputs.engine_index = self.engine_index
         self.output_queue.put_nowait((MsgType.OUTPUTS, outputs))
 
     def _run_utility(self, call: UtilityCall) -> UtilityOutput:
         """Utilities run between steps, so they see a consistent scheduler."""
+        result: UtilityResult
         try:
             match call.method:
                 case ResetPrefixCache():
-                    result = self.engine_core.reset_prefix_cache()
+                    result = self._core.reset_prefix_cache()
                 case GetStats():
                     result = self._make_stats()
                 case Ping():
@@ -175,19 +212,23 @@ class EngineCoreProc:
         return UtilityOutput(call.call_id, result=result)
 
     def _make_stats(self) -> EngineStats:
-        scheduler = self.engine_core.scheduler
+        scheduler = self._core.scheduler
         manager = scheduler.kv_cache_manager
-        return EngineStats(num_blocks=manager.num_total_blocks,
-                           num_free_blocks=manager.num_free_blocks,
-                           num_running_reqs=len(scheduler.running),
-                           num_waiting_reqs=len(scheduler.waiting), num_steps=self.num_steps,
-                           num_preemptions_total=scheduler.num_preemptions_total)
+        return EngineStats(
+            num_blocks=manager.num_total_blocks,
+            num_free_blocks=manager.num_free_blocks,
+            num_running_reqs=len(scheduler.running),
+            num_waiting_reqs=len(scheduler.waiting),
+            num_steps=self.num_steps,
+            num_preemptions_total=scheduler.num_preemptions_total,
+        )
 
     def make_heartbeat(self) -> EngineHeartbeat:
         core = self.engine_core
         num_unfinished = core.scheduler.get_num_unfinished_requests() if core else 0
-        return EngineHeartbeat(self.engine_index, self.num_iterations, self.num_steps,
-                               self.idle, num_unfinished)
+        return EngineHeartbeat(
+            self.engine_index, self.num_iterations, self.num_steps, self.idle, num_unfinished
+        )
 
     def make_load(self) -> EngineLoad:
         """Queue lengths for the DP coordinator (read from the output thread: len() of the
@@ -202,8 +243,13 @@ class EngineCoreProc:
     def _process_input_socket(self, handshake: EngineReady) -> None:
         """Send READY, then decode every message into the input queue."""
         decoder = MessageDecoder((MsgType.ADD, MsgType.ABORT, MsgType.UTILITY))
-        sock = make_socket(self._ctx, self.addresses.input_addr, zmq.DEALER, bind=False,
-                           identity=engine_identity(self.engine_index))
+        sock = make_socket(
+            self._ctx,
+            self.addresses.input_addr,
+            zmq.DEALER,
+            bind=False,
+            identity=engine_identity(self.engine_index),
+        )
         try:
             sock.send_multipart(MessageEncoder().encode(MsgType.READY, handshake))
             while not self._stop.is_set():
@@ -238,29 +284,43 @@ class EngineCoreProc:
             return
         # EngineCoreRequest is array_like: its first field is the request id.
         if isinstance(fields, list) and fields and isinstance(fields[0], str):
-            error = EngineCoreOutput(request_id=fields[0], new_token_ids=[],
-                                     finish_reason=FinishReason.ERROR,
-                                     error=f"invalid request: {exc}")
-            self.output_queue.put_nowait((MsgType.OUTPUTS, EngineCoreOutputs(
-                outputs=[error], timestamp=time.monotonic(), engine_index=self.engine_index)))
+            error = EngineCoreOutput(
+                request_id=fields[0],
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=f"invalid request: {exc}",
+            )
+            self.output_queue.put_nowait(
+                (
+                    MsgType.OUTPUTS,
+                    EngineCoreOutputs(
+                        outputs=[error], timestamp=time.monotonic(), engine_index=self.engine_index
+                    ),
+                )
+            )
 
     def _process_output_queue(self) -> None:
         """Encode and send outputs; send a heartbeat (and the load, to the DP coordinator)
         whenever one is due."""
         encoder = MessageEncoder()
         interval = ENGINE_HEARTBEAT_INTERVAL_S.get()
-        sock = make_socket(self._ctx, self.addresses.output_addr, zmq.PUSH, bind=False,
-                           linger_ms=_OUTPUT_LINGER_MS)
+        sock = make_socket(
+            self._ctx, self.addresses.output_addr, zmq.PUSH, bind=False, linger_ms=_OUTPUT_LINGER_MS
+        )
         load_reporter = None
         if self.stats_addr is not None:
-            load_reporter = _LoadReporter(make_socket(self._ctx, self.stats_addr, zmq.PUSH,
-                                                      bind=False))
+            load_reporter = _LoadReporter(
+                make_socket(self._ctx, self.stats_addr, zmq.PUSH, bind=False)
+            )
         next_heartbeat = time.monotonic()
         try:
             while True:
                 # A busy engine's load changes between outputs too (requests arrive).
-                wakeup = next_heartbeat if self.idle or load_reporter is None else min(
-                    next_heartbeat, time.monotonic() + _LOAD_REPORT_INTERVAL_S)
+                wakeup = (
+                    next_heartbeat
+                    if self.idle or load_reporter is None
+                    else min(next_heartbeat, time.monotonic() + _LOAD_REPORT_INTERVAL_S)
+                )
                 try:
                     item = self.output_queue.get(timeout=max(wakeup - time.monotonic(), 0))
                 except queue.Empty:
@@ -271,8 +331,7 @@ class EngineCoreProc:
                     sock.send_multipart(encoder.encode(*item), copy=False)
                 heartbeat_due = time.monotonic() >= next_heartbeat
                 if heartbeat_due:
-                    sock.send_multipart(encoder.encode(MsgType.HEARTBEAT,
-                                                       self.make_heartbeat()))
+                    sock.send_multipart(encoder.encode(MsgType.HEARTBEAT, self.make_heartbeat()))
                     next_heartbeat = time.monotonic() + interval
                 if load_reporter is not None:
                     load_reporter.maybe_send(self.make_load(), force=heartbeat_due)
@@ -313,9 +372,16 @@ class _LoadReporter:
 # ---------------------------------------------------------------------- process entry point
 
 
-def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, output_addr: str,
-                    engine_index: int = 0, watch_parent: bool = False,
-                    stats_addr: str | None = None, num_local_engines: int = 1) -> int:
+def run_engine_core(
+    config: EngineConfig,
+    model_dir: str,
+    input_addr: str,
+    output_addr: str,
+    engine_index: int = 0,
+    watch_parent: bool = False,
+    stats_addr: str | None = None,
+    num_local_engines: int = 1,
+) -> int:
     """Run one engine core until SIGTERM (exit code 0) or a fatal error (DEAD sent, 1).
 
     Args:
@@ -329,9 +395,12 @@ def run_engine_core(config: EngineConfig, model_dir: str, input_addr: str, outpu
     """
     _install_signal_handlers(ignore_sigint=watch_parent)
     _configure_torch_threads(num_local_engines)
-    proc = EngineCoreProc(EngineAddresses(input_addr, output_addr), engine_index,
-                          parent_pid=os.getppid() if watch_parent else None,
-                          stats_addr=stats_addr)
+    proc = EngineCoreProc(
+        EngineAddresses(input_addr, output_addr),
+        engine_index,
+        parent_pid=os.getppid() if watch_parent else None,
+        stats_addr=stats_addr,
+    )
     exit_code = 0
     try:
         proc.start(config, model_dir)

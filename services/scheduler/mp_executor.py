@@ -42,7 +42,8 @@ _POLL_INTERVAL_S = 1.0  # the longest a wait goes without looking at the deadlin
 
 
 class MpExecutor(Executor):
-    """Args:
+    """
+    Args:
         config: the engine config; world_size = TP x PP worker processes are started.
         model_dir: a resolved HF-style model folder.
         start_timeout_s: limit for a worker to load its model and report ready, and for
@@ -50,13 +51,21 @@ class MpExecutor(Executor):
         execute_timeout_s: limit for one step; a slower step means a hung worker.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: str, start_timeout_s: float = 600.0,
-                 execute_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        start_timeout_s: float = 600.0,
+        execute_timeout_s: float = 300.0,
+    ):
         parallel = config.parallel
         self.world_size = parallel.world_size
         if self.world_size > 1:
-            verify_parallel_sizes(load_hf_config(model_dir), parallel.tensor_parallel_size,
-                                  parallel.pipeline_parallel_size)
+            verify_parallel_sizes(
+                load_hf_config(model_dir),
+                parallel.tensor_parallel_size,
+                parallel.pipeline_parallel_size,
+            )
         self.start_timeout_s = start_timeout_s
         self.execute_timeout_s = execute_timeout_s
         self._dead_reason: str | None = None
@@ -79,8 +88,9 @@ class MpExecutor(Executor):
             raise
         # Processes, socket and segment are released even if shutdown() is never called
         # (the object is collected, or the interpreter exits).
-        self._finalizer = weakref.finalize(self, _release, self._procs, self._ring,
-                                           self._results, self._zmq_ctx, self._ipc_dir)
+        self._finalizer = weakref.finalize(
+            self, _release, self._procs, self._ring, self._results, self._zmq_ctx, self._ipc_dir
+        )
         self._poller = zmq.Poller()
         self._poller.register(self._results, zmq.POLLIN)
         for proc in self._procs:
@@ -98,7 +108,11 @@ class MpExecutor(Executor):
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the workers, by rank."""
-        return [proc.pid for proc in self._procs]
+        pids = []
+        for proc in self._procs:
+            assert proc.pid is not None, "a worker is listed only once started"
+            pids.append(proc.pid)
+        return pids
 
     @property
     def ring_handle(self) -> ShmRingHandle:
@@ -113,8 +127,9 @@ class MpExecutor(Executor):
         """Have every rank allocate its KV cache; returns once all have."""
         self._broadcast(worker_proc.INIT_KV_CACHE, num_blocks, self.start_timeout_s)
         for _ in range(self.world_size):
-            self._receive(worker_proc.KV_CACHE_READY, self.start_timeout_s,
-                          "allocating the KV cache")
+            self._receive(
+                worker_proc.KV_CACHE_READY, self.start_timeout_s, "allocating the KV cache"
+            )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcast one step to every rank and return the driver rank's answer."""
@@ -134,22 +149,31 @@ class MpExecutor(Executor):
         mp_ctx = multiprocessing.get_context("spawn")
         init_method = distributed_init_method(config) if self.world_size > 1 else None
         for rank in range(self.world_size):
-            options = WorkerOptions(rank=rank, model_dir=model_dir, engine_config=config,
-                                    ring_handle=self._ring.handle, result_addr=result_addr,
-                                    distributed_init_method=init_method)
-            proc = mp_ctx.Process(target=worker_proc.run_worker_process, args=(options,),
-                                  name=f"kvserve-worker-{rank}", daemon=True)
+            options = WorkerOptions(
+                rank=rank,
+                model_dir=model_dir,
+                engine_config=config,
+                ring_handle=self._ring.handle,
+                result_addr=result_addr,
+                distributed_init_method=init_method,
+            )
+            proc = mp_ctx.Process(
+                target=worker_proc.run_worker_process,
+                args=(options,),
+                name=f"kvserve-worker-{rank}",
+                daemon=True,
+            )
             proc.start()
             self._procs.append(proc)  # as it starts, so a failure releases the earlier ones
-        logger.info("started %d worker process(es): pids %s", self.world_size,
-                    self.worker_pids)
+        logger.info("started %d worker process(es): pids %s", self.world_size, self.worker_pids)
 
     def _wait_ready(self) -> list[WorkerReady]:
         decoder = msgspec.msgpack.Decoder(WorkerReady)
         readies: dict[int, WorkerReady] = {}
         while len(readies) < self.world_size:
-            body = self._receive(worker_proc.READY, self.start_timeout_s,
-                                 "waiting for the workers to load the model")
+            body = self._receive(
+                worker_proc.READY, self.start_timeout_s, "waiting for the workers to load the model"
+            )
             ready = decoder.decode(body)
             assert ready.rank not in readies, f"rank {ready.rank} reported ready twice"
             readies[ready.rank] = ready
@@ -176,14 +200,14 @@ class MpExecutor(Executor):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._die(f"no answer from the workers within {timeout_s:.0f} s while {doing}")
-            events = dict(self._poller.poll(1000 * min(remaining, _POLL_INTERVAL_S)))
+            # Whole milliseconds: what Poller.poll makes of a float anyway.
+            events = dict(self._poller.poll(int(1000 * min(remaining, _POLL_INTERVAL_S))))
             if self._results in events:
                 # Messages first: a failing worker's traceback beats "it died".
                 return self._accept(kind, *self._results.recv_multipart(copy=False))
             self._check_workers()
 
-    def _accept(self, expected: bytes, kind_frame: zmq.Frame,
-                body_frame: zmq.Frame) -> memoryview:
+    def _accept(self, expected: bytes, kind_frame: zmq.Frame, body_frame: zmq.Frame) -> memoryview:
         kind = kind_frame.bytes
         if kind == worker_proc.FAILURE:
             self._raise_failure(body_frame)
@@ -240,8 +264,13 @@ def _describe_exit(proc: BaseProcess) -> str:
     return f"exit code {code}"
 
 
-def _release(procs: list[BaseProcess], ring: ShmRingBuffer, results: zmq.Socket,
-             zmq_ctx: zmq.Context, ipc_dir: str) -> None:
+def _release(
+    procs: list[BaseProcess],
+    ring: ShmRingBuffer,
+    results: zmq.Socket,
+    zmq_ctx: zmq.Context,
+    ipc_dir: str,
+) -> None:
     """Stop every worker (politely, then not), close the socket, unlink the ring.
 
     A module function, not a method: weakref.finalize must not hold the executor itself.

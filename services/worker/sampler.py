@@ -34,9 +34,10 @@ class Sampler(torch.nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Args:
-        logits: [R, V] scores of the positions to sample, one row per request.
-        metadata: the batched sampling state; row r of every tensor is row r of logits.
+        """
+        Args:
+            logits: [R, V] scores of the positions to sample, one row per request.
+            metadata: the batched sampling state; row r of every tensor is row r of logits.
         """
         assert logits.dim() == 2, f"logits must be [R, V], got {tuple(logits.shape)}"
         logits = logits.float()  # a no-op when already float32

@@ -19,13 +19,14 @@ logger = init_logger(__name__)
 
 
 class Worker:
-    """Args:
-    config: the engine config.
-    model_dir: a resolved HF-style model folder.
-    rank: this worker's global rank (TP-major; see parallel_state).
-    distributed_init_method: the torch.distributed rendezvous (tcp://host:port); needed
-        when TP x PP > 1, where the constructor joins the world group and builds the
-        TP and PP groups before it builds this rank's shard of the model.
+    """
+    Args:
+        config: the engine config.
+        model_dir: a resolved HF-style model folder.
+        rank: this worker's global rank (TP-major; see parallel_state).
+        distributed_init_method: the torch.distributed rendezvous (tcp://host:port); needed
+            when TP x PP > 1, where the constructor joins the world group and builds the
+            TP and PP groups before it builds this rank's shard of the model.
     """
 
     def __init__(

@@ -202,4 +202,3 @@ class WorkerProc:
     def _check_engine_alive(self) -> None:
         if os.getppid() != self.parent_pid:
             raise EngineGoneError()
-
