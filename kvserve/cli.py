@@ -11,8 +11,9 @@ import sys
 from collections.abc import Callable, Collection
 from typing import Any
 
-from kvserve.shared.cli_args import add_struct_args, struct_from_args
+from kvserve.shared.cli_args import add_refused_flags, add_struct_args, struct_from_args
 from kvserve.shared.config import (
+    UNSUPPORTED_VLLM_FLAGS,
     APIOptions,
     CoordinatorOptions,
     EngineOptions,
@@ -107,12 +108,53 @@ COMMANDS: dict[str, _Command] = {
 }
 
 
+# Commands that take vLLM's engine flags (and so --config and the refused ones).
+_TAKES_VLLM_FLAGS = ("serve", "api", "engine", "generate")
+
+
+def config_file_argv(path: str) -> list[str]:
+    """The flags of a vLLM-style YAML config file: `max-num-seqs: 8` (or max_num_seqs) becomes
+    --max-num-seqs 8; true/false become --flag / --no-flag; lists and mappings go as JSON."""
+    import json
+
+    import yaml
+
+    try:
+        with open(path) as f:
+            mapping = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
+    if not isinstance(mapping, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    argv: list[str] = []
+    for key, value in mapping.items():
+        key = str(key)
+        flag = key if key.startswith("-") else "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + flag.lstrip("-"))
+        elif isinstance(value, list | dict):
+            argv += [flag, json.dumps(value)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (options_type, _, help_text, positional, skip) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=options_type.__doc__)
         add_struct_args(command, options_type, positional=positional, skip=skip)
+        if name in _TAKES_VLLM_FLAGS:
+            command.add_argument(
+                "--config",
+                metavar="FILE.yaml",
+                help="flags as a YAML mapping (vLLM's format: flag names as keys); flags on "
+                "the command line win",
+            )
+            add_refused_flags(command, UNSUPPORTED_VLLM_FLAGS)
     from kvserve.benchmarks.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -123,10 +165,20 @@ def parse_options(argv: list[str] | None = None) -> tuple[str, Any]:
     """(command, its typed options) for a process command; (command, the namespace) for
     `bench`. A bad value is a usage error (exit 2) naming it."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        # The file's flags go first, so the command line's own win (argparse keeps the last).
+        try:
+            from_file = config_file_argv(args.config)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args = parser.parse_args([argv[0], *from_file, *argv[1:]])
+        if "model__positional" in vars(args) and "--model" in from_file:
+            del args.model  # MODEL on the command line beats the file's `model`
     if args.command not in COMMANDS:
         return args.command, args
-    given = {k: v for k, v in vars(args).items() if k != "command"}
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         return args.command, struct_from_args(
             COMMANDS[args.command][0], argparse.Namespace(**given)

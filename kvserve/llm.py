@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from kvserve.services.api.generation_config import load_generation_defaults
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.tokenizer import TokenizerInfo
@@ -19,34 +20,42 @@ class LLM:
     """An engine core in this process, with tokenizer and detokenizer around it.
 
     Args:
-        model: HF folder, GGUF file, or None for the embedded SmolLM2-135M-Instruct.
+        model: HF folder, GGUF file, hub id in the local HF cache, or None for the embedded
+            SmolLM2-135M-Instruct.
+        generation_config: "auto" (the model's generation_config.json supplies
+            get_default_sampling_params), "vllm" (none), or a folder holding one.
         **kwargs: engine arguments with vLLM's names (dtype, seed, max_model_len,
             enable_prefix_caching, max_num_batched_tokens, max_num_seqs, block_size,
             kv_cache_memory, num_gpu_blocks_override, long_prefill_token_threshold,
             scheduling_policy, ...).
     """
 
-    def __init__(self, model: str | None = None, **kwargs):
-        self._start(EngineConfig.from_kwargs(model=model, **kwargs))
+    def __init__(self, model: str | None = None, generation_config: str = "auto", **kwargs):
+        self._start(EngineConfig.from_kwargs(model=model, **kwargs), generation_config)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
+    def from_config(cls, config: EngineConfig, generation_config: str = "auto") -> LLM:
         """An LLM from a whole EngineConfig (what the CLI's flags build)."""
         llm = cls.__new__(cls)
-        llm._start(config)
+        llm._start(config, generation_config)
         return llm
 
-    def _start(self, config: EngineConfig) -> None:
+    def _start(self, config: EngineConfig, generation_config: str) -> None:
         from kvserve.services.scheduler.engine_core import EngineCore
         from kvserve.services.worker.model_loader import resolve_model
 
         self.config = config
         self.model_dir = resolve_model(config.model.model)
         self.tokenizer_info = TokenizerInfo(self.config.model.tokenizer or self.model_dir)
+        self.generation_defaults = load_generation_defaults(generation_config, self.model_dir)
         self.engine_core = EngineCore(self.config, self.model_dir)
         self.max_model_len = self.engine_core.ready.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer_info.tokenizer)
         self._counter = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (vLLM's)."""
+        return SamplingParams(**self.generation_defaults)
 
     def get_tokenizer(self):
         return self.tokenizer_info.tokenizer
@@ -122,7 +131,7 @@ class LLM:
 
     def _run(self, inputs, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             list(sampling_params)
             if isinstance(sampling_params, Sequence)

@@ -42,7 +42,9 @@ from kvserve.shared.config import (
     DPRouting,
     EngineConfig,
     EngineOptions,
+    FrontendConfig,
     HTTPConfig,
+    ModelConfig,
     ServeOptions,
 )
 from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
@@ -55,7 +57,7 @@ logger = init_logger(__name__)
 # How long a SIGTERM'd engine may take to stop its workers before it is killed.
 ENGINE_STOP_TIMEOUT_S = 10.0
 
-AppFactory = Callable[..., object]  # build_app(engine_client, *, served_model_name, api_key)
+AppFactory = Callable[..., object]  # services/api/server.py's build_app and its keywords
 
 
 # ---------------------------------------------------------------------- processes
@@ -175,6 +177,7 @@ def _describe_exit(exitcode: int | None) -> str:
 async def serve_http(
     client: MPEngineClient,
     http: HTTPConfig,
+    frontend: FrontendConfig,
     build_app: AppFactory | None = None,
     stop: asyncio.Event | None = None,
 ) -> int:
@@ -183,6 +186,7 @@ async def serve_http(
     Args:
         client: a connected engine client (its model_name is the served name).
         http: the HTTP server's options.
+        frontend: the OpenAI front end's options.
         build_app: the app factory (default: kvserve.services.api.server.build_app).
         stop: set by a signal that came before uvicorn took the signals over.
     """
@@ -190,7 +194,13 @@ async def serve_http(
 
     if build_app is None:
         from kvserve.services.api.server import build_app
-    app = build_app(client, served_model_name=client.model_name, api_key=http.effective_api_key)
+    app = build_app(
+        client,
+        served_model_name=client.model_name,
+        api_key=http.effective_api_key,
+        http=http,
+        frontend=frontend,
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -198,6 +208,12 @@ async def serve_http(
             port=http.port,
             log_level=http.uvicorn_log_level,
             timeout_graceful_shutdown=http.shutdown_timeout,
+            root_path=http.root_path or "",
+            ssl_keyfile=http.ssl_keyfile,
+            ssl_certfile=http.ssl_certfile,
+            ssl_ca_certs=http.ssl_ca_certs,
+            ssl_cert_reqs=http.ssl_cert_reqs,
+            access_log=not http.disable_uvicorn_access_log,
         )
     )
 
@@ -247,11 +263,12 @@ def _install_stop_handlers() -> asyncio.Event:
 
 
 async def _run_api_server(
+    model: ModelConfig,
     http: HTTPConfig,
+    frontend: FrontendConfig,
     channel: EngineChannel,
     stop: asyncio.Event,
     tokenizer_dir: str,
-    model_name: str,
     build_app: AppFactory | None,
     engine_processes: dict[int, multiprocessing.Process] | None = None,
     num_engines: int = 1,
@@ -264,12 +281,14 @@ async def _run_api_server(
     client = None
     try:
         # The tokenizer loads while the engines load the model.
-        tokenizer_info = await asyncio.to_thread(TokenizerInfo, tokenizer_dir)
+        tokenizer_info = await asyncio.to_thread(
+            TokenizerInfo, tokenizer_dir, frontend.chat_template
+        )
         client = await _until_signal(
             MPEngineClient.connect(
                 channel,
                 tokenizer_info,
-                model_name,
+                model.served_name,
                 num_engines=num_engines,
                 engine_processes=engine_processes,
                 routing=routing,
@@ -280,7 +299,7 @@ async def _run_api_server(
         if client is None:
             logger.info("stopped before the engines were ready")
             return 0
-        return await serve_http(client, http, build_app, stop)
+        return await serve_http(client, http, frontend, build_app, stop)
     except EngineDeadError as exc:
         logger.error("exiting with code 1: %s", exc)
         return 1
@@ -342,11 +361,12 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
                 for index in range(layout.size_local)
             }
             return await _run_api_server(
+                config.model,
                 options.http,
+                options.frontend,
                 channel,
                 stop,
                 config.model.tokenizer or model_dir,
-                config.model.served_name,
                 build_app,
                 engine_processes,
                 layout.size,
@@ -427,11 +447,12 @@ def run_api(options: APIOptions) -> int:
             EngineAddresses(options.sockets.input_addr, options.sockets.output_addr)
         )
         return await _run_api_server(
+            options.model,
             options.http,
+            options.frontend,
             channel,
             stop,
             options.model.tokenizer or model_dir,
-            options.model.served_name,
             None,
             num_engines=options.data_parallel_size,
             load_table_addr=options.load_table_addr,

@@ -14,7 +14,8 @@ default lives in one place: the struct.
 
 Field metadata (`msgspec.Meta(extra={...})`):
     aliases: extra flag spellings (vLLM's, e.g. ["--executor"]).
-    parse: "size" takes byte sizes such as 4G; "json" takes the field's struct as JSON.
+    parse: "size" takes byte sizes such as 4G; "tokens" token counts such as 32k; "json" the
+        field's value as JSON (a struct, a list).
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ import msgspec
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _POSITIONAL_DEST = "{}__positional"
+
+
+def parse_tokens(text: str) -> int:
+    """A token count as vLLM reads one: '32768', '32k' (x 1000) or '32K' (x 1024), '1.5m'."""
+    t = text.strip()
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if t and t[-1] in scale:
+        return int(float(t[:-1]) * scale[t[-1]])
+    return int(t)
 
 
 def parse_size(text: str) -> int:
@@ -78,6 +88,8 @@ def _flag_kwargs(field: _Field) -> dict[str, Any]:
     parse = field.extra.get("parse")
     if parse == "size":
         return {"type": parse_size, "metavar": "BYTES"}
+    if parse == "tokens":
+        return {"type": parse_tokens, "metavar": "TOKENS"}
     if parse == "json":
         return {"type": lambda text: msgspec.json.decode(text, type=annotation), "metavar": "JSON"}
     if annotation is bool:
@@ -189,3 +201,43 @@ def _build(struct_type: type[msgspec.Struct], given: dict[str, Any]):
         elif field.name in given:
             kwargs[field.name] = given[field.name]
     return struct_type(**kwargs)
+
+
+class RefusedFlag(msgspec.Struct, frozen=True):
+    """A flag of vLLM's that kvserve knows but cannot honour.
+
+    Args:
+        reason: why, and what to do instead (the error says it).
+        accepted: values that ask for nothing kvserve lacks (e.g. --kv-cache-dtype auto).
+    """
+
+    reason: str
+    accepted: tuple[str, ...] = ()
+
+
+def add_refused_flags(parser: argparse.ArgumentParser, refused: dict[str, RefusedFlag]) -> None:
+    """Each flag parses (with or without a value) and is refused with its reason, unless its
+    value is one it accepts: a vLLM flag is never silently ignored."""
+    group = parser.add_argument_group("vLLM flags kvserve does not support")
+    for flag, spec in refused.items():
+        group.add_argument(
+            flag,
+            nargs="?",
+            action=_RefuseAction,
+            const=None,
+            default=argparse.SUPPRESS,
+            spec=spec,
+            help=argparse.SUPPRESS,
+        )
+
+
+class _RefuseAction(argparse.Action):
+    def __init__(self, *args: Any, spec: RefusedFlag, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.spec = spec
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is not None and values in self.spec.accepted:
+            return
+        given = option_string if values is None else f"{option_string} {values}"
+        parser.error(f"{given}: not supported by kvserve: {self.spec.reason}")

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvserve.shared.cli_args import RefusedFlag
 from kvserve.shared.env import API_KEY
 from kvserve.shared.shm_ring import ShmRingHandle
 
@@ -39,14 +40,43 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = None
     tokenizer: Annotated[str | None, _doc("tokenizer folder (default: the model's)")] = None
     dtype: Annotated[
-        Literal["auto", "float32", "bfloat16", "float16"],
-        _doc("weight and activation dtype; auto = float32 on CPU, bfloat16 on GPU"),
+        Literal["auto", "float32", "float", "bfloat16", "float16", "half"],
+        _doc(
+            "weight and activation dtype (half = float16, float = float32); auto = the "
+            "checkpoint's dtype, float32 when it names none (on a GPU bfloat16 for a float32 "
+            "checkpoint; on a CPU bfloat16 for a float16 one)"
+        ),
     ] = "auto"
     max_model_len: Annotated[
-        int | None, _doc("longest prompt + output in tokens (default: the model's context length)")
+        int | None,
+        _doc(
+            "longest prompt + output in tokens, e.g. 32k = 32000, 32K = 32768 (default: the "
+            "model's context length)",
+            parse="tokens",
+        ),
     ] = None
     seed: Annotated[int, _doc("seed of the engine's random state")] = 0
     served_model_name: Annotated[str | None, _doc("model name the API reports")] = None
+    max_logprobs: Annotated[
+        int, _doc("most logprobs (and prompt_logprobs) a request may ask for per token")
+    ] = 20
+    enforce_eager: Annotated[
+        bool,
+        _doc("accepted for vLLM's scripts: kvserve captures no CUDA graphs, every step is eager"),
+    ] = False
+    trust_remote_code: Annotated[
+        bool,
+        _doc("accepted for vLLM's scripts: kvserve never runs a checkpoint's own code"),
+    ] = False
+
+    def __post_init__(self) -> None:
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def dtype_name(self) -> str:
+        """dtype with vLLM's aliases spelled out (half -> float16, float -> float32)."""
+        return {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
 
     @property
     def served_name(self) -> str:
@@ -62,8 +92,14 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefix_caching_hash_algo: Annotated[
         Literal["sha256", "xxhash"], _doc("block hash: sha256 or a fast 128-bit xxhash")
     ] = "sha256"
-    kv_cache_memory: Annotated[
-        int | None, _doc("bytes for the KV cache on CPU, e.g. 4G (default 4 GiB)", parse="size")
+    kv_cache_memory_bytes: Annotated[
+        int | None,
+        _doc(
+            "bytes for the KV cache, e.g. 4G (on CPU, default 4 GiB; on a GPU it replaces "
+            "--gpu-memory-utilization)",
+            parse="size",
+            aliases=["--kv-cache-memory"],
+        ),
     ] = None
     gpu_memory_utilization: Annotated[
         float,
@@ -82,7 +118,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv_cache_memory if self.kv_cache_memory is not None else 4 * GiB
+        return self.kv_cache_memory_bytes if self.kv_cache_memory_bytes is not None else 4 * GiB
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,9 +144,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Tensor, pipeline and data parallelism."""
 
-    tensor_parallel_size: Annotated[int, _doc("tensor-parallel ranks")] = 1
-    pipeline_parallel_size: Annotated[int, _doc("pipeline-parallel stages")] = 1
-    data_parallel_size: Annotated[int, _doc("data-parallel engine cores")] = 1
+    tensor_parallel_size: Annotated[int, _doc("tensor-parallel ranks", aliases=["-tp"])] = 1
+    pipeline_parallel_size: Annotated[int, _doc("pipeline-parallel stages", aliases=["-pp"])] = 1
+    data_parallel_size: Annotated[int, _doc("data-parallel engine cores", aliases=["-dp"])] = 1
     distributed_executor_backend: Annotated[
         Literal["uni", "mp"] | None,
         _doc(
@@ -125,6 +161,10 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_port: Annotated[
         int | None, _doc("port of that rendezvous (default: a free port picked at start-up)")
     ] = None
+    disable_custom_all_reduce: Annotated[
+        bool,
+        _doc("accepted for vLLM's scripts: kvserve's all-reduce is torch.distributed's own"),
+    ] = False
 
     @property
     def world_size(self) -> int:
@@ -150,6 +190,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Split vLLM-style keyword arguments (`LLM(model, dtype=..., max_num_seqs=...)`)
         over the area structs; an unknown one is a ValueError that lists the known ones."""
         areas = {name: _ENGINE_AREAS[name] for name in cls.__struct_fields__}
+        kwargs = {_RENAMED_KWARGS.get(key, key): value for key, value in kwargs.items()}
         parts: dict[str, dict[str, Any]] = {name: {} for name in areas}
         for key, value in kwargs.items():
             owner = next(
@@ -164,6 +205,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         return cls(**area_structs)
 
 
+# Engine arguments known by an older name too.
+_RENAMED_KWARGS = {"kv_cache_memory": "kv_cache_memory_bytes"}
 _ENGINE_AREAS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -200,10 +243,68 @@ class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc("uvicorn's log level"),
     ] = "info"
 
+    root_path: Annotated[
+        str | None, _doc("the path prefix a proxy serves the app under (ASGI root_path)")
+    ] = None
+    ssl_keyfile: Annotated[str | None, _doc("TLS private key file (PEM); serve https")] = None
+    ssl_certfile: Annotated[str | None, _doc("TLS certificate file (PEM)")] = None
+    ssl_ca_certs: Annotated[str | None, _doc("CA certificates file for client certificates")] = None
+    ssl_cert_reqs: Annotated[
+        int, _doc("client certificates: 0 none, 1 optional, 2 required (Python's ssl module)")
+    ] = 0
+    allowed_origins: Annotated[list[str], _doc("CORS: allowed origins, as JSON", parse="json")] = (
+        msgspec.field(default_factory=lambda: ["*"])
+    )
+    allow_credentials: Annotated[bool, _doc("CORS: allow credentials")] = False
+    allowed_methods: Annotated[list[str], _doc("CORS: allowed methods, as JSON", parse="json")] = (
+        msgspec.field(default_factory=lambda: ["*"])
+    )
+    allowed_headers: Annotated[list[str], _doc("CORS: allowed headers, as JSON", parse="json")] = (
+        msgspec.field(default_factory=lambda: ["*"])
+    )
+    disable_uvicorn_access_log: Annotated[bool, _doc("no access log line per request")] = False
+
+    def __post_init__(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+
     @property
     def effective_api_key(self) -> str | None:
         """--api-key, else $KVSERVE_API_KEY, else None (no auth)."""
         return self.api_key if self.api_key is not None else API_KEY.get()
+
+
+class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The OpenAI front end: chat template, request defaults, API details, request logs."""
+
+    chat_template: Annotated[
+        str | None,
+        _doc("a Jinja chat template: a file, or the template itself (default: the tokenizer's)"),
+    ] = None
+    generation_config: Annotated[
+        str,
+        _doc(
+            "request defaults: auto = the model's generation_config.json (temperature, top_p, "
+            "top_k, min_p, repetition_penalty, max_new_tokens), vllm = kvserve's own, or a "
+            "folder holding a generation_config.json"
+        ),
+    ] = "auto"
+    enable_prompt_tokens_details: Annotated[
+        bool, _doc("report usage.prompt_tokens_details.cached_tokens (prefix-cache hits)")
+    ] = False
+    return_tokens_as_token_ids: Annotated[
+        bool, _doc("logprobs name tokens as 'token_id:N' (for tokens that do not decode alone)")
+    ] = False
+    enable_request_id_headers: Annotated[
+        bool, _doc("echo the request id in an X-Request-Id response header")
+    ] = False
+    enable_log_requests: Annotated[bool, _doc("log each request's parameters and prompt")] = False
+    max_log_len: Annotated[
+        int | None, _doc("characters (and token ids) of a prompt that --enable-log-requests logs")
+    ] = None
+    disable_log_stats: Annotated[
+        bool, _doc("no periodic throughput / KV-cache log line from the front end")
+    ] = False
 
 
 class DataParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -316,6 +417,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
+    frontend: FrontendConfig = msgspec.field(default_factory=FrontendConfig)
     data_parallel: DataParallelConfig = msgspec.field(default_factory=DataParallelConfig)
 
     def __post_init__(self) -> None:
@@ -328,6 +430,7 @@ class APIOptions(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     sockets: EngineSockets
     http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
+    frontend: FrontendConfig = msgspec.field(default_factory=FrontendConfig)
     data_parallel_size: Annotated[
         int, _doc("engine cores that connect to the sockets (serving starts when all are ready)")
     ] = 1
@@ -380,3 +483,56 @@ class GenerateOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: Annotated[int, _doc("tokens to generate at most")] = 64
     temperature: Annotated[float, _doc("sampling temperature (0: greedy)")] = 0.0
     chat: Annotated[bool, _doc("wrap the prompt in the chat template")] = False
+
+
+# ---------------------------------------------------------------------- vLLM flags refused
+
+_NO_HUB = "kvserve loads local folders, GGUF files and the local HF cache only (no downloads)"
+_LATER = "not built yet"
+UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
+    "--quantization": RefusedFlag(
+        "quantized weights are not supported yet (a .gguf file is dequantized at load)"
+    ),
+    "-q": RefusedFlag("quantized weights are not supported yet (see --quantization)"),
+    "--enable-lora": RefusedFlag(f"LoRA adapters: {_LATER}"),
+    "--lora-modules": RefusedFlag(f"LoRA adapters: {_LATER}"),
+    "--max-loras": RefusedFlag(f"LoRA adapters: {_LATER}"),
+    "--max-lora-rank": RefusedFlag(f"LoRA adapters: {_LATER}"),
+    "--speculative-config": RefusedFlag(f"speculative decoding: {_LATER}"),
+    "--kv-transfer-config": RefusedFlag(f"KV transfer (P/D disaggregation): {_LATER}"),
+    "--kv-events-config": RefusedFlag(f"KV cache events: {_LATER}"),
+    "--cpu-offload-gb": RefusedFlag("weights are never offloaded to CPU memory"),
+    "--kv-cache-dtype": RefusedFlag(
+        "the KV cache holds the model's dtype (only `auto`)", accepted=("auto",)
+    ),
+    "--enable-auto-tool-choice": RefusedFlag(f"tool calling: {_LATER}"),
+    "--tool-call-parser": RefusedFlag(f"tool calling: {_LATER}"),
+    "--reasoning-parser": RefusedFlag(f"reasoning parsers: {_LATER}"),
+    "--structured-outputs-config": RefusedFlag(f"structured outputs: {_LATER}"),
+    "--guided-decoding-backend": RefusedFlag(f"structured outputs: {_LATER}"),
+    "--enable-expert-parallel": RefusedFlag("expert parallelism (MoE models) is not supported"),
+    "--api-server-count": RefusedFlag(
+        "one api process per server (scale engines with --data-parallel-size)", accepted=("1",)
+    ),
+    "--revision": RefusedFlag(_NO_HUB),
+    "--code-revision": RefusedFlag(_NO_HUB),
+    "--tokenizer-revision": RefusedFlag(_NO_HUB),
+    "--download-dir": RefusedFlag(_NO_HUB),
+    "--hf-token": RefusedFlag(_NO_HUB),
+    "--load-format": RefusedFlag(
+        "weights load from safetensors or GGUF as found", accepted=("auto", "safetensors", "gguf")
+    ),
+    "--tokenizer-mode": RefusedFlag(
+        "the fast tokenizer (tokenizer.json) when present, else transformers' own",
+        accepted=("auto",),
+    ),
+    "--limit-mm-per-prompt": RefusedFlag("multimodal inputs are not supported"),
+    "--compilation-config": RefusedFlag("torch.compile and CUDA graphs are not used"),
+    "-O": RefusedFlag("torch.compile and CUDA graphs are not used", accepted=("0",)),
+    "--swap-space": RefusedFlag("preempted requests are recomputed, never swapped to CPU"),
+    "--async-scheduling": RefusedFlag(f"asynchronous scheduling: {_LATER}"),
+    "--enable-sleep-mode": RefusedFlag("sleep mode is not supported"),
+    "--device": RefusedFlag("the device is what torch finds (CUDA, else CPU)", accepted=("auto",)),
+    "--worker-cls": RefusedFlag("the worker class is fixed"),
+    "--worker-extension-cls": RefusedFlag("the worker class is fixed"),
+}

@@ -98,3 +98,16 @@ CACHE_DIR = EnvVar(
     str,
     "folder for converted models and built CPU kernels (default ~/.cache/kvserve)",
 )
+HF_HUB_CACHE = EnvVar(
+    "HF_HUB_CACHE",
+    None,
+    str,
+    "Hugging Face hub cache that hub ids (org/name) are looked up in, offline (default: "
+    "$HF_HOME/hub, else ~/.cache/huggingface/hub)",
+)
+HF_HOME = EnvVar(
+    "HF_HOME",
+    os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
+    str,
+    "Hugging Face's home folder; its hub/ is the hub cache unless HF_HUB_CACHE is set",
+)

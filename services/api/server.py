@@ -21,12 +21,14 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.services.api.engine_client import EngineClient, EngineDeadError
+from kvserve.services.api.generation_config import load_generation_defaults
 from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.protocol import (
     APIError,
@@ -42,6 +44,7 @@ from kvserve.services.api.protocol import (
 )
 from kvserve.services.api.serving_chat import OpenAIServingChat
 from kvserve.services.api.serving_completions import OpenAIServingCompletion
+from kvserve.shared.config import FrontendConfig, HTTPConfig
 from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
@@ -76,6 +79,12 @@ def _with_errors(endpoint: Endpoint) -> Endpoint:
     return wrapped
 
 
+def _route_path(scope: Scope) -> str:
+    """The path routes match: uvicorn puts --root-path in front of the request's path."""
+    path, root_path = scope["path"], scope.get("root_path", "")
+    return path[len(root_path) :] if root_path and path.startswith(root_path) else path
+
+
 class _APIKeyMiddleware:
     """Rejects /v1/* requests without `Authorization: Bearer <api_key>` (401)."""
 
@@ -84,7 +93,7 @@ class _APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and _route_path(scope).startswith("/v1/"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = error_response(
@@ -100,7 +109,12 @@ class _APIKeyMiddleware:
 
 
 def build_app(
-    engine_client: EngineClient, *, served_model_name: str, api_key: str | None = None
+    engine_client: EngineClient,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    http: HTTPConfig | None = None,
+    frontend: FrontendConfig | None = None,
 ) -> Starlette:
     """The HTTP app over one engine client.
 
@@ -108,10 +122,21 @@ def build_app(
         engine_client: an EngineClient (multi-process or in-process).
         served_model_name: the name /v1/models lists and requests must use (or omit).
         api_key: when set, /v1/* requires it as a bearer token.
+        http: the HTTP options the app itself honours (CORS); the server's own (host, TLS,
+            root path) are uvicorn's.
+        frontend: the front end's options (templates, request defaults, API details).
     """
+    http = http or HTTPConfig()
+    frontend = frontend or FrontendConfig()
     metrics = ApiMetrics(engine_client, served_model_name)
     completions = OpenAIServingCompletion(engine_client, served_model_name, metrics)
     chat = OpenAIServingChat(engine_client, served_model_name, metrics)
+    defaults = load_generation_defaults(
+        frontend.generation_config, engine_client.tokenizer_info.model_dir
+    )
+    if defaults:
+        logger.info("request defaults from the generation config: %s", defaults)
+    completions.generation_defaults = chat.generation_defaults = defaults
 
     async def create_completion(request: Request) -> Response:
         body = decode_request(await request.body(), CompletionRequest)
@@ -174,7 +199,19 @@ def build_app(
         Route("/tokenize", _with_errors(tokenize), methods=["POST"]),
         Route("/detokenize", _with_errors(detokenize), methods=["POST"]),
     ]
-    middleware = [Middleware(_APIKeyMiddleware, api_key=api_key)] if api_key else []
+    # CORS outermost, so a browser's preflight (OPTIONS, no credentials) is answered before
+    # the API key is asked for, as vLLM does.
+    middleware = [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=http.allowed_origins,
+            allow_credentials=http.allow_credentials,
+            allow_methods=http.allowed_methods,
+            allow_headers=http.allowed_headers,
+        )
+    ]
+    if api_key:
+        middleware.append(Middleware(_APIKeyMiddleware, api_key=api_key))
     app = Starlette(routes=routes, middleware=middleware)
     app.state.engine_client = engine_client
     app.state.metrics = metrics

@@ -46,7 +46,12 @@ class OpenAIServing:
         engine_client: where requests go.
         served_model_name: the only model name requests may ask for.
         metrics: the app's metrics (each request is timed).
+
+    `generation_defaults` are the SamplingParams defaults of --generation-config (set by
+    build_app); a request's own values win.
     """
+
+    generation_defaults: dict[str, Any] = {}
 
     def __init__(self, engine_client: EngineClient, served_model_name: str, metrics: ApiMetrics):
         self.engine_client = engine_client
@@ -103,6 +108,8 @@ class OpenAIServing:
             **overrides: SamplingParams fields set by the handler (logprobs, ...).
         """
         max_model_len = self.engine_client.max_model_len
+        defaults = dict(self.generation_defaults)
+        default_max_tokens = defaults.pop("max_tokens", None)
         if num_prompt_tokens >= max_model_len:
             raise APIError(
                 400,
@@ -113,6 +120,8 @@ class OpenAIServing:
             )
         if max_tokens is None:
             max_tokens = max_model_len - num_prompt_tokens
+            if default_max_tokens is not None:
+                max_tokens = min(max_tokens, default_max_tokens)
         elif max_tokens >= 1 and num_prompt_tokens + max_tokens > max_model_len:
             raise APIError(
                 400,
@@ -123,7 +132,7 @@ class OpenAIServing:
                 f"the length of the input or of the completion.",
                 param="max_tokens",
             )
-        kwargs = request.sampling_kwargs() | overrides
+        kwargs = defaults | request.sampling_kwargs() | overrides
         try:
             return SamplingParams(max_tokens=max_tokens, **kwargs)
         except ValueError as exc:

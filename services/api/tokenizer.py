@@ -16,9 +16,11 @@ class TokenizerInfo:
 
     Args:
         model_dir: a folder with tokenizer files and, optionally, generation_config.json.
+        chat_template: --chat-template: a Jinja template file, or the template itself; it
+            replaces the tokenizer's own.
     """
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, chat_template: str | None = None):
         # The fast tokenizer class loads tokenizer.json without importing torch (transformers'
         # AutoTokenizer does import it): the api process holds no model and no torch.
         if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
@@ -27,6 +29,8 @@ class TokenizerInfo:
             from transformers import AutoTokenizer as tokenizer_cls
         self.tokenizer = tokenizer_cls.from_pretrained(model_dir)
         self.model_dir = model_dir
+        if chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(chat_template)
 
     @cached_property
     def eos_token_id(self) -> int | None:
@@ -57,3 +61,19 @@ class TokenizerInfo:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+
+def load_chat_template(template: str) -> str:
+    """--chat-template's value: the contents of the file it names, or the template itself.
+
+    A value that names no file but looks like a path (no Jinja tags, a template suffix or a
+    path separator) is an error, not a template that would render the path as text.
+    """
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in template and (
+        template.endswith((".jinja", ".jinja2", ".j2")) or os.sep in template
+    ):
+        raise ValueError(f"--chat-template: no such file {template!r}")
+    return template

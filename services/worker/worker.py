@@ -84,7 +84,7 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         per_block = self.runner.kv_cache_bytes_per_block()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
             budget = self._profile_cuda_budget(cache.gpu_memory_utilization)
         else:
             budget = cache.kv_cache_bytes
