@@ -11,7 +11,7 @@ from kvserve.services.api.output_processor import OutputProcessor, make_engine_r
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.sampling_params import SamplingParams, logprobs_over_limit
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -128,6 +128,9 @@ class LLM:
         vocab = len(self.tokenizer_info.tokenizer)
         if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab})")
+        over_limit = logprobs_over_limit(params, self.config.model.max_logprobs)
+        if over_limit is not None:
+            raise ValueError(f"{over_limit[0]}: {over_limit[1]}")
 
     def _run(self, inputs, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if sampling_params is None:

@@ -51,6 +51,26 @@ class Logprobs(msgspec.Struct, **_HOT):
     ranks: list[int]  # vocabulary rank of column 0's token (1 = most likely)
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """A step in a request's life inside the engine core, timed for the metrics."""
+
+    QUEUED = 0  # the scheduler took it in
+    SCHEDULED = 1  # scheduled from the waiting queue: the first time, or again once preempted
+    PREEMPTED = 2
+
+
+class EngineCoreEvent(msgspec.Struct, **_HOT):
+    """One timed event of a request.
+
+    `timestamp` is time.monotonic() in the engine core process, as is
+    `EngineCoreOutputs.timestamp`: only differences between timestamps of one engine core
+    mean anything (the api never compares them with its own clock).
+    """
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 class EngineCoreOutput(msgspec.Struct, **_HOT):
     """What one request gained in one step."""
 
@@ -60,8 +80,13 @@ class EngineCoreOutput(msgspec.Struct, **_HOT):
     new_prompt_logprobs: Logprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id, if one ended it
+    # Prompt tokens the prefix cache served at the first schedule: in the request's first
+    # output only; the others carry 0, which costs no bytes while the fields after it
+    # are unset too.
     num_cached_tokens: int = 0
     error: str | None = None  # set when finish_reason is ERROR
+    # Events since the request's last output; None (a nil byte) on most steps.
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:
@@ -77,12 +102,13 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     num_preemptions: int = 0  # in this step
     prefix_cache_queries: int = 0  # prompt tokens looked up, in this step
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    num_scheduled_tokens: int = 0  # prompt and decode tokens this step computed
 
 
 class EngineCoreOutputs(msgspec.Struct, **_HOT):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0
+    timestamp: float = 0.0  # time.monotonic() in the engine core when the step ended
     engine_index: int = 0
 
 

@@ -6,9 +6,6 @@ from typing import Any
 
 import msgspec
 
-# The largest number of top logprobs a request may ask for (OpenAI allows 20).
-MAX_LOGPROBS = 20
-
 
 class _StrictKeywords(msgspec.StructMeta):
     """Turns an unknown keyword into a ValueError that names it, instead of a TypeError."""
@@ -38,8 +35,9 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
         stop: strings that end the output (not included in it).
         stop_token_ids: token ids that end the output (included in token_ids).
         ignore_eos: keep going past EOS.
-        logprobs: number of top logprobs per sampled token (plus the sampled one).
-        prompt_logprobs: number of top logprobs per prompt token.
+        logprobs: number of top logprobs per sampled token (plus the sampled one), at most
+            --max-logprobs.
+        prompt_logprobs: number of top logprobs per prompt token, at most --max-logprobs.
         skip_special_tokens: drop special tokens from the text.
         include_stop_str_in_output: keep the matched stop string in the text.
     """
@@ -96,10 +94,11 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
             bad("min_tokens", self.min_tokens, "must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
+        # The upper bound is the engine's --max-logprobs, checked where requests come in.
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                bad(name, value, f"must be in [0, {MAX_LOGPROBS}]")
+            if value is not None and value < 0:
+                bad(name, value, "must be non-negative")
         if self.stop is not None and any(not s for s in self.stop):
             bad("stop", self.stop, "must not contain empty strings")
 
@@ -110,3 +109,21 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
     @property
     def all_stop_token_ids(self) -> set[int]:
         return set(self.stop_token_ids or ())
+
+
+def logprobs_over_limit(params: SamplingParams, max_logprobs: int) -> tuple[str, str] | None:
+    """(field, message) when params ask for more logprobs per token than the engine allows
+    (--max-logprobs), worded as vLLM words it; None when they fit.
+
+    Args:
+        params: the request's sampling parameters.
+        max_logprobs: the limit.
+    """
+    for field, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        value = getattr(params, field)
+        if value is not None and value > max_logprobs:
+            return field, (
+                f"Requested {kind} logprobs of {value}, which is greater than max allowed: "
+                f"{max_logprobs}"
+            )
+    return None

@@ -56,6 +56,11 @@ class EngineReady(msgspec.Struct, frozen=True, kw_only=True):
     # How the engine hashes prefix blocks, so a DP router can hash prompts the same way.
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    # --max-logprobs: the api rejects requests for more logprobs per token (a 400).
+    max_logprobs: int = 20
+    # Every CacheConfig field and num_gpu_blocks, as strings: the labels of the api's
+    # `kvserve:cache_config_info` (vLLM's vllm:cache_config_info).
+    cache_config_info: dict[str, str] = {}
 
 
 class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True, gc=False):

@@ -1,8 +1,10 @@
 """What the server saw during a benchmark, from its Prometheus /metrics.
 
-kvserve exposes vLLM's metric names under `kvserve:` (vLLM itself uses `vllm:`), so both are
-read: preemptions and prefix-cache counters are scraped before and after the run (the delta
-is the run's), and KV-cache usage is polled during it for the peak. A server without these
+kvserve exposes vLLM's metric names and labels under `kvserve:` (vLLM itself uses `vllm:`),
+so both are read the same way: preemptions, prefix-cache counters and the engine's phase
+histograms (queue, prefill, decode) are scraped before and after the run (the delta is the
+run's), and KV-cache usage is polled during it for the peak. Every series has an `engine`
+label; with data parallelism the engines' samples are combined. A server without these
 metrics (llama.cpp, or no /metrics at all) gets no server-side section: not an error.
 """
 
@@ -20,6 +22,15 @@ logger = init_logger("kvserve.benchmarks")
 METRIC_PREFIXES = ("kvserve:", "vllm:")
 _COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
 _KV_USAGE = "kv_cache_usage_perc"
+# Engine-side phase histograms (seconds): the report shows the run's mean of each.
+_PHASES = {
+    "queue": "request_queue_time_seconds",
+    "prefill": "request_prefill_time_seconds",
+    "decode": "request_decode_time_seconds",
+}
+_HISTOGRAM_SAMPLES = tuple(
+    f"{name}_{part}" for name in _PHASES.values() for part in ("sum", "count")
+)
 POLL_INTERVAL_S = 0.25
 # A server too busy to answer /metrics in time loses a KV-usage sample, not the run.
 _SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=10)
@@ -34,7 +45,7 @@ def parse_engine_metrics(text: str) -> dict[str, float] | None:
         families = list(text_string_to_metric_families(text))
     except ValueError:
         return None
-    wanted = set(_COUNTERS) | {_KV_USAGE}
+    wanted = set(_COUNTERS) | {_KV_USAGE} | set(_HISTOGRAM_SAMPLES)
     samples = [sample for family in families for sample in family.samples]
     for prefix in METRIC_PREFIXES:
         values: dict[str, float] = {}
@@ -44,8 +55,8 @@ def parse_engine_metrics(text: str) -> dict[str, float] | None:
             name = sample.name.removeprefix(prefix).removesuffix("_total")
             if not sample.name.startswith(prefix) or name not in wanted:
                 continue
-            # One series per engine under data parallelism: counters add up, while KV usage
-            # is a fraction per engine, so the fullest engine's is kept.
+            # One series per engine: counters and histogram sums add up, while KV usage is
+            # a fraction per engine, so the fullest engine's is kept.
             combine = max if name == _KV_USAGE else sum
             values[name] = combine((values.get(name, 0.0), sample.value))
         if values:
@@ -116,13 +127,20 @@ class ServerMetricsWatcher:
 
 
 def server_delta(before: dict[str, float], after: dict[str, float], peak_kv_usage: float) -> dict:
-    """The run's preemptions, prefix-cache hit rate (None without queries) and peak KV use."""
+    """The run's preemptions, prefix-cache hit rate (None without queries), peak KV use and
+    mean engine phase times in ms (None without finished requests, or from a server that
+    has no such histograms)."""
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     num_queries = delta("prefix_cache_queries")
     peak = max(peak_kv_usage, after.get(_KV_USAGE, 0.0))
+    phase_means = {}
+    for phase, name in _PHASES.items():
+        count = delta(f"{name}_count")
+        mean = delta(f"{name}_sum") / count * 1000 if count > 0 else None
+        phase_means[f"server_mean_{phase}_time_ms"] = mean
     return {
         "server_num_preemptions": int(delta("num_preemptions")),
         "server_prefix_cache_queries": int(num_queries),
@@ -131,6 +149,7 @@ def server_delta(before: dict[str, float], after: dict[str, float], peak_kv_usag
         if num_queries > 0
         else None,
         "server_peak_kv_cache_usage": peak,
+        **phase_means,
     }
 
 
@@ -144,6 +163,10 @@ def format_server_report(figures: dict) -> str:
         f"{'Preemptions:':<40} {figures['server_num_preemptions']:<10}",
         f"{'Prefix cache hit rate (%):':<40} {hit_rate_text}",
         f"{'Peak KV-cache usage (%):':<40} {peak_kv_percent:<10.2f}",
-        "=" * 50,
     ]
+    for phase in _PHASES:
+        mean = figures.get(f"server_mean_{phase}_time_ms")
+        if mean is not None:
+            lines.append(f"{f'Mean {phase} time (ms):':<40} {mean:<10.2f}")
+    lines.append("=" * 50)
     return "\n".join(lines)

@@ -8,15 +8,19 @@ feeds `EngineCoreOutputs` back through `_handle_outputs` (on the event loop).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
+from kvserve.services.api.stats import IterationStats
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.wire import EngineReady
 
 logger = init_logger(__name__)
 
@@ -39,22 +43,43 @@ class StatsTotals:
         self.prefix_cache_hits += stats.prefix_cache_hits
 
 
+class StatLogger(Protocol):
+    """What takes each engine step's figures (the Prometheus metrics, the periodic log line)."""
+
+    def record(
+        self,
+        engine_index: int,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats,
+    ) -> None: ...
+
+
 class EngineClient:
     """
     Args:
         tokenizer_info: the model's tokenizer and stop ids.
         max_model_len: the engine's effective max_model_len (from its ready message).
         model_name: the name the API serves the model under.
+        max_logprobs: the most logprobs a request may ask for per token (the engine's
+            --max-logprobs, from its ready message).
     """
 
-    def __init__(self, tokenizer_info: TokenizerInfo, max_model_len: int, model_name: str):
+    def __init__(
+        self,
+        tokenizer_info: TokenizerInfo,
+        max_model_len: int,
+        model_name: str,
+        max_logprobs: int = 20,
+    ):
         self.tokenizer_info = tokenizer_info
         self.max_model_len = max_model_len
         self.model_name = model_name
+        self.max_logprobs = max_logprobs
         self.output_processor = OutputProcessor(tokenizer_info.tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
         self.latest_stats: SchedulerStats | None = None
         self.stats_totals = StatsTotals()
+        self.stat_loggers: list[StatLogger] = []
         self.dead_reason: str | None = None
 
     # ------------------------------------------------------------------ transport (subclass)
@@ -67,6 +92,10 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         pass
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every engine's cached prefixes; False when some engine still held blocks."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reset the prefix cache")
 
     def _forget_request(self, request_id: str, child_ids: list[str]) -> None:
         """The request ended (finished, failed or aborted): drop its routing state."""
@@ -88,6 +117,10 @@ class EngineClient:
     def per_engine_stats(self) -> list[tuple[int, SchedulerStats | None, StatsTotals]]:
         """(engine index, latest stats, counter sums) of every engine core, for /metrics."""
         return [(0, self.latest_stats, self.stats_totals)]
+
+    def engine_handshakes(self) -> list[EngineReady]:
+        """Every engine core's READY message, by engine index (none known here)."""
+        return []
 
     async def generate(
         self,
@@ -146,7 +179,15 @@ class EngineClient:
         if outputs.scheduler_stats is not None:
             self.latest_stats = outputs.scheduler_stats
             self.stats_totals.add(outputs.scheduler_stats)
-        request_outputs, to_abort = self.output_processor.process_outputs(outputs.outputs)
+        iteration_stats = None
+        if self.stat_loggers:
+            iteration_stats = IterationStats(time.monotonic(), outputs.timestamp)
+        request_outputs, to_abort = self.output_processor.process_outputs(
+            outputs.outputs, iteration_stats
+        )
+        if iteration_stats is not None:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(outputs.engine_index, outputs.scheduler_stats, iteration_stats)
         for ro in request_outputs:
             queue = self.queues.get(ro.request_id)
             if queue is not None:

@@ -1,141 +1,167 @@
-"""Prometheus metrics of the api process, with vLLM's names under the `kvserve:` prefix.
+"""Prometheus metrics of the api process: vLLM V1's series, named `kvserve:` for `vllm:`.
 
-Two sources:
-- the engine's load (`EngineClient.latest_stats`) and the sums of its per-step counters
-  (`EngineClient.stats_totals`), read at scrape time by a custom collector;
-- per-request timings measured here, around each request's stream of RequestOutputs.
+Every series vLLM's PrometheusStatLogger exposes (0.10-0.11, hidden ones aside), with the same
+labels: `model_name` and `engine` (the engine core's index, "0" without data parallelism),
+and `finished_reason` on `request_success`. So a vLLM Grafana board works once its queries say
+`kvserve:` (docs/grafana/kvserve.json is such a board). Three sources:
 
-`kvserve:request_queue_time_seconds` is an approximation: the core does not report when a
-request was first scheduled, so it is the time from arrival to the first output (which also
-holds the prefill). Every series has a `model_name` label, as vLLM's do; with data
-parallelism (more than one engine core) the engine series also carry an `engine` label, one
-series per engine, and `kvserve:engine_up` says which engines serve (1) or are gone (0).
+- scrape time (`_EngineStatsCollector`): each engine's latest load (running, waiting, KV
+  usage), the sums of its per-step counters (preemptions, prefix cache), `cache_config_info`
+  from its READY message, and the kvserve-only `kvserve:engine_up`;
+- each engine step (`ApiMetrics.record`, called by the EngineClient): tokens, TTFT,
+  inter-token latency, and for each finished request its lengths, parameters and phase times
+  (services/api/stats.py says which clock each comes from);
+- prometheus_client's process, platform and GC collectors (`process_*`, `python_*`).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from types import SimpleNamespace
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvserve.services.api.outputs import RequestOutput
+from kvserve.services.api.stats import IterationStats
+from kvserve.shared.messages import FinishReason, SchedulerStats
 
-_TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-)
-_ITL_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_REQUEST_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+LABELS = ["model_name", "engine"]
+
+# vLLM's buckets, in seconds.
+# fmt: off
+_TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]
+_ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]
+_REQUEST_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]
+# fmt: on
+_ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def _request_series(max_model_len: int) -> dict[str, tuple[str, list | None]]:
+    """name -> (documentation, buckets, None for a counter) of each series `record` updates."""
+    tokens = build_1_2_5_buckets(max_model_len)
+    return {
+        "prompt_tokens": ("Number of prefill tokens processed.", None),
+        "generation_tokens": ("Number of generation tokens processed.", None),
+        "iteration_tokens_total": (
+            "Histogram of number of tokens per engine_step.",
+            _ITERATION_TOKEN_BUCKETS,
+        ),
+        "request_prompt_tokens": ("Number of prefill tokens processed.", tokens),
+        "request_generation_tokens": ("Number of generation tokens processed.", tokens),
+        "request_max_num_generation_tokens": (
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        ),
+        "request_params_n": ("Histogram of the n request parameter.", _N_BUCKETS),
+        "request_params_max_tokens": ("Histogram of the max_tokens request parameter.", tokens),
+        "time_to_first_token_seconds": (
+            "Histogram of time to first token in seconds.",
+            _TTFT_BUCKETS,
+        ),
+        "inter_token_latency_seconds": (
+            "Histogram of inter-token latency in seconds.",
+            _ITL_BUCKETS,
+        ),
+        "time_per_output_token_seconds": (
+            "Histogram of time per output token in seconds. "
+            "DEPRECATED: Use kvserve:inter_token_latency_seconds instead.",
+            _ITL_BUCKETS,
+        ),
+        "request_time_per_output_token_seconds": (
+            "Histogram of time_per_output_token_seconds per request.",
+            _ITL_BUCKETS,
+        ),
+        "e2e_request_latency_seconds": (
+            "Histogram of e2e request latency in seconds.",
+            _REQUEST_BUCKETS,
+        ),
+        "request_queue_time_seconds": (
+            "Histogram of time spent in WAITING phase for request.",
+            _REQUEST_BUCKETS,
+        ),
+        "request_inference_time_seconds": (
+            "Histogram of time spent in RUNNING phase for request.",
+            _REQUEST_BUCKETS,
+        ),
+        "request_prefill_time_seconds": (
+            "Histogram of time spent in PREFILL phase for request.",
+            _REQUEST_BUCKETS,
+        ),
+        "request_decode_time_seconds": (
+            "Histogram of time spent in DECODE phase for request.",
+            _REQUEST_BUCKETS,
+        ),
+    }
 
 
 _GAUGES = (
     (
         "kvserve:num_requests_running",
-        "Requests in the engine's running batch.",
+        "Number of requests in model execution batches.",
         lambda stats: stats.num_running_reqs,
     ),
     (
         "kvserve:num_requests_waiting",
-        "Requests waiting to be scheduled.",
+        "Number of requests waiting to be processed.",
         lambda stats: stats.num_waiting_reqs,
     ),
     (
         "kvserve:kv_cache_usage_perc",
-        "Fraction of KV-cache blocks in use (0..1).",
+        "KV-cache usage. 1 means 100 percent usage.",
         lambda stats: stats.kv_cache_usage,
     ),
 )
 _COUNTERS = (
     (
         "kvserve:num_preemptions",
-        "Requests preempted by the scheduler.",
+        "Cumulative number of preemption from the engine.",
         lambda totals: totals.num_preemptions,
     ),
     (
         "kvserve:prefix_cache_queries",
-        "Prompt tokens looked up in the prefix cache.",
+        "Prefix cache queries, in terms of number of queried tokens.",
         lambda totals: totals.prefix_cache_queries,
     ),
     (
         "kvserve:prefix_cache_hits",
-        "Prompt tokens found in the prefix cache.",
+        "Prefix cache hits, in terms of number of cached tokens.",
         lambda totals: totals.prefix_cache_hits,
     ),
 )
 
 
 class _EngineStatsCollector:
-    """Reads each engine's latest load and counter sums whenever /metrics is scraped."""
+    """Reads each engine's latest load, counter sums and cache config whenever /metrics is
+    scraped."""
 
     def __init__(self, engine_client, model_name: str):
         self.engine_client = engine_client
@@ -143,128 +169,141 @@ class _EngineStatsCollector:
 
     def collect(self):
         per_engine = self.engine_client.per_engine_stats()
-        # One engine keeps vLLM's single-engine series; several get an `engine` label.
-        labelled = len(per_engine) > 1
-        names = ["model_name", "engine"] if labelled else ["model_name"]
-
-        def label_values(engine_index: int) -> list[str]:
-            return [self.model_name, str(engine_index)] if labelled else [self.model_name]
-
         for name, doc, read in _GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=names)
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
             for engine_index, stats, _ in per_engine:
-                family.add_metric(label_values(engine_index), read(stats) if stats else 0)
+                family.add_metric(self._labels(engine_index), read(stats) if stats else 0)
             yield family
         for name, doc, read in _COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=names)
+            family = CounterMetricFamily(name, doc, labels=LABELS)
             for engine_index, _, totals in per_engine:
-                family.add_metric(label_values(engine_index), read(totals))
+                family.add_metric(self._labels(engine_index), read(totals))
             yield family
-        if labelled:
-            states = {
-                entry["engine"]: entry["state"]
-                for entry in self.engine_client.health_report()["engines"]
-            }
-            family = GaugeMetricFamily(
-                "kvserve:engine_up",
-                "1 while the engine core serves, 0 once it is gone.",
-                labels=names,
-            )
-            for engine_index, _, _ in per_engine:
-                family.add_metric(
-                    label_values(engine_index), float(states.get(engine_index) != "dead")
-                )
-            yield family
+        states = {
+            entry["engine"]: entry["state"]
+            for entry in self.engine_client.health_report()["engines"]
+        }
+        family = GaugeMetricFamily(
+            "kvserve:engine_up", "1 while the engine core serves, 0 once it is gone.", labels=LABELS
+        )
+        for engine_index, _, _ in per_engine:
+            family.add_metric(self._labels(engine_index), float(states.get(engine_index) != "dead"))
+        yield family
+        yield from self._cache_config_info()
+
+    def _labels(self, engine_index: int) -> list[str]:
+        return [self.model_name, str(engine_index)]
+
+    def _cache_config_info(self):
+        # An info metric as vLLM emulates one: a gauge at 1, the facts in its labels.
+        handshakes = self.engine_client.engine_handshakes()
+        if not handshakes:
+            return
+        keys = sorted({key for ready in handshakes for key in ready.cache_config_info})
+        family = GaugeMetricFamily(
+            "kvserve:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["engine", *keys],
+        )
+        for ready in handshakes:
+            info = ready.cache_config_info
+            family.add_metric([str(ready.engine_index), *(info.get(k, "") for k in keys)], 1)
+        yield family
 
 
 class ApiMetrics:
     """The api's metrics, in a registry of their own (several apps may share a process).
 
+    It subscribes to the engine client's step figures (`engine_client.stat_loggers`).
+
     Args:
-        engine_client: the EngineClient whose stats the gauges and engine counters show.
+        engine_client: the EngineClient whose engines and requests the series show.
         model_name: the served model name (the `model_name` label).
     """
 
     def __init__(self, engine_client, model_name: str):
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(engine_client, model_name))
-        labels = ["model_name"]
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(
-                model_name
-            )
-
-        self.prompt_tokens = counter("kvserve:prompt_tokens", "Prefilled prompt tokens.")
-        self.generation_tokens = counter("kvserve:generation_tokens", "Generated tokens.")
+        # Parent series by name without the prefix; `_engine_series` holds their children.
+        self._series: dict[str, Counter | Histogram] = {}
+        for name, (doc, buckets) in _request_series(engine_client.max_model_len).items():
+            if buckets is None:
+                series = Counter(f"kvserve:{name}", doc, LABELS, registry=self.registry)
+            else:
+                series = Histogram(
+                    f"kvserve:{name}", doc, LABELS, buckets=buckets, registry=self.registry
+                )
+            self._series[name] = series
         self.request_success = Counter(
             "kvserve:request_success",
-            "Requests that finished, by finish reason.",
-            labels + ["finished_reason"],
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
             registry=self.registry,
         )
-        self.model_name = model_name
-        self.time_to_first_token = histogram(
-            "kvserve:time_to_first_token_seconds",
-            "Time to the first generated token.",
-            _TTFT_BUCKETS,
-        )
-        self.inter_token_latency = histogram(
-            "kvserve:inter_token_latency_seconds",
-            "Time between two outputs of a request.",
-            _ITL_BUCKETS,
-        )
-        self.e2e_request_latency = histogram(
-            "kvserve:e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            _REQUEST_BUCKETS,
-        )
-        self.request_queue_time = histogram(
-            "kvserve:request_queue_time_seconds",
-            "Time from arrival to the first output (approximates the time spent waiting).",
-            _REQUEST_BUCKETS,
-        )
+        self._per_engine: dict[int, SimpleNamespace] = {}
+        # Every known engine's series exist from the start, at zero, as vLLM's do.
+        for engine_index, _, _ in engine_client.per_engine_stats():
+            self._engine_series(engine_index)
+        engine_client.stat_loggers.append(self)
+
+    def _engine_series(self, engine_index: int) -> SimpleNamespace:
+        """One engine's labelled children, looked up once."""
+        series = self._per_engine.get(engine_index)
+        if series is None:
+            labels = (self.model_name, str(engine_index))
+            series = SimpleNamespace(
+                **{attr: parent.labels(*labels) for attr, parent in self._series.items()},
+                request_success={
+                    str(reason): self.request_success.labels(*labels, str(reason))
+                    for reason in FinishReason
+                },
+            )
+            self._per_engine[engine_index] = series
+        return series
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    async def observe(
-        self, outputs: AsyncIterator[RequestOutput], arrival_time: float | None = None
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Pass one request's cumulative outputs through, timing them on the way.
-
-        Args:
-            outputs: the EngineClient.generate stream of one request (closed here at the end,
-                so that closing this generator early still aborts the request).
-            arrival_time: time.monotonic() when the request arrived (default: now).
-        """
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        last_output_time: float | None = None
-        num_generated = 0
-        try:
-            async for output in outputs:
-                now = time.monotonic()
-                num_total = sum(len(c.token_ids) for c in output.outputs)
-                num_new = num_total - num_generated
-                if num_new > 0:
-                    if last_output_time is None:
-                        self.time_to_first_token.observe(now - arrival)
-                        self.request_queue_time.observe(now - arrival)
-                        self.prompt_tokens.inc(len(output.prompt_token_ids))
-                    else:
-                        self.inter_token_latency.observe(now - last_output_time)
-                    self.generation_tokens.inc(num_new)
-                    last_output_time, num_generated = now, num_total
-                if output.finished:
-                    self.e2e_request_latency.observe(now - arrival)
-                    for completion in output.outputs:
-                        self.request_success.labels(
-                            self.model_name, completion.finish_reason or "abort"
-                        ).inc()
-                yield output
-        finally:
-            await outputs.aclose()
+    def record(
+        self,
+        engine_index: int,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats,
+    ) -> None:
+        """Take one engine step's figures."""
+        s = self._engine_series(engine_index)
+        if scheduler_stats is not None and scheduler_stats.num_scheduled_tokens > 0:
+            s.iteration_tokens_total.observe(scheduler_stats.num_scheduled_tokens)
+        s.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        s.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens:
+            s.time_to_first_token_seconds.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies:
+            s.inter_token_latency_seconds.observe(itl)
+            s.time_per_output_token_seconds.observe(itl)  # vLLM keeps both names
+        for n in iteration_stats.n_params:
+            s.request_params_n.observe(n)
+        for num_tokens in iteration_stats.max_num_generation_tokens:
+            s.request_max_num_generation_tokens.observe(num_tokens)
+        for finished in iteration_stats.finished_requests:
+            s.request_success[finished.finish_reason].inc()
+            s.e2e_request_latency_seconds.observe(finished.e2e_latency)
+            s.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            s.request_generation_tokens.observe(finished.num_generation_tokens)
+            if finished.max_tokens_param:
+                s.request_params_max_tokens.observe(finished.max_tokens_param)
+            tpot = finished.mean_time_per_output_token
+            if tpot is not None:
+                s.request_time_per_output_token_seconds.observe(tpot)
+            phases = finished.phases
+            if phases is not None:
+                s.request_queue_time_seconds.observe(phases.queued_time)
+                s.request_prefill_time_seconds.observe(phases.prefill_time)
+                s.request_decode_time_seconds.observe(phases.decode_time)
+                s.request_inference_time_seconds.observe(phases.inference_time)

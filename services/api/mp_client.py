@@ -46,6 +46,7 @@ from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, Schedu
 from kvserve.shared.transport import MessageDecoder, MessageEncoder, make_socket
 from kvserve.shared.wire import (
     EngineHeartbeat,
+    EngineReady,
     EngineStats,
     GetStats,
     LoadTable,
@@ -90,7 +91,10 @@ class MPEngineClient(EngineClient):
         assert engines, "a client needs at least one engine core"
         first = engines[0].handshake
         super().__init__(
-            tokenizer_info, min(e.handshake.max_model_len for e in engines), model_name
+            tokenizer_info,
+            min(e.handshake.max_model_len for e in engines),
+            model_name,
+            max_logprobs=min(e.handshake.max_logprobs for e in engines),
         )
         self.channel = channel
         self.engines = {engine.engine_index: engine for engine in engines}
@@ -201,6 +205,9 @@ class MPEngineClient(EngineClient):
             (index, engine.latest_stats, engine.stats_totals)
             for index, engine in sorted(self.engines.items())
         ]
+
+    def engine_handshakes(self) -> list[EngineReady]:
+        return [engine.handshake for _, engine in sorted(self.engines.items())]
 
     async def check_health(self) -> None:
         """Raise EngineDeadError when dead, EngineStalledError while no engine serves."""

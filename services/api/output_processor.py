@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvserve.services.api.detokenizer import IncrementalDetokenizer, check_stop_strings
+from kvserve.services.api.detokenizer import Detokenizer, check_stop_strings, make_detokenizer
 from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.services.api.stats import IterationStats, RequestTimes
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -51,7 +52,8 @@ def make_engine_requests(
 @dataclass(slots=True)
 class _Child:
     completion: CompletionOutput
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
+    times: RequestTimes
 
 
 @dataclass(slots=True)
@@ -90,14 +92,17 @@ class OutputProcessor:
         parent = _Parent(request_id, prompt, prompt_token_ids, params, num_unfinished=params.n)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
+        arrival_time = time.monotonic()
         for index in range(params.n):
             child_id = child_request_id(request_id, index, params.n)
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(
+                detok = make_detokenizer(
                     self.tokenizer, prompt_token_ids, params.skip_special_tokens
                 )
-            parent.children[child_id] = _Child(CompletionOutput(index=index), detok)
+            parent.children[child_id] = _Child(
+                CompletionOutput(index=index), detok, RequestTimes(arrival_time)
+            )
             self.child_to_parent[child_id] = parent
         self.parents[request_id] = parent
         return list(parent.children)
@@ -115,9 +120,15 @@ class OutputProcessor:
         return list(parent.children)
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput]
+        self, outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (updated request outputs, engine-core ids to abort after a stop string)."""
+        """Returns (updated request outputs, engine-core ids to abort after a stop string).
+
+        Args:
+            outputs: one engine step's outputs.
+            iteration_stats: gets the step's token counts and request timings (None: none
+                are taken).
+        """
         changed: dict[str, _Parent] = {}
         to_abort: list[str] = []
         for out in outputs:
@@ -127,22 +138,39 @@ class OutputProcessor:
             child = parent.children[out.request_id]
             if self._update_child(parent, child, out):
                 to_abort.append(out.request_id)
+            num_prompt_tokens = len(parent.prompt_token_ids)
+            if iteration_stats is not None:
+                iteration_stats.observe_output(child.times, out, num_prompt_tokens)
             if child.completion.finished():
                 self.child_to_parent.pop(out.request_id, None)
                 parent.num_unfinished -= 1
+                if iteration_stats is not None:
+                    iteration_stats.observe_finished(
+                        child.times,
+                        child.completion.finish_reason,
+                        num_prompt_tokens,
+                        parent.params.max_tokens,
+                    )
             changed[parent.request_id] = parent
         results = []
         for parent in changed.values():
             finished = parent.num_unfinished == 0
             if finished:
                 self.parents.pop(parent.request_id, None)
+                if iteration_stats is not None:
+                    iteration_stats.observe_finished_parent(
+                        parent.params.n,
+                        max(c.times.num_generation_tokens for c in parent.children.values()),
+                    )
             results.append(self._make_output(parent, finished))
         return results, to_abort
 
     def _update_child(self, parent: _Parent, child: _Child, out: EngineCoreOutput) -> bool:
         """Apply one engine output; True when a stop string ended the child here."""
         comp, params = child.completion, parent.params
-        # With n > 1 the later children hit the blocks of the first: report the best.
+        # Only a child's first output carries its prefix hit (later ones say 0). With n > 1
+        # the later children hit the first one's blocks: report the best, which is what
+        # vLLM's final output shows (the hit of the last child to finish).
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.new_prompt_logprobs is not None and comp.index == 0:
             parent.prompt_logprobs.extend(self._to_logprob_dicts(out.new_prompt_logprobs))

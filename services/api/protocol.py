@@ -2,7 +2,9 @@
 
 Requests decode strictly typed: a wrong type is a 400 that names the field. Unknown fields are
 ignored, as vLLM does (OpenAI's clients send extras such as `logit_bias` or `tools`).
-Responses follow OpenAI's shapes, plus vLLM's `stop_reason` on each choice.
+Responses follow OpenAI's shapes, plus vLLM's extras: `stop_reason` on each choice,
+`prompt_logprobs` (on each completion choice, on the chat response) and
+`usage.prompt_tokens_details.cached_tokens`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class APIError(Exception):
         400: "BadRequestError",
         401: "AuthenticationError",
         404: "NotFoundError",
+        409: "ConflictError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }
@@ -122,6 +125,12 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extras: top logprobs per prompt token; logprobs naming tokens "token_id:N"
+    # (None: the server's --return-tokens-as-token-ids); the request id when no
+    # X-Request-Id header names one.
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    request_id: str | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling knobs the client set, with SamplingParams' names."""
@@ -191,16 +200,45 @@ def now_seconds() -> int:
     return int(time.time())
 
 
+class PromptTokenUsageInfo(msgspec.Struct):
+    cached_tokens: int  # prompt tokens the prefix cache served
+
+
 class UsageInfo(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Only with --enable-prompt-tokens-details; left out otherwise (clients read null).
+    prompt_tokens_details: PromptTokenUsageInfo | UnsetType = UNSET
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    def of(
+        cls,
+        num_prompt_tokens: int,
+        num_completion_tokens: int,
+        num_cached_tokens: int | None = None,
+    ) -> UsageInfo:
+        """Usage with prompt_tokens_details when num_cached_tokens is given."""
+        details = UNSET if num_cached_tokens is None else PromptTokenUsageInfo(num_cached_tokens)
         return cls(
-            num_prompt_tokens, num_completion_tokens, num_prompt_tokens + num_completion_tokens
+            num_prompt_tokens,
+            num_completion_tokens,
+            num_prompt_tokens + num_completion_tokens,
+            details,
         )
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's Logprob as it serializes: one token's logprob at a prompt position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# Per prompt position: {token id: its logprob} (JSON keys are the ids as strings); the first
+# position is null (nothing precedes it).
+PromptLogprobsBody = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -216,6 +254,8 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    # Non-streamed choices only (null unless asked for); left out of stream chunks.
+    prompt_logprobs: PromptLogprobsBody | None | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -274,6 +314,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsBody | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):

@@ -8,18 +8,27 @@ Routes:
                         "engines": [{"engine": 0, "state": "serving"|"stalled"|"dead", ...}]})
     GET  /metrics       Prometheus text
     POST /tokenize, /detokenize                  vLLM's shapes
+    GET|POST /ping      /health's answer (vLLM's, for SageMaker-style probes)
+    GET  /version       {"version": kvserve's package version}
+    POST /reset_prefix_cache   every engine forgets its cached prefixes: 200, or 409 while
+                        running requests hold KV blocks
 
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`. With an API
 key, /v1/* needs `Authorization: Bearer <key>`; the other routes stay open, as in vLLM.
+With --enable-request-id-headers every response carries `X-Request-Id`: the client's, else
+the id the request got, else a fresh one.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import secrets
+import uuid
 from collections.abc import Awaitable, Callable
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -29,6 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.services.api.engine_client import EngineClient, EngineDeadError
 from kvserve.services.api.generation_config import load_generation_defaults
+from kvserve.services.api.log_stats import LoggingStatLogger
 from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.protocol import (
     APIError,
@@ -42,6 +52,7 @@ from kvserve.services.api.protocol import (
     TokenizeResponse,
     decode_request,
 )
+from kvserve.services.api.serving_base import REQUEST_ID_HEADER
 from kvserve.services.api.serving_chat import OpenAIServingChat
 from kvserve.services.api.serving_completions import OpenAIServingCompletion
 from kvserve.shared.config import FrontendConfig, HTTPConfig
@@ -50,6 +61,11 @@ from kvserve.shared.logging import init_logger
 logger = init_logger(__name__)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+try:
+    KVSERVE_VERSION = importlib.metadata.version("kvserve")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    KVSERVE_VERSION = "unknown"
 
 
 def json_response(body: msgspec.Struct, status_code: int = 200) -> Response:
@@ -108,6 +124,34 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _RequestIdMiddleware:
+    """--enable-request-id-headers: sets X-Request-Id on every response (streams too): the
+    client's own header, else the id a completion handler gave the request (the response's
+    `id` without its "cmpl-" prefix), else a fresh uuid, as vLLM's XRequestIdMiddleware."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        # The handler's request.state is this dict (OpenAIServing.request_ids writes to it).
+        state = scope.setdefault("state", {})
+
+        async def send_with_request_id(message) -> None:
+            if message["type"] == "http.response.start":
+                request_id = (
+                    Headers(scope=scope).get(REQUEST_ID_HEADER)
+                    or state.get("request_id")
+                    or uuid.uuid4().hex
+                )
+                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_request_id)
+
+
 def build_app(
     engine_client: EngineClient,
     *,
@@ -129,8 +173,10 @@ def build_app(
     http = http or HTTPConfig()
     frontend = frontend or FrontendConfig()
     metrics = ApiMetrics(engine_client, served_model_name)
-    completions = OpenAIServingCompletion(engine_client, served_model_name, metrics)
-    chat = OpenAIServingChat(engine_client, served_model_name, metrics)
+    if not frontend.disable_log_stats:
+        engine_client.stat_loggers.append(LoggingStatLogger())
+    completions = OpenAIServingCompletion(engine_client, served_model_name, metrics, frontend)
+    chat = OpenAIServingChat(engine_client, served_model_name, metrics, frontend)
     defaults = load_generation_defaults(
         frontend.generation_config, engine_client.tokenizer_info.model_dir
     )
@@ -161,6 +207,22 @@ def build_app(
             status_code=200 if engine_client.is_healthy else 503,
             media_type="application/json",
         )
+
+    async def version(request: Request) -> Response:
+        return Response(
+            msgspec.json.encode({"version": KVSERVE_VERSION}), media_type="application/json"
+        )
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        completions.check_engine()  # no engine left: a 503, not a reset of nothing
+        logger.info("resetting the prefix cache of every engine")
+        if not await engine_client.reset_prefix_cache():
+            raise APIError(
+                409,
+                "the prefix cache was not reset: running requests still hold KV blocks; "
+                "retry when no request runs",
+            )
+        return Response(status_code=200)
 
     async def metrics_endpoint(request: Request) -> Response:
         text, content_type = metrics.render()
@@ -195,6 +257,9 @@ def build_app(
         Route("/v1/chat/completions", _with_errors(create_chat_completion), methods=["POST"]),
         Route("/v1/models", _with_errors(list_models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/reset_prefix_cache", _with_errors(reset_prefix_cache), methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/tokenize", _with_errors(tokenize), methods=["POST"]),
         Route("/detokenize", _with_errors(detokenize), methods=["POST"]),
@@ -210,6 +275,9 @@ def build_app(
             allow_headers=http.allowed_headers,
         )
     ]
+    if frontend.enable_request_id_headers:
+        # Outside the API-key check, so a 401 carries the id too.
+        middleware.append(Middleware(_RequestIdMiddleware))
     if api_key:
         middleware.append(Middleware(_APIKeyMiddleware, api_key=api_key))
     app = Starlette(routes=routes, middleware=middleware)

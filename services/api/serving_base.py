@@ -1,8 +1,8 @@
 """What the completions and chat handlers share: checks, sampling params, fan-out, SSE.
 
 handler ──check_model / make_sampling_params──▶ generate(prompts)
-                                                 │ one EngineClient.generate per prompt,
-                                                 │ each timed by ApiMetrics.observe
+                                                 │ one EngineClient.generate per prompt
+                                                 │ (timed for /metrics in its OutputProcessor)
                                                  ▼
                                  merge_async_iterators ──▶ (prompt_index, RequestOutput)
 """
@@ -10,6 +10,8 @@ handler ──check_model / make_sampling_params──▶ generate(prompts)
 from __future__ import annotations
 
 import asyncio
+import secrets
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -21,9 +23,17 @@ from starlette.responses import Response, StreamingResponse
 from kvserve.services.api.detokenizer import num_held_back_chars
 from kvserve.services.api.engine_client import EngineClient, EngineDeadError
 from kvserve.services.api.metrics import ApiMetrics
-from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
-from kvserve.services.api.protocol import SAMPLING_FIELDS, APIError
-from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.api.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from kvserve.services.api.protocol import (
+    SAMPLING_FIELDS,
+    APIError,
+    PromptLogprob,
+    PromptLogprobsBody,
+    UsageInfo,
+)
+from kvserve.services.api.request_logger import RequestLogger
+from kvserve.shared.config import FrontendConfig
+from kvserve.shared.sampling_params import SamplingParams, logprobs_over_limit
 
 T = TypeVar("T")
 
@@ -33,6 +43,8 @@ PromptInput = tuple[str | None, list[int]]
 SSE_DONE = b"data: [DONE]\n\n"
 # JSON has no -inf: an impossible token's logprob is reported as this floor (as in vLLM).
 MIN_LOGPROB = -9999.0
+# A client's own request id (vLLM's header); echoed with --enable-request-id-headers.
+REQUEST_ID_HEADER = "X-Request-Id"
 _encoder = msgspec.json.Encoder()
 
 
@@ -45,7 +57,8 @@ class OpenAIServing:
     Args:
         engine_client: where requests go.
         served_model_name: the only model name requests may ask for.
-        metrics: the app's metrics (each request is timed).
+        metrics: the app's metrics.
+        frontend: the front end's options (usage details, token ids, request logs).
 
     `generation_defaults` are the SamplingParams defaults of --generation-config (set by
     build_app); a request's own values win.
@@ -53,20 +66,77 @@ class OpenAIServing:
 
     generation_defaults: dict[str, Any] = {}
 
-    def __init__(self, engine_client: EngineClient, served_model_name: str, metrics: ApiMetrics):
+    def __init__(
+        self,
+        engine_client: EngineClient,
+        served_model_name: str,
+        metrics: ApiMetrics,
+        frontend: FrontendConfig | None = None,
+    ):
         self.engine_client = engine_client
         self.served_model_name = served_model_name
         self.metrics = metrics
+        self.frontend = frontend or FrontendConfig()
+        self.request_logger = (
+            RequestLogger(self.frontend.max_log_len) if self.frontend.enable_log_requests else None
+        )
 
     @property
     def tokenizer(self):
         return self.engine_client.tokenizer_info.tokenizer
 
-    def token_text(self, token_id: int, logprob: Logprob | None) -> str:
-        """A token as text: the detokenizer's string when the Logprob carries one."""
+    def token_text(self, token_id: int, logprob: Logprob | None, as_token_id: bool = False) -> str:
+        """A token as text: "token_id:N" when asked for (vLLM's return_tokens_as_token_ids),
+        else the detokenizer's string when the Logprob carries one."""
+        if as_token_id:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
+
+    def tokens_as_ids(self, request) -> bool:
+        """The request's return_tokens_as_token_ids, else the server's flag."""
+        if request.return_tokens_as_token_ids is not None:
+            return request.return_tokens_as_token_ids
+        return self.frontend.return_tokens_as_token_ids
+
+    def request_ids(self, raw_request: Request, request, prefix: str) -> tuple[str, str]:
+        """(the response's id, the engine's id) for a new request.
+
+        As vLLM: `prefix` + the X-Request-Id header, else + the body's request_id, else + a
+        fresh uuid. A client's id may come twice while the first is running, so the engine's
+        id then gets a random suffix (engine ids must be unique). The base id goes into the
+        request's state, for the X-Request-Id response header.
+
+        Args:
+            raw_request: the HTTP request.
+            request: its decoded body.
+            prefix: "cmpl-" or "chatcmpl-".
+        """
+        client_id = raw_request.headers.get(REQUEST_ID_HEADER) or request.request_id
+        base_id = client_id or uuid.uuid4().hex
+        raw_request.state.request_id = base_id
+        response_id = prefix + base_id
+        if not client_id:
+            return response_id, response_id
+        return response_id, f"{response_id}-{secrets.token_hex(4)}"
+
+    def check_prompt_logprobs(self, request) -> None:
+        """vLLM's rule: prompt logprobs come whole, so never in a stream."""
+        if request.stream and request.prompt_logprobs:
+            raise APIError(
+                400,
+                "`prompt_logprobs` are not available when `stream=True`.",
+                param="prompt_logprobs",
+            )
+
+    def usage(self, final_outputs: list[RequestOutput | None]) -> UsageInfo:
+        """Token counts over prompts and their n choices; with --enable-prompt-tokens-details
+        also the prompt tokens the prefix cache served (summed over the prompts)."""
+        num_cached_tokens = None
+        if self.frontend.enable_prompt_tokens_details:
+            num_cached_tokens = sum(o.num_cached_tokens for o in final_outputs if o is not None)
+        return UsageInfo.of(*count_usage(final_outputs), num_cached_tokens)
 
     def check_model(self, model: str | None) -> None:
         """A request may omit `model`; naming another one is a 404, as in vLLM."""
@@ -134,12 +204,16 @@ class OpenAIServing:
             )
         kwargs = defaults | request.sampling_kwargs() | overrides
         try:
-            return SamplingParams(max_tokens=max_tokens, **kwargs)
+            params = SamplingParams(max_tokens=max_tokens, **kwargs)
         except ValueError as exc:
             # SamplingParams' messages start with the field name.
             field = str(exc).split(" ", 1)[0]
             known = field in SAMPLING_FIELDS or field in overrides or field == "max_tokens"
             raise APIError(400, str(exc), param=field if known else None) from None
+        over_limit = logprobs_over_limit(params, self.engine_client.max_logprobs)
+        if over_limit is not None:
+            raise APIError(400, over_limit[1], param=over_limit[0])
+        return params
 
     def generate(
         self,
@@ -155,10 +229,14 @@ class OpenAIServing:
         streams = []
         for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
             engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            if self.request_logger is not None:
+                # A prompt given as ids (or a chat's template output) is logged decoded.
+                logged_text = text if text is not None else self.tokenizer.decode(token_ids)
+                self.request_logger.log_inputs(engine_request_id, logged_text, token_ids, params)
             stream = self.engine_client.generate(
                 engine_request_id, text, token_ids, params, priority
             )
-            streams.append(self.metrics.observe(stream))
+            streams.append(stream)
         return merge_async_iterators(streams)
 
 
@@ -251,6 +329,22 @@ class StreamedChoice:
         self.num_sent_tokens = len(completion.token_ids)
         self.finished = finish_reason is not None
         return text, first_token, finish_reason
+
+
+def prompt_logprobs_body(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobsBody | None:
+    """Prompt logprobs as vLLM returns them: per position {token id: logprob, rank, decoded
+    token}, null for the first position, -inf floored to MIN_LOGPROB."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if row is None
+        else {
+            token_id: PromptLogprob(max(lp.logprob, MIN_LOGPROB), lp.rank, lp.decoded_token)
+            for token_id, lp in row.items()
+        }
+        for row in prompt_logprobs
+    ]
 
 
 def stop_holdback(params: SamplingParams) -> int:

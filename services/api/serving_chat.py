@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from contextlib import aclosing
 
 import jinja2
@@ -25,7 +24,6 @@ from kvserve.services.api.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     TopLogprob,
-    UsageInfo,
     now_seconds,
 )
 from kvserve.services.api.serving_base import (
@@ -34,8 +32,8 @@ from kvserve.services.api.serving_base import (
     OpenAIServing,
     SSEResponse,
     StreamedChoice,
-    count_usage,
     error_event,
+    prompt_logprobs_body,
     raise_if_failed,
     run_until_disconnected,
     sse_event,
@@ -99,6 +97,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        self.check_prompt_logprobs(request)
         prompt_token_ids = self.apply_chat_template(
             request.messages,
             request.add_generation_prompt,
@@ -117,27 +116,29 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens,
             "messages",
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            prompt_logprobs=request.prompt_logprobs,
         )
         self.check_engine()
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        ids = self.request_ids(raw_request, request, "chatcmpl-")
         if request.stream:
-            return SSEResponse(self._stream(request_id, request, prompt_token_ids, params))
+            return SSEResponse(self._stream(ids, request, prompt_token_ids, params))
         return await run_until_disconnected(
-            raw_request, self._complete(request_id, request, prompt_token_ids, params)
+            raw_request, self._complete(ids, request, prompt_token_ids, params)
         )
 
     # ------------------------------------------------------------------ non-streaming
 
     async def _complete(
         self,
-        request_id: str,
+        ids: tuple[str, str],
         request: ChatCompletionRequest,
         prompt_token_ids: list[int],
         params: SamplingParams,
     ) -> Response:
+        response_id, engine_id = ids
         final: RequestOutput | None = None
         async with aclosing(
-            self.generate(request_id, [(None, prompt_token_ids)], [params], request.priority)
+            self.generate(engine_id, [(None, prompt_token_ids)], [params], request.priority)
         ) as results:
             async for _, output in results:
                 final = output
@@ -156,10 +157,11 @@ class OpenAIServingChat(OpenAIServing):
             for completion in final.outputs
         ]
         body = ChatCompletionResponse(
-            id=request_id,
+            id=response_id,
             model=self.served_model_name,
             choices=choices,
-            usage=UsageInfo.of(*count_usage([final])),
+            usage=self.usage([final]),
+            prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
         )
         return Response(msgspec.json.encode(body), media_type="application/json")
 
@@ -167,11 +169,12 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(
         self,
-        request_id: str,
+        ids: tuple[str, str],
         request: ChatCompletionRequest,
         prompt_token_ids: list[int],
         params: SamplingParams,
     ):
+        request_id, engine_id = ids
         created = now_seconds()
         usage = None if request.include_usage else UNSET
 
@@ -193,7 +196,7 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(params.n):
                 yield chunk([ChatStreamChoice(index, DeltaMessage("assistant", ""), None, None)])
             async with aclosing(
-                self.generate(request_id, [(None, prompt_token_ids)], [params], request.priority)
+                self.generate(engine_id, [(None, prompt_token_ids)], [params], request.priority)
             ) as results:
                 async for _, final in results:
                     raise_if_failed(final)
@@ -223,7 +226,7 @@ class OpenAIServingChat(OpenAIServing):
                             ]
                         )
             if request.include_usage:
-                usage = UsageInfo.of(*count_usage([final]))
+                usage = self.usage([final])
                 yield chunk([])
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
             logger.warning("chat stream %s failed: %r", request_id, exc)
@@ -240,15 +243,16 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatLogprobs:
         """OpenAI's chat logprobs: per token, its logprob and the `top_logprobs` best."""
         num_top = request.top_logprobs or 0
+        as_ids = self.tokens_as_ids(request)
         entries = []
         for position, token_id in enumerate(token_ids):
             row = logprobs[position] if logprobs and position < len(logprobs) else {}
             chosen = row.get(token_id)
-            token = self.token_text(token_id, chosen)
+            token = self.token_text(token_id, chosen, as_ids)
             best = sorted(row.items(), key=lambda item: item[1].logprob, reverse=True)
             top = []
             for top_id, top_logprob in best[:num_top]:
-                top_token = self.token_text(top_id, top_logprob)
+                top_token = self.token_text(top_id, top_logprob, as_ids)
                 top.append(
                     TopLogprob(
                         top_token,

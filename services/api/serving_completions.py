@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from contextlib import aclosing
 
 import msgspec
@@ -18,7 +17,6 @@ from kvserve.services.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    UsageInfo,
     now_seconds,
 )
 from kvserve.services.api.serving_base import (
@@ -28,8 +26,8 @@ from kvserve.services.api.serving_base import (
     PromptInput,
     SSEResponse,
     StreamedChoice,
-    count_usage,
     error_event,
+    prompt_logprobs_body,
     raise_if_failed,
     run_until_disconnected,
     sse_event,
@@ -47,9 +45,12 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Validate, submit every prompt, and answer with JSON or an SSE stream."""
         self.check_model(request.model)
+        self.check_prompt_logprobs(request)
         prompts = self._prompt_inputs(request.prompt)
         # echo + logprobs also reports the prompt's logprobs, as OpenAI's API did.
-        prompt_logprobs = request.logprobs if request.echo else None
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.logprobs
         params_list = [
             self.make_sampling_params(
                 request,
@@ -62,11 +63,11 @@ class OpenAIServingCompletion(OpenAIServing):
             for _, token_ids in prompts
         ]
         self.check_engine()
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        ids = self.request_ids(raw_request, request, "cmpl-")
         if request.stream:
-            return SSEResponse(self._stream(request_id, request, prompts, params_list))
+            return SSEResponse(self._stream(ids, request, prompts, params_list))
         return await run_until_disconnected(
-            raw_request, self._complete(request_id, request, prompts, params_list)
+            raw_request, self._complete(ids, request, prompts, params_list)
         )
 
     def _prompt_inputs(self, prompt: str | list) -> list[PromptInput]:
@@ -103,14 +104,16 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _complete(
         self,
-        request_id: str,
+        ids: tuple[str, str],
         request: CompletionRequest,
         prompts: list[PromptInput],
         params_list: list[SamplingParams],
     ) -> Response:
+        response_id, engine_id = ids
+        as_ids = self.tokens_as_ids(request)
         final: list[RequestOutput | None] = [None] * len(prompts)
         async with aclosing(
-            self.generate(request_id, prompts, params_list, request.priority)
+            self.generate(engine_id, prompts, params_list, request.priority)
         ) as results:
             async for prompt_index, output in results:
                 final[prompt_index] = output
@@ -126,10 +129,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = CompletionLogprobs()
                     if request.echo:
                         self._add_logprobs(
-                            logprobs, output.prompt_token_ids, output.prompt_logprobs, 0
+                            logprobs, output.prompt_token_ids, output.prompt_logprobs, 0, as_ids
                         )
                     self._add_logprobs(
-                        logprobs, completion.token_ids, completion.logprobs, _next_offset(logprobs)
+                        logprobs,
+                        completion.token_ids,
+                        completion.logprobs,
+                        _next_offset(logprobs),
+                        as_ids,
                     )
                 choices.append(
                     CompletionChoice(
@@ -138,13 +145,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs,
                         completion.finish_reason,
                         completion.stop_reason,
+                        prompt_logprobs_body(output.prompt_logprobs),
                     )
                 )
         body = CompletionResponse(
-            id=request_id,
+            id=response_id,
             model=self.served_model_name,
             choices=choices,
-            usage=UsageInfo.of(*count_usage(final)),
+            usage=self.usage(final),
         )
         return Response(msgspec.json.encode(body), media_type="application/json")
 
@@ -152,12 +160,14 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(
         self,
-        request_id: str,
+        ids: tuple[str, str],
         request: CompletionRequest,
         prompts: list[PromptInput],
         params_list: list[SamplingParams],
     ):
+        request_id, engine_id = ids
         created = now_seconds()
+        as_ids = self.tokens_as_ids(request)
         want_logprobs = request.logprobs is not None
         usage = None if request.include_usage else UNSET
         final: list[RequestOutput | None] = [None] * len(prompts)
@@ -165,7 +175,7 @@ class OpenAIServingCompletion(OpenAIServing):
         next_offsets: dict[tuple[int, int], int] = {}
         try:
             async with aclosing(
-                self.generate(request_id, prompts, params_list, request.priority)
+                self.generate(engine_id, prompts, params_list, request.priority)
             ) as results:
                 async for prompt_index, output in results:
                     final[prompt_index] = output
@@ -196,6 +206,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                     output.prompt_token_ids,
                                     output.prompt_logprobs,
                                     offset,
+                                    as_ids,
                                 )
                                 offset = _next_offset(logprobs)
                             self._add_logprobs(
@@ -203,6 +214,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 completion.token_ids[first_token:],
                                 (completion.logprobs or [])[first_token:],
                                 offset,
+                                as_ids,
                             )
                             if logprobs.tokens:
                                 next_offsets[key] = _next_offset(logprobs)
@@ -229,7 +241,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         created=created,
                         model=self.served_model_name,
                         choices=[],
-                        usage=UsageInfo.of(*count_usage(final)),
+                        usage=self.usage(final),
                     )
                 )
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
@@ -245,6 +257,7 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids: list[int],
         logprobs: list[dict[int, Logprob] | None] | None,
         text_offset: int,
+        as_ids: bool = False,
     ) -> None:
         """Append one entry per token to OpenAI's parallel lists.
 
@@ -254,11 +267,12 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs: per token, {token id: Logprob} (None where there is none, as for the
                 first prompt token).
             text_offset: where the first token starts in the choice's text.
+            as_ids: name tokens "token_id:N" (return_tokens_as_token_ids).
         """
         for position, token_id in enumerate(token_ids):
             row = logprobs[position] if logprobs and position < len(logprobs) else None
             chosen = row.get(token_id) if row else None
-            token = self.token_text(token_id, chosen)
+            token = self.token_text(token_id, chosen, as_ids)
             out.tokens.append(token)
             out.text_offset.append(text_offset)
             text_offset += len(token)
@@ -267,7 +281,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 None
                 if row is None
                 else {
-                    self.token_text(tid, lp): max(lp.logprob, MIN_LOGPROB)
+                    self.token_text(tid, lp, as_ids): max(lp.logprob, MIN_LOGPROB)
                     for tid, lp in row.items()
                 }
             )

@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import time
 
+import msgspec
+
 from kvserve.services.scheduler.executor import Executor, UniExecutor
 from kvserve.services.scheduler.scheduler import Scheduler
-from kvserve.shared.config import EngineConfig
+from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.shared.wire import EngineReady, this_hostname
@@ -34,6 +36,14 @@ def make_executor(config: EngineConfig, model_dir: str) -> Executor:
 
         return MpExecutor(config, model_dir)
     raise ValueError(f"unknown executor {kind!r}; use 'uni' or 'mp'")
+
+
+def cache_config_info(cache: CacheConfig, num_blocks: int) -> dict[str, str]:
+    """The cache config as vLLM reports it in `cache_config_info`: each field as a string
+    ("None" when unset), and the KV block count the memory profile found."""
+    info = {name: str(value) for name, value in msgspec.structs.asdict(cache).items()}
+    info["num_gpu_blocks"] = str(num_blocks)
+    return info
 
 
 class EngineCore:
@@ -64,6 +74,8 @@ class EngineCore:
             worker_pids=self.executor.worker_pids,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo,
+            max_logprobs=config.model.max_logprobs,
+            cache_config_info=cache_config_info(config.cache, num_blocks),
         )
         logger.info(
             "engine core ready in %.1f s: %d KV blocks, max_model_len %d",

@@ -6,7 +6,12 @@ import enum
 from collections.abc import Callable, Iterable
 
 from kvserve.shared.hashing import HashFn, hash_new_full_blocks, make_extra_keys
-from kvserve.shared.messages import EngineCoreRequest, FinishReason
+from kvserve.shared.messages import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreRequest,
+    FinishReason,
+)
 from kvserve.shared.sampling_params import SamplingParams
 
 # Returns the hashes of the request's full blocks that request.block_hashes lacks.
@@ -91,13 +96,17 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose K/V is in the cache or being written by the step in flight.
         self.num_computed_tokens = 0
-        # Prefix-cache hit length at the first schedule; -1 until then.
+        # Prefix-cache hit length at the first schedule; -1 until then. Only the request's
+        # first output carries it (EngineCoreOutput.num_cached_tokens).
         self.num_cached_tokens = -1
+        self.sent_first_output = False
         self.num_preemptions = 0
         # A recompute after preemption produces prompt logprobs again: count what was sent
         # and what this run produced, so each prompt position is reported once.
         self.num_prompt_logprobs_sent = 0
         self.num_prompt_logprobs_seen = 0
+        # Timed events not yet sent (the scheduler records them only with log_stats).
+        self.events: list[EngineCoreEvent] = []
 
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []
@@ -126,6 +135,16 @@ class Request:
             self.output_token_ids.append(token_id)
             self.all_token_ids.append(token_id)
         self._update_block_hashes()
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float) -> None:
+        self.events.append(EngineCoreEvent(event_type, timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """The events since the last call, or None when there are none."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     def _update_block_hashes(self) -> None:
         if self._block_hasher is not None:

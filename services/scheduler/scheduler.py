@@ -12,6 +12,7 @@ when its output returns, so state stays consistent even if two schedules run bac
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from kvserve.services.scheduler.block_pool import KVCacheBlock
@@ -25,6 +26,7 @@ from kvserve.shared.hashing import get_hash_fn
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
     CachedRequestData,
+    EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
@@ -49,7 +51,8 @@ class Scheduler:
         num_blocks: KV-cache blocks, the null block included (from the memory profile).
         max_model_len: longest prompt + output in tokens; capped (with a warning) to what the
             cache holds, so `self.max_model_len` is the effective limit.
-        log_stats: collect the counters `make_stats` reports.
+        log_stats: collect the counters `make_stats` reports, and time each request's
+            events (queued, scheduled, preempted) for the api's metrics.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions_total = 0
         self._num_step_preemptions = 0
+        self._num_step_scheduled_tokens = 0
 
     def _check_config(self) -> None:
         config = self.scheduler_config
@@ -130,6 +134,8 @@ class Scheduler:
             return
         self.requests[request.req_id] = request
         self.waiting.add_request(request)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED, time.monotonic())
 
     def _validate(self, engine_request: EngineCoreRequest) -> str | None:
         prompt_token_ids = engine_request.prompt_token_ids
@@ -189,7 +195,19 @@ class Scheduler:
         scheduler_output = self._make_scheduler_output(plan)
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
+        if self.log_stats:
+            self._record_step_events(plan)
+            self._num_step_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         return scheduler_output
+
+    @staticmethod
+    def _record_step_events(plan: StepPlan) -> None:
+        # One timestamp for the whole step: its requests start computing together.
+        now = time.monotonic()
+        for request in plan.scheduled_new:
+            request.record_event(EngineCoreEventType.SCHEDULED, now)
+        for request in plan.preempted:
+            request.record_event(EngineCoreEventType.PREEMPTED, now)
 
     def _schedule_running(self, plan: StepPlan) -> None:
         # Iterate over a snapshot: preemption removes requests from self.running.
@@ -380,6 +398,10 @@ class Scheduler:
         )
         if not new_token_ids and prompt_logprobs is None and not request.is_finished:
             return None
+        num_cached_tokens = 0
+        if not request.sent_first_output:
+            request.sent_first_output = True
+            num_cached_tokens = max(request.num_cached_tokens, 0)
         return EngineCoreOutput(
             request_id=request.req_id,
             new_token_ids=new_token_ids,
@@ -387,7 +409,8 @@ class Scheduler:
             new_prompt_logprobs=prompt_logprobs,
             finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=num_cached_tokens,
+            events=request.take_events(),
         )
 
     @staticmethod
@@ -432,6 +455,7 @@ class Scheduler:
             return None
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
         num_preemptions, self._num_step_preemptions = self._num_step_preemptions, 0
+        num_scheduled_tokens, self._num_step_scheduled_tokens = self._num_step_scheduled_tokens, 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -439,6 +463,7 @@ class Scheduler:
             num_preemptions=num_preemptions,
             prefix_cache_queries=prefix_stats.num_queried_tokens,
             prefix_cache_hits=prefix_stats.num_hit_tokens,
+            num_scheduled_tokens=num_scheduled_tokens,
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.kernels.dispatch import describe
 from kvserve.services.worker.model_runner import ModelRunner
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.services.worker.parallel_state import (
@@ -73,6 +74,10 @@ class Worker:
         # The RNG unseeded requests draw from (only the driver rank samples; see ModelRunner).
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, model_dir, self.device)
+        if rank == 0:
+            logger.info(
+                "kernels for %s: %s", self.runner.dtype, describe(self.device, self.runner.dtype)
+            )
 
     @property
     def max_model_len(self) -> int:

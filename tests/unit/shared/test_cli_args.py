@@ -30,7 +30,7 @@ def test_flags_reach_the_nested_struct_that_owns_them():
                      positional=("model",))
     assert options.engine.model.model == "m.gguf"
     assert options.engine.parallel.distributed_executor_backend == "mp"
-    assert options.engine.cache.kv_cache_memory == 1 << 30
+    assert options.engine.cache.kv_cache_memory_bytes == 1 << 30
     assert options.engine.cache.enable_prefix_caching is False
     assert options.engine.parallel.data_parallel_size == 2
     assert options.http.port == 9000
