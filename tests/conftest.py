@@ -1,4 +1,4 @@
-"""Fixtures shared by every test folder."""
+"""Fixtures shared by every test folder (helper functions live in tests/support)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ def default_model_dir() -> str:
     return resolve_model(None)
 
 
-def assert_no_leaked_blocks(engine_core) -> None:
-    """Every KV block is back in the free queue (cached blocks count as free)."""
-    manager = engine_core.scheduler.kv_cache_manager
-    assert not engine_core.scheduler.has_unfinished_requests()
-    assert manager.num_free_blocks == manager.num_total_blocks, (
-        f"{manager.num_total_blocks - manager.num_free_blocks} KV blocks leaked")
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """A tiny random Llama folder (tests.support.models.build_tiny_llama), written once; the
+    process tests serve it, since it starts in seconds."""
+    from tests.support.models import build_tiny_llama
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))

@@ -13,8 +13,12 @@ import pytest
 from kvserve.services.api.engine_client import EngineClient
 from kvserve.services.api.server import build_app
 from kvserve.services.api.tokenizer import TokenizerInfo
-from tests.e2e.api_server_utils import MAX_MODEL_LEN, SERVED_MODEL_NAME, ServerThread, \
-    shared_api_server
+from tests.support.api_server import (
+    MAX_MODEL_LEN,
+    SERVED_MODEL_NAME,
+    ServerThread,
+    shared_api_server,
+)
 
 PROMPT = "The capital of France is"
 
@@ -24,8 +28,9 @@ def url() -> str:
     return shared_api_server()[1].url
 
 
-def assert_error(response: httpx.Response, status: int, param: str | None = None,
-                 message_part: str = "") -> dict:
+def assert_error(
+    response: httpx.Response, status: int, param: str | None = None, message_part: str = ""
+) -> dict:
     """The response is OpenAI's error body with this status (and param, when given)."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
@@ -40,8 +45,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 def post(url: str, path: str, body) -> httpx.Response:
     if isinstance(body, (bytes, str)):
-        return httpx.post(url + path, content=body,
-                          headers={"content-type": "application/json"})
+        return httpx.post(url + path, content=body, headers={"content-type": "application/json"})
     return httpx.post(url + path, json=body, timeout=60)
 
 
@@ -50,8 +54,11 @@ def completion(**fields) -> dict:
 
 
 def chat(**fields) -> dict:
-    return {"model": SERVED_MODEL_NAME, "max_tokens": 4,
-            "messages": [{"role": "user", "content": "Hi"}]} | fields
+    return {
+        "model": SERVED_MODEL_NAME,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Hi"}],
+    } | fields
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -60,14 +67,17 @@ def test_malformed_json_is_400(url, path, body):
     assert_error(post(url, path, body), 400)
 
 
-@pytest.mark.parametrize("body, param", [
-    (completion(max_tokens="ten"), "max_tokens"),
-    (completion(temperature="hot"), "temperature"),
-    (completion(prompt=3.5), "prompt"),
-    (completion(stop=7), "stop"),
-    (completion(echo="yes"), "echo"),
-    ({"model": SERVED_MODEL_NAME}, None),  # no prompt at all
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (completion(max_tokens="ten"), "max_tokens"),
+        (completion(temperature="hot"), "temperature"),
+        (completion(prompt=3.5), "prompt"),
+        (completion(stop=7), "stop"),
+        (completion(echo="yes"), "echo"),
+        ({"model": SERVED_MODEL_NAME}, None),  # no prompt at all
+    ],
+)
 def test_wrong_types_are_400_naming_the_field(url, body, param):
     error = assert_error(post(url, "/v1/completions", body), 400, param)
     if param is None:
@@ -79,32 +89,36 @@ def test_chat_wrong_types_are_400(url):
     assert_error(post(url, "/v1/chat/completions", chat(logprobs=3)), 400, "logprobs")
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"temperature": -1.0}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_k": -5}, "top_k"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"presence_penalty": 3.0}, "presence_penalty"),
-    ({"frequency_penalty": -2.5}, "frequency_penalty"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"n": 0}, "n"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens=4
-    ({"stop": ["ok", ""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens=4
+        ({"stop": ["ok", ""]}, "stop"),
+    ],
+)
 def test_bad_sampling_params_are_400(url, fields, param):
     assert_error(post(url, "/v1/completions", completion(**fields)), 400, param)
 
 
 def test_chat_limits_are_400(url):
-    assert_error(post(url, "/v1/chat/completions", chat(max_completion_tokens=0)), 400,
-                 "max_tokens")
-    assert_error(post(url, "/v1/chat/completions", chat(top_logprobs=2)), 400,
-                 "top_logprobs")
-    assert_error(post(url, "/v1/chat/completions", chat(logprobs=True, top_logprobs=30)), 400,
-                 "logprobs")
+    assert_error(
+        post(url, "/v1/chat/completions", chat(max_completion_tokens=0)), 400, "max_tokens"
+    )
+    assert_error(post(url, "/v1/chat/completions", chat(top_logprobs=2)), 400, "top_logprobs")
+    assert_error(
+        post(url, "/v1/chat/completions", chat(logprobs=True, top_logprobs=30)), 400, "logprobs"
+    )
     assert_error(post(url, "/v1/chat/completions", chat(messages=[])), 400, "messages")
     image = [{"role": "user", "content": [{"type": "image_url"}]}]
     assert_error(post(url, "/v1/chat/completions", chat(messages=image)), 400, "messages")
@@ -117,19 +131,28 @@ def test_bad_prompts_are_400(url, prompt):
 
 def test_prompt_longer_than_max_model_len_is_400(url):
     long_prompt = "hello " * (MAX_MODEL_LEN + 10)
-    assert_error(post(url, "/v1/completions", completion(prompt=long_prompt)), 400, "prompt",
-                 f"maximum context length is {MAX_MODEL_LEN} tokens")
+    assert_error(
+        post(url, "/v1/completions", completion(prompt=long_prompt)),
+        400,
+        "prompt",
+        f"maximum context length is {MAX_MODEL_LEN} tokens",
+    )
     long_chat = [{"role": "user", "content": long_prompt}]
-    assert_error(post(url, "/v1/chat/completions", chat(messages=long_chat)), 400,
-                 "messages")
+    assert_error(post(url, "/v1/chat/completions", chat(messages=long_chat)), 400, "messages")
     # Fits alone, but not with the completion asked for.
-    assert_error(post(url, "/v1/completions", completion(max_tokens=MAX_MODEL_LEN)), 400,
-                 "max_tokens", "you requested")
+    assert_error(
+        post(url, "/v1/completions", completion(max_tokens=MAX_MODEL_LEN)),
+        400,
+        "max_tokens",
+        "you requested",
+    )
 
 
 def test_unknown_model_is_404_like_vllm(url):
-    for path, body in (("/v1/completions", completion(model="gpt-9")),
-                       ("/v1/chat/completions", chat(model="gpt-9"))):
+    for path, body in (
+        ("/v1/completions", completion(model="gpt-9")),
+        ("/v1/chat/completions", chat(model="gpt-9")),
+    ):
         error = assert_error(post(url, path, body), 404, "model")
         assert error["message"] == "The model `gpt-9` does not exist."
         assert error["type"] == "NotFoundError"
@@ -143,20 +166,23 @@ def test_openai_client_raises_typed_errors(url):
         client.completions.create(model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=0)
     assert info.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=2,
-                                  stream=True, temperature=-2)
+        client.completions.create(
+            model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=2, stream=True, temperature=-2
+        )
 
 
 def test_api_key_guards_v1_only():
     client, _ = shared_api_server()
-    server = ServerThread(build_app(client, served_model_name=SERVED_MODEL_NAME,
-                                    api_key="sekret")).start()
+    server = ServerThread(
+        build_app(client, served_model_name=SERVED_MODEL_NAME, api_key="sekret")
+    ).start()
     try:
         assert_error(httpx.get(server.url + "/v1/models"), 401)
         wrong = {"Authorization": "Bearer nope"}
         assert_error(httpx.get(server.url + "/v1/models", headers=wrong), 401)
-        assert_error(httpx.post(server.url + "/v1/completions", json=completion(),
-                                headers=wrong), 401)
+        assert_error(
+            httpx.post(server.url + "/v1/completions", json=completion(), headers=wrong), 401
+        )
         right = {"Authorization": "Bearer sekret"}
         assert httpx.get(server.url + "/v1/models", headers=right).status_code == 200
         assert httpx.get(server.url + "/health").status_code == 200
@@ -178,10 +204,12 @@ def test_dead_engine_is_503():
     server = ServerThread(build_app(dead, served_model_name=SERVED_MODEL_NAME)).start()
     try:
         assert httpx.get(server.url + "/health").status_code == 503
-        for path, body in (("/v1/completions", completion()),
-                           ("/v1/completions", completion(stream=True)),
-                           ("/v1/chat/completions", chat()),
-                           ("/v1/chat/completions", chat(stream=True))):
+        for path, body in (
+            ("/v1/completions", completion()),
+            ("/v1/completions", completion(stream=True)),
+            ("/v1/chat/completions", chat()),
+            ("/v1/chat/completions", chat(stream=True)),
+        ):
             error = assert_error(post(server.url, path, body), 503)
             assert "exited with code -9" in error["message"]
     finally:
@@ -191,6 +219,7 @@ def test_dead_engine_is_503():
 def test_server_stays_healthy_after_bad_requests(url):
     """Runs last: every bad request above left the shared server serving."""
     assert httpx.get(url + "/health").status_code == 200
-    response = post(url, "/v1/completions", completion(temperature=0))
+    response = post(url, "/v1/completions", completion(temperature=0, ignore_eos=True))
     assert response.status_code == 200
-    assert response.json()["usage"]["completion_tokens"] >= 1
+    assert response.json()["usage"]["completion_tokens"] == 4
+    assert response.json()["choices"][0]["finish_reason"] == "length"

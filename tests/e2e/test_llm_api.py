@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import assert_no_leaked_blocks
+from tests.support.kv import assert_no_leaked_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -23,12 +23,27 @@ def llm() -> LLM:
 @pytest.fixture(autouse=True)
 def no_leaks(llm):
     yield
-    assert_no_leaked_blocks(llm.engine_core)
+    assert_no_leaked_blocks(llm.engine_core.scheduler)
+
+
+@pytest.fixture(scope="module")
+def hello_greedy(llm):
+    """The greedy completion of "Hello": what a healthy engine answers, before any bad input."""
+    [out] = llm.generate("Hello", GREEDY, use_tqdm=False)
+    return out.outputs[0]
+
+
+def assert_still_serving(llm: LLM, reference) -> None:
+    """The engine answers "Hello" exactly as it did before (greedy is deterministic)."""
+    [ok] = llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert ok.outputs[0].token_ids == reference.token_ids
+    assert ok.outputs[0].finish_reason == reference.finish_reason
 
 
 def _long_prefix(llm: LLM, num_tokens: int) -> list[int]:
-    text = " ".join(f"Paragraph {i} talks about rivers, mountains and old cities."
-                    for i in range(60))
+    text = " ".join(
+        f"Paragraph {i} talks about rivers, mountains and old cities." for i in range(60)
+    )
     ids = llm.get_tokenizer().encode(text)
     assert len(ids) >= num_tokens
     return ids[:num_tokens]
@@ -63,8 +78,9 @@ def test_seeded_sampling_is_batch_independent(llm):
 def test_top_k_one_equals_greedy(llm):
     prompts = ["The quick brown fox", "In the beginning"]
     greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
-    top1 = llm.generate(prompts, SamplingParams(temperature=0.8, top_k=1, max_tokens=16),
-                        use_tqdm=False)
+    top1 = llm.generate(
+        prompts, SamplingParams(temperature=0.8, top_k=1, max_tokens=16), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
 
 
@@ -72,19 +88,25 @@ def test_logprobs_equal_log_softmax_of_our_logits(llm):
     from kvserve.services.worker.layers.attention import AttentionMetadata
 
     prompt_ids = llm.get_tokenizer().encode("The capital of France is")
-    [out] = llm.generate({"prompt_token_ids": prompt_ids},
-                         SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
-                         use_tqdm=False)
+    [out] = llm.generate(
+        {"prompt_token_ids": prompt_ids},
+        SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
+        use_tqdm=False,
+    )
     first = out.outputs[0].token_ids[0]
     entry = out.outputs[0].logprobs[0]
 
     # Our own model, run directly on the prompt (no paged cache: the prompt-only path).
     model = llm.engine_core.executor.worker.runner.model
     n = len(prompt_ids)
-    md = AttentionMetadata(torch.tensor([0, n], dtype=torch.int32),
-                           torch.tensor([n], dtype=torch.int32),
-                           torch.zeros(1, 1, dtype=torch.int32),
-                           torch.full((n,), -1, dtype=torch.int64), n, n)
+    md = AttentionMetadata(
+        torch.tensor([0, n], dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.full((n,), -1, dtype=torch.int64),
+        n,
+        n,
+    )
     saved = [layer.kv_cache for layer in llm.engine_core.executor.worker.runner.attention_layers]
     try:
         for layer in llm.engine_core.executor.worker.runner.attention_layers:
@@ -119,9 +141,11 @@ def test_n_completions_share_the_prompt_blocks(llm):
 
 def test_prompt_logprobs_cover_every_prompt_token(llm):
     prompt_ids = llm.get_tokenizer().encode("One two three four five six")
-    [out] = llm.generate({"prompt_token_ids": prompt_ids},
-                         SamplingParams(max_tokens=2, prompt_logprobs=2, temperature=0.0),
-                         use_tqdm=False)
+    [out] = llm.generate(
+        {"prompt_token_ids": prompt_ids},
+        SamplingParams(max_tokens=2, prompt_logprobs=2, temperature=0.0),
+        use_tqdm=False,
+    )
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(prompt_ids)
     for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
@@ -130,58 +154,69 @@ def test_prompt_logprobs_cover_every_prompt_token(llm):
 
 
 def test_stop_string_min_tokens_and_stop_token_ids(llm):
-    [greedy] = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=20),
-                            use_tqdm=False)
+    [greedy] = llm.generate(
+        "Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False
+    )
     text = greedy.outputs[0].text
     assert len(text) > 6
     stop = text[3:6]
-    [stopped] = llm.generate("Count: 1, 2, 3,",
-                             SamplingParams(temperature=0.0, max_tokens=20, stop=[stop]),
-                             use_tqdm=False)
-    assert stopped.outputs[0].text == text[:text.index(stop)]
+    [stopped] = llm.generate(
+        "Count: 1, 2, 3,",
+        SamplingParams(temperature=0.0, max_tokens=20, stop=[stop]),
+        use_tqdm=False,
+    )
+    assert stopped.outputs[0].text == text[: text.index(stop)]
     assert stopped.outputs[0].finish_reason == "stop"
     assert stopped.outputs[0].stop_reason == stop
 
     second_token = greedy.outputs[0].token_ids[1]
-    [by_id] = llm.generate("Count: 1, 2, 3,", SamplingParams(
-        temperature=0.0, max_tokens=20, stop_token_ids=[second_token]), use_tqdm=False)
+    [by_id] = llm.generate(
+        "Count: 1, 2, 3,",
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[second_token]),
+        use_tqdm=False,
+    )
     assert by_id.outputs[0].token_ids == greedy.outputs[0].token_ids[:2]
     assert by_id.outputs[0].stop_reason == second_token
 
-    [chat] = llm.chat([{"role": "user", "content": "Say hi."}],
-                      SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    [chat] = llm.chat(
+        [{"role": "user", "content": "Say hi."}],
+        SamplingParams(temperature=0.0, max_tokens=40),
+        use_tqdm=False,
+    )
     eos = llm.get_tokenizer().eos_token_id
     assert chat.outputs[0].finish_reason == "stop" and chat.outputs[0].token_ids[-1] == eos
     n = len(chat.outputs[0].token_ids)
-    [longer] = llm.chat([{"role": "user", "content": "Say hi."}],
-                        SamplingParams(temperature=0.0, max_tokens=n + 5, min_tokens=n + 5),
-                        use_tqdm=False)
+    [longer] = llm.chat(
+        [{"role": "user", "content": "Say hi."}],
+        SamplingParams(temperature=0.0, max_tokens=n + 5, min_tokens=n + 5),
+        use_tqdm=False,
+    )
     assert len(longer.outputs[0].token_ids) == n + 5
     assert eos not in longer.outputs[0].token_ids[:-1]
 
 
-@pytest.mark.parametrize("prompt, kwargs, field", [
-    ("", {}, "prompt"),
-    ("hello", {"max_tokens": 0}, "max_tokens"),
-    ("hello", {"max_tokens": -3}, "max_tokens"),
-    ("hello", {"temperature": -1.0}, "temperature"),
-    ("hello", {"top_p": 0.0}, "top_p"),
-    ("hello", {"bogus_knob": 1}, "bogus_knob"),
-])
-def test_bad_input_is_a_value_error_naming_the_field(llm, prompt, kwargs, field):
+@pytest.mark.parametrize(
+    "prompt, kwargs, field",
+    [
+        ("", {}, "prompt"),
+        ("hello", {"max_tokens": 0}, "max_tokens"),
+        ("hello", {"max_tokens": -3}, "max_tokens"),
+        ("hello", {"temperature": -1.0}, "temperature"),
+        ("hello", {"top_p": 0.0}, "top_p"),
+        ("hello", {"bogus_knob": 1}, "bogus_knob"),
+    ],
+)
+def test_bad_input_is_a_value_error_naming_the_field(llm, hello_greedy, prompt, kwargs, field):
     with pytest.raises(ValueError, match=field):
         llm.generate(prompt, SamplingParams(**kwargs), use_tqdm=False)
-    # The engine keeps serving.
-    [ok] = llm.generate("Hello", GREEDY, use_tqdm=False)
-    assert len(ok.outputs[0].token_ids) > 0
+    assert_still_serving(llm, hello_greedy)
 
 
-def test_prompt_longer_than_max_model_len_is_rejected(llm):
+def test_prompt_longer_than_max_model_len_is_rejected(llm, hello_greedy):
     too_long = [42] * (llm.max_model_len + 1)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": too_long}, GREEDY, use_tqdm=False)
-    [ok] = llm.generate("Hello", GREEDY, use_tqdm=False)
-    assert ok.outputs[0].finish_reason in ("stop", "length")
+    assert_still_serving(llm, hello_greedy)
 
 
 def test_unknown_engine_argument_is_a_value_error():
@@ -193,4 +228,4 @@ def test_priority_policy_serves_all(llm):
     pri = LLM(dtype="float32", scheduling_policy="priority", max_num_seqs=2)
     outs = pri.generate(["a", "b", "c", "d"], GREEDY, use_tqdm=False, priority=[3, 2, 1, 0])
     assert all(o.finished for o in outs)
-    assert_no_leaked_blocks(pri.engine_core)
+    assert_no_leaked_blocks(pri.engine_core.scheduler)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import assert_no_leaked_blocks
+from tests.support.kv import assert_no_leaked_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +40,17 @@ def chat_prompts(default_model_dir) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
-    return [list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
-                                         add_generation_prompt=True, return_dict=False))
-            for q in QUESTIONS]
+    return [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+            )
+        )
+        for q in QUESTIONS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +64,14 @@ def hf_greedy(default_model_dir, chat_prompts) -> list[list[int]]:
     with torch.inference_mode():
         for ids in chat_prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
-                               do_sample=False, pad_token_id=model.config.eos_token_id)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=model.config.eos_token_id,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -73,15 +86,18 @@ def _assert_equal(ours: list[list[int]], theirs: list[list[int]]) -> None:
         assert a == b, f"prompt {i} ({QUESTIONS[i]!r}) diverges:\nours {a}\nhf   {b}"
 
 
-@pytest.mark.parametrize("knobs", [
-    pytest.param({}, id="default"),
-    pytest.param({"enable_prefix_caching": False}, id="no-prefix-caching"),
-    pytest.param({"max_num_batched_tokens": 32}, id="chunked-budget-32"),
-])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        pytest.param({}, id="default"),
+        pytest.param({"enable_prefix_caching": False}, id="no-prefix-caching"),
+        pytest.param({"max_num_batched_tokens": 32}, id="chunked-budget-32"),
+    ],
+)
 def test_greedy_equals_hf(knobs, chat_prompts, hf_greedy):
     llm = LLM(dtype="float32", **knobs)
     _assert_equal(_run(llm, chat_prompts), hf_greedy)
-    assert_no_leaked_blocks(llm.engine_core)
+    assert_no_leaked_blocks(llm.engine_core.scheduler)
 
 
 def test_greedy_equals_hf_under_preemption(chat_prompts, hf_greedy):
@@ -91,4 +107,4 @@ def test_greedy_equals_hf_under_preemption(chat_prompts, hf_greedy):
     llm = LLM(dtype="float32", num_gpu_blocks_override=num_blocks)
     _assert_equal(_run(llm, chat_prompts), hf_greedy)
     assert llm.engine_core.scheduler.num_preemptions_total > 0
-    assert_no_leaked_blocks(llm.engine_core)
+    assert_no_leaked_blocks(llm.engine_core.scheduler)

@@ -13,14 +13,16 @@ import tempfile
 import time
 
 import msgspec
-import psutil
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.services.scheduler.mp_executor import MpExecutor
 from kvserve.shared.config import EngineConfig, ParallelConfig
 from kvserve.shared.messages import CachedRequestData, SchedulerOutput
-from tests.conftest import assert_no_leaked_blocks
+from tests.support import REPO_ROOT
+from tests.support.kv import assert_no_leaked_blocks
+from tests.support.processes import wait_gone
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +34,6 @@ PROMPTS = [
 ]
 # More steps than the ring has chunks (8), so a rank that skipped messages would stall it.
 MAX_TOKENS = 20
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -40,24 +41,8 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def _is_gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_gone(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(_is_gone(pid) for pid in pids):
-            return True
-        time.sleep(0.05)
-    return all(_is_gone(pid) for pid in pids)
-
-
 def _assert_released(executor: MpExecutor) -> None:
-    assert _wait_gone(executor.worker_pids, 10), "worker processes outlived shutdown"
+    assert not wait_gone(executor.worker_pids, timeout_s=10), "worker processes outlived shutdown"
     assert not os.path.exists(f"/dev/shm/{executor.ring_handle.name}"), "ring segment leaked"
 
 
@@ -77,7 +62,7 @@ def test_mp_gives_the_same_tokens_as_uni(uni_tokens):
     assert all(pid != os.getpid() for pid in executor.worker_pids)
     try:
         assert _greedy(llm) == uni_tokens
-        assert_no_leaked_blocks(llm.engine_core)
+        assert_no_leaked_blocks(llm.engine_core.scheduler)
     finally:
         llm.engine_core.shutdown()
     _assert_released(executor)
@@ -91,8 +76,11 @@ def test_killed_worker_fails_the_next_step_fast():
         llm.generate(PROMPTS[0], params, use_tqdm=False)
         os.kill(executor.worker_pids[0], signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"worker rank 0 \(pid \d+\) died: killed by "
-                                                r"SIGKILL"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"worker rank 0 \(pid \d+\) died: killed by "
+            r"SIGKILL",
+        ):
             llm.generate(PROMPTS[1], params, use_tqdm=False)
         assert time.monotonic() - start < 5.0
         # Dead stays dead: later calls fail at once with the same reason.
@@ -108,7 +96,8 @@ def test_killed_worker_fails_the_next_step_fast():
 def test_worker_exception_comes_back_with_its_traceback(default_model_dir):
     config = EngineConfig(parallel=ParallelConfig(distributed_executor_backend="mp"))
     config = msgspec.structs.replace(
-        config, cache=msgspec.structs.replace(config.cache, num_gpu_blocks_override=64))
+        config, cache=msgspec.structs.replace(config.cache, num_gpu_blocks_override=64)
+    )
     executor = MpExecutor(config, default_model_dir)
     try:
         assert executor.determine_num_blocks() == 64
@@ -116,7 +105,9 @@ def test_worker_exception_comes_back_with_its_traceback(default_model_dir):
         # A step for a request the worker never saw: the worker raises and reports it.
         bogus = SchedulerOutput(
             scheduled_cached_reqs=CachedRequestData(["no-such-request"], [[1]], [5]),
-            num_scheduled_tokens={"no-such-request": 1}, total_num_scheduled_tokens=1)
+            num_scheduled_tokens={"no-such-request": 1},
+            total_num_scheduled_tokens=1,
+        )
         with pytest.raises(RuntimeError, match=r"(?s)worker rank 0 failed:.*Traceback"):
             executor.execute_model(bogus)
     finally:
@@ -140,19 +131,23 @@ time.sleep(120)
 def test_workers_exit_when_the_engine_process_dies():
     # A SIGKILLed engine cannot remove its ipc socket folder: keep it in one we remove.
     tmp_dir = tempfile.mkdtemp(prefix="kvserve-test-")
-    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_THAT_DIES], cwd=ROOT,
-                              env={**os.environ, "TMPDIR": tmp_dir}, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE_THAT_DIES],
+        cwd=REPO_ROOT,
+        env={**os.environ, "TMPDIR": tmp_dir},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         worker_pid, ring_name = engine.stdout.readline().split()
         os.kill(engine.pid, signal.SIGKILL)
         engine.wait(10)
         # The orphaned worker notices it was reparented and exits; nothing holds the ring.
-        assert _wait_gone([int(worker_pid)], 10), "orphaned worker kept running"
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/dev/shm/{ring_name}") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not os.path.exists(f"/dev/shm/{ring_name}"), "ring segment leaked"
+        assert not wait_gone([int(worker_pid)], timeout_s=10), "orphaned worker kept running"
+        assert wait_until(lambda: not os.path.exists(f"/dev/shm/{ring_name}"), timeout_s=10), (
+            "ring segment leaked"
+        )
     finally:
         if engine.poll() is None:
             engine.kill()

@@ -5,35 +5,46 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
-from tests.e2e.test_data_parallel import KV_CACHE_MEMORY, NUM_ENGINES, ServeProcess, \
-    complete, start_front_end
-from tests.faults.harness import free_port, wait_healthy
-from tests.faults.tiny_model import build_tiny_llama
+from tests.support.models import TINY_KV_CACHE_MEMORY
+from tests.support.ports import free_port
+from tests.support.server import NUM_DP_ENGINES, ServeProcess, start_dp_front_end
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-
-
-def test_two_nodes_serve_together_and_the_front_end_outlives_the_other(model_dir, tmp_path):
+def test_two_nodes_serve_together_and_the_front_end_outlives_the_other(tiny_llama_dir, tmp_path):
     rpc_port = free_port()
-    dp_flags = ["--data-parallel-size", str(NUM_ENGINES), "--data-parallel-size-local", "1",
-                "--data-parallel-address", "127.0.0.1",
-                "--data-parallel-rpc-port", str(rpc_port)]
+    dp_flags = [
+        "--data-parallel-size",
+        str(NUM_DP_ENGINES),
+        "--data-parallel-size-local",
+        "1",
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(rpc_port),
+    ]
     # The headless node first: it waits for the front end to answer its registration.
-    node_b = ServeProcess([model_dir, "--headless", "--kv-cache-memory", str(KV_CACHE_MEMORY),
-                           *dp_flags, "--data-parallel-start-rank", "1"],
-                          str(tmp_path / "node-b.log"), port=None)
-    node_a = start_front_end(model_dir, tmp_path, *dp_flags[2:])
+    node_b = ServeProcess(
+        [
+            tiny_llama_dir,
+            "--headless",
+            "--kv-cache-memory",
+            str(TINY_KV_CACHE_MEMORY),
+            *dp_flags,
+            "--data-parallel-start-rank",
+            "1",
+        ],
+        str(tmp_path / "node-b.log"),
+        port=None,
+    )
+    node_a = start_dp_front_end(tiny_llama_dir, tmp_path, *dp_flags[2:])
     try:
-        wait_healthy(node_a.process, node_a.port, node_a.log_path)
+        node_a.wait_healthy()
         status, body = node_a.health()
         assert status == 200 and body["status"] == "healthy", body
         engine_b = body["engines"][1]
@@ -42,20 +53,22 @@ def test_two_nodes_serve_together_and_the_front_end_outlives_the_other(model_dir
         assert "registered engines [1]" in node_a.log(), node_a.log()
 
         for i in range(8):
-            assert complete(node_a, f"request {i} through the front end")
-        queried = [node_a.metric("kvserve:prefix_cache_queries_total", i)
-                   for i in range(NUM_ENGINES)]
+            assert node_a.complete(f"request {i} through the front end")
+        queried = [
+            node_a.metric("kvserve:prefix_cache_queries_total", i) for i in range(NUM_DP_ENGINES)
+        ]
         assert all(q > 0 for q in queried), queried  # both nodes' engines served
 
         os.killpg(node_b.process.pid, signal.SIGKILL)  # the node vanishes, engines and all
-        killed_at = time.monotonic()
-        while node_a.health()[1]["engines"][1]["state"] != "dead":
-            assert time.monotonic() - killed_at < 10, "node B was never dropped"
-            time.sleep(0.2)
+        assert wait_until(
+            lambda: node_a.health()[1]["engines"][1]["state"] == "dead",
+            timeout_s=10,
+            interval_s=0.2,
+        ), "node B was never dropped"
         status, body = node_a.health()
         assert status == 200 and body["status"] == "degraded", body
         for i in range(4):
-            assert complete(node_a, f"request {i} after node B died")
+            assert node_a.complete(f"request {i} after node B died")
         assert node_a.process.poll() is None
         assert node_a.stop() == 0, node_a.log()
     finally:

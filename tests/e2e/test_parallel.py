@@ -10,81 +10,72 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import assert_no_leaked_blocks
+from tests.support.kv import assert_no_leaked_blocks
+from tests.support.models import make_tiny_hf_model
+from tests.support.processes import wait_gone
 
 NUM_TOKENS = 16
 # Token-id prompts: the tiny model has no tokenizer of its own (it borrows the default
 # model's, whose first 128 ids are the tiny vocabulary).
 TINY_PROMPTS = [[5, 17, 99, 3, 42], [7] * 11, list(range(20, 60)), [100, 101]]
-CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "user", "content": "Write a haiku about the sea."}],
-         [{"role": "user", "content": "Count from 1 to 10."}]]
-
-
-def _build_tiny_llama(model_dir: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        # Larger than HF's init, so logits are peaked and greedy ties cannot flip.
-        for name, param in model.named_parameters():
-            param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, 0.15)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    return model_dir
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Count from 1 to 10."}],
+]
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    return _build_tiny_llama(str(tmp_path_factory.mktemp("tiny-parallel-llama")))
-
-
-def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
-    def gone(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not all(gone(pid) for pid in pids):
-        time.sleep(0.05)
-    return all(gone(pid) for pid in pids)
+    model_dir = str(tmp_path_factory.mktemp("tiny-parallel-llama"))
+    model = make_tiny_hf_model(
+        "llama",
+        vocab_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
 
 
 def _run(model: str, tokenizer: str | None, tp: int, pp: int, run) -> object:
     """Start an LLM with TP x PP, return run(llm), check leaks, shut down, check orphans."""
-    llm = LLM(model, tokenizer=tokenizer, dtype="float32", tensor_parallel_size=tp,
-              pipeline_parallel_size=pp, kv_cache_memory=64 << 20, max_model_len=256)
+    llm = LLM(
+        model,
+        tokenizer=tokenizer,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        kv_cache_memory=64 << 20,
+        max_model_len=256,
+    )
     pids = llm.engine_core.executor.worker_pids
     assert len(pids) == (tp * pp if tp * pp > 1 else 0)
     try:
         result = run(llm)
-        assert_no_leaked_blocks(llm.engine_core)
+        assert_no_leaked_blocks(llm.engine_core.scheduler)
     finally:
         llm.engine_core.shutdown()
-    assert _wait_gone(pids), f"worker processes {pids} outlived shutdown"
+    assert not wait_gone(pids, timeout_s=10), f"worker processes {pids} outlived shutdown"
     return result
 
 
 def _tiny_outputs(llm: LLM) -> dict[str, list[list[int]]]:
     prompts = [{"prompt_token_ids": ids} for ids in TINY_PROMPTS]
     greedy = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=NUM_TOKENS,
-                             ignore_eos=True) for i in range(len(prompts))]
-    return {"greedy": [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
-                                                                     use_tqdm=False)],
-            "seeded": [o.outputs[0].token_ids for o in llm.generate(prompts, seeded,
-                                                                     use_tqdm=False)]}
+    seeded = [
+        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=NUM_TOKENS, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    return {
+        "greedy": [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)],
+        "seeded": [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +88,9 @@ def tiny_reference(tiny_llama, default_model_dir) -> dict[str, list[list[int]]]:
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
-def test_tiny_llama_parallel_equals_single_rank(tiny_llama, default_model_dir, tiny_reference,
-                                               tp, pp):
+def test_tiny_llama_parallel_equals_single_rank(
+    tiny_llama, default_model_dir, tiny_reference, tp, pp
+):
     outputs = _run(tiny_llama, default_model_dir, tp, pp, _tiny_outputs)
     assert outputs["greedy"] == tiny_reference["greedy"]
     assert outputs["seeded"] == tiny_reference["seeded"]
@@ -106,16 +98,20 @@ def test_tiny_llama_parallel_equals_single_rank(tiny_llama, default_model_dir, t
 
 def test_tp_size_that_does_not_divide_the_heads_fails_at_start(default_model_dir):
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the "
-                                         r"model's num_attention_heads=9, "
-                                         r"num_key_value_heads=3"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 does not divide the "
+        r"model's num_attention_heads=9, "
+        r"num_key_value_heads=3",
+    ):
         LLM(default_model_dir, tensor_parallel_size=2)
     assert time.monotonic() - start < 30
 
 
 def test_pp_size_above_the_layer_count_fails_at_start(tiny_llama, default_model_dir):
-    with pytest.raises(ValueError, match="pipeline_parallel_size=5 exceeds the model's "
-                                         "num_hidden_layers=4"):
+    with pytest.raises(
+        ValueError, match="pipeline_parallel_size=5 exceeds the model's num_hidden_layers=4"
+    ):
         LLM(tiny_llama, tokenizer=default_model_dir, pipeline_parallel_size=5)
 
 

@@ -9,40 +9,46 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import msgspec
 import psutil
 import pytest
 
+from kvserve.serve import stop_engine_process
+from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import MsgType
-from kvserve.services.api.tokenizer import TokenizerInfo
-from kvserve.serve import stop_engine_process
-from tests.faults.harness import KV_CACHE_MEMORY, engine_child, free_port, start_engine, \
-    start_serve, wait_gone, wait_healthy
-from tests.faults.tiny_model import build_tiny_llama
+from tests.support.engine import start_engine
+from tests.support.models import TINY_KV_CACHE_MEMORY
+from tests.support.ports import free_port
+from tests.support.processes import engine_child, wait_gone
+from tests.support.server import (
+    health_status,
+    read_log,
+    start_kvserve,
+    start_serve,
+    stream_completion,
+    wait_healthy,
+)
+from tests.support.waiting import wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 PROMPT_IDS = [72, 101, 108, 108, 111]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-
-
 def test_api_process_does_not_import_torch():
-    code = ("import sys, kvserve.services.api.mp_client, kvserve.serve, kvserve.cli; "
-            "kvserve.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, kvserve.services.api.mp_client, kvserve.serve, kvserve.cli; "
+        "kvserve.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_engine_process_streams_aborts_and_stops_cleanly(model_dir):
+def test_engine_process_streams_aborts_and_stops_cleanly(tiny_llama_dir):
     async def main():
-        client, process = await start_engine(model_dir, TokenizerInfo(model_dir))
+        client, process = await start_engine(tiny_llama_dir, TokenizerInfo(tiny_llama_dir))
         try:
             assert client.handshake.max_model_len == 512
             assert client.handshake.pid == process.pid
@@ -71,7 +77,8 @@ def test_engine_process_streams_aborts_and_stops_cleanly(model_dir):
 
             # A message the engine cannot decode is dropped: never an engine crash.
             await client.channel.input_socket.send_multipart(
-                [client.identity, MsgType.ADD.frame, msgspec.msgpack.encode(["x", "no ids"])])
+                [client.identity, MsgType.ADD.frame, msgspec.msgpack.encode(["x", "no ids"])]
+            )
             assert (await client.get_stats()).num_running_reqs == 0
 
             assert await client.reset_prefix_cache() is True
@@ -86,75 +93,63 @@ def test_engine_process_streams_aborts_and_stops_cleanly(model_dir):
     asyncio.run(main())
 
 
-def _stream_completion(port: int, max_tokens: int, chunks: list, first_chunk: threading.Event
-                       ) -> None:
-    """Stream a completion, appending every SSE data line to chunks (run in a thread)."""
-    body = {"prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    try:
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                          timeout=60) as response:
-            chunks.append(response.status_code)
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    chunks.append(line.removeprefix("data: "))
-                    first_chunk.set()
-    except httpx.HTTPError as exc:
-        chunks.append(exc)
-    finally:
-        first_chunk.set()
+def _start_stream(port: int, max_tokens: int) -> tuple[threading.Thread, list]:
+    """A streamed completion in a thread, once its first chunk arrived; (thread, events of
+    stream_completion)."""
+    body = {"prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    events, first_data = [], threading.Event()
+    client = threading.Thread(
+        target=stream_completion, args=(f"http://127.0.0.1:{port}", body, events, first_data)
+    )
+    client.start()
+    assert first_data.wait(60)
+    return client, events
 
 
 @pytest.mark.slow
-def test_serve_sigterm_drains_inflight_and_leaves_no_orphans(model_dir, tmp_path):
+def test_serve_sigterm_drains_inflight_and_leaves_no_orphans(tiny_llama_dir, tmp_path):
     port, log_path = free_port(), str(tmp_path / "serve.log")
-    server = start_serve(model_dir, port, log_path)
+    server = start_serve(tiny_llama_dir, port, log_path)
     try:
         wait_healthy(server, port, log_path)
         descendants = psutil.Process(server.pid).children(recursive=True)
         assert descendants, "no engine process"
-        chunks, first_chunk = [], threading.Event()
-        client = threading.Thread(target=_stream_completion,
-                                  args=(port, 100, chunks, first_chunk))
-        client.start()
-        assert first_chunk.wait(60)
+        client, events = _start_stream(port, 100)
 
         server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=150) == 0, open(log_path).read()
+        assert server.wait(timeout=150) == 0, read_log(log_path)
         client.join(timeout=30)
         # The request in flight at SIGTERM ran to its end.
-        assert chunks[0] == 200 and chunks[-1] == "[DONE]", (chunks[-2:], open(log_path).read())
+        chunks = [item for _, item in events]
+        assert chunks[0] == 200 and chunks[-1] == "[DONE]", (chunks[-2:], read_log(log_path))
         assert json.loads(chunks[-2])["choices"][0]["finish_reason"] == "length"
-        assert not wait_gone(descendants, timeout_s=10), open(log_path).read()
+        assert not wait_gone(descendants, timeout_s=10), read_log(log_path)
     finally:
         if server.poll() is None:
             server.kill()
 
 
 @pytest.mark.slow
-def test_serve_exits_nonzero_naming_a_killed_engine(model_dir, tmp_path):
+def test_serve_exits_nonzero_naming_a_killed_engine(tiny_llama_dir, tmp_path):
     port, log_path = free_port(), str(tmp_path / "serve.log")
-    server = start_serve(model_dir, port, log_path)
+    server = start_serve(tiny_llama_dir, port, log_path)
     try:
         wait_healthy(server, port, log_path)
         engine = engine_child(server)
         descendants = psutil.Process(server.pid).children(recursive=True)
-        chunks, first_chunk = [], threading.Event()
-        client = threading.Thread(target=_stream_completion,
-                                  args=(port, 400, chunks, first_chunk))
-        client.start()
-        assert first_chunk.wait(60)
+        client, events = _start_stream(port, 400)
 
         engine.kill()
-        killed_at = time.monotonic()
-        while _health_status(port) == 200:
-            assert time.monotonic() - killed_at < 5, "/health still 200 5 s after kill -9"
-            time.sleep(0.1)
+        assert wait_until(lambda: health_status(port) != 200, timeout_s=5, interval_s=0.1), (
+            "/health still 200 5 s after kill -9"
+        )
         client.join(timeout=30)
-        assert not any(isinstance(c, str) and '"finish_reason":"length"' in c.replace(" ", "")
-                       for c in chunks), "the stream finished normally after the kill"
+        assert not any(
+            isinstance(c, str) and '"finish_reason":"length"' in c.replace(" ", "")
+            for _, c in events
+        ), "the stream finished normally after the kill"
         assert server.wait(timeout=30) == 1
-        log = open(log_path).read()
+        log = read_log(log_path)
         assert f"EngineCore_0 (pid {engine.pid}) died" in log, log
         assert not wait_gone(descendants, timeout_s=10)
     finally:
@@ -163,22 +158,24 @@ def test_serve_exits_nonzero_naming_a_killed_engine(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_api_and_engine_started_apart_talk_over_tcp(model_dir, tmp_path):
+def test_api_and_engine_started_apart_talk_over_tcp(tiny_llama_dir, tmp_path):
     """`kvserve api` + `kvserve engine`, as compose runs them; the api exits 1 when its
     engine dies."""
     port, input_port, output_port = free_port(), free_port(), free_port()
-    cli = [sys.executable, "-m", "kvserve.cli"]
-    api_log, engine_log = str(tmp_path / "api.log"), str(tmp_path / "engine.log")
-    with open(api_log, "w") as log:
-        api = subprocess.Popen(
-            [*cli, "api", model_dir, "--host", "127.0.0.1", "--port", str(port),
-             "--input-addr", f"tcp://127.0.0.1:{input_port}",
-             "--output-addr", f"tcp://127.0.0.1:{output_port}"], stdout=log, stderr=log)
-    with open(engine_log, "w") as log:
-        engine = subprocess.Popen(
-            [*cli, "engine", model_dir, "--kv-cache-memory", str(KV_CACHE_MEMORY),
-             "--input-addr", f"tcp://127.0.0.1:{input_port}",
-             "--output-addr", f"tcp://127.0.0.1:{output_port}"], stdout=log, stderr=log)
+    addrs = [
+        "--input-addr",
+        f"tcp://127.0.0.1:{input_port}",
+        "--output-addr",
+        f"tcp://127.0.0.1:{output_port}",
+    ]
+    api_log = str(tmp_path / "api.log")
+    api = start_kvserve(
+        ["api", tiny_llama_dir, "--host", "127.0.0.1", "--port", str(port), *addrs], api_log
+    )
+    engine = start_kvserve(
+        ["engine", tiny_llama_dir, "--kv-cache-memory", str(TINY_KV_CACHE_MEMORY), *addrs],
+        str(tmp_path / "engine.log"),
+    )
     try:
         wait_healthy(api, port, api_log)
         body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
@@ -188,16 +185,8 @@ def test_api_and_engine_started_apart_talk_over_tcp(model_dir, tmp_path):
 
         engine.send_signal(signal.SIGKILL)
         assert api.wait(timeout=30) == 1
-        assert f"(pid {engine.pid}) died" in open(api_log).read()
+        assert f"(pid {engine.pid}) died" in read_log(api_log)
     finally:
         for process in (api, engine):
             if process.poll() is None:
                 process.kill()
-
-
-def _health_status(port: int) -> int | None:
-    """/health's status, or None when nothing answers (the server is shutting down)."""
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
-    except httpx.TransportError:
-        return None

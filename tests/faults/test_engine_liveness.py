@@ -9,22 +9,34 @@ test_engine_death.py.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import zmq
 import zmq.asyncio
 
-from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from kvserve.shared.sampling_params import SamplingParams
-from kvserve.shared.transport import EngineAddresses, MessageDecoder, MessageEncoder, \
-    engine_identity, make_socket
-from kvserve.shared.wire import EngineDead, EngineReady, EngineHeartbeat, EngineStats, GetStats, \
-    MsgType, Ping, UtilityOutput
 from kvserve.services.api.engine_client import EngineDeadError
 from kvserve.services.api.mp_client import EngineChannel, EngineStalledError, MPEngineClient
 from kvserve.services.api.tokenizer import TokenizerInfo
-from tests.faults.tiny_model import build_tiny_llama
+from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.transport import (
+    EngineAddresses,
+    MessageDecoder,
+    MessageEncoder,
+    engine_identity,
+    make_socket,
+)
+from kvserve.shared.wire import (
+    EngineDead,
+    EngineHeartbeat,
+    EngineReady,
+    EngineStats,
+    GetStats,
+    MsgType,
+    Ping,
+    UtilityOutput,
+)
+from tests.support.waiting import wait_until_async
 
 HEARTBEAT_INTERVAL_S = 0.1
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -33,8 +45,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 @pytest.fixture(scope="module")
-def tokenizer_info(tmp_path_factory) -> TokenizerInfo:
-    return TokenizerInfo(build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama"))))
+def tokenizer_info(tiny_llama_dir) -> TokenizerInfo:
+    return TokenizerInfo(tiny_llama_dir)
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +65,9 @@ class ScriptedEngine:
 
     def __init__(self, addresses: EngineAddresses):
         self.ctx = zmq.asyncio.Context()
-        self.dealer = make_socket(self.ctx, addresses.input_addr, zmq.DEALER, bind=False,
-                                  identity=engine_identity(0))
+        self.dealer = make_socket(
+            self.ctx, addresses.input_addr, zmq.DEALER, bind=False, identity=engine_identity(0)
+        )
         self.push = make_socket(self.ctx, addresses.output_addr, zmq.PUSH, bind=False)
         self.encoder = MessageEncoder()
         self.decoder = MessageDecoder((MsgType.ADD, MsgType.ABORT, MsgType.UTILITY))
@@ -63,8 +76,14 @@ class ScriptedEngine:
         self.heartbeat_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        handshake = EngineReady(engine_index=0, num_blocks=64, max_model_len=128,
-                                    block_size=16, hostname="scripted-host", pid=1)
+        handshake = EngineReady(
+            engine_index=0,
+            num_blocks=64,
+            max_model_len=128,
+            block_size=16,
+            hostname="scripted-host",
+            pid=1,
+        )
         await self.dealer.send_multipart(self.encoder.encode(MsgType.READY, handshake))
         self.heartbeat_task = asyncio.create_task(self._beat())
 
@@ -72,8 +91,10 @@ class ScriptedEngine:
         while True:
             if self.beating:
                 self.num_iterations += self.advancing
-                await self.send(MsgType.HEARTBEAT, EngineHeartbeat(
-                    0, self.num_iterations, self.num_iterations, self.idle, 1))
+                await self.send(
+                    MsgType.HEARTBEAT,
+                    EngineHeartbeat(0, self.num_iterations, self.num_iterations, self.idle, 1),
+                )
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def send(self, msg_type: MsgType, payload) -> None:
@@ -114,24 +135,20 @@ async def _collect(client: MPEngineClient, request_id: str) -> list:
     return [out async for out in client.generate(request_id, None, [1, 2, 3], GREEDY)]
 
 
-async def _wait_until(predicate, timeout_s: float) -> float:
-    """Seconds until predicate() held; fails the test after timeout_s."""
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, "condition not reached in time"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
-
-
 def test_outputs_stream_back_and_utilities_answer(tokenizer_info):
     async def body(client, engine):
         task = asyncio.create_task(_collect(client, "r1"))
         msg_type, request = await engine.recv()
         assert msg_type == MsgType.ADD and request.prompt_token_ids == [1, 2, 3]
-        await engine.send(MsgType.OUTPUTS, EngineCoreOutputs(
-            outputs=[EngineCoreOutput("r1", [65, 66])]))
-        await engine.send(MsgType.OUTPUTS, EngineCoreOutputs(
-            outputs=[EngineCoreOutput("r1", [67], finish_reason=FinishReason.LENGTH)]))
+        await engine.send(
+            MsgType.OUTPUTS, EngineCoreOutputs(outputs=[EngineCoreOutput("r1", [65, 66])])
+        )
+        await engine.send(
+            MsgType.OUTPUTS,
+            EngineCoreOutputs(
+                outputs=[EngineCoreOutput("r1", [67], finish_reason=FinishReason.LENGTH)]
+            ),
+        )
         outputs = await asyncio.wait_for(task, 5)
         assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == [65, 66, 67]
 
@@ -145,8 +162,10 @@ def test_outputs_stream_back_and_utilities_answer(tokenizer_info):
         call = asyncio.create_task(client.ping())
         _, utility = await engine.recv()
         assert isinstance(utility.method, Ping)
-        await engine.send(MsgType.UTILITY_OUTPUT, UtilityOutput(
-            utility.call_id, failure_message="ValueError: nope"))
+        await engine.send(
+            MsgType.UTILITY_OUTPUT,
+            UtilityOutput(utility.call_id, failure_message="ValueError: nope"),
+        )
         with pytest.raises(RuntimeError, match="nope"):
             await asyncio.wait_for(call, 5)
         assert client.is_healthy  # a failed utility is not a dead engine
@@ -161,14 +180,14 @@ def test_hung_loop_turns_unhealthy_and_recovers(tokenizer_info):
         await client.check_health()
 
         engine.advancing = False  # heartbeats go on, the loop does not move
-        waited = await _wait_until(lambda: not client.is_healthy, STALL_TIMEOUT_S + 2)
+        waited = await wait_until_async(lambda: not client.is_healthy, STALL_TIMEOUT_S + 2)
         assert waited >= STALL_TIMEOUT_S * 0.5
         assert client.dead_reason is None and "no progress" in client.stall_reason
         with pytest.raises(EngineStalledError):
             await client.check_health()
 
         engine.advancing = True
-        await _wait_until(lambda: client.is_healthy, 2)
+        await wait_until_async(lambda: client.is_healthy, 2)
 
         engine.advancing, engine.idle = False, True  # an idle loop has nothing to advance
         await asyncio.sleep(STALL_TIMEOUT_S * 1.5)
@@ -195,8 +214,10 @@ def test_dead_sentinel_fails_inflight_requests_and_utilities(tokenizer_info):
     async def body(client, engine):
         task = asyncio.create_task(_collect(client, "r1"))
         call = asyncio.create_task(client.reset_prefix_cache())
-        assert {(await engine.recv())[0], (await engine.recv())[0]} == {MsgType.ADD,
-                                                                        MsgType.UTILITY}
+        assert {(await engine.recv())[0], (await engine.recv())[0]} == {
+            MsgType.ADD,
+            MsgType.UTILITY,
+        }
         await engine.send(MsgType.DEAD, EngineDead(0, "RuntimeError: boom"))
         for pending in (task, call):
             with pytest.raises(EngineDeadError, match="boom"):

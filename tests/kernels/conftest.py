@@ -30,5 +30,7 @@ def triton_kernels() -> None:
     if not HAS_TRITON:
         pytest.skip("triton is not installed (pip install triton): Triton kernel tests skipped")
     if not torch.cuda.is_available() and not _interpreter_active():
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run "
-                    "`pytest tests/kernels` on its own or export TRITON_INTERPRET=1")
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 was set; run "
+            "`pytest tests/kernels` on its own or export TRITON_INTERPRET=1"
+        )

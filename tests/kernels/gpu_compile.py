@@ -24,9 +24,14 @@ from kvserve.kernels import activation, attention, cache, norm, rotary  # noqa: 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100 / H200)
 
 # Pointer arguments that hold indices, not activations.
-_INDEX_POINTERS = {"positions_ptr": "*i64", "slot_mapping_ptr": "*i64",
-                   "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                   "seq_lens_ptr": "*i32", "cos_sin_ptr": "*fp32"}
+_INDEX_POINTERS = {
+    "positions_ptr": "*i64",
+    "slot_mapping_ptr": "*i64",
+    "block_table_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "cos_sin_ptr": "*fp32",
+}
 _FLOAT_SCALARS = {"eps", "scale"}
 
 
@@ -48,33 +53,51 @@ def _signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
 
 def compile_kernel(kernel, dtype: str, **constexprs) -> None:
     """Compile one kernel for TARGET with the given activation dtype and constexprs."""
-    source = ASTSource(fn=kernel, signature=_signature(kernel, dtype, constexprs),
-                       constexprs=constexprs)
+    source = ASTSource(
+        fn=kernel, signature=_signature(kernel, dtype, constexprs), constexprs=constexprs
+    )
     compiled = triton.compile(source, target=TARGET)
     assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
 
 
 def main() -> int:
-    attention_constexprs = dict(NUM_QUERIES_PER_KV=3, HEAD_SIZE=64, BLOCK_HEAD=64,
-                                BLOCK_SIZE=16, TILE_N=32)
+    attention_constexprs = dict(
+        NUM_QUERIES_PER_KV=3, HEAD_SIZE=64, BLOCK_HEAD=64, BLOCK_SIZE=16, TILE_N=32
+    )
     jobs = [
         (norm._rms_norm_kernel, "bf16", dict(HAS_RESIDUAL=True, BLOCK_SIZE=1024)),
         (norm._rms_norm_kernel, "fp32", dict(HAS_RESIDUAL=False, BLOCK_SIZE=1024)),
         (activation._silu_and_mul_kernel, "bf16", dict(BLOCK_SIZE=1024)),
-        (rotary._rotary_embedding_kernel, "bf16",
-         dict(HEAD_SIZE=64, BLOCK_QUERY_HEADS=16, BLOCK_KV_HEADS=4, BLOCK_HALF=32)),
+        (
+            rotary._rotary_embedding_kernel,
+            "bf16",
+            dict(HEAD_SIZE=64, BLOCK_QUERY_HEADS=16, BLOCK_KV_HEADS=4, BLOCK_HALF=32),
+        ),
         (cache._write_kv_cache_kernel, "bf16", dict(BLOCK_SIZE=256)),
-        (attention._paged_attention_kernel, "bf16",
-         dict(attention_constexprs, BLOCK_M=16, BLOCK_Q=5, DOT_PRECISION="tf32")),
-        (attention._paged_attention_kernel, "fp32",
-         dict(attention_constexprs, BLOCK_M=64, BLOCK_Q=21, DOT_PRECISION="ieee")),
+        (
+            attention._paged_attention_kernel,
+            "bf16",
+            dict(attention_constexprs, BLOCK_M=16, BLOCK_Q=5, DOT_PRECISION="tf32"),
+        ),
+        (
+            attention._paged_attention_kernel,
+            "fp32",
+            dict(attention_constexprs, BLOCK_M=64, BLOCK_Q=21, DOT_PRECISION="ieee"),
+        ),
         # The JIT turns int arguments equal to 1 into constexprs: one request is common, and
         # num_reqs seeds a loop-carried variable of the binary search.
-        (attention._paged_attention_kernel, "bf16",
-         dict(attention_constexprs, BLOCK_M=64, BLOCK_Q=21, DOT_PRECISION="tf32", num_reqs=1)),
-        (rotary._rotary_embedding_kernel, "fp32",
-         dict(HEAD_SIZE=128, BLOCK_QUERY_HEADS=8, BLOCK_KV_HEADS=1, BLOCK_HALF=64,
-              num_kv_heads=1)),
+        (
+            attention._paged_attention_kernel,
+            "bf16",
+            dict(attention_constexprs, BLOCK_M=64, BLOCK_Q=21, DOT_PRECISION="tf32", num_reqs=1),
+        ),
+        (
+            rotary._rotary_embedding_kernel,
+            "fp32",
+            dict(
+                HEAD_SIZE=128, BLOCK_QUERY_HEADS=8, BLOCK_KV_HEADS=1, BLOCK_HALF=64, num_kv_heads=1
+            ),
+        ),
     ]
     for kernel, dtype, constexprs in jobs:
         compile_kernel(kernel, dtype, **constexprs)

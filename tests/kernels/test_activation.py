@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.kernels import activation
-from tests.kernels.utils import DEVICE, assert_close
+from tests.support.kernels import DEVICE, assert_close
 
 
 def test_silu_and_mul_ref_matches_formula():
@@ -24,7 +24,7 @@ def test_silu_and_mul_ref_matches_formula():
 def test_silu_and_mul_triton_matches_ref(dtype, num_tokens, intermediate_size):
     # Rows strided inside a wider buffer (a slice of a fused gate_up output).
     x = torch.randn(num_tokens, 2 * intermediate_size + 8).to(DEVICE, dtype)
-    x = x[:, :2 * intermediate_size]
+    x = x[:, : 2 * intermediate_size]
     out = activation.silu_and_mul(x)
     assert out.shape == (num_tokens, intermediate_size)
     assert_close(out, activation.silu_and_mul_ref(x), dtype)

@@ -14,8 +14,13 @@ import pytest
 import torch
 
 from kvserve.kernels import attention
-from tests.kernels.utils import (DEVICE, PagedBatch, assert_close, dense_causal_attention,
-                                 make_paged_batch)
+from tests.support.kernels import (
+    DEVICE,
+    PagedBatch,
+    assert_close,
+    dense_causal_attention,
+    make_paged_batch,
+)
 
 BLOCK_SIZE = 16
 
@@ -29,26 +34,38 @@ PREFILL_CHUNKS = [(20, 20), (16, 48), (5, 5)]
 
 
 def _run(fn, batch: PagedBatch, scale: float) -> torch.Tensor:
-    return fn(batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-              batch.query_start_loc, batch.seq_lens, scale, batch.max_query_len,
-              batch.max_seq_len)
+    return fn(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table,
+        batch.query_start_loc,
+        batch.seq_lens,
+        scale,
+        batch.max_query_len,
+        batch.max_seq_len,
+    )
 
 
 def _to_device(batch: PagedBatch) -> PagedBatch:
-    tensors = {field.name: getattr(batch, field.name).to(DEVICE)
-               for field in dataclasses.fields(batch)
-               if isinstance(getattr(batch, field.name), torch.Tensor)}
+    tensors = {
+        field.name: getattr(batch, field.name).to(DEVICE)
+        for field in dataclasses.fields(batch)
+        if isinstance(getattr(batch, field.name), torch.Tensor)
+    }
     return dataclasses.replace(batch, **tensors)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", [MIXED, DECODES, UNIFORM_DECODES, PREFILL_CHUNKS],
-                         ids=["mixed", "decodes", "uniform_decodes", "prefills"])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 4, 16), (9, 3, 64),
-                                                              (8, 1, 32)])
+@pytest.mark.parametrize(
+    "layout",
+    [MIXED, DECODES, UNIFORM_DECODES, PREFILL_CHUNKS],
+    ids=["mixed", "decodes", "uniform_decodes", "prefills"],
+)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 4, 16), (9, 3, 64), (8, 1, 32)])
 def test_paged_attention_ref_matches_dense(dtype, layout, num_heads, num_kv_heads, head_size):
     batch = make_paged_batch(layout, num_heads, num_kv_heads, head_size, BLOCK_SIZE, dtype)
-    scale = head_size ** -0.5
+    scale = head_size**-0.5
     out = _run(attention.paged_attention_ref, batch, scale)
     assert out.shape == batch.query.shape and not out.isnan().any()
     assert_close(out, dense_causal_attention(batch, scale), dtype)
@@ -75,10 +92,10 @@ def test_paged_attention_ref_sees_only_its_past():
 
 # Triton 3.9's interpreter computes tl.dot on bf16 operands wrongly (a 16x16 bf16 dot is off
 # by 1e10); fp16 takes the same low-precision path there, bf16 runs compiled on a GPU.
-_BF16_DOT_BROKEN = pytest.mark.skipif(DEVICE.type == "cpu",
-                                      reason="bf16 tl.dot is wrong in the Triton interpreter")
-TRITON_DTYPES = [torch.float32, torch.float16,
-                 pytest.param(torch.bfloat16, marks=_BF16_DOT_BROKEN)]
+_BF16_DOT_BROKEN = pytest.mark.skipif(
+    DEVICE.type == "cpu", reason="bf16 tl.dot is wrong in the Triton interpreter"
+)
+TRITON_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=_BF16_DOT_BROKEN)]
 
 
 @pytest.mark.usefixtures("triton_kernels")
@@ -86,9 +103,10 @@ TRITON_DTYPES = [torch.float32, torch.float16,
 @pytest.mark.parametrize("layout", [MIXED, DECODES], ids=["mixed", "decodes"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(2, 2, 16), (6, 2, 32)])
 def test_paged_attention_triton_matches_ref(dtype, layout, num_heads, num_kv_heads, head_size):
-    batch = _to_device(make_paged_batch(layout, num_heads, num_kv_heads, head_size, BLOCK_SIZE,
-                                        dtype))
-    scale = head_size ** -0.5
+    batch = _to_device(
+        make_paged_batch(layout, num_heads, num_kv_heads, head_size, BLOCK_SIZE, dtype)
+    )
+    scale = head_size**-0.5
     out = _run(attention.paged_attention, batch, scale)
     assert not out.isnan().any()
     assert_close(out, _run(attention.paged_attention_ref, batch, scale), dtype)
@@ -97,8 +115,7 @@ def test_paged_attention_triton_matches_ref(dtype, layout, num_heads, num_kv_hea
 @pytest.mark.usefixtures("triton_kernels")
 def test_paged_attention_triton_odd_head_size_and_long_chunk():
     # head_size 40 pads to a 64-wide tile; a 70-token chunk spans several q blocks.
-    batch = _to_device(make_paged_batch([(70, 90), (1, 33)], 3, 1, 40, BLOCK_SIZE,
-                                        torch.float32))
+    batch = _to_device(make_paged_batch([(70, 90), (1, 33)], 3, 1, 40, BLOCK_SIZE, torch.float32))
     out = _run(attention.paged_attention, batch, 0.2)
     assert_close(out, _run(attention.paged_attention_ref, batch, 0.2), torch.float32)
 
@@ -112,30 +129,38 @@ def test_paged_attention_ref_ignores_block_table_padding(padding, layout):
     batch = make_paged_batch(layout, 4, 2, 16, BLOCK_SIZE, torch.float32)
     blocks_per_req = (batch.seq_lens + BLOCK_SIZE - 1) // BLOCK_SIZE
     padded = torch.arange(batch.block_table.shape[1]) >= blocks_per_req[:, None]
-    batch.block_table[:len(layout)][padded] = padding
-    batch.block_table[len(layout):] = padding
+    batch.block_table[: len(layout)][padded] = padding
+    batch.block_table[len(layout) :] = padding
     out = _run(attention.paged_attention_ref, batch, 0.25)
     assert_close(out, dense_causal_attention(batch, 0.25), torch.float32)
 
 
-def _cacheless_prefill_batch(query_lens: list[int], num_heads: int, num_kv_heads: int,
-                             head_size: int) -> PagedBatch:
+def _cacheless_prefill_batch(
+    query_lens: list[int], num_heads: int, num_kv_heads: int, head_size: int
+) -> PagedBatch:
     # The worker's profile run has no cache yet: it passes this step's own K/V, strided views
     # of the fused qkv output, as a block_size-1 "cache" (token t = block t).
     num_tokens = sum(query_lens)
     q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
     qkv = torch.randn(num_tokens, q_size + 2 * kv_size)
     query = qkv[:, :q_size].view(num_tokens, num_heads, head_size)
-    keys = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_size)
-    values = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_size)
+    keys = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_size)
+    values = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_size)
     query_start_loc = torch.tensor([0] + query_lens).cumsum(0).int()
     offsets = torch.arange(max(query_lens), dtype=torch.int32)
     block_table = (query_start_loc[:-1, None] + offsets).clamp(max=num_tokens - 1)
     starts = query_start_loc.tolist()
-    return PagedBatch(query, keys.unsqueeze(1), values.unsqueeze(1), block_table,
-                      query_start_loc, torch.tensor(query_lens, dtype=torch.int32),
-                      [keys[s:e] for s, e in zip(starts, starts[1:])],
-                      [values[s:e] for s, e in zip(starts, starts[1:])], query_lens)
+    return PagedBatch(
+        query,
+        keys.unsqueeze(1),
+        values.unsqueeze(1),
+        block_table,
+        query_start_loc,
+        torch.tensor(query_lens, dtype=torch.int32),
+        [keys[s:e] for s, e in zip(starts, starts[1:])],
+        [values[s:e] for s, e in zip(starts, starts[1:])],
+        query_lens,
+    )
 
 
 def test_paged_attention_ref_strided_block_size_one_cache():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve.kernels import cache
-from tests.kernels.utils import DEVICE
+from tests.support.kernels import DEVICE
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 6, 16, 2, 8
 

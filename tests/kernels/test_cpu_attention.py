@@ -16,17 +16,33 @@ def _case(dtype, num_reqs, query_lens, seed=0):
     num_blocks = num_reqs * max_blocks + 1
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
     value_cache = torch.randn_like(key_cache)
-    block_table = (torch.randperm(num_blocks - 1)[:num_reqs * max_blocks]
-                   .view(num_reqs, max_blocks).int() + 1)
-    seq_lens = torch.tensor([max(q, int(s)) for q, s in zip(
-        query_lens, torch.randint(1, max_blocks * block_size, (num_reqs,)))], dtype=torch.int32)
+    block_table = (
+        torch.randperm(num_blocks - 1)[: num_reqs * max_blocks].view(num_reqs, max_blocks).int() + 1
+    )
+    seq_lens = torch.tensor(
+        [
+            max(q, int(s))
+            for q, s in zip(query_lens, torch.randint(1, max_blocks * block_size, (num_reqs,)))
+        ],
+        dtype=torch.int32,
+    )
     query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
     # q as a strided slice of a fused qkv output, as the model passes it.
-    qkv = torch.randn(int(query_start_loc[-1]), num_heads + 2 * num_kv_heads, head_size,
-                      dtype=dtype)
-    return (qkv[:, :num_heads], key_cache, value_cache, block_table, query_start_loc, seq_lens,
-            head_size ** -0.5, max(query_lens), int(seq_lens.max()))
+    qkv = torch.randn(
+        int(query_start_loc[-1]), num_heads + 2 * num_kv_heads, head_size, dtype=dtype
+    )
+    return (
+        qkv[:, :num_heads],
+        key_cache,
+        value_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        head_size**-0.5,
+        max(query_lens),
+        int(seq_lens.max()),
+    )
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -50,10 +66,12 @@ def test_dispatch_picks_the_native_kernel_or_the_reference(monkeypatch):
     from kvserve.kernels import attention
 
     calls = []
-    monkeypatch.setattr(attention, "paged_attention_cpu",
-                        lambda *a: calls.append("cpu") or paged_attention_cpu(*a))
-    monkeypatch.setattr(attention, "paged_attention_ref",
-                        lambda *a: calls.append("ref") or paged_attention_ref(*a))
+    monkeypatch.setattr(
+        attention, "paged_attention_cpu", lambda *a: calls.append("cpu") or paged_attention_cpu(*a)
+    )
+    monkeypatch.setattr(
+        attention, "paged_attention_ref", lambda *a: calls.append("ref") or paged_attention_ref(*a)
+    )
     args = _case(torch.float32, 3, [1, 4, 1])
     kernels.paged_attention(*args)
     monkeypatch.setattr(cpu, "available", lambda dtype: False)

@@ -30,7 +30,7 @@ def _assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
     else:
         # Equal up to one bfloat16 step on at most 1% of the values.
         diff = (got.float() - expected.float()).abs()
-        step = expected.float().abs().clamp_min(1e-3) * 2 ** -7
+        step = expected.float().abs().clamp_min(1e-3) * 2**-7
         assert bool((diff <= step).all()), f"max diff {diff.max().item()}"
         assert (got != expected).sum().item() <= 0.01 * got.numel()
 
@@ -66,13 +66,13 @@ def test_rotary_embedding_on_a_fused_qkv_split(dtype, num_tokens):
     torch.manual_seed(num_tokens)
     num_heads, num_kv_heads, head_size = 9, 3, 64
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size).to(dtype)
-    query, key, _ = qkv.split([num_heads * head_size, num_kv_heads * head_size,
-                               num_kv_heads * head_size], dim=-1)
+    query, key, _ = qkv.split(
+        [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1
+    )
     positions = torch.randint(0, 4096, (num_tokens,))
     freqs = torch.outer(torch.arange(4096).float(), 1e-4 ** (torch.arange(32) / 32))
     cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     got_q, got_k = dispatch.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
-    expected_q, expected_k = rotary_embedding_ref(positions, query, key, cos_sin_cache,
-                                                  head_size)
+    expected_q, expected_k = rotary_embedding_ref(positions, query, key, cos_sin_cache, head_size)
     _assert_matches(got_q, expected_q)
     _assert_matches(got_k, expected_k)

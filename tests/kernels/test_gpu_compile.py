@@ -5,13 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvserve.kernels._triton import HAS_TRITON
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
@@ -19,7 +17,13 @@ def test_triton_kernels_compile_for_sm90():
     # A fresh process: this one imported triton in interpreter mode (conftest.py).
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, "-m", "tests.kernels.gpu_compile"], cwd=REPO_ROOT,
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.gpu_compile"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "9 kernels compiled" in result.stdout, result.stdout

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.kernels import norm
-from tests.kernels.utils import DEVICE, assert_close
+from tests.support.kernels import DEVICE, assert_close
 
 EPS = 1e-6
 

@@ -32,7 +32,8 @@ print("ok")
 
 
 def test_kernels_import_and_run_without_triton():
-    result = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "ok"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve.kernels import rotary
-from tests.kernels.utils import DEVICE, assert_close
+from tests.support.kernels import DEVICE, assert_close
 
 
 def _cos_sin_cache(max_position: int, head_size: int, base: float = 10000.0) -> torch.Tensor:
@@ -16,8 +16,9 @@ def _cos_sin_cache(max_position: int, head_size: int, base: float = 10000.0) -> 
     return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
 
 
-def _rotate_formula(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
-                    head_size: int) -> torch.Tensor:
+def _rotate_formula(
+    x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, head_size: int
+) -> torch.Tensor:
     # Each (x[i], x[i + D/2]) pair turns by the angle of (position, i): a 2-D rotation.
     half = head_size // 2
     heads = x.double().view(x.shape[0], -1, head_size)
@@ -32,7 +33,7 @@ def _qkv_views(num_tokens, num_heads, num_kv_heads, head_size, dtype, device="cp
     # query and key are strided slices of one fused qkv output, as the model produces them.
     q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
     qkv = torch.randn(num_tokens, q_size + 2 * kv_size).to(device, dtype)
-    return qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+    return qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -21,10 +21,15 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
+
 # The repository folders and the package each installs as (setup.py's package_dir).
-PACKAGE_DIRS = {"kvserve": "kvserve", "kvserve.shared": "shared",
-                "kvserve.services": "services", "kvserve.kernels": "kernels"}
+PACKAGE_DIRS = {
+    "kvserve": "kvserve",
+    "kvserve.shared": "shared",
+    "kvserve.services": "services",
+    "kvserve.kernels": "kernels",
+}
 STAND_IN_MARKER = "hf-kernels-stand-in"
 
 # Below transformers' minimum `kernels` version, so transformers treats the stand-in as absent
@@ -95,16 +100,28 @@ def _run(args: list, cwd: Path) -> subprocess.CompletedProcess:
     # No PYTHONPATH or user site: only the fresh venv and its .pth decide what imports.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env["PYTHONNOUSERSITE"] = "1"
-    out = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True,
-                         text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [str(a) for a in args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, f"{args} failed:\n{out.stdout}\n{out.stderr}"
     return out
 
 
 def _copy_sources(dest: Path) -> Path:
     # Building in place would write build/ and *.egg-info into the repository.
-    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "tests", "bench", "build", "dist", "*.egg-info", "__pycache__"))
+    shutil.copytree(
+        REPO_ROOT,
+        dest,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "tests", "bench", "build", "dist", "*.egg-info", "__pycache__"
+        ),
+    )
     return dest
 
 
@@ -113,7 +130,8 @@ def _write_stand_in(dest: Path) -> Path:
     (dest / "pyproject.toml").write_text(STAND_IN_PYPROJECT)
     (dest / "kernels" / "__init__.py").write_text(
         f'"""Stand-in for Hugging Face\'s `kernels`."""\n\n'
-        f'MARKER = "{STAND_IN_MARKER}"\n__version__ = "{STAND_IN_VERSION}"\n')
+        f'MARKER = "{STAND_IN_MARKER}"\n__version__ = "{STAND_IN_VERSION}"\n'
+    )
     return dest
 
 
@@ -132,8 +150,8 @@ def _make_venv(venv: Path, tmp: Path) -> Path:
 def _source_module_names() -> set[str]:
     names = set()
     for package, folder in PACKAGE_DIRS.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+        for path in (REPO_ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(REPO_ROOT / folder).with_suffix("").parts
             names.add(".".join((package, *parts)).removesuffix(".__init__"))
     return names - {"kvserve", "kvserve.__main__"}
 
@@ -143,28 +161,64 @@ def installed(tmp_path_factory) -> dict:
     """Build both wheels, install them in a fresh venv and probe it once."""
     tmp = tmp_path_factory.mktemp("wheel")
     dist = tmp / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-          "--no-index", "--disable-pip-version-check", "-w", dist,
-          _copy_sources(tmp / "src"), _write_stand_in(tmp / "stand_in")], cwd=tmp)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-w",
+            dist,
+            _copy_sources(tmp / "src"),
+            _write_stand_in(tmp / "stand_in"),
+        ],
+        cwd=tmp,
+    )
     python = _make_venv(tmp / "venv", tmp)
     # The stand-in goes in first, as when Hugging Face's `kernels` is already installed:
     # the kvserve wheel must not overwrite it.
     for pattern in ("kernels-*.whl", "kvserve-*.whl"):
-        _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
-              "--no-index", "--disable-pip-version-check", *dist.glob(pattern)], cwd=tmp)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--python",
+                python,
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-index",
+                "--disable-pip-version-check",
+                *dist.glob(pattern),
+            ],
+            cwd=tmp,
+        )
     (tmp / "probe.py").write_text(PROBE)
     # -I: neither cwd nor the script's folder goes on sys.path.
     facts = json.loads(_run([python, "-I", tmp / "probe.py"], cwd=tmp).stdout)
-    return {"tmp": tmp, "venv": tmp / "venv", "wheel": next(dist.glob("kvserve-*.whl")),
-            "facts": facts}
+    return {
+        "tmp": tmp,
+        "venv": tmp / "venv",
+        "wheel": next(dist.glob("kvserve-*.whl")),
+        "facts": facts,
+    }
 
 
 def test_wheel_ships_only_kvserve_and_the_c_sources(installed):
     names = zipfile.ZipFile(installed["wheel"]).namelist()
     top_level = {name.split("/")[0] for name in names if ".dist-info/" not in name}
     assert top_level == {"kvserve"}, top_level
-    sources = {f"kvserve/kernels/csrc/{p.name}" for p in (ROOT / "kernels" / "csrc").iterdir()
-               if p.suffix in (".c", ".h")}
+    sources = {
+        f"kvserve/kernels/csrc/{p.name}"
+        for p in (REPO_ROOT / "kernels" / "csrc").iterdir()
+        if p.suffix in (".c", ".h")
+    }
     assert sources and sources <= set(names), sorted(sources - set(names))
 
 
@@ -188,8 +242,11 @@ def test_every_kvserve_module_imports_from_the_wheel(installed):
     assert not facts["import_failures"], facts["import_failures"]
     missing = _source_module_names() - set(facts["modules"])
     assert not missing, f"in the repository but not in the wheel: {sorted(missing)}"
-    outside = {name: path for name, path in facts["modules"].items()
-               if not Path(path).is_relative_to(installed["venv"])}
+    outside = {
+        name: path
+        for name, path in facts["modules"].items()
+        if not Path(path).is_relative_to(installed["venv"])
+    }
     assert not outside, outside
 
 

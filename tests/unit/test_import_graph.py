@@ -6,12 +6,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
 
 
 def _load_checker():
     # .ci is no package: load the script from its file.
-    path = ROOT / ".ci" / "check_imports.py"
+    path = REPO_ROOT / ".ci" / "check_imports.py"
     spec = importlib.util.spec_from_file_location("check_imports", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name
@@ -61,26 +61,34 @@ def test_clean_tree_passes(tmp_path):
     assert "kvserve.kernels.csrc.gen" not in report.modules
     assert len(report.modules) == 14
     assert report.summary() == (
-        "import graph: 14 modules, 9 edges (0 under TYPE_CHECKING only), no cycles")
+        "import graph: 14 modules, 9 edges (0 under TYPE_CHECKING only), no cycles"
+    )
     assert ("kvserve.services.worker.runner", "kvserve.kernels") in report.edges
 
 
 def test_cycle_through_function_level_import_is_found(tmp_path):
-    report = _check(tmp_path, {
-        "shared/a.py": "from kvserve.shared import b\n",
-        "shared/b.py": "def load():\n    from kvserve.shared.a import x\n",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "shared/a.py": "from kvserve.shared import b\n",
+            "shared/b.py": "def load():\n    from kvserve.shared.a import x\n",
+        },
+    )
     assert [check_imports.format_cycle(cycle) for cycle in report.cycles] == [
-        "kvserve.shared.a:1 -> kvserve.shared.b:2 -> kvserve.shared.a"]
+        "kvserve.shared.a:1 -> kvserve.shared.b:2 -> kvserve.shared.a"
+    ]
     assert not report.ok
 
 
 def test_submodule_importing_its_package_is_a_cycle(tmp_path):
-    report = _check(tmp_path, {
-        "kvserve/benchmarks/__init__.py": "def add_parser():\n    from . import serve\n",
-        "kvserve/benchmarks/serve.py": "from kvserve.benchmarks import add_parser\n",
-        "shared/__init__.py": "from kvserve.shared import VERSION\n",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "kvserve/benchmarks/__init__.py": "def add_parser():\n    from . import serve\n",
+            "kvserve/benchmarks/serve.py": "from kvserve.benchmarks import add_parser\n",
+            "shared/__init__.py": "from kvserve.shared import VERSION\n",
+        },
+    )
     assert sorted(check_imports.format_cycle(cycle) for cycle in report.cycles) == [
         "kvserve.benchmarks:2 -> kvserve.benchmarks.serve:1 -> kvserve.benchmarks",
         "kvserve.shared:1 -> kvserve.shared",
@@ -89,11 +97,14 @@ def test_submodule_importing_its_package_is_a_cycle(tmp_path):
 
 def test_cycles_cover_every_edge_of_a_component(tmp_path):
     # a -> b -> a and a -> c -> a: one component, two cycles to break.
-    report = _check(tmp_path, {
-        "shared/a.py": "from . import b, c\n",
-        "shared/b.py": "from . import a\n",
-        "shared/c.py": "from . import a\n",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "shared/a.py": "from . import b, c\n",
+            "shared/b.py": "from . import a\n",
+            "shared/c.py": "from . import a\n",
+        },
+    )
     hops = {(imp.source, imp.target) for cycle in report.cycles for imp in cycle}
     assert len(report.cycles) == 2
     a, b, c = "kvserve.shared.a", "kvserve.shared.b", "kvserve.shared.c"
@@ -101,12 +112,15 @@ def test_cycles_cover_every_edge_of_a_component(tmp_path):
 
 
 def test_relative_imports_resolve(tmp_path):
-    report = _check(tmp_path, {
-        "kernels/sub/__init__.py": "from . import act\n",
-        "kernels/sub/act.py": "from ..norm import rms_norm\nfrom .. import norm\n"
-                              "from .fast import gelu\n",
-        "kernels/sub/fast.py": "from ... import kernels\n",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "kernels/sub/__init__.py": "from . import act\n",
+            "kernels/sub/act.py": "from ..norm import rms_norm\nfrom .. import norm\n"
+            "from .fast import gelu\n",
+            "kernels/sub/fast.py": "from ... import kernels\n",
+        },
+    )
     edges = {edge for edge in report.edges if edge[0].startswith("kvserve.kernels.sub")}
     # `from .. import norm` names a submodule: an edge to norm, none to kvserve.kernels.
     assert edges == {
@@ -119,14 +133,17 @@ def test_relative_imports_resolve(tmp_path):
 
 
 def test_layering_violations_are_found(tmp_path):
-    report = _check(tmp_path, {
-        "services/api/server.py": "from typing import TYPE_CHECKING\n"
-                                  "from kvserve.services.worker import runner\n"
-                                  "if TYPE_CHECKING:\n    import torch\n",
-        "services/scheduler/request.py": "from kvserve.services.api.protocol import Message\n",
-        "shared/config.py": "def default():\n    from kvserve import Config\n",
-        "kernels/norm.py": "import kvserve.cli\n",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "services/api/server.py": "from typing import TYPE_CHECKING\n"
+            "from kvserve.services.worker import runner\n"
+            "if TYPE_CHECKING:\n    import torch\n",
+            "services/scheduler/request.py": "from kvserve.services.api.protocol import Message\n",
+            "shared/config.py": "def default():\n    from kvserve import Config\n",
+            "kernels/norm.py": "import kvserve.cli\n",
+        },
+    )
     assert sorted(f"{imp.where()} {imp.target}" for imp, _ in report.layering) == [
         "kvserve.kernels.norm:1 kvserve.cli",
         "kvserve.services.api.server:2 kvserve.services.worker.runner",
@@ -138,18 +155,24 @@ def test_layering_violations_are_found(tmp_path):
 
 
 def test_only_main_may_import_the_cli(tmp_path):
-    report = _check(tmp_path, {
-        "kvserve/__main__.py": "from kvserve.cli import main\n",
-        "kvserve/llm.py": "from kvserve import cli\n",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "kvserve/__main__.py": "from kvserve.cli import main\n",
+            "kvserve/llm.py": "from kvserve import cli\n",
+        },
+    )
     assert [imp.where() for imp, _ in report.layering] == ["kvserve.llm:1"]
 
 
 def test_old_names_and_missing_modules_are_found(tmp_path):
-    report = _check(tmp_path, {
-        "services/api/server.py": "from shared.config import Config\n"
-                                  "import kvserve.services.api.gone\n",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "services/api/server.py": "from shared.config import Config\n"
+            "import kvserve.services.api.gone\n",
+        },
+    )
     assert [imp.target for imp in report.old_names] == ["shared.config"]
     assert [imp.target for imp in report.missing] == ["kvserve.services.api.gone"]
 
@@ -164,7 +187,7 @@ def test_main_prints_failures_then_summary(tmp_path, capsys):
 
 def test_real_repository_parses():
     # Only that it parses: the repository's own cycles are being fixed separately.
-    report = check_imports.check(ROOT)
+    report = check_imports.check(REPO_ROOT)
     assert isinstance(report, check_imports.Report)
     assert {"kvserve.cli", "kvserve.shared.config", "kvserve.kernels"} <= set(report.modules)
     assert report.edges

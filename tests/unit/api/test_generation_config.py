@@ -15,11 +15,25 @@ def _write(folder, **config) -> str:
 
 
 def test_auto_takes_the_sampling_knobs_of_the_model_folder(tmp_path):
-    model_dir = _write(tmp_path, temperature=0.6, top_p=0.9, top_k=20, min_p=0.05,
-                       repetition_penalty=1.1, max_new_tokens=64, eos_token_id=2, do_sample=True)
+    model_dir = _write(
+        tmp_path,
+        temperature=0.6,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        max_new_tokens=64,
+        eos_token_id=2,
+        do_sample=True,
+    )
     assert load_generation_defaults("auto", model_dir) == {
-        "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
-        "repetition_penalty": 1.1, "max_tokens": 64}
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "max_tokens": 64,
+    }
 
 
 def test_vllm_ignores_the_file_and_a_folder_replaces_the_models(tmp_path):

@@ -9,18 +9,35 @@ import sys
 import msgspec
 import pytest
 
-from kvserve.services.api.protocol import UNSET, APIError, ChatCompletionRequest, \
-    ChatCompletionStreamResponse, ChatStreamChoice, CompletionChoice, CompletionRequest, \
-    CompletionStreamResponse, DeltaMessage, UsageInfo, decode_request
+from kvserve.services.api.protocol import (
+    UNSET,
+    APIError,
+    ChatCompletionRequest,
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionStreamResponse,
+    DeltaMessage,
+    UsageInfo,
+    decode_request,
+)
+from tests.support import REPO_ROOT
 
 
 def decode(body: dict, request_type=CompletionRequest):
     return decode_request(json.dumps(body).encode(), request_type)
 
 
-@pytest.mark.parametrize("prompt", [
-    "hello", ["a", "b"], [1, 2, 3], [[1, 2], [3]],
-])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "hello",
+        ["a", "b"],
+        [1, 2, 3],
+        [[1, 2], [3]],
+    ],
+)
 def test_completion_prompt_forms_decode(prompt):
     assert decode({"prompt": prompt}).prompt == prompt
 
@@ -29,9 +46,13 @@ def test_defaults_leave_sampling_params_defaults_alone():
     request = decode({"prompt": "x"})
     assert request.max_tokens is None and request.logprobs is None and not request.echo
     # Only what the client set is passed on, so SamplingParams' own defaults apply.
-    assert request.sampling_kwargs() == {"n": 1, "ignore_eos": False, "min_tokens": 0,
-                                         "skip_special_tokens": True,
-                                         "include_stop_str_in_output": False}
+    assert request.sampling_kwargs() == {
+        "n": 1,
+        "ignore_eos": False,
+        "min_tokens": 0,
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
+    }
     set_fields = decode({"prompt": "x", "temperature": 0, "stop": "END", "top_k": 5})
     kwargs = set_fields.sampling_kwargs()
     assert (kwargs["temperature"], kwargs["stop"], kwargs["top_k"]) == (0, "END", 5)
@@ -44,12 +65,15 @@ def test_unknown_fields_are_ignored_like_vllm():
     assert request.prompt == "x"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
-    ({"prompt": 5}, "prompt"),
-    ({"prompt": "x", "n": 1.5}, "n"),
-    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "x", "n": 1.5}, "n"),
+        ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ],
+)
 def test_wrong_types_name_the_field(body, param):
     with pytest.raises(APIError) as info:
         decode(body)
@@ -66,37 +90,54 @@ def test_missing_and_malformed_bodies():
 
 
 def test_chat_request_decodes_text_parts():
-    request = decode({"messages": [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-        {"role": "assistant", "content": None},
-    ], "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 9},
-        ChatCompletionRequest)
+    request = decode(
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": None},
+            ],
+            "logprobs": True,
+            "top_logprobs": 2,
+            "max_completion_tokens": 9,
+        },
+        ChatCompletionRequest,
+    )
     assert [m.role for m in request.messages] == ["system", "user", "assistant"]
     assert request.messages[1].content[0].text == "hi"
-    assert (request.logprobs, request.top_logprobs, request.max_completion_tokens) == \
-        (True, 2, 9)
+    assert (request.logprobs, request.top_logprobs, request.max_completion_tokens) == (True, 2, 9)
 
 
 def test_error_body_has_openai_shape():
-    body = msgspec.to_builtins(APIError(404, "The model `x` does not exist.",
-                                        param="model").to_body())
-    assert body == {"error": {"message": "The model `x` does not exist.",
-                              "type": "NotFoundError", "param": "model", "code": 404}}
+    body = msgspec.to_builtins(
+        APIError(404, "The model `x` does not exist.", param="model").to_body()
+    )
+    assert body == {
+        "error": {
+            "message": "The model `x` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
 
 
 def test_stream_chunks_carry_usage_only_when_asked():
     choice = CompletionChoice(0, "hi", None, None)
-    without = msgspec.to_builtins(CompletionStreamResponse(
-        id="c", created=1, model="m", choices=[choice]))
+    without = msgspec.to_builtins(
+        CompletionStreamResponse(id="c", created=1, model="m", choices=[choice])
+    )
     assert "usage" not in without
-    assert without["choices"] == [{"index": 0, "text": "hi", "logprobs": None,
-                                   "finish_reason": None, "stop_reason": None}]
-    null_usage = msgspec.to_builtins(CompletionStreamResponse(
-        id="c", created=1, model="m", choices=[choice], usage=None))
+    assert without["choices"] == [
+        {"index": 0, "text": "hi", "logprobs": None, "finish_reason": None, "stop_reason": None}
+    ]
+    null_usage = msgspec.to_builtins(
+        CompletionStreamResponse(id="c", created=1, model="m", choices=[choice], usage=None)
+    )
     assert null_usage["usage"] is None
-    last = msgspec.to_builtins(CompletionStreamResponse(
-        id="c", created=1, model="m", choices=[], usage=UsageInfo.of(3, 4)))
+    last = msgspec.to_builtins(
+        CompletionStreamResponse(id="c", created=1, model="m", choices=[], usage=UsageInfo.of(3, 4))
+    )
     assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     assert UNSET is msgspec.UNSET
 
@@ -104,8 +145,9 @@ def test_stream_chunks_carry_usage_only_when_asked():
 def test_chat_delta_leaves_out_unset_fields():
     first = ChatStreamChoice(0, DeltaMessage("assistant", ""), None, None)
     later = ChatStreamChoice(0, DeltaMessage(content="lo"), None, "stop")
-    chunk = msgspec.to_builtins(ChatCompletionStreamResponse(
-        id="c", created=1, model="m", choices=[first, later]))
+    chunk = msgspec.to_builtins(
+        ChatCompletionStreamResponse(id="c", created=1, model="m", choices=[first, later])
+    )
     assert chunk["object"] == "chat.completion.chunk"
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunk["choices"][1]["delta"] == {"content": "lo"}
@@ -113,12 +155,19 @@ def test_chat_delta_leaves_out_unset_fields():
 
 
 def test_api_modules_do_not_import_torch():
-    code = ("import sys\n"
-            "import kvserve.services.api.server, kvserve.services.api.protocol, kvserve.services.api.metrics\n"
-            "import kvserve.services.api.serving_completions, kvserve.services.api.serving_chat\n"
-            "assert 'torch' not in sys.modules, 'the api imported torch'\n"
-            "from kvserve.services.api.inproc_client import InprocEngineClient\n"
-            "assert 'torch' not in sys.modules, 'inproc_client imports torch at import time'\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+    # The test-only InprocEngineClient too: the HTTP tests' server imports it, and it may
+    # load torch only when it builds its engine.
+    code = (
+        "import sys\n"
+        "import kvserve.services.api.server, kvserve.services.api.protocol\n"
+        "import kvserve.services.api.metrics, kvserve.services.api.serving_completions\n"
+        "import kvserve.services.api.serving_chat\n"
+        "assert 'torch' not in sys.modules, 'the api imported torch'\n"
+        "from tests.support.inproc_client import InprocEngineClient\n"
+        "assert 'torch' not in sys.modules, 'inproc_client imports torch at import time'\n"
+    )
+    # From the repository root, where `tests` is importable.
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
     assert result.returncode == 0, result.stderr

@@ -27,8 +27,9 @@ def test_random_prompts_tokenize_to_the_asked_length(tokenizer):
 
 
 def test_random_range_ratio_spreads_lengths_within_bounds(tokenizer):
-    requests = random_requests(tokenizer, num_prompts=30, input_len=40, output_len=20,
-                               range_ratio=0.5, seed=2)
+    requests = random_requests(
+        tokenizer, num_prompts=30, input_len=40, output_len=20, range_ratio=0.5, seed=2
+    )
     input_lens = [r.prompt_len for r in requests]
     output_lens = [r.expected_output_len for r in requests]
     assert all(20 <= n <= 60 for n in input_lens) and len(set(input_lens)) > 1
@@ -52,13 +53,21 @@ def test_random_rejects_bad_lengths(tokenizer):
 
 def test_prefix_groups_share_their_prefix_tokens(tokenizer):
     prefix_len, suffix_len = 64, 8
-    requests = prefix_requests(tokenizer, num_prompts=9, num_groups=3, prefix_len=prefix_len,
-                               suffix_len=suffix_len, output_len=5, seed=3)
+    requests = prefix_requests(
+        tokenizer,
+        num_prompts=9,
+        num_groups=3,
+        prefix_len=prefix_len,
+        suffix_len=suffix_len,
+        output_len=5,
+        seed=3,
+    )
     assert len(requests) == 9
     assert all(r.expected_output_len == 5 for r in requests)
     # Group by the first prefix_len tokens: 3 groups of 3 requests each.
-    groups = Counter(tuple(tokenizer.encode(r.prompt, add_special_tokens=False)[:prefix_len])
-                     for r in requests)
+    groups = Counter(
+        tuple(tokenizer.encode(r.prompt, add_special_tokens=False)[:prefix_len]) for r in requests
+    )
     assert sorted(groups.values()) == [3, 3, 3]
     # Suffixes are unique, and each prompt is about prefix + separator + suffix long.
     assert len({r.prompt for r in requests}) == 9
@@ -76,25 +85,35 @@ def write_sharegpt(path, entries, jsonl: bool = True) -> None:
 
 
 def conversation(question: str, answer: str) -> dict:
-    return {"conversations": [{"from": "human", "value": question},
-                              {"from": "gpt", "value": answer}]}
+    return {
+        "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+    }
 
 
 @pytest.mark.parametrize("jsonl", [True, False])
 def test_sharegpt_prompt_is_first_human_turn(tokenizer, tmp_path, jsonl):
-    entries = [conversation("What is the capital of France, in one word?",
-                            "The capital of France is Paris."),
-               conversation("Name three primary colors please.", "Red, yellow and blue."),
-               {"conversations": [{"from": "gpt", "value": "I speak first, so I am skipped"},
-                                  {"from": "human", "value": "and so is this reply"}]},
-               conversation("Hi", "Too short a prompt: skipped as vLLM does.")]
+    entries = [
+        conversation(
+            "What is the capital of France, in one word?", "The capital of France is Paris."
+        ),
+        conversation("Name three primary colors please.", "Red, yellow and blue."),
+        {
+            "conversations": [
+                {"from": "gpt", "value": "I speak first, so I am skipped"},
+                {"from": "human", "value": "and so is this reply"},
+            ]
+        },
+        conversation("Hi", "Too short a prompt: skipped as vLLM does."),
+    ]
     path = tmp_path / ("data.jsonl" if jsonl else "data.json")
     write_sharegpt(path, entries, jsonl)
     requests = sharegpt_requests(tokenizer, str(path), num_prompts=4, seed=0)
     assert len(requests) == 4  # two usable conversations, reused
     by_prompt = {r.prompt: r for r in requests}
-    assert set(by_prompt) == {entries[0]["conversations"][0]["value"],
-                              entries[1]["conversations"][0]["value"]}
+    assert set(by_prompt) == {
+        entries[0]["conversations"][0]["value"],
+        entries[1]["conversations"][0]["value"],
+    }
     for entry in entries[:2]:
         question, answer = (turn["value"] for turn in entry["conversations"])
         request = by_prompt[question]

@@ -6,15 +6,30 @@ import numpy as np
 import pytest
 
 from kvserve.benchmarks.endpoint_client import RequestRecord
-from kvserve.benchmarks.metrics import compute_metrics, format_report, meets_slos, \
-    parse_goodput, parse_metric_percentiles, parse_percentile_metrics, percentile_key
+from kvserve.benchmarks.metrics import (
+    compute_metrics,
+    format_report,
+    meets_slos,
+    parse_goodput,
+    parse_metric_percentiles,
+    parse_percentile_metrics,
+    percentile_key,
+)
 
 
-def record(ttft: float, itl: list[float], output_tokens: int | None, text: str = "x",
-           start: float = 100.0) -> RequestRecord:
-    return RequestRecord(success=True, prompt_len=10, start_time=start, ttft=ttft, itl=itl,
-                         latency=ttft + sum(itl), generated_text=text,
-                         output_tokens=output_tokens)
+def record(
+    ttft: float, itl: list[float], output_tokens: int | None, text: str = "x", start: float = 100.0
+) -> RequestRecord:
+    return RequestRecord(
+        success=True,
+        prompt_len=10,
+        start_time=start,
+        ttft=ttft,
+        itl=itl,
+        latency=ttft + sum(itl),
+        generated_text=text,
+        output_tokens=output_tokens,
+    )
 
 
 def failed(error: str = "HTTP 500: boom") -> RequestRecord:
@@ -41,10 +56,15 @@ def test_goodput_parsing():
 
 
 def test_summary_matches_numpy_and_counts_failures(tokenizer):
-    records = [record(0.1, [0.02, 0.04, 0.03], 4), record(0.3, [0.05], 2),
-               record(0.2, [0.01, 0.01], 3), failed()]
-    summary, detail = compute_metrics(records, tokenizer, duration_s=2.0,
-                                      percentiles=[50, 90, 99], slos={}, bench_start=100.0)
+    records = [
+        record(0.1, [0.02, 0.04, 0.03], 4),
+        record(0.3, [0.05], 2),
+        record(0.2, [0.01, 0.01], 3),
+        failed(),
+    ]
+    summary, detail = compute_metrics(
+        records, tokenizer, duration_s=2.0, percentiles=[50, 90, 99], slos={}, bench_start=100.0
+    )
     assert summary["completed"] == 3 and summary["failed"] == 1
     assert summary["total_input_tokens"] == 30  # failed requests' prompts do not count
     assert summary["total_output_tokens"] == 9
@@ -63,8 +83,12 @@ def test_summary_matches_numpy_and_counts_failures(tokenizer):
     # TPOT = (E2EL - TTFT) / (output tokens - 1).
     tpots_ms = [90.0 / 3, 50.0 / 1, 20.0 / 2]
     assert summary["mean_tpot_ms"] == pytest.approx(np.mean(tpots_ms))
-    assert summary["p50_e2el_ms"] <= summary["p90_e2el_ms"] <= summary["p99_e2el_ms"] \
+    assert (
+        summary["p50_e2el_ms"]
+        <= summary["p90_e2el_ms"]
+        <= summary["p99_e2el_ms"]
         <= summary["max_e2el_ms"]
+    )
     assert detail["output_lens"] == [4, 2, 3, 0]
     assert detail["errors"] == ["", "", "", "HTTP 500: boom"]
     assert detail["start_times"] == [0.0, 0.0, 0.0, 0.5]
@@ -73,18 +97,21 @@ def test_summary_matches_numpy_and_counts_failures(tokenizer):
 
 def test_output_tokens_counted_from_text_without_usage(tokenizer):
     text = " one two three four five"
-    summary, detail = compute_metrics([record(0.1, [0.01] * 4, None, text=text)], tokenizer,
-                                      1.0, [99], {}, 100.0)
+    summary, detail = compute_metrics(
+        [record(0.1, [0.01] * 4, None, text=text)], tokenizer, 1.0, [99], {}, 100.0
+    )
     assert detail["output_lens"] == [len(tokenizer.encode(text, add_special_tokens=False))]
     assert summary["total_output_tokens"] == detail["output_lens"][0]
 
 
 def test_goodput_counts_requests_meeting_every_slo(tokenizer):
-    records = [record(0.1, [0.02, 0.02], 3),   # ttft 100, tpot 20, e2el 140
-               record(0.4, [0.02, 0.02], 3),   # ttft misses
-               record(0.1, [0.10, 0.10], 3),   # tpot misses
-               record(0.05, [], 1),            # no TPOT: only ttft and e2el apply
-               failed()]
+    records = [
+        record(0.1, [0.02, 0.02], 3),  # ttft 100, tpot 20, e2el 140
+        record(0.4, [0.02, 0.02], 3),  # ttft misses
+        record(0.1, [0.10, 0.10], 3),  # tpot misses
+        record(0.05, [], 1),  # no TPOT: only ttft and e2el apply
+        failed(),
+    ]
     slos = {"ttft": 200.0, "tpot": 50.0}
     summary, _ = compute_metrics(records, tokenizer, 2.0, [99], slos, 100.0)
     assert summary["request_goodput"] == pytest.approx(2 / 2.0)
@@ -94,27 +121,40 @@ def test_goodput_counts_requests_meeting_every_slo(tokenizer):
 
 
 def test_all_failed_reports_zeros(tokenizer):
-    summary, _ = compute_metrics([failed(), failed("stream error")], tokenizer, 1.0, [99],
-                                 {"ttft": 1.0}, 100.0)
+    summary, _ = compute_metrics(
+        [failed(), failed("stream error")], tokenizer, 1.0, [99], {"ttft": 1.0}, 100.0
+    )
     assert summary["completed"] == 0 and summary["failed"] == 2
     assert summary["mean_ttft_ms"] == 0.0 and summary["request_goodput"] == 0.0
 
 
 def test_report_has_vllm_layout(tokenizer):
-    summary, _ = compute_metrics([record(0.1, [0.02], 2)], tokenizer, 1.0, [50, 99.9],
-                                 {"e2el": 500.0}, 100.0)
-    text = format_report(summary, ["ttft", "itl"], [50, 99.9], max_concurrency=4,
-                         request_rate=2.0)
+    summary, _ = compute_metrics(
+        [record(0.1, [0.02], 2)], tokenizer, 1.0, [50, 99.9], {"e2el": 500.0}, 100.0
+    )
+    text = format_report(summary, ["ttft", "itl"], [50, 99.9], max_concurrency=4, request_rate=2.0)
     lines = text.splitlines()
     assert lines[0] == "============ Serving Benchmark Result ============"
     assert lines[-1] == "=" * 50
-    for label in ("Successful requests:", "Failed requests:", "Maximum request concurrency:",
-                  "Request rate configured (RPS):", "Benchmark duration (s):",
-                  "Total input tokens:", "Total generated tokens:",
-                  "Request throughput (req/s):", "Request goodput (req/s):",
-                  "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
-                  "Mean TTFT (ms):", "Median TTFT (ms):", "P50 TTFT (ms):",
-                  "P99.9 TTFT (ms):", "Mean ITL (ms):", "P99.9 ITL (ms):"):
+    for label in (
+        "Successful requests:",
+        "Failed requests:",
+        "Maximum request concurrency:",
+        "Request rate configured (RPS):",
+        "Benchmark duration (s):",
+        "Total input tokens:",
+        "Total generated tokens:",
+        "Request throughput (req/s):",
+        "Request goodput (req/s):",
+        "Output token throughput (tok/s):",
+        "Total Token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "Median TTFT (ms):",
+        "P50 TTFT (ms):",
+        "P99.9 TTFT (ms):",
+        "Mean ITL (ms):",
+        "P99.9 ITL (ms):",
+    ):
         assert any(line.startswith(label) for line in lines), label
     assert "---------------Time to First Token----------------" in lines
     assert "---------------Inter-token Latency----------------" in lines

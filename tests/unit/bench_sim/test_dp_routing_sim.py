@@ -6,28 +6,35 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvserve.services.api import dp_router
-from kvserve.services.api.dp_router import DPRouter
-from kvserve.services.scheduler.block_pool import BlockPool
-from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
-from kvserve.shared.hashing import get_hash_fn, hash_new_full_blocks
 
 from bench.dp_routing_sim.engine import EngineConfig, StepTimeModel
 from bench.dp_routing_sim.routers import RoundRobinRouter, make_router
 from bench.dp_routing_sim.simulator import make_engines, simulate
 from bench.dp_routing_sim.sweep import SweepConfig, run_one
 from bench.dp_routing_sim.workload import SimRequest, WorkloadConfig, make_requests
+from kvserve.services.api import dp_router
+from kvserve.services.api.dp_router import DPRouter
+from kvserve.services.scheduler.block_pool import BlockPool
+from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
+from kvserve.shared.hashing import get_hash_fn, hash_new_full_blocks
 
 # A fixed model (not bench/step_times.json) so the tests do not move with a re-measurement.
-STEP_MODEL = StepTimeModel(intercept_s=0.01, per_prefill_token_s=1e-4,
-                           per_decode_req_s=1e-3, per_decode_ctx_token_s=1e-6)
+STEP_MODEL = StepTimeModel(
+    intercept_s=0.01, per_prefill_token_s=1e-4, per_decode_req_s=1e-3, per_decode_ctx_token_s=1e-6
+)
 ENGINE = EngineConfig(num_blocks=2048)
 BLOCK_SIZE = ENGINE.block_size
 HASH_FN = get_hash_fn("sha256")
 
 
-def run(workload: WorkloadConfig, router: str, num_engines: int = 8,
-        num_requests: int = 400, rate_per_s: float = 20.0, seed: int = 0):
+def run(
+    workload: WorkloadConfig,
+    router: str,
+    num_engines: int = 8,
+    num_requests: int = 400,
+    rate_per_s: float = 20.0,
+    seed: int = 0,
+):
     sweep = SweepConfig(num_requests=num_requests, seed=seed, warmup_frac=0.0)
     return run_one(workload, ENGINE, STEP_MODEL, sweep, num_engines, router, rate_per_s)
 
@@ -92,8 +99,12 @@ def test_no_shared_prefix_no_hits(router):
 
 
 def test_load_router_balances_uniform_traffic():
-    workload = WorkloadConfig(num_tenants=64, prefix_len_range=(0, 0),
-                              suffix_len_range=(256, 256), output_len_range=(64, 64))
+    workload = WorkloadConfig(
+        num_tenants=64,
+        prefix_len_range=(0, 0),
+        suffix_len_range=(256, 256),
+        output_len_range=(64, 64),
+    )
     metrics = run(workload, "load", num_requests=800, rate_per_s=40.0)
     assert metrics.req_skew <= 1.1, metrics
     assert metrics.busy_skew <= 1.1, metrics
@@ -104,28 +115,42 @@ def _burst(tenants: str) -> list[SimRequest]:
     prompts = 4 blocks of the tenant's prefix + 2 blocks of its own."""
     rng = np.random.default_rng(0)
     prefixes = {t: rng.integers(0, 1000, 64, dtype=np.int32) for t in sorted(set(tenants))}
-    return [SimRequest(req_idx, req_idx * 1e-3, ord(tenant), prefixes[tenant],
-                       np.arange(36, dtype=np.int32) + 1000 * (req_idx + 1), 96, 4)
-            for req_idx, tenant in enumerate(tenants)]
+    return [
+        SimRequest(
+            req_idx,
+            req_idx * 1e-3,
+            ord(tenant),
+            prefixes[tenant],
+            np.arange(36, dtype=np.int32) + 1000 * (req_idx + 1),
+            96,
+            4,
+        )
+        for req_idx, tenant in enumerate(tenants)
+    ]
 
 
-def _simulate(requests: list[SimRequest], router: str, num_engines: int = 2,
-              prefix_slack: int | None = None):
+def _simulate(
+    requests: list[SimRequest], router: str, num_engines: int = 2, prefix_slack: int | None = None
+):
     engines = make_engines(num_engines, EngineConfig(num_blocks=64), STEP_MODEL, HASH_FN)
-    simulate(requests, engines,
-             make_router(router, num_engines, 64, BLOCK_SIZE, HASH_FN, prefix_slack))
+    simulate(
+        requests, engines, make_router(router, num_engines, 64, BLOCK_SIZE, HASH_FN, prefix_slack)
+    )
     return engines
 
 
-@pytest.mark.parametrize("router, expected_engines, expected_cached", [
-    # load: score 4 x waiting + running with the local bump: 0 -> e0; [4, 0] -> e1;
-    # [4, 4] is a tie, which goes round-robin after e1: e0.
-    ("load", [0, 1, 0], [0, 0, 0]),
-    # prefix: the second A follows the first (score 4 <= 0 + slack 16) and hits its 4
-    # prefix blocks; B has no prefix anywhere and falls back to the lowest score, e1.
-    ("prefix", [0, 0, 1], [0, 64, 0]),
-    ("round_robin", [0, 1, 0], [0, 0, 0]),
-])
+@pytest.mark.parametrize(
+    "router, expected_engines, expected_cached",
+    [
+        # load: score 4 x waiting + running with the local bump: 0 -> e0; [4, 0] -> e1;
+        # [4, 4] is a tie, which goes round-robin after e1: e0.
+        ("load", [0, 1, 0], [0, 0, 0]),
+        # prefix: the second A follows the first (score 4 <= 0 + slack 16) and hits its 4
+        # prefix blocks; B has no prefix anywhere and falls back to the lowest score, e1.
+        ("prefix", [0, 0, 1], [0, 64, 0]),
+        ("round_robin", [0, 1, 0], [0, 0, 0]),
+    ],
+)
 def test_two_engines_three_requests(router, expected_engines, expected_cached):
     requests = _burst("AAB")
     engines = _simulate(requests, router)
@@ -186,8 +211,9 @@ def test_the_simulator_calls_dp_router_choose_with_the_prompt(monkeypatch):
     _simulate(requests, "prefix")
     assert len(seen) == 2
     for prompt, request in zip(seen, requests):
-        assert prompt.tolist() == (request.prefix_token_ids.tolist()
-                                   + request.own_token_ids[:32].tolist())
+        assert prompt.tolist() == (
+            request.prefix_token_ids.tolist() + request.own_token_ids[:32].tolist()
+        )
 
 
 @pytest.mark.parametrize("output_len", [22, 23, 24])
@@ -195,8 +221,15 @@ def test_every_block_with_kv_is_cached_outputs_too(output_len):
     # 90 prompt tokens + 23 outputs: the last output is sampled, never computed, so 112
     # tokens have KV = 7 full blocks, the 7th filled by the last decode step (22 and 24:
     # the last step fills no block).
-    request = SimRequest(0, 0.0, 0, np.arange(64, dtype=np.int32),
-                         np.arange(26 + output_len, dtype=np.int32) + 1000, 90, output_len)
+    request = SimRequest(
+        0,
+        0.0,
+        0,
+        np.arange(64, dtype=np.int32),
+        np.arange(26 + output_len, dtype=np.int32) + 1000,
+        90,
+        output_len,
+    )
     engine = _simulate([request], "load", num_engines=1)[0]
     request.materialize()
     num_kv_tokens = request.prompt_len + output_len - 1
@@ -209,14 +242,17 @@ def test_every_block_with_kv_is_cached_outputs_too(output_len):
 
 def test_tight_kv_preempts_and_still_finishes_without_leaks():
     # 160 blocks hold ~3 requests of up to ~50 blocks: the batch must preempt to grow.
-    workload = WorkloadConfig(num_tenants=4, prefix_len_range=(256, 512),
-                              suffix_len_range=(64, 128), output_len_range=(64, 160))
+    workload = WorkloadConfig(
+        num_tenants=4,
+        prefix_len_range=(256, 512),
+        suffix_len_range=(64, 128),
+        output_len_range=(64, 160),
+    )
     requests = make_requests(workload, 60, rate_per_s=50.0, seed=3)
     engines = make_engines(1, EngineConfig(num_blocks=160), STEP_MODEL, HASH_FN)
     simulate(requests, engines, make_router("load", 1, 160, BLOCK_SIZE, HASH_FN))
     assert engines[0].num_preemptions > 0
-    assert all(r.num_output == r.output_len and r.finish_s >= r.first_token_s
-               for r in requests)
+    assert all(r.num_output == r.output_len and r.finish_s >= r.first_token_s for r in requests)
     assert all(r.token_ids is None and not r.block_hashes for r in requests)
     manager = engines[0].kv_cache_manager
     assert manager.num_free_blocks == manager.num_total_blocks

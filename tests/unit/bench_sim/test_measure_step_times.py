@@ -11,15 +11,30 @@ from bench.measure_step_times import fit_step_model
 def _samples(intercept, per_prefill, per_decode_req, per_ctx, noise=0.0, seed=0):
     rng = np.random.default_rng(seed)
     samples = []
-    shapes = [(64, 0, 0), (1024, 0, 0), (2048, 0, 0), (0, 1, 130), (0, 32, 4000),
-              (0, 64, 30000), (256, 8, 1000), (1024, 32, 8000)]
+    shapes = [
+        (64, 0, 0),
+        (1024, 0, 0),
+        (2048, 0, 0),
+        (0, 1, 130),
+        (0, 32, 4000),
+        (0, 64, 30000),
+        (256, 8, 1000),
+        (1024, 32, 8000),
+    ]
     for index, (prefill, decode_reqs, ctx) in enumerate(shapes):
         for _ in range(3):
-            seconds = (intercept + per_prefill * prefill + per_decode_req * decode_reqs
-                       + per_ctx * ctx) * (1 + noise * rng.standard_normal())
-            samples.append({"scenario": f"s{index}", "seconds": seconds,
-                            "num_prefill_tokens": prefill, "num_decode_reqs": decode_reqs,
-                            "num_decode_ctx_tokens": ctx})
+            seconds = (
+                intercept + per_prefill * prefill + per_decode_req * decode_reqs + per_ctx * ctx
+            ) * (1 + noise * rng.standard_normal())
+            samples.append(
+                {
+                    "scenario": f"s{index}",
+                    "seconds": seconds,
+                    "num_prefill_tokens": prefill,
+                    "num_decode_reqs": decode_reqs,
+                    "num_decode_ctx_tokens": ctx,
+                }
+            )
     return samples
 
 

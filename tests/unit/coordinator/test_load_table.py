@@ -7,10 +7,10 @@ import time
 import msgspec
 import zmq
 
-from kvserve.shared.transport import CoordinatorAddresses, make_socket
-from kvserve.shared.wire import EngineLoad, LoadTable
 from kvserve.services.coordinator.coordinator import start_coordinator_process
 from kvserve.services.coordinator.load_table import EngineLoadTable
+from kvserve.shared.transport import CoordinatorAddresses, make_socket
+from kvserve.shared.wire import EngineLoad, LoadTable
 
 
 def test_rows_update_and_flag_changes():

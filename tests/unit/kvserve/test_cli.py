@@ -35,24 +35,28 @@ CASES = [
     (["--max-logprobs", "5"], lambda o: o.engine.model.max_logprobs, 5),
     (["--enforce-eager"], lambda o: o.engine.model.enforce_eager, True),
     (["--trust-remote-code"], lambda o: o.engine.model.trust_remote_code, True),
-    (["--disable-custom-all-reduce"], lambda o: o.engine.parallel.disable_custom_all_reduce,
-     True),
+    (["--disable-custom-all-reduce"], lambda o: o.engine.parallel.disable_custom_all_reduce, True),
     (["--chat-template", "{{ messages }}"], lambda o: o.frontend.chat_template, "{{ messages }}"),
     (["--generation-config", "vllm"], lambda o: o.frontend.generation_config, "vllm"),
     (["--enable-log-requests"], lambda o: o.frontend.enable_log_requests, True),
     (["--max-log-len", "100"], lambda o: o.frontend.max_log_len, 100),
     (["--disable-log-stats"], lambda o: o.frontend.disable_log_stats, True),
-    (["--enable-prompt-tokens-details"], lambda o: o.frontend.enable_prompt_tokens_details,
-     True),
+    (["--enable-prompt-tokens-details"], lambda o: o.frontend.enable_prompt_tokens_details, True),
     (["--return-tokens-as-token-ids"], lambda o: o.frontend.return_tokens_as_token_ids, True),
     (["--enable-request-id-headers"], lambda o: o.frontend.enable_request_id_headers, True),
-    (["--allowed-origins", '["https://a.example"]'], lambda o: o.http.allowed_origins,
-     ["https://a.example"]),
+    (
+        ["--allowed-origins", '["https://a.example"]'],
+        lambda o: o.http.allowed_origins,
+        ["https://a.example"],
+    ),
     (["--allow-credentials"], lambda o: o.http.allow_credentials, True),
     (["--allowed-methods", '["GET", "POST"]'], lambda o: o.http.allowed_methods, ["GET", "POST"]),
     (["--allowed-headers", '["x-a"]'], lambda o: o.http.allowed_headers, ["x-a"]),
-    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
-     lambda o: (o.http.ssl_keyfile, o.http.ssl_certfile), ("k.pem", "c.pem")),
+    (
+        ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
+        lambda o: (o.http.ssl_keyfile, o.http.ssl_certfile),
+        ("k.pem", "c.pem"),
+    ),
     (["--root-path", "/llm"], lambda o: o.http.root_path, "/llm"),
     (["--executor", "mp"], lambda o: o.engine.parallel.distributed_executor_backend, "mp"),
     (["--kv-cache-dtype", "auto"], lambda o: o.engine.cache, ServeOptions().engine.cache),
@@ -72,18 +76,21 @@ def test_defaults_are_vllms():
     assert options.engine.model.max_logprobs == 20
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--quantization", "awq"], "--quantization awq: not supported by kvserve"),
-    (["-q", "gptq"], "-q gptq: not supported by kvserve"),
-    (["--enable-lora"], "--enable-lora: not supported by kvserve: LoRA"),
-    (["--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported"),
-    (["--revision", "main"], "no downloads"),
-    (["--dtype", "int8"], "invalid choice: 'int8'"),
-    (["--ssl-keyfile", "k.pem"], "TLS needs both --ssl-keyfile and --ssl-certfile"),
-    (["--max-logprobs", "-1"], "max_logprobs must be >= 0"),
-    (["a", "--model", "b"], "model given twice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--quantization", "awq"], "--quantization awq: not supported by kvserve"),
+        (["-q", "gptq"], "-q gptq: not supported by kvserve"),
+        (["--enable-lora"], "--enable-lora: not supported by kvserve: LoRA"),
+        (["--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported"),
+        (["--revision", "main"], "no downloads"),
+        (["--dtype", "int8"], "invalid choice: 'int8'"),
+        (["--ssl-keyfile", "k.pem"], "TLS needs both --ssl-keyfile and --ssl-certfile"),
+        (["--max-logprobs", "-1"], "max_logprobs must be >= 0"),
+        (["a", "--model", "b"], "model given twice"),
+    ],
+)
 def test_unsupported_and_invalid_flags_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_options(["serve", *argv])
@@ -93,8 +100,10 @@ def test_unsupported_and_invalid_flags_are_refused_by_name(argv, message, capsys
 
 def test_config_file_flags_and_command_line_precedence(tmp_path):
     path = tmp_path / "serve.yaml"
-    path.write_text("model: /models/a\nmax_num_seqs: 8\nenable-prefix-caching: false\n"
-                    "allowed-origins: [\"https://a.example\"]\nport: 9001\n-tp: 1\n")
+    path.write_text(
+        "model: /models/a\nmax_num_seqs: 8\nenable-prefix-caching: false\n"
+        'allowed-origins: ["https://a.example"]\nport: 9001\n-tp: 1\n'
+    )
     options = _serve("--config", str(path), "--port", "9002")
     assert options.engine.model.model == "/models/a"
     assert options.engine.scheduler.max_num_seqs == 8
@@ -125,9 +134,11 @@ def test_config_file_argv_spells_values_as_flags(tmp_path):
 
 @pytest.mark.parametrize("command", ["api", "engine", "generate"])
 def test_every_engine_facing_command_refuses_the_same_flags(command, capsys):
-    required = {"api": ["--input-addr", "a", "--output-addr", "b"],
-                "engine": ["--input-addr", "a", "--output-addr", "b"],
-                "generate": ["--prompt", "p"]}[command]
+    required = {
+        "api": ["--input-addr", "a", "--output-addr", "b"],
+        "engine": ["--input-addr", "a", "--output-addr", "b"],
+        "generate": ["--prompt", "p"],
+    }[command]
     with pytest.raises(SystemExit):
         parse_options([command, *required, "--enable-lora"])
     assert "not supported by kvserve" in capsys.readouterr().err

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from kvserve.services.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kvserve.services.scheduler.request import Request, make_block_hasher
-from kvserve.shared.hashing import get_hash_fn
-from kvserve.shared.sampling_params import SamplingParams
+from tests.support.scheduler import make_hashed_request
 
 BLOCK_SIZE = 4
+make_request = partial(make_hashed_request, block_size=BLOCK_SIZE)
 
 
 def make_blocks(num_blocks: int) -> list[KVCacheBlock]:
@@ -39,11 +40,6 @@ def assert_links(queue: FreeKVCacheBlockQueue, expected_ids: list[int]) -> None:
 def assert_unlinked(*blocks: KVCacheBlock) -> None:
     for block in blocks:
         assert block.prev_free_block is None and block.next_free_block is None
-
-
-def make_request(req_id: str, token_ids: list[int]) -> Request:
-    return Request(req_id, token_ids, SamplingParams(),
-                   block_hasher=make_block_hasher(BLOCK_SIZE, get_hash_fn("sha256")))
 
 
 # ---------------------------------------------------------------------- free queue
@@ -137,8 +133,11 @@ def test_free_blocks_keeps_the_given_order_and_ref_counts():
     pool.touch(blocks[:1])  # a second holder of the first block
     pool.free_blocks(reversed(blocks))
     assert blocks[0].ref_cnt == 1
-    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == \
-        [4, blocks[2].block_id, blocks[1].block_id]
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [
+        4,
+        blocks[2].block_id,
+        blocks[1].block_id,
+    ]
     pool.free_blocks(blocks[:1])
     assert pool.get_num_free_blocks() == 4
     with pytest.raises(AssertionError):
@@ -177,9 +176,11 @@ def test_duplicate_hashes_share_one_map_entry():
     pool.cache_full_blocks(first, [block_a], 0, 1)
     pool.cache_full_blocks(second, [block_b], 0, 1)
     block_hash = first.block_hashes[0]
-    assert pool.cached_block_hash_to_block[block_hash] == {block_a.block_id: block_a,
-                                                           block_b.block_id: block_b}
-    assert pool.get_cached_block(block_hash) in (block_a, block_b)
+    assert pool.cached_block_hash_to_block[block_hash] == {
+        block_a.block_id: block_a,
+        block_b.block_id: block_b,
+    }
+    assert pool.get_cached_block(block_hash) is block_a  # the first cached of the duplicates
     pool.free_blocks([block_a, block_b])
     evicted = pool.get_new_blocks(1)[0]  # block 3, never hashed
     assert evicted.block_id == 3

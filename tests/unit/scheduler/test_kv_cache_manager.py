@@ -2,39 +2,30 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
-from kvserve.services.scheduler.request import Request, make_block_hasher
-from kvserve.shared.hashing import get_hash_fn
-from kvserve.shared.sampling_params import SamplingParams
+from kvserve.services.scheduler.request import Request
+from tests.support.kv import assert_all_blocks_free
+from tests.support.scheduler import make_hashed_request
 
 BLOCK_SIZE = 16
+make_request = partial(make_hashed_request, block_size=BLOCK_SIZE)
 
 
 def make_manager(num_blocks: int = 64, enable_caching: bool = True) -> KVCacheManager:
     return KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching, max_model_len=1024)
 
 
-def make_request(req_id: str, token_ids: list[int], algo: str = "sha256",
-                 cache_salt: str | None = None, **sampling_kwargs) -> Request:
-    return Request(req_id, token_ids, SamplingParams(**sampling_kwargs), cache_salt=cache_salt,
-                   block_hasher=make_block_hasher(BLOCK_SIZE, get_hash_fn(algo)))
-
-
 def schedule_prompt(manager: KVCacheManager, request: Request) -> int:
     """Admit a request as the scheduler would; returns its prefix-hit tokens."""
     hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
     num_new_tokens = request.num_tokens - num_hit_tokens
-    assert manager.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks) \
-        is not None
+    assert manager.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks) is not None
     request.num_computed_tokens = request.num_tokens
     return num_hit_tokens
-
-
-def assert_no_leak(manager: KVCacheManager) -> None:
-    assert not manager.req_to_blocks
-    assert manager.num_free_blocks == manager.num_total_blocks
 
 
 def test_allocate_grows_by_whole_blocks_and_free_returns_all():
@@ -55,7 +46,7 @@ def test_allocate_grows_by_whole_blocks_and_free_returns_all():
     manager.free(request)
     manager.free(request)  # a second free is a no-op
     assert manager.get_block_ids("a") == []
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)
 
 
 def test_allocate_fails_fast_without_side_effects():
@@ -66,7 +57,7 @@ def test_allocate_fails_fast_without_side_effects():
     assert manager.num_free_blocks == 3
     with pytest.raises(ValueError, match="positive"):
         manager.allocate_slots(big, 0)
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)
 
 
 def test_free_in_reverse_order_evicts_the_tail_first():
@@ -87,7 +78,7 @@ def test_free_in_reverse_order_evicts_the_tail_first():
     hit_blocks, num_hit_tokens = manager.get_computed_blocks(again)
     assert [b.block_id for b in hit_blocks] == block_ids[:2] and num_hit_tokens == 32
     manager.free(other)
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)
 
 
 def test_shared_200_token_prefix_hits_192_tokens():
@@ -100,12 +91,15 @@ def test_shared_200_token_prefix_hits_192_tokens():
     assert manager.get_block_ids("b")[:12] == manager.get_block_ids("a")[:12]
     assert all(block.ref_cnt == 2 for block in manager.req_to_blocks["a"][:12])
     stats = manager.make_prefix_cache_stats()
-    assert (stats.num_requests, stats.num_queried_tokens, stats.num_hit_tokens) == \
-        (2, 203 + 204, 192)
+    assert (stats.num_requests, stats.num_queried_tokens, stats.num_hit_tokens) == (
+        2,
+        203 + 204,
+        192,
+    )
     assert manager.make_prefix_cache_stats().num_requests == 0
     manager.free(first)
     manager.free(second)
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)
 
 
 def test_last_token_is_always_recomputed():
@@ -117,7 +111,7 @@ def test_last_token_is_always_recomputed():
     hit_blocks, num_hit_tokens = manager.get_computed_blocks(second)
     assert num_hit_tokens == 16 and len(hit_blocks) == 1
     manager.free(first)
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)
 
 
 def test_hit_blocks_in_the_free_queue_count_as_needed():
@@ -131,7 +125,7 @@ def test_hit_blocks_in_the_free_queue_count_as_needed():
     # 2 hit blocks + 2 new blocks > 3 free blocks, though only 2 are "new".
     assert manager.allocate_slots(second, 32, num_hit_tokens, hit_blocks) is None
     assert all(block.ref_cnt == 0 for block in hit_blocks)
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)
 
 
 def test_prompt_logprobs_disable_cache_reads_and_salt_isolates():
@@ -143,7 +137,7 @@ def test_prompt_logprobs_disable_cache_reads_and_salt_isolates():
     assert schedule_prompt(manager, make_request("d", prompt)) == 48
     for req_id in "abcd":
         manager.free(make_request(req_id, []))
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)
 
 
 def test_blocks_are_cached_when_allocated_so_the_same_step_can_hit_them():
@@ -154,22 +148,22 @@ def test_blocks_are_cached_when_allocated_so_the_same_step_can_hit_them():
     second = make_request("b", prompt)
     assert manager.get_computed_blocks(second)[1] == 32
     manager.free(first)
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)
 
 
 def test_decode_blocks_are_cached_when_they_fill():
     manager = make_manager()
-    request = make_request("a", list(range(10)), algo="xxhash")
+    request = make_request("a", list(range(10)), hash_algo="xxhash")
     schedule_prompt(manager, request)
     for token_id in range(300, 306):  # fills block 0 (16 tokens) by the last decode step
         request.append_output_token_ids(token_id)
         manager.allocate_slots(request, 1)
         request.num_computed_tokens += 1
     assert manager.req_to_blocks["a"][0].block_hash == request.block_hashes[0]
-    follower = make_request("b", list(range(10)) + list(range(300, 306)) + [1], algo="xxhash")
+    follower = make_request("b", list(range(10)) + list(range(300, 306)) + [1], hash_algo="xxhash")
     assert manager.get_computed_blocks(follower)[1] == 16
     manager.free(request)
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)
 
 
 def test_caching_disabled_never_hits():
@@ -180,4 +174,4 @@ def test_caching_disabled_never_hits():
     assert not manager.block_pool.cached_block_hash_to_block
     manager.free(make_request("a", []))
     manager.free(make_request("b", []))
-    assert_no_leak(manager)
+    assert_all_blocks_free(manager)

@@ -5,16 +5,22 @@ from __future__ import annotations
 from kvserve.services.scheduler.request import RequestStatus
 from kvserve.shared.messages import FinishReason
 from tests.support.kv import assert_no_leaked_blocks
-from tests.support.scheduler import (SAMPLED_TOKEN_ID, create_request, create_scheduler,
-                                     run_to_completion, step)
+from tests.support.scheduler import (
+    SAMPLED_TOKEN_ID,
+    create_request,
+    create_scheduler,
+    run_to_completion,
+    step,
+)
 
 
 def test_fcfs_preempts_the_last_running_request_and_resumes_it():
     # 6 usable blocks of 4 tokens: three 8-token prompts fill the cache exactly.
     scheduler = create_scheduler(block_size=4, num_blocks=7, max_model_len=24)
     for index, req_id in enumerate("abc"):
-        scheduler.add_request(create_request(req_id, num_tokens=8, max_tokens=6,
-                                             arrival_time=float(index)))
+        scheduler.add_request(
+            create_request(req_id, num_tokens=8, max_tokens=6, arrival_time=float(index))
+        )
     step(scheduler)
     assert scheduler.kv_cache_manager.num_free_blocks == 0
 
@@ -69,7 +75,8 @@ def test_a_request_preempts_itself_when_it_is_last():
         finals.update({out.request_id: out for out in outputs if out.finished})
         cached_of_b += [out.num_cached_tokens for out in outputs if out.request_id == "b"]
         resumed = resumed or next(
-            (new for new in scheduler_output.scheduled_new_reqs if new.req_id == "b"), None)
+            (new for new in scheduler_output.scheduled_new_reqs if new.req_id == "b"), None
+        )
     assert resumed.num_computed_tokens == 4
     assert resumed.output_token_ids == [SAMPLED_TOKEN_ID]
     # num_cached_tokens reports the first schedule's hit (0), not the resume's 4.
@@ -79,12 +86,14 @@ def test_a_request_preempts_itself_when_it_is_last():
 
 
 def test_priority_preempts_the_lowest_priority_even_if_already_scheduled():
-    scheduler = create_scheduler(block_size=4, num_blocks=5, max_model_len=16,
-                                 scheduling_policy="priority")
+    scheduler = create_scheduler(
+        block_size=4, num_blocks=5, max_model_len=16, scheduling_policy="priority"
+    )
     scheduler.add_request(create_request("low", num_tokens=5, max_tokens=8, priority=5))
     step(scheduler)
-    scheduler.add_request(create_request("high", num_tokens=8, max_tokens=3, priority=0,
-                                         arrival_time=1.0))
+    scheduler.add_request(
+        create_request("high", num_tokens=8, max_tokens=3, priority=0, arrival_time=1.0)
+    )
     step(scheduler)  # low decodes in place, high takes the last two blocks
     assert scheduler.kv_cache_manager.num_free_blocks == 0
 
@@ -102,15 +111,23 @@ def test_priority_preempts_the_lowest_priority_even_if_already_scheduled():
 
 def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
     # 7 usable blocks: a (8 tokens) and b (6 tokens) take 2 each, c (12 tokens) takes 3.
-    scheduler = create_scheduler(block_size=4, num_blocks=8, max_model_len=28,
-                                 scheduling_policy="priority")
-    for req_id, num_tokens, priority, arrival in (("a", 8, 1, 0.0), ("b", 6, 1, 1.0),
-                                                  ("c", 12, 2, 2.0)):
-        scheduler.add_request(create_request(req_id, num_tokens=num_tokens, max_tokens=4,
-                                             priority=priority, arrival_time=arrival))
+    scheduler = create_scheduler(
+        block_size=4, num_blocks=8, max_model_len=28, scheduling_policy="priority"
+    )
+    for req_id, num_tokens, priority, arrival in (
+        ("a", 8, 1, 0.0),
+        ("b", 6, 1, 1.0),
+        ("c", 12, 2, 2.0),
+    ):
+        scheduler.add_request(
+            create_request(
+                req_id, num_tokens=num_tokens, max_tokens=4, priority=priority, arrival_time=arrival
+            )
+        )
     step(scheduler)
-    scheduler.add_request(create_request("urgent", num_tokens=2, max_tokens=1, priority=0,
-                                         arrival_time=3.0))
+    scheduler.add_request(
+        create_request("urgent", num_tokens=2, max_tokens=1, priority=0, arrival_time=3.0)
+    )
     scheduler_output, _ = step(scheduler)
     assert scheduler_output.preempted_req_ids == ["c"]
     # Preempting c freed 3 blocks and a took 1: "urgent" would fit but must wait a step.
@@ -138,27 +155,35 @@ def test_prompt_logprobs_are_not_repeated_after_a_preemption_mid_prompt():
             start = end - scheduler_output.num_scheduled_tokens["b"]
             positions = list(range(start, min(end, prompt_len - 1)))
             if positions:
-                prompt_logprobs["b"] = Logprobs(token_ids=[[p] for p in positions],
-                                                logprobs=[[-1.0]] * len(positions),
-                                                ranks=[1] * len(positions))
-        sampled = [[SAMPLED_TOKEN_ID] if scheduler.requests[r].num_computed_tokens
-                   >= scheduler.requests[r].num_tokens else [] for r in req_ids]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                 prompt_logprobs=prompt_logprobs)
+                prompt_logprobs["b"] = Logprobs(
+                    token_ids=[[p] for p in positions],
+                    logprobs=[[-1.0]] * len(positions),
+                    ranks=[1] * len(positions),
+                )
+        sampled = [
+            [SAMPLED_TOKEN_ID]
+            if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens
+            else []
+            for r in req_ids
+        ]
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=sampled, prompt_logprobs=prompt_logprobs
+        )
 
-    scheduler = create_scheduler(block_size=4, num_blocks=5, max_model_len=16,
-                                 max_num_batched_tokens=4)
+    scheduler = create_scheduler(
+        block_size=4, num_blocks=5, max_model_len=16, max_num_batched_tokens=4
+    )
     scheduler.add_request(create_request("a", num_tokens=4, max_tokens=6))
-    scheduler.add_request(create_request("b", num_tokens=prompt_len, max_tokens=1,
-                                         prompt_logprobs=0))
+    scheduler.add_request(
+        create_request("b", num_tokens=prompt_len, max_tokens=1, prompt_logprobs=0)
+    )
     received, preempted = [], []
     for _ in range(40):
         if not scheduler.has_requests():
             break
         scheduler_output = scheduler.schedule()
         preempted += scheduler_output.preempted_req_ids
-        for out in scheduler.update_from_output(scheduler_output,
-                                                fake_runner(scheduler_output)):
+        for out in scheduler.update_from_output(scheduler_output, fake_runner(scheduler_output)):
             if out.new_prompt_logprobs is not None:
                 received += [row[0] for row in out.new_prompt_logprobs.token_ids]
     assert preempted and set(preempted) == {"b"}

@@ -6,9 +6,15 @@ import pytest
 
 from kvserve.services.scheduler.request import RequestStatus
 from kvserve.shared.messages import FinishReason, ModelRunnerOutput
-from tests.unit.scheduler.utils import (SAMPLED_TOKEN_ID, assert_no_leaked_blocks,
-                                        create_request, create_scheduler, make_runner_output,
-                                        run_to_completion, step)
+from tests.support.kv import assert_no_leaked_blocks
+from tests.support.scheduler import (
+    SAMPLED_TOKEN_ID,
+    create_request,
+    create_scheduler,
+    make_runner_output,
+    run_to_completion,
+    step,
+)
 
 
 def test_prompts_then_decodes_until_max_tokens():
@@ -20,8 +26,7 @@ def test_prompts_then_decodes_until_max_tokens():
     assert first.num_scheduled_tokens == {"a": 20, "b": 20, "c": 20}
     assert first.total_num_scheduled_tokens == 60
     new_a = first.scheduled_new_reqs[0]
-    assert (new_a.num_computed_tokens, len(new_a.block_ids), new_a.output_token_ids) == \
-        (0, 2, [])
+    assert (new_a.num_computed_tokens, len(new_a.block_ids), new_a.output_token_ids) == (0, 2, [])
     assert [out.new_token_ids for out in outputs] == [[SAMPLED_TOKEN_ID]] * 3
     assert all(out.num_cached_tokens == 0 and not out.finished for out in outputs)
 
@@ -72,8 +77,9 @@ def test_chunked_prefill_splits_a_long_prompt():
 
 
 def test_no_partial_prefill_without_chunking():
-    scheduler = create_scheduler(max_num_batched_tokens=128, enable_chunked_prefill=False,
-                                 max_model_len=128)
+    scheduler = create_scheduler(
+        max_num_batched_tokens=128, enable_chunked_prefill=False, max_model_len=128
+    )
     scheduler.add_request(create_request("a", num_tokens=100, max_tokens=1))
     scheduler.add_request(create_request("b", num_tokens=100, max_tokens=1))
     first, _ = step(scheduler)
@@ -89,8 +95,12 @@ def test_long_prefill_token_threshold_caps_each_prompt_chunk():
     scheduler.add_request(create_request("short", num_tokens=5, max_tokens=10))
     scheduler.add_request(create_request("long", num_tokens=50, max_tokens=1))
     scheduled = [step(scheduler)[0].num_scheduled_tokens for _ in range(4)]
-    assert scheduled == [{"short": 5, "long": 16}, {"short": 1, "long": 16},
-                         {"short": 1, "long": 16}, {"short": 1, "long": 2}]
+    assert scheduled == [
+        {"short": 5, "long": 16},
+        {"short": 1, "long": 16},
+        {"short": 1, "long": 16},
+        {"short": 1, "long": 2},
+    ]
     run_to_completion(scheduler)
     assert_no_leaked_blocks(scheduler)
 
@@ -123,10 +133,15 @@ def test_fcfs_admits_in_arrival_order():
 
 def test_priority_admits_lowest_priority_value_then_earliest():
     scheduler = create_scheduler(max_num_seqs=1, scheduling_policy="priority")
-    for req_id, priority, arrival in (("p3", 3, 0.0), ("p1_late", 1, 2.0), ("p2", 2, 1.0),
-                                      ("p1_early", 1, 0.5)):
-        scheduler.add_request(create_request(req_id, max_tokens=1, priority=priority,
-                                             arrival_time=arrival))
+    for req_id, priority, arrival in (
+        ("p3", 3, 0.0),
+        ("p1_late", 1, 2.0),
+        ("p2", 2, 1.0),
+        ("p1_early", 1, 0.5),
+    ):
+        scheduler.add_request(
+            create_request(req_id, max_tokens=1, priority=priority, arrival_time=arrival)
+        )
     order = [next(iter(step(scheduler)[0].num_scheduled_tokens)) for _ in range(4)]
     assert order == ["p1_early", "p1_late", "p2", "p3"]
     assert_no_leaked_blocks(scheduler)
@@ -137,8 +152,7 @@ def test_prefix_hit_of_a_200_token_shared_prefix():
     prefix = list(range(3000, 3200))
     scheduler.add_request(create_request("a", prompt_token_ids=prefix + [1, 2], max_tokens=2))
     step(scheduler)
-    scheduler.add_request(create_request("b", prompt_token_ids=prefix + [5, 6, 7],
-                                         max_tokens=2))
+    scheduler.add_request(create_request("b", prompt_token_ids=prefix + [5, 6, 7], max_tokens=2))
     scheduler_output, outputs = step(scheduler)
     new_b = scheduler_output.scheduled_new_reqs[0]
     assert new_b.num_computed_tokens >= 192
@@ -168,8 +182,9 @@ def test_prompt_logprobs_requests_get_no_prefix_hits():
     prompt = list(range(700, 740))
     scheduler.add_request(create_request("a", prompt_token_ids=prompt, max_tokens=1))
     step(scheduler)
-    scheduler.add_request(create_request("b", prompt_token_ids=prompt, max_tokens=1,
-                                         prompt_logprobs=2))
+    scheduler.add_request(
+        create_request("b", prompt_token_ids=prompt, max_tokens=1, prompt_logprobs=2)
+    )
     scheduler_output, _ = step(scheduler)
     assert scheduler_output.num_scheduled_tokens == {"b": 40}
     assert scheduler_output.scheduled_new_reqs[0].num_computed_tokens == 0
@@ -227,10 +242,12 @@ def test_sampled_logprobs_are_forwarded_and_trimmed():
     scheduler = create_scheduler()
     scheduler.add_request(create_request("a", max_tokens=1, logprobs=1))
     scheduler_output = scheduler.schedule()
-    logprobs = Logprobs(token_ids=[[7, 7, 3], [8, 8, 3]], logprobs=[[-0.1, -0.1, -2.0]] * 2,
-                        ranks=[1, 1])
-    runner_output = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7, 8]],
-                                      logprobs={"a": logprobs})
+    logprobs = Logprobs(
+        token_ids=[[7, 7, 3], [8, 8, 3]], logprobs=[[-0.1, -0.1, -2.0]] * 2, ranks=[1, 1]
+    )
+    runner_output = ModelRunnerOutput(
+        req_ids=["a"], sampled_token_ids=[[7, 8]], logprobs={"a": logprobs}
+    )
     (output,) = scheduler.update_from_output(scheduler_output, runner_output)
     # max_tokens=1: the second token is dropped, and so is its logprobs row.
     assert output.new_token_ids == [7]

@@ -6,9 +6,15 @@ import pytest
 
 from kvserve.services.scheduler.request import RequestStatus
 from kvserve.shared.messages import FinishReason
-from tests.unit.scheduler.utils import (EOS_TOKEN_ID, SAMPLED_TOKEN_ID,
-                                        assert_no_leaked_blocks, create_request,
-                                        create_scheduler, run_to_completion, step)
+from tests.support.kv import assert_no_leaked_blocks
+from tests.support.scheduler import (
+    EOS_TOKEN_ID,
+    SAMPLED_TOKEN_ID,
+    create_request,
+    create_scheduler,
+    run_to_completion,
+    step,
+)
 
 
 def generate(scheduler, req_id: str, token_ids: list[int]):
@@ -69,8 +75,7 @@ def test_ignore_eos_keeps_going():
 
 def test_min_tokens_suppresses_eos_and_stop_tokens_until_reached():
     scheduler = create_scheduler()
-    scheduler.add_request(create_request("a", max_tokens=10, min_tokens=3,
-                                         stop_token_ids=[42]))
+    scheduler.add_request(create_request("a", max_tokens=10, min_tokens=3, stop_token_ids=[42]))
     outputs = generate(scheduler, "a", [EOS_TOKEN_ID, 42, EOS_TOKEN_ID, 9])
     assert collected_tokens(outputs) == [EOS_TOKEN_ID, 42, EOS_TOKEN_ID]
     assert outputs[-1].finish_reason == FinishReason.STOP
@@ -115,8 +120,7 @@ def test_abort_frees_blocks_at_once():
     step(scheduler)
     manager = scheduler.kv_cache_manager
     assert manager.num_free_blocks == manager.num_total_blocks - 3
-    scheduler.finish_requests(["running", "waiting", "unknown"],
-                              RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_requests(["running", "waiting", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert manager.num_free_blocks == manager.num_total_blocks
     assert not scheduler.has_unfinished_requests() and len(scheduler.waiting) == 0
     # Aborting twice is a no-op; the workers hear of both ids once.
@@ -145,13 +149,16 @@ def test_abort_of_a_preempted_request():
 # ---------------------------------------------------------------------- bad requests
 
 
-@pytest.mark.parametrize("prompt_token_ids, message", [
-    ([], "empty"),
-    (list(range(64)), "max_model_len"),
-    (list(range(100)), "max_model_len"),
-    ([1, -5, 3], "token ids"),
-    ([1, 2**31], "token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt_token_ids, message",
+    [
+        ([], "empty"),
+        (list(range(64)), "max_model_len"),
+        (list(range(100)), "max_model_len"),
+        ([1, -5, 3], "token ids"),
+        ([1, 2**31], "token ids"),
+    ],
+)
 def test_bad_request_becomes_an_error_output(prompt_token_ids, message):
     scheduler = create_scheduler(max_model_len=64)
     scheduler.add_request(create_request("good", max_tokens=1))
@@ -193,8 +200,9 @@ def test_error_outputs_flush_even_with_nothing_to_run():
 
 def test_chunking_off_with_a_budget_below_max_model_len_is_refused():
     with pytest.raises(ValueError, match="chunked prefill"):
-        create_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=512,
-                         max_model_len=1024)
+        create_scheduler(
+            enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024
+        )
 
 
 def test_max_model_len_is_capped_to_what_the_cache_holds():

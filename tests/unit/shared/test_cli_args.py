@@ -24,10 +24,24 @@ def test_defaults_stay_the_structs_own():
 
 
 def test_flags_reach_the_nested_struct_that_owns_them():
-    options = _parse(ServeOptions, ["m.gguf", "--executor", "mp", "--kv-cache-memory", "1G",
-                                    "--no-enable-prefix-caching", "--port", "9000",
-                                    "--dp-routing", "prefix", "--data-parallel-size", "2"],
-                     positional=("model",))
+    options = _parse(
+        ServeOptions,
+        [
+            "m.gguf",
+            "--executor",
+            "mp",
+            "--kv-cache-memory",
+            "1G",
+            "--no-enable-prefix-caching",
+            "--port",
+            "9000",
+            "--dp-routing",
+            "prefix",
+            "--data-parallel-size",
+            "2",
+        ],
+        positional=("model",),
+    )
     assert options.engine.model.model == "m.gguf"
     assert options.engine.parallel.distributed_executor_backend == "mp"
     assert options.engine.cache.kv_cache_memory_bytes == 1 << 30
@@ -56,9 +70,18 @@ def test_choices_and_struct_validation_are_enforced():
 def test_required_fields_are_required_flags_and_json_fields_decode():
     handle = ShmRingHandle(name="ring", num_readers=2, num_chunks=4, chunk_bytes=64)
     config = EngineConfig.from_kwargs(max_num_seqs=3)
-    argv = ["--rank", "1", "--model-dir", "/m", "--result-addr", "ipc://x",
-            "--engine-config", msgspec.json.encode(config).decode(),
-            "--ring-handle", msgspec.json.encode(handle).decode()]
+    argv = [
+        "--rank",
+        "1",
+        "--model-dir",
+        "/m",
+        "--result-addr",
+        "ipc://x",
+        "--engine-config",
+        msgspec.json.encode(config).decode(),
+        "--ring-handle",
+        msgspec.json.encode(handle).decode(),
+    ]
     options = _parse(WorkerOptions, argv)
     assert options.engine_config == config and options.ring_handle == handle
     with pytest.raises(SystemExit):  # argparse: "the following arguments are required: --rank"
@@ -89,15 +112,20 @@ def test_flag_names_cover_every_engine_area():
     assert "cache" not in names
 
 
-@pytest.mark.parametrize("text, expected", [("4096", 4096), ("4G", 4 << 30), ("4GiB", 4 << 30),
-                                            ("512M", 512 << 20), ("1.5k", 1536)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [("4096", 4096), ("4G", 4 << 30), ("4GiB", 4 << 30), ("512M", 512 << 20), ("1.5k", 1536)],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
 def test_engine_config_from_kwargs_names_unknown_arguments():
     config = EngineConfig.from_kwargs(model="m", block_size=32, max_num_seqs=4)
-    assert (config.model.model, config.cache.block_size, config.scheduler.max_num_seqs) == \
-        ("m", 32, 4)
+    assert (config.model.model, config.cache.block_size, config.scheduler.max_num_seqs) == (
+        "m",
+        32,
+        4,
+    )
     with pytest.raises(ValueError, match="unknown engine argument 'max_num_sequences'"):
         EngineConfig.from_kwargs(max_num_sequences=4)

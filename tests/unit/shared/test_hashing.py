@@ -12,8 +12,13 @@ import textwrap
 import numpy as np
 import pytest
 
-from kvserve.shared.hashing import (get_hash_fn, hash_block_tokens, hash_new_full_blocks,
-                            make_extra_keys, root_hash)
+from kvserve.shared.hashing import (
+    get_hash_fn,
+    hash_block_tokens,
+    hash_new_full_blocks,
+    make_extra_keys,
+    root_hash,
+)
 
 TOKEN_IDS = list(range(100, 164))  # 4 blocks of 16
 
@@ -22,10 +27,8 @@ def test_sha256_follows_the_documented_packing():
     hash_fn = get_hash_fn("sha256")
     tokens = [1, 2, 70000]
     parent = hashlib.sha256(b"some parent").digest()
-    message = (parent + struct.pack("<I", 3) + np.array(tokens, dtype="<i4").tobytes()
-               + b"extra")
-    assert hash_block_tokens(hash_fn, parent, tokens, b"extra") == \
-        hashlib.sha256(message).digest()
+    message = parent + struct.pack("<I", 3) + np.array(tokens, dtype="<i4").tobytes() + b"extra"
+    assert hash_block_tokens(hash_fn, parent, tokens, b"extra") == hashlib.sha256(message).digest()
     # A first block chains to the root hash of the fixed seed.
     root = hashlib.sha256(b"kvserve/prefix-cache/v1").digest()
     assert root_hash(hash_fn) == root
@@ -75,8 +78,9 @@ def test_incremental_hashing_equals_one_shot():
     assert len(one_shot) == 4  # the trailing 2 tokens are not a full block
     incremental: list[bytes] = []
     for num_tokens in range(len(all_token_ids) + 1):  # one token at a time, like decoding
-        incremental += hash_new_full_blocks(hash_fn, 16, all_token_ids[:num_tokens],
-                                            incremental, salt)
+        incremental += hash_new_full_blocks(
+            hash_fn, 16, all_token_ids[:num_tokens], incremental, salt
+        )
     assert incremental == one_shot
 
 
@@ -100,13 +104,26 @@ def test_hashes_agree_across_processes_with_different_hash_seeds():
     outputs = []
     for hash_seed in ("1", "98765"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=root)
-        result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root,
-                                capture_output=True, text=True, check=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
         outputs.append(result.stdout)
     expected = "".join(
-        ",".join(h.hex() for h in hash_new_full_blocks(
-            get_hash_fn(algo), 16, TOKEN_IDS, [], make_extra_keys("salt"))) + "\n"
-        for algo in ("sha256", "xxhash"))
+        ",".join(
+            h.hex()
+            for h in hash_new_full_blocks(
+                get_hash_fn(algo), 16, TOKEN_IDS, [], make_extra_keys("salt")
+            )
+        )
+        + "\n"
+        for algo in ("sha256", "xxhash")
+    )
     assert outputs == [expected, expected]
 
 

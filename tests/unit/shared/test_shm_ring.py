@@ -14,6 +14,8 @@ import time
 import pytest
 
 from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
+from tests.support import REPO_ROOT
+from tests.support.waiting import wait_until
 
 
 def _segment_exists(handle: ShmRingHandle) -> bool:
@@ -95,7 +97,7 @@ def test_writer_never_overwrites_an_unread_chunk():
 def _reader_proc(handle: ShmRingHandle, rank: int, num_messages: int, conn) -> None:
     reader = ShmRingBuffer.attach(handle, rank)
     digest = hashlib.sha256()
-    for i in range(num_messages):
+    for _ in range(num_messages):
         message = reader.dequeue(timeout=60)
         digest.update(len(message).to_bytes(8, "little") + message)
     reader.close()
@@ -108,8 +110,10 @@ def test_every_reader_process_gets_every_message():
     sizes = _sizes(300, chunk_bytes)
     mp_ctx = multiprocessing.get_context("spawn")
     pipes = [mp_ctx.Pipe(duplex=False) for _ in range(num_readers)]
-    procs = [mp_ctx.Process(target=_reader_proc, args=(writer.handle, r, len(sizes), send))
-             for r, (_, send) in enumerate(pipes)]
+    procs = [
+        mp_ctx.Process(target=_reader_proc, args=(writer.handle, r, len(sizes), send))
+        for r, (_, send) in enumerate(pipes)
+    ]
     try:
         for proc in procs:
             proc.start()
@@ -198,19 +202,20 @@ time.sleep(60)
 
 
 def test_segment_of_a_killed_writer_is_cleaned_up():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    proc = subprocess.Popen([sys.executable, "-c", _CRASHING_WRITER], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_WRITER],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         name = proc.stdout.readline().strip()
         assert name and os.path.exists(f"/dev/shm/{name}")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         # The resource tracker outlives the writer and unlinks what it left behind.
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not os.path.exists(f"/dev/shm/{name}")
+        assert wait_until(lambda: not os.path.exists(f"/dev/shm/{name}"), timeout_s=10)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,27 +10,65 @@ import numpy as np
 import pytest
 import zmq
 
-from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, \
-    FinishReason, Logprobs, SchedulerStats
+from kvserve.shared.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Logprobs,
+    SchedulerStats,
+)
 from kvserve.shared.sampling_params import SamplingParams
-from kvserve.shared.transport import INLINE_ARRAY_MAX_BYTES, EngineAddresses, MessageDecoder, \
-    MessageEncoder, MsgpackDecoder, MsgpackEncoder, engine_identity, make_socket
-from kvserve.shared.wire import EngineDead, EngineReady, EngineHeartbeat, EngineStats, GetStats, \
-    MsgType, Ping, ResetPrefixCache, UtilityCall, UtilityOutput
+from kvserve.shared.transport import (
+    INLINE_ARRAY_MAX_BYTES,
+    EngineAddresses,
+    MessageDecoder,
+    MessageEncoder,
+    MsgpackDecoder,
+    MsgpackEncoder,
+    engine_identity,
+    make_socket,
+)
+from kvserve.shared.wire import (
+    EngineDead,
+    EngineHeartbeat,
+    EngineReady,
+    EngineStats,
+    GetStats,
+    MsgType,
+    Ping,
+    ResetPrefixCache,
+    UtilityCall,
+    UtilityOutput,
+)
 
 API_TO_ENGINE = (MsgType.ADD, MsgType.ABORT, MsgType.UTILITY)
 ENGINE_TO_API = (MsgType.OUTPUTS, MsgType.UTILITY_OUTPUT, MsgType.HEARTBEAT, MsgType.DEAD)
 
 REQUEST = EngineCoreRequest(
-    request_id="req-1", prompt_token_ids=[1, 2, 3, 49151],
+    request_id="req-1",
+    prompt_token_ids=[1, 2, 3, 49151],
     sampling_params=SamplingParams(temperature=0.7, top_k=5, stop=["\n"], seed=3, logprobs=2),
-    eos_token_id=2, arrival_time=123.5, priority=-1, cache_salt="salt")
+    eos_token_id=2,
+    arrival_time=123.5,
+    priority=-1,
+    cache_salt="salt",
+)
 OUTPUTS = EngineCoreOutputs(
-    outputs=[EngineCoreOutput("req-1", [7, 8], new_logprobs=Logprobs(
-                 token_ids=[[7, 1], [8, 3]], logprobs=[[-0.1, -2.5], [-0.2, -1.0]], ranks=[1, 1])),
-             EngineCoreOutput("req-2", [], finish_reason=FinishReason.ERROR, error="bad")],
+    outputs=[
+        EngineCoreOutput(
+            "req-1",
+            [7, 8],
+            new_logprobs=Logprobs(
+                token_ids=[[7, 1], [8, 3]], logprobs=[[-0.1, -2.5], [-0.2, -1.0]], ranks=[1, 1]
+            ),
+        ),
+        EngineCoreOutput("req-2", [], finish_reason=FinishReason.ERROR, error="bad"),
+    ],
     scheduler_stats=SchedulerStats(num_running_reqs=1, kv_cache_usage=0.25),
-    timestamp=5.0, engine_index=3)
+    timestamp=5.0,
+    engine_index=3,
+)
 
 
 @pytest.fixture
@@ -40,8 +78,9 @@ def sockets():
     addresses = EngineAddresses.local()
     router = make_socket(ctx, addresses.input_addr, zmq.ROUTER, bind=True)
     pull = make_socket(ctx, addresses.output_addr, zmq.PULL, bind=True)
-    dealer = make_socket(ctx, addresses.input_addr, zmq.DEALER, bind=False,
-                         identity=engine_identity(1))
+    dealer = make_socket(
+        ctx, addresses.input_addr, zmq.DEALER, bind=False, identity=engine_identity(1)
+    )
     push = make_socket(ctx, addresses.output_addr, zmq.PUSH, bind=False)
     for sock in (router, pull, dealer, push):
         sock.setsockopt(zmq.RCVTIMEO, 5000)
@@ -53,8 +92,15 @@ def sockets():
 def test_every_message_round_trips_over_real_sockets(sockets):
     router, pull, dealer, push = sockets
     encoder = MessageEncoder()
-    handshake = EngineReady(engine_index=1, num_blocks=100, max_model_len=512,
-                                block_size=16, hostname="h", pid=42, worker_pids=[43, 44])
+    handshake = EngineReady(
+        engine_index=1,
+        num_blocks=100,
+        max_model_len=512,
+        block_size=16,
+        hostname="h",
+        pid=42,
+        worker_pids=[43, 44],
+    )
     # READY is the DEALER's first message: the ROUTER learns the engine's identity from it.
     dealer.send_multipart(encoder.encode(MsgType.READY, handshake))
     identity, *frames = router.recv_multipart()
@@ -62,19 +108,25 @@ def test_every_message_round_trips_over_real_sockets(sockets):
     assert MessageDecoder((MsgType.READY,)).decode(frames) == (MsgType.READY, handshake)
 
     to_engine = [(MsgType.ADD, REQUEST), (MsgType.ABORT, ["req-1", "req-2"])]
-    to_engine += [(MsgType.UTILITY, UtilityCall(i, method))
-                  for i, method in enumerate([ResetPrefixCache(), GetStats(), Ping()])]
+    to_engine += [
+        (MsgType.UTILITY, UtilityCall(i, method))
+        for i, method in enumerate([ResetPrefixCache(), GetStats(), Ping()])
+    ]
     engine_decoder = MessageDecoder(API_TO_ENGINE)
     for msg_type, payload in to_engine:
         router.send_multipart([identity, *encoder.encode(msg_type, payload)])
         assert engine_decoder.decode(dealer.recv_multipart(copy=False)) == (msg_type, payload)
 
-    heartbeat = EngineHeartbeat(1, num_iterations=9, num_steps=7, idle=True,
-                                num_unfinished_reqs=0)
-    to_api = [(MsgType.OUTPUTS, OUTPUTS), (MsgType.HEARTBEAT, heartbeat),
-              (MsgType.DEAD, EngineDead(1, "RuntimeError: boom"))]
-    to_api += [(MsgType.UTILITY_OUTPUT, UtilityOutput(i, result=result)) for i, result in
-               enumerate([True, EngineStats(10, 9, 1, 0, 5, 2), heartbeat, None])]
+    heartbeat = EngineHeartbeat(1, num_iterations=9, num_steps=7, idle=True, num_unfinished_reqs=0)
+    to_api = [
+        (MsgType.OUTPUTS, OUTPUTS),
+        (MsgType.HEARTBEAT, heartbeat),
+        (MsgType.DEAD, EngineDead(1, "RuntimeError: boom")),
+    ]
+    to_api += [
+        (MsgType.UTILITY_OUTPUT, UtilityOutput(i, result=result))
+        for i, result in enumerate([True, EngineStats(10, 9, 1, 0, 5, 2), heartbeat, None])
+    ]
     to_api.append((MsgType.UTILITY_OUTPUT, UtilityOutput(9, failure_message="ValueError: x")))
     api_decoder = MessageDecoder(ENGINE_TO_API)
     for msg_type, payload in to_api:
@@ -142,8 +194,7 @@ def test_decoder_rejects_unexpected_type_and_invalid_payload():
 def test_router_refuses_to_send_to_an_unknown_engine(sockets):
     router = sockets[0]
     with pytest.raises(zmq.ZMQError):
-        router.send_multipart([engine_identity(7), *MessageEncoder().encode(
-            MsgType.ABORT, ["x"])])
+        router.send_multipart([engine_identity(7), *MessageEncoder().encode(MsgType.ABORT, ["x"])])
 
 
 def test_make_socket_validates_the_address():

@@ -7,20 +7,22 @@ import torch
 
 from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
 from kvserve.services.worker.models import load_model
-from kvserve.services.worker.parallel_state import destroy_model_parallel, initialize_model_parallel
+from tests.support.distributed import init_two_ranks, leave_two_ranks
 
-TINY_KINDS = ("llama", "llama3_rope", "qwen2")  # see conftest.make_tiny_hf_model
+TINY_KINDS = ("llama", "llama3_rope", "qwen2")  # see tests/support/models.make_tiny_hf_model
 ATOL = 1e-4
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
 
 
-def bind_kv_caches(model: torch.nn.Module, num_blocks: int = NUM_BLOCKS,
-                   block_size: int = BLOCK_SIZE) -> None:
+def bind_kv_caches(
+    model: torch.nn.Module, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE
+) -> None:
     for module in model.modules():
         if isinstance(module, Attention):
-            module.kv_cache = torch.zeros(2, num_blocks, block_size, module.num_kv_heads,
-                                          module.head_size)
+            module.kv_cache = torch.zeros(
+                2, num_blocks, block_size, module.num_kv_heads, module.head_size
+            )
 
 
 def build_step(requests: list[tuple[list[int], int, list[int]]], block_size: int = BLOCK_SIZE):
@@ -42,7 +44,8 @@ def build_step(requests: list[tuple[list[int], int, list[int]]], block_size: int
         block_table=torch.tensor(block_table, dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         max_query_len=max(len(token_ids) for token_ids, *_ in requests),
-        max_seq_len=max(seq_lens))
+        max_seq_len=max(seq_lens),
+    )
     return torch.tensor(input_ids), torch.tensor(positions), metadata
 
 
@@ -61,8 +64,9 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 
 def random_tokens(n: int, vocab_size: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
-                         ).tolist()
+    return torch.randint(
+        0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
 @pytest.fixture
@@ -135,12 +139,20 @@ def test_fused_and_tied_parameters(tiny_checkpoint):
     assert hf_config.tie_word_embeddings
     assert model.lm_head.weight is model.model.embed_tokens.weight
     attn, hf_attn = model.model.layers[1].self_attn, hf_model.model.layers[1].self_attn
-    torch.testing.assert_close(attn.qkv_proj.bias, torch.cat(
-        [hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias]), atol=0, rtol=0)
+    torch.testing.assert_close(
+        attn.qkv_proj.bias,
+        torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias]),
+        atol=0,
+        rtol=0,
+    )
     assert attn.o_proj.bias is None
     hf_mlp = hf_model.model.layers[1].mlp
-    torch.testing.assert_close(model.model.layers[1].mlp.gate_up_proj.weight, torch.cat(
-        [hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]), atol=0, rtol=0)
+    torch.testing.assert_close(
+        model.model.layers[1].mlp.gate_up_proj.weight,
+        torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]),
+        atol=0,
+        rtol=0,
+    )
 
 
 def test_load_weights_rejects_unknown_and_missing_tensors(tiny_checkpoint):
@@ -164,8 +176,14 @@ def test_bfloat16_model_keeps_float32_rope_and_logits(tiny_checkpoint):
     assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32
     for module in model.modules():
         if isinstance(module, Attention):
-            module.kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, module.num_kv_heads,
-                                          module.head_size, dtype=torch.bfloat16)
+            module.kv_cache = torch.zeros(
+                2,
+                NUM_BLOCKS,
+                BLOCK_SIZE,
+                module.num_kv_heads,
+                module.head_size,
+                dtype=torch.bfloat16,
+            )
     tokens = random_tokens(6, 96, seed=8)
     (logits,) = run_step(model, [(tokens, 0, [4, 5])])
     expected = hf_logits(hf_model, tokens)
@@ -173,19 +191,15 @@ def test_bfloat16_model_keeps_float32_rope_and_logits(tiny_checkpoint):
 
 
 def _tp_worker(rank: int, model_dir: str, store_path: str, out_path: str, requests) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store_path}",
-                                         rank=rank, world_size=2)
+    init_two_ranks(rank, store_path, tp=2)
     try:
-        initialize_model_parallel(tensor_parallel_size=2)
         model, _ = load_model(model_dir, torch.float32, "cpu")
         bind_kv_caches(model)
         logits = run_step(model, requests)
         if rank == 0:
             torch.save(logits, out_path)
     finally:
-        destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+        leave_two_ranks()
 
 
 def test_tensor_parallel_2_matches_hf(tiny_checkpoint, tmp_path):
@@ -194,8 +208,9 @@ def test_tensor_parallel_2_matches_hf(tiny_checkpoint, tmp_path):
     tokens_a, tokens_b = random_tokens(5, 96, seed=9), random_tokens(7, 96, seed=10)
     requests = [(tokens_a, 0, [0, 1]), (tokens_b, 0, [2, 3])]
     out_path = str(tmp_path / "logits.pt")
-    torch.multiprocessing.spawn(_tp_worker, nprocs=2, args=(
-        model_dir, str(tmp_path / "store"), out_path, requests))
+    torch.multiprocessing.spawn(
+        _tp_worker, nprocs=2, args=(model_dir, str(tmp_path / "store"), out_path, requests)
+    )
     logits_a, logits_b = torch.load(out_path)
     torch.testing.assert_close(logits_a, hf_logits(hf_model, tokens_a), atol=ATOL, rtol=0)
     torch.testing.assert_close(logits_b, hf_logits(hf_model, tokens_b), atol=ATOL, rtol=0)
@@ -208,7 +223,9 @@ def test_default_model_matches_hf_greedy(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompt_ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_dict=True)["input_ids"]
+        add_generation_prompt=True,
+        return_dict=True,
+    )["input_ids"]
     model, _ = load_model(smollm2_dir, torch.float32, "cpu")
     bind_kv_caches(model, num_blocks=8, block_size=16)
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
@@ -218,10 +235,10 @@ def test_default_model_matches_hf_greedy(smollm2_dir):
     # Greedy decode through the paged cache equals HF's greedy generate, token for token.
     token_ids = list(prompt_ids) + [int(logits[-1].argmax())]
     for _ in range(7):
-        (step,) = run_step(model, [(token_ids[-1:], len(token_ids) - 1, block_ids)],
-                           block_size=16)
+        (step,) = run_step(model, [(token_ids[-1:], len(token_ids) - 1, block_ids)], block_size=16)
         token_ids.append(int(step[0].argmax()))
     with torch.no_grad():
-        expected = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=8,
-                                     do_sample=False)[0].tolist()
-    assert token_ids == expected, tokenizer.decode(token_ids[len(prompt_ids):])
+        expected = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False)[
+            0
+        ].tolist()
+    assert token_ids == expected, tokenizer.decode(token_ids[len(prompt_ids) :])

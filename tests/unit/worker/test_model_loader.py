@@ -11,14 +11,15 @@ import pytest
 import torch
 
 from kvserve.services.worker import model_loader
-from kvserve.services.worker.layers.attention import AttentionMetadata
 from kvserve.services.worker.gguf import hf_tensor_name, read_gguf_state_dict
+from kvserve.services.worker.layers.attention import AttentionMetadata
 from kvserve.services.worker.model_loader import converted_dir_name, resolve_model
 
 
 def _cache_entries(cache_dir) -> list[str]:
-    return sorted(n for n in os.listdir(os.path.join(cache_dir, "models"))
-                  if not n.endswith(".lock"))
+    return sorted(
+        n for n in os.listdir(os.path.join(cache_dir, "models")) if not n.endswith(".lock")
+    )
 
 
 def test_folder_is_returned_as_is(tiny_checkpoint):
@@ -49,8 +50,9 @@ def test_gguf_tensor_names_map_to_hf_names():
     assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     assert hf_tensor_name("blk.12.attn_k.bias") == "model.layers.12.self_attn.k_proj.bias"
-    assert hf_tensor_name("blk.0.ffn_norm.weight") == \
-        "model.layers.0.post_attention_layernorm.weight"
+    assert (
+        hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    )
     with pytest.raises(ValueError, match="unknown GGUF tensor"):
         hf_tensor_name("blk.0.ssm_conv1d.weight")
 
@@ -97,8 +99,10 @@ def test_gguf_converts_once_into_a_loadable_folder(tiny_gguf, tmp_path):
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["tie_word_embeddings"] is False
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "abc"}],
-                                         tokenize=False) == "<user>abc"
+    assert (
+        tokenizer.apply_chat_template([{"role": "user", "content": "abc"}], tokenize=False)
+        == "<user>abc"
+    )
 
     weights_mtime = os.stat(os.path.join(model_dir, "model.safetensors")).st_mtime_ns
     start = time.perf_counter()
@@ -115,8 +119,10 @@ def test_gguf_converts_once_into_a_loadable_folder(tiny_gguf, tmp_path):
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
         block_table=torch.zeros(1, 1, dtype=torch.int32),
-        slot_mapping=torch.full((num_tokens,), -1), max_query_len=num_tokens,
-        max_seq_len=num_tokens)
+        slot_mapping=torch.full((num_tokens,), -1),
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+    )
     with torch.no_grad():
         logits = model.compute_logits(model(token_ids, torch.arange(num_tokens), metadata))
         expected = hf_model(token_ids[None]).logits[0]
@@ -136,10 +142,13 @@ def test_large_conversion_is_sharded_like_hf(tiny_gguf, tmp_path):
     with open(tmp_path / "model.safetensors.index.json") as f:
         weight_map = json.load(f)["weight_map"]
     shard_names = sorted(set(weight_map.values()))
-    assert len(shard_names) > 2 and shard_names[0] == f"model-00001-of-{len(shard_names):05d}" \
-        ".safetensors"
-    assert sorted(n for n in os.listdir(tmp_path) if "safetensors" in n) == \
-        sorted(shard_names + ["model.safetensors.index.json"])
+    assert (
+        len(shard_names) > 2
+        and shard_names[0] == f"model-00001-of-{len(shard_names):05d}.safetensors"
+    )
+    assert sorted(n for n in os.listdir(tmp_path) if "safetensors" in n) == sorted(
+        shard_names + ["model.safetensors.index.json"]
+    )
     expected = hf_model.state_dict()
     ours = dict(iterate_safetensors(str(tmp_path)))
     assert set(ours) == set(weight_map) == set(expected)
@@ -207,8 +216,13 @@ def test_default_model_converts_to_transformers_weights(smollm2_dir):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(smollm2_dir)
-    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-            config.num_key_value_heads, config.vocab_size) == (30, 576, 9, 3, 49152)
+    assert (
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.vocab_size,
+    ) == (30, 576, 9, 3, 49152)
     assert config.tie_word_embeddings and config.architectures == ["LlamaForCausalLM"]
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"

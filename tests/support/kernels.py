@@ -1,4 +1,8 @@
-"""Builders and naive oracles shared by the kernel tests."""
+"""Builders, tolerances and naive oracles of the kernel tests.
+
+DEVICE is where the Triton kernels run: compiled on a GPU, in Triton's interpreter on CPU
+tensors otherwise (tests/kernels/conftest.py sets TRITON_INTERPRET before triton is imported).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Triton kernels run compiled on a GPU, interpreted (conftest.py) on CPU tensors otherwise.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # (atol, rtol) when comparing an op against its reference. bf16 allows ~2 ulps: the Triton
@@ -19,6 +22,7 @@ TOLERANCES = {
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """actual has `dtype` and matches expected within that dtype's TOLERANCES."""
     atol, rtol = TOLERANCES[dtype]
     assert actual.dtype == dtype, (actual.dtype, dtype)
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
@@ -56,9 +60,15 @@ class PagedBatch:
         return int(self.seq_lens.max())
 
 
-def make_paged_batch(query_and_seq_lens: list[tuple[int, int]], num_heads: int,
-                     num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
-                     seed: int = 0) -> PagedBatch:
+def make_paged_batch(
+    query_and_seq_lens: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> PagedBatch:
     """Random requests laid into a shuffled paged cache.
 
     Args:
@@ -74,12 +84,13 @@ def make_paged_batch(query_and_seq_lens: list[tuple[int, int]], num_heads: int,
     value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
     physical_ids = torch.randperm(num_blocks, generator=generator).tolist()
     # One spare row and column, as in the worker's persistent max_num_reqs-row table.
-    block_table = torch.zeros((len(query_and_seq_lens) + 1, max(blocks_per_req) + 1),
-                              dtype=torch.int32)
+    block_table = torch.zeros(
+        (len(query_and_seq_lens) + 1, max(blocks_per_req) + 1), dtype=torch.int32
+    )
     dense_keys, dense_values = [], []
     for req, (_, seq_len) in enumerate(query_and_seq_lens):
         req_block_ids = [physical_ids.pop() for _ in range(blocks_per_req[req])]
-        block_table[req, :len(req_block_ids)] = torch.tensor(req_block_ids)
+        block_table[req, : len(req_block_ids)] = torch.tensor(req_block_ids)
         keys = torch.randn(seq_len, num_kv_heads, head_size, generator=generator).to(dtype)
         values = torch.randn(seq_len, num_kv_heads, head_size, generator=generator).to(dtype)
         for pos in range(seq_len):
@@ -92,8 +103,17 @@ def make_paged_batch(query_and_seq_lens: list[tuple[int, int]], num_heads: int,
     query = torch.randn(sum(query_lens), num_heads, head_size, generator=generator).to(dtype)
     query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).int()
     seq_lens = torch.tensor([seq_len for _, seq_len in query_and_seq_lens], dtype=torch.int32)
-    return PagedBatch(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                      dense_keys, dense_values, query_lens)
+    return PagedBatch(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        dense_keys,
+        dense_values,
+        query_lens,
+    )
 
 
 def dense_causal_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
@@ -108,8 +128,8 @@ def dense_causal_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
             position = seq_len - query_len + i
             for head in range(num_heads):
                 q = batch.query[start + i, head].double()
-                k = keys[:position + 1, head // group].double()
-                v = values[:position + 1, head // group].double()
+                k = keys[: position + 1, head // group].double()
+                v = values[: position + 1, head // group].double()
                 weights = torch.softmax((k @ q) * scale, dim=0)
                 out[start + i, head] = weights @ v
         start += query_len

@@ -23,6 +23,9 @@ MAX_MODEL_LEN = 512
 class ServerThread:
     """Runs an ASGI app under uvicorn on a free port of 127.0.0.1.
 
+    The socket is bound here (port 0: the kernel picks a free one) and handed to uvicorn, so
+    no other process can take the port in between.
+
     Args:
         app: the ASGI app.
     """
@@ -30,13 +33,18 @@ class ServerThread:
     def __init__(self, app):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))  # port 0: the kernel picks a free one
+        self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+        )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name=f"uvicorn-{self.port}", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run,
+            kwargs={"sockets": [self.sock]},
+            name=f"uvicorn-{self.port}",
+            daemon=True,
+        )
 
     @property
     def url(self) -> str:
@@ -66,13 +74,13 @@ def shared_api_server():
     global _shared
     with _lock:
         if _shared is None:
-            from kvserve.services.api.inproc_client import InprocEngineClient
             from kvserve.services.api.server import build_app
+            from tests.support.inproc_client import InprocEngineClient
 
             config = EngineConfig(
-                model=ModelConfig(max_model_len=MAX_MODEL_LEN,
-                                  served_model_name=SERVED_MODEL_NAME),
-                cache=CacheConfig(kv_cache_memory=256 << 20))
+                model=ModelConfig(max_model_len=MAX_MODEL_LEN, served_model_name=SERVED_MODEL_NAME),
+                cache=CacheConfig(kv_cache_memory_bytes=256 << 20),
+            )
             client = InprocEngineClient(config)
             server = ServerThread(build_app(client, served_model_name=SERVED_MODEL_NAME))
             server.start()
@@ -85,21 +93,3 @@ def _stop_shared() -> None:
     client, server = _shared
     server.stop()
     client.close()
-
-
-def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05) -> bool:
-    """Poll predicate() until it is true; False on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
-
-
-def read_metric(text: str, name: str) -> float:
-    """The value of the first sample `name{...} value` in Prometheus text."""
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(f"metric {name} not in the /metrics output")

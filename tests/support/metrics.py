@@ -1,0 +1,34 @@
+"""Samples of a server's Prometheus /metrics text."""
+
+from __future__ import annotations
+
+import httpx
+
+_MISSING = object()
+
+
+def metrics_text(url: str) -> str:
+    """GET url/metrics (a server's base URL); fails the test unless it answers 200."""
+    response = httpx.get(url + "/metrics", timeout=5)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+def read_metric(text: str, name: str, default: float | object = _MISSING, **labels: str) -> float:
+    """The value of the first sample `name{...} value` whose labels include `labels`.
+
+    Args:
+        text: the /metrics output.
+        name: the metric name, as in `kvserve:num_requests_running`.
+        default: returned when no sample matches (else KeyError).
+        labels: label values the sample must carry, as in engine="1".
+    """
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if all(label in line for label in wanted):
+            return float(line.rsplit(" ", 1)[1])
+    if default is _MISSING:
+        raise KeyError(f"metric {name}{labels or ''} not in the /metrics output")
+    return default
