@@ -6,6 +6,7 @@ import the op names below and never pick an implementation themselves.
 
 from kvserve.kernels.dispatch import (
     fused_add_rms_norm,
+    linear,
     paged_attention,
     rms_norm,
     rotary_embedding,
@@ -15,6 +16,7 @@ from kvserve.kernels.dispatch import (
 
 __all__ = [
     "fused_add_rms_norm",
+    "linear",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",

@@ -64,6 +64,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         bool,
         _doc("accepted for vLLM's scripts: kvserve captures no CUDA graphs, every step is eager"),
     ] = False
+    cpu_gemm: Annotated[
+        Literal["auto", "torch", "onednn"],
+        _doc(
+            "GEMM path of the linear layers on CPU: auto times torch's (MKL) and oneDNN's with "
+            "a prepacked weight for each layer shape at start-up (cached per machine) and "
+            "keeps the faster per row count"
+        ),
+    ] = "auto"
     trust_remote_code: Annotated[
         bool,
         _doc("accepted for vLLM's scripts: kvserve never runs a checkpoint's own code"),

@@ -166,6 +166,7 @@ class WorkerReady(msgspec.Struct, frozen=True):
     pid: int
     max_model_len: int
     num_blocks: int  # KV blocks that fit this rank's memory budget
+    gemm_plan: dict[str, str] = {}  # 'float32:NxK' -> its CPU GEMM path (kernels/gemm.py)
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):

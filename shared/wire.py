@@ -61,6 +61,9 @@ class EngineReady(msgspec.Struct, frozen=True, kw_only=True):
     # Every CacheConfig field and num_gpu_blocks, as strings: the labels of the api's
     # `kvserve:cache_config_info` (vLLM's vllm:cache_config_info).
     cache_config_info: dict[str, str] = {}
+    # The CPU GEMM path of each linear layer shape ('float32:960x576' -> 'onednn'), measured
+    # by the worker at start-up: the labels of `kvserve:gemm_path_info`.
+    gemm_plan: dict[str, str] = {}
 
 
 class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True, gc=False):

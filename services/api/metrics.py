@@ -190,6 +190,7 @@ class _EngineStatsCollector:
             family.add_metric(self._labels(engine_index), float(states.get(engine_index) != "dead"))
         yield family
         yield from self._cache_config_info()
+        yield from self._gemm_path_info()
 
     def _labels(self, engine_index: int) -> list[str]:
         return [self.model_name, str(engine_index)]
@@ -208,6 +209,18 @@ class _EngineStatsCollector:
         for ready in handshakes:
             info = ready.cache_config_info
             family.add_metric([str(ready.engine_index), *(info.get(k, "") for k in keys)], 1)
+        yield family
+
+    def _gemm_path_info(self):
+        # What each engine's start-up measured: one series per (engine, layer shape).
+        family = GaugeMetricFamily(
+            "kvserve:gemm_path_info",
+            "CPU GEMM path of each linear layer shape, chosen by measuring at start-up",
+            labels=["engine", "shape", "path"],
+        )
+        for ready in self.engine_client.engine_handshakes():
+            for shape, path in sorted(ready.gemm_plan.items()):
+                family.add_metric([str(ready.engine_index), shape, path], 1)
         yield family
 
 

@@ -76,6 +76,7 @@ class EngineCore:
             prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo,
             max_logprobs=config.model.max_logprobs,
             cache_config_info=cache_config_info(config.cache, num_blocks),
+            gemm_plan=self.executor.gemm_plan,
         )
         logger.info(
             "engine core ready in %.1f s: %d KV blocks, max_model_len %d",

@@ -16,6 +16,11 @@ class Executor:
         """Processes to watch for liveness besides the engine core's own (none in-process)."""
         return []
 
+    @property
+    def gemm_plan(self) -> dict[str, str]:
+        """The driver rank's CPU GEMM path per layer shape (kernels/gemm.py)."""
+        return {}
+
     def determine_num_blocks(self) -> int:
         raise NotImplementedError
 
@@ -37,6 +42,10 @@ class UniExecutor(Executor):
 
         self.worker = Worker(config, model_dir, rank=0)
         self.max_model_len = self.worker.max_model_len
+
+    @property
+    def gemm_plan(self) -> dict[str, str]:
+        return self.worker.gemm_plan
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()

@@ -101,9 +101,14 @@ class MpExecutor(Executor):
             self._finalizer()
             raise
         self.max_model_len = min(r.max_model_len for r in readies)
+        self._gemm_plan = readies[0].gemm_plan
         self._num_blocks = min(r.num_blocks for r in readies)
 
     # ------------------------------------------------------------------ Executor API
+
+    @property
+    def gemm_plan(self) -> dict[str, str]:
+        return self._gemm_plan
 
     @property
     def worker_pids(self) -> list[int]:

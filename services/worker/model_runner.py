@@ -17,8 +17,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvserve.kernels import gemm
 from kvserve.services.worker.input_batch import InputBatch, RequestState
 from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
+from kvserve.services.worker.layers.embed_head import ParallelLMHead
+from kvserve.services.worker.layers.linear import LinearBase
 from kvserve.services.worker.models import load_model
 from kvserve.services.worker.parallel_state import (
     broadcast_from_driver,
@@ -63,9 +66,48 @@ class ModelRunner:
         self.max_model_len = effective_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.gemm_plan = self.prepare_gemm() if device.type == "cpu" else None
         self.sampler = Sampler()
         self.input_batch: InputBatch | None = None
         self.kv_caches: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ GEMM paths
+
+    def prepare_gemm(self) -> gemm.GemmPlan:
+        """Measure (or reuse) the CPU GEMM plan of every linear layer and the LM head, and
+        give each layer whose plan uses oneDNN its packed weight."""
+        sched = self.config.scheduler
+        layers = [
+            (
+                m,
+                sched.max_num_seqs
+                if isinstance(m, ParallelLMHead)
+                else sched.max_num_batched_tokens,
+            )
+            for m in self.model.modules()
+            if isinstance(m, LinearBase | ParallelLMHead)
+        ]
+        plan = gemm.tune(
+            ((m.weight.dtype, *m.weight.shape, max_rows) for m, max_rows in layers),
+            mode=self.config.model.cpu_gemm,
+        )
+        packed: dict[int, torch.Tensor] = {}  # a tied LM head shares the embedding's pack
+        for module, _ in layers:
+            shape_plan = plan.for_weight(module.weight)
+            if shape_plan is None or "onednn" not in shape_plan.paths:
+                continue
+            key = module.weight.data_ptr()
+            if key not in packed:
+                packed[key] = gemm.pack_onednn(module.weight)
+            module.gemm = gemm.LinearWeights(shape_plan, packed[key])
+        how = f"measured in {plan.seconds:.1f} s" if plan.source == "measured" else plan.source
+        logger.info(
+            "CPU GEMM plan (%s, %d threads): %s",
+            how,
+            torch.get_num_threads(),
+            ", ".join(f"{k} {v}" for k, v in plan.summary().items()),
+        )
+        return plan
 
     # ------------------------------------------------------------------ KV cache
 

@@ -83,6 +83,12 @@ class Worker:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    @property
+    def gemm_plan(self) -> dict[str, str]:
+        """This rank's CPU GEMM path per layer shape ({} off CPU)."""
+        plan = self.runner.gemm_plan
+        return plan.summary() if plan is not None else {}
+
     def determine_num_blocks(self) -> int:
         """KV blocks that fit the memory budget (plus the null block 0)."""
         cache = self.config.cache

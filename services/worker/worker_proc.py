@@ -177,7 +177,11 @@ class WorkerProc:
 
     def _serve_steps(self, worker, ring: ShmRingBuffer, sock: zmq.Socket) -> None:
         ready = WorkerReady(
-            self.rank, os.getpid(), worker.max_model_len, worker.determine_num_blocks()
+            self.rank,
+            os.getpid(),
+            worker.max_model_len,
+            worker.determine_num_blocks(),
+            worker.gemm_plan,
         )
         sock.send_multipart([READY, self.encoder.encode(ready)])
         scheduler_output_decoder = msgspec.msgpack.Decoder(SchedulerOutput)

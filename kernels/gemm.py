@@ -1,0 +1,248 @@
+"""CPU GEMM paths for the linear layers, chosen by measuring on this machine.
+
+Two paths compute y = x W^T (+ b) for a weight W [N, K]:
+
+    torch   F.linear: MKL's sgemm / bf16 GEMM on x86 (what PyTorch picks)
+    onednn  oneDNN's inner product with W reordered once into its blocked layout
+            (torch.ops.mkldnn._linear_pointwise over _reorder_linear_weight), the path
+            vLLM-CPU and torch.compile's CPU backend use
+
+Which is faster depends on the CPU, the dtype, the weight's shape and the number of rows
+(on one AMD Zen 5 machine oneDNN ran float32 at twice MKL's speed; elsewhere MKL wins small
+row counts). So nothing is assumed: `tune` times both paths for every (dtype, N, K) of the
+model over a ladder of row counts and keeps, per rung, the faster one (torch unless oneDNN
+wins by a margin). The plan is cached per machine (CPU model and flags, torch version,
+threads) in $KVSERVE_CACHE_DIR/gemm/, so a second start reuses it.
+
+A layer holds a `LinearWeights` (its packed copy and the plan for its shape); `linear`
+picks the rung of the call's row count.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.shared.env import CACHE_DIR
+from kvserve.shared.logging import init_logger
+
+logger = init_logger(__name__)
+
+PATHS = ("torch", "onednn")
+# Row counts the plan is measured at; a call takes the first rung >= its rows (the last
+# rung's choice beyond it).
+ROW_LADDER = (1, 4, 16, 64, 256, 1024)
+# oneDNN must beat torch by this factor to be chosen: a tie keeps PyTorch's own path.
+WIN_MARGIN = 1.05
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_onednn(weight: torch.Tensor, rows_hint: int = 64) -> torch.Tensor:
+    """W reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    """The path per rung of ROW_LADDER for one (dtype, N, K)."""
+
+    paths: tuple[str, ...]
+
+    def path_for(self, num_rows: int) -> str:
+        rung = min(bisect.bisect_left(ROW_LADDER, num_rows), len(ROW_LADDER) - 1)
+        return self.paths[rung]
+
+    def describe(self) -> str:
+        """'torch' / 'onednn', or 'onednn from 16 rows' style for a split plan."""
+        if len(set(self.paths)) == 1:
+            return self.paths[0]
+        parts, last = [], None
+        for rows, path in zip(ROW_LADDER, self.paths):
+            if path != last:
+                parts.append(f"{path} from {rows}")
+                last = path
+        return ", ".join(parts)
+
+
+@dataclass
+class LinearWeights:
+    """What `linear` needs beyond the weight itself: its oneDNN copy and its plan."""
+
+    plan: ShapePlan
+    packed: torch.Tensor | None = None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    prepared: LinearWeights | None,
+) -> torch.Tensor:
+    """y = x W^T + b on the path the plan names for x's row count. x: [T, K]."""
+    if prepared is None or prepared.packed is None:
+        return F.linear(x, weight, bias)
+    if prepared.plan.path_for(x.shape[0]) == "onednn":
+        return onednn_linear(x if x.is_contiguous() else x.contiguous(), prepared.packed, bias)
+    return F.linear(x, weight, bias)
+
+
+# ---------------------------------------------------------------------- measuring
+
+
+@dataclass
+class GemmPlan:
+    """Shape plans by 'dtype:NxK', and how they were obtained."""
+
+    shapes: dict[str, ShapePlan] = field(default_factory=dict)
+    source: str = "measured"  # measured | cached | forced
+    seconds: float = 0.0
+
+    @staticmethod
+    def key(dtype: torch.dtype, n: int, k: int) -> str:
+        return f"{str(dtype).removeprefix('torch.')}:{n}x{k}"
+
+    def for_weight(self, weight: torch.Tensor) -> ShapePlan | None:
+        return self.shapes.get(self.key(weight.dtype, *weight.shape))
+
+    def summary(self) -> dict[str, str]:
+        """'float32:960x576' -> 'onednn' (the start-up log and the info metric)."""
+        return {key: plan.describe() for key, plan in sorted(self.shapes.items())}
+
+
+def _time_calls(fn: Callable[[], object], min_seconds: float, max_calls: int) -> float:
+    """Median seconds per call of fn, after a warm-up call."""
+    fn()
+    samples = []
+    deadline = time.perf_counter() + min_seconds
+    while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < max_calls):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure_shape(
+    dtype: torch.dtype, n: int, k: int, max_rows: int, seconds_per_rung: float = 0.04
+) -> ShapePlan:
+    """Time both paths at each rung up to max_rows, interleaved (A B A B) against drift."""
+    weight = torch.randn(n, k, dtype=dtype) / k**0.5
+    packed = pack_onednn(weight)
+    paths = []
+    for rows in ROW_LADDER:
+        if rows > max_rows and paths:
+            paths.append(paths[-1])
+            continue
+        x = torch.randn(rows, k, dtype=dtype)
+        torch_s, onednn_s = [], []
+        for _ in range(3):
+            torch_s.append(_time_calls(lambda x=x: F.linear(x, weight), seconds_per_rung / 6, 50))
+            onednn_s.append(
+                _time_calls(lambda x=x: onednn_linear(x, packed, None), seconds_per_rung / 6, 50)
+            )
+        faster = statistics.median(torch_s) > WIN_MARGIN * statistics.median(onednn_s)
+        paths.append("onednn" if faster else "torch")
+    return ShapePlan(tuple(paths))
+
+
+def machine_key(num_threads: int) -> str:
+    """What a cached plan is valid for: CPU model and ISA flags, torch, thread count."""
+    cpu, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        info = ""
+    for line in info.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "model name":
+            cpu = value.strip()
+        elif name.strip() == "flags":
+            flags = value.strip()
+            break
+    text = f"{cpu}|{flags}|{torch.__version__}|{num_threads}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cache_path(num_threads: int) -> str:
+    return os.path.join(CACHE_DIR.get(), "gemm", f"plan-{machine_key(num_threads)}.json")
+
+
+def tune(
+    shapes: Iterable[tuple[torch.dtype, int, int, int]],
+    *,
+    mode: str = "auto",
+    use_cache: bool = True,
+    measure: Callable[[torch.dtype, int, int, int], ShapePlan] = measure_shape,
+) -> GemmPlan:
+    """The plan for every (dtype, N, K, max_rows) given.
+
+    Args:
+        mode: auto (measure, or reuse this machine's cached measurements), torch or onednn
+            (forced, no measuring).
+        use_cache: read and extend the on-disk plan cache (auto only).
+        measure: times one shape (tests pass a fake).
+    """
+    shapes = sorted(set(shapes), key=lambda s: (str(s[0]), s[1], s[2], s[3]))
+    if mode in PATHS:
+        forced = ShapePlan((mode,) * len(ROW_LADDER))
+        return GemmPlan({GemmPlan.key(d, n, k): forced for d, n, k, _ in shapes}, "forced")
+    if mode != "auto":
+        raise ValueError(f"unknown GEMM path {mode!r}: use auto, torch or onednn")
+    if not onednn_available():
+        only = ShapePlan(("torch",) * len(ROW_LADDER))
+        return GemmPlan({GemmPlan.key(d, n, k): only for d, n, k, _ in shapes}, "forced")
+    path = _cache_path(torch.get_num_threads())
+    cached = _read_cache(path) if use_cache else {}
+    plan = GemmPlan(source="cached")
+    start = time.perf_counter()
+    for dtype, n, k, max_rows in shapes:
+        key = GemmPlan.key(dtype, n, k)
+        cache_key = f"{key}:{max_rows}"
+        if cache_key in cached:
+            plan.shapes[key] = cached[cache_key]
+            continue
+        plan.shapes[key] = cached[cache_key] = measure(dtype, n, k, max_rows)
+        plan.source = "measured"
+    plan.seconds = time.perf_counter() - start
+    if use_cache and plan.source == "measured":
+        _write_cache(path, cached)
+    return plan
+
+
+def _read_cache(path: str) -> dict[str, ShapePlan]:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {
+        key: ShapePlan(tuple(paths))
+        for key, paths in raw.items()
+        if len(paths) == len(ROW_LADDER) and set(paths) <= set(PATHS)
+    }
+
+
+def _write_cache(path: str, plans: dict[str, ShapePlan]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({key: list(plan.paths) for key, plan in plans.items()}, f, indent=1)
+    os.replace(tmp, path)  # atomic: concurrent engines never read half a file

@@ -1,0 +1,92 @@
+"""CPU GEMM paths (kernels/gemm.py): oneDNN's packed path matches F.linear, the plan picks a
+path per row count, and plans are measured once per machine, then cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve import kernels
+from kvserve.kernels import gemm
+
+pytestmark = pytest.mark.skipif(not gemm.onednn_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_path_matches_f_linear(dtype, tol, rows, with_bias):
+    torch.manual_seed(rows)
+    weight = torch.randn(96, 40, dtype=dtype)
+    bias = torch.randn(96, dtype=dtype) if with_bias else None
+    x = torch.randn(rows, 40, dtype=dtype)
+    got = gemm.onednn_linear(x, gemm.pack_onednn(weight), bias)
+    torch.testing.assert_close(got.float(), F.linear(x, weight, bias).float(), atol=tol, rtol=tol)
+
+
+def test_plan_picks_the_rung_of_the_row_count(monkeypatch):
+    plan = gemm.ShapePlan(("torch", "torch", "onednn", "onednn", "onednn", "torch"))
+    assert [plan.path_for(r) for r in (1, 4, 5, 16, 200, 256, 257, 5000)] == [
+        "torch",
+        "torch",
+        "onednn",
+        "onednn",
+        "onednn",
+        "onednn",
+        "torch",
+        "torch",
+    ]
+    assert plan.describe() == "torch from 1, onednn from 16, torch from 1024"
+    weight = torch.randn(8, 4)
+    prepared = gemm.LinearWeights(plan, gemm.pack_onednn(weight))
+    calls = []
+    real = gemm.onednn_linear
+    monkeypatch.setattr(gemm, "onednn_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (2, 20, 2000):
+        kernels.linear(torch.randn(rows, 4), weight, None, prepared)
+    assert calls == [20]
+
+
+def test_non_contiguous_input_takes_the_onednn_path_correctly():
+    weight = torch.randn(16, 8)
+    prepared = gemm.LinearWeights(gemm.ShapePlan(("onednn",) * 6), gemm.pack_onednn(weight))
+    x = torch.randn(8, 10)[:, 1:9]  # a strided view, as a slice of a fused output
+    torch.testing.assert_close(kernels.linear(x, weight, None, prepared), F.linear(x, weight))
+
+
+def test_tune_measures_once_then_reuses_the_machines_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    measured = []
+
+    def fake_measure(dtype, n, k, max_rows):
+        measured.append((n, k))
+        return gemm.ShapePlan(("onednn" if n > 100 else "torch",) * 6)
+
+    shapes = [(torch.float32, 960, 576, 2048), (torch.float32, 64, 576, 2048)] * 2
+    first = gemm.tune(shapes, measure=fake_measure)
+    assert first.source == "measured" and sorted(measured) == [(64, 576), (960, 576)]
+    assert first.summary() == {"float32:64x576": "torch", "float32:960x576": "onednn"}
+    second = gemm.tune(shapes, measure=fake_measure)
+    assert second.source == "cached" and len(measured) == 2
+    assert second.summary() == first.summary()
+    # Another thread count is another machine as far as the plan goes.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    assert gemm.tune(shapes, measure=fake_measure).source == "measured"
+
+
+def test_forced_modes_measure_nothing_and_unknown_modes_are_refused():
+    def never(*args):
+        raise AssertionError("measured")
+
+    plan = gemm.tune([(torch.float32, 8, 4, 16)], mode="onednn", measure=never)
+    assert plan.source == "forced" and plan.summary() == {"float32:8x4": "onednn"}
+    with pytest.raises(ValueError, match="unknown GEMM path"):
+        gemm.tune([(torch.float32, 8, 4, 16)], mode="mkl", measure=never)
+
+
+def test_measure_shape_returns_a_path_per_rung():
+    plan = gemm.measure_shape(torch.float32, 32, 16, max_rows=16, seconds_per_rung=0.003)
+    assert len(plan.paths) == len(gemm.ROW_LADDER) and set(plan.paths) <= set(gemm.PATHS)
+    # Rungs above max_rows copy the last measured one.
+    assert plan.paths[3:] == (plan.paths[2],) * 3
