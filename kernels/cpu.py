@@ -36,9 +36,11 @@ _FUNCTIONS = [
     for op in ("decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
     for suffix in ("f32", "bf16")
 ]
+DTYPES = (torch.float32, torch.bfloat16)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
+_status = "not loaded"  # what status() reports: the library in use, or why there is none
 
 _c_int64_p = ctypes.POINTER(ctypes.c_int64)
 
@@ -88,30 +90,38 @@ def _build(compiler: str) -> Path:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _failed
+    global _lib, _failed, _status
     with _lock:
         if _lib is not None or _failed:
             return _lib
         compiler = _compiler()
         if compiler is None:
             logger.warning("no C compiler: the CPU kernels fall back to the torch references")
-            _failed = True
+            _failed, _status = True, "no C compiler (install gcc or set CC)"
             return None
         try:
-            lib = ctypes.CDLL(str(_build(compiler)))
+            path = _build(compiler)
+            lib = ctypes.CDLL(str(path))
         except (OSError, subprocess.SubprocessError) as exc:
             logger.warning("CPU kernel build failed (%s): using the torch reference", exc)
-            _failed = True
+            _failed, _status = True, f"the C kernel build failed ({exc})"
             return None
+        _status = f"C CPU kernels {path} for float32 and bfloat16"
         for name in _FUNCTIONS:
             getattr(lib, name).restype = None
         _lib = lib
         return _lib
 
 
+def status() -> str:
+    """The C kernels in use (building them if needed), or why the torch references run."""
+    _load()
+    return _status
+
+
 def available(dtype: torch.dtype) -> bool:
     """Whether the C kernels handle this dtype here (else use the torch references)."""
-    return dtype in (torch.float32, torch.bfloat16) and _load() is not None
+    return dtype in DTYPES and _load() is not None
 
 
 def decode_attention(

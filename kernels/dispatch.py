@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kernels import activation, attention, cache, cpu, norm, rotary
+from kvserve.kernels import activation, attention, cache, cpu, gemm, norm, rotary
+from kvserve.kernels._triton import HAS_TRITON
+
+
+def describe(device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernels serve `dtype` on `device`, in one line for the start-up log."""
+    if device.type == "cuda":
+        return "Triton kernels" + ("" if HAS_TRITON else " (not installed: they will fail)")
+    if cpu.available(dtype):
+        return cpu.status()
+    reason = cpu.status() if dtype in cpu.DTYPES else f"no C kernel for {dtype}"
+    return f"torch references ({reason})"
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -57,6 +68,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_cpu_kernel(x):
         return cpu.silu_and_mul(x)
     return (activation.silu_and_mul if _use_triton(x) else activation.silu_and_mul_ref)(x)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    prepared: gemm.LinearWeights | None = None,
+) -> torch.Tensor:
+    """y = x W^T + b. On CPU, the GEMM path the layer's measured plan names (kernels/gemm.py);
+    elsewhere F.linear (cuBLAS)."""
+    if prepared is not None and x.device.type == "cpu":
+        return gemm.linear(x, weight, bias, prepared)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def write_kv_cache(
