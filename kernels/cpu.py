@@ -49,16 +49,27 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def cpu_identity() -> str:
+    """The CPU's model name and ISA flags: what -march=native code and measured plans depend
+    on (not /proc/cpuinfo whole: its clock speeds change from one read to the next)."""
+    model, flags = platform.processor(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    for line in info.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "model name":
+            model = value.strip()
+        elif name.strip() == "flags":
+            flags = value.strip()
+            break
+    return f"{platform.machine()}|{model}|{flags}"
+
+
 def _build(compiler: str) -> Path:
     source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(
-        source
-        + platform.machine().encode()
-        + compiler.encode()
-        + Path("/proc/cpuinfo").read_bytes()[:4096]
-        if Path("/proc/cpuinfo").exists()
-        else source
-    ).hexdigest()[:16]
+    key = hashlib.sha256(source + compiler.encode() + cpu_identity().encode()).hexdigest()[:16]
     out_dir = Path(CACHE_DIR.get()) / "kernels"
     target = out_dir / f"kvserve_cpu-{key}.so"
     if target.exists():

@@ -24,7 +24,6 @@ import bisect
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.cpu import cpu_identity
 from kvserve.shared.env import CACHE_DIR
 from kvserve.shared.logging import init_logger
 
@@ -164,20 +164,7 @@ def measure_shape(
 
 def machine_key(num_threads: int) -> str:
     """What a cached plan is valid for: CPU model and ISA flags, torch, thread count."""
-    cpu, flags = platform.processor(), ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        info = ""
-    for line in info.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "model name":
-            cpu = value.strip()
-        elif name.strip() == "flags":
-            flags = value.strip()
-            break
-    text = f"{cpu}|{flags}|{torch.__version__}|{num_threads}"
+    text = f"{cpu_identity()}|{torch.__version__}|{num_threads}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
