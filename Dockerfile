@@ -21,7 +21,7 @@ FROM ${BASE_IMAGE} AS base
 # gcc stays in the runtime image: the C CPU kernels (kernels/cpu.py) are built with
 # -march=native for the CPU they run on, and Triton compiles its launchers with it on CUDA.
 # The runtime stage prebuilds the kernels for the build machine; a different CPU changes
-# their key (it hashes /proc/cpuinfo), so they are rebuilt there at first use (~2 s).
+# their key (it hashes the CPU model and ISA flags), so they are rebuilt there at first use.
 RUN --mount=type=secret,id=ca \
     set -eu; \
     ca=; if [ -s /run/secrets/ca ]; then ca="-o Acquire::https::CAInfo=/run/secrets/ca"; fi; \

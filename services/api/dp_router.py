@@ -27,9 +27,10 @@ from kvserve.shared.wire import EngineLoad
 DPRouting = Literal["load", "prefix"]
 WAITING_WEIGHT = 4  # a waiting request costs four running ones (vLLM's weight)
 # How much higher than the lowest score the engine holding a prefix may be and still get the
-# request: 16 = four requests waiting. A hit saves a whole prefill of the prefix; more than a
-# few queued requests cost more than that on the small models we serve.
-PREFIX_LOAD_SLACK = 16
+# request: 8 = two requests waiting. A hit saves a whole prefill of the prefix, but queueing
+# behind a popular prefix costs TTFT and TPOT: in the routing simulation of the shipped code
+# (bench/RESULTS.md) 8 kept 16's hit rates with lower mean and P99 TTFT and TPOT.
+PREFIX_LOAD_SLACK = 8
 
 
 @dataclass(slots=True)

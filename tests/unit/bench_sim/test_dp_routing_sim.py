@@ -145,7 +145,7 @@ def _simulate(
         # load: score 4 x waiting + running with the local bump: 0 -> e0; [4, 0] -> e1;
         # [4, 4] is a tie, which goes round-robin after e1: e0.
         ("load", [0, 1, 0], [0, 0, 0]),
-        # prefix: the second A follows the first (score 4 <= 0 + slack 16) and hits its 4
+        # prefix: the second A follows the first (score 4 <= 0 + slack 8) and hits its 4
         # prefix blocks; B has no prefix anywhere and falls back to the lowest score, e1.
         ("prefix", [0, 0, 1], [0, 64, 0]),
         ("round_robin", [0, 1, 0], [0, 0, 0]),
@@ -173,18 +173,18 @@ def test_two_engines_three_requests(router, expected_engines, expected_cached):
 
 
 def test_the_simulator_follows_the_shipped_prefix_slack(monkeypatch):
-    # Six A's in one table period: the holder e0 takes them while its bumped score
-    # (4, 8, 12, 16 before the 2nd..5th) stays within the slack of e1's 0.
+    # Six A's in one table period. With the shipped slack of 8, the holder e0 yields once its
+    # bumped score (4, 8, 12 before the 2nd..4th) passes e1's 0 + 8: the 4th goes to e1, and
+    # once both hold A the less loaded one wins.
     requests = _burst("AAAAAA")
     _simulate(requests, "prefix")
-    assert dp_router.PREFIX_LOAD_SLACK == 16
-    assert [r.engine_idx for r in requests] == [0, 0, 0, 0, 0, 1]
-    # With the shipped constant at 8 (the simulator's old private value), e0 yields at
-    # score 12: the 4th goes to e1, and once both hold A the less loaded one wins.
-    monkeypatch.setattr(dp_router, "PREFIX_LOAD_SLACK", 8)
-    requests = _burst("AAAAAA")
-    _simulate(requests, "prefix")
+    assert dp_router.PREFIX_LOAD_SLACK == 8
     assert [r.engine_idx for r in requests] == [0, 0, 0, 1, 1, 1]
+    # With the shipped constant at 16, e0 takes them up to score 16.
+    monkeypatch.setattr(dp_router, "PREFIX_LOAD_SLACK", 16)
+    requests = _burst("AAAAAA")
+    _simulate(requests, "prefix")
+    assert [r.engine_idx for r in requests] == [0, 0, 0, 0, 0, 1]
 
 
 @pytest.mark.parametrize("slack, expected_req_skew", [(10**6, 8.0), (0, None)])
