@@ -8,11 +8,12 @@ Two paths compute y = x W^T (+ b) for a weight W [N, K]:
             vLLM-CPU and torch.compile's CPU backend use
 
 Which is faster depends on the CPU, the dtype, the weight's shape and the number of rows
-(on one AMD Zen 5 machine oneDNN ran float32 at twice MKL's speed; elsewhere MKL wins small
-row counts). So nothing is assumed: `tune` times both paths for every (dtype, N, K) of the
-model over a ladder of row counts and keeps, per rung, the faster one (torch unless oneDNN
-wins by a margin). The plan is cached per machine (CPU model and flags, torch version,
-threads) in $KVSERVE_CACHE_DIR/gemm/, so a second start reuses it.
+(on an AMD EPYC VM oneDNN ran float32 1.1-4x faster than MKL, bench/RESULTS.md; elsewhere
+MKL may win small row counts). So nothing is assumed: `tune` times both paths for every
+(dtype, N, K) of the model over a ladder of row counts, interleaved, and keeps per rung the
+faster one by its fastest call (torch unless oneDNN wins by a margin). The plan is cached
+per machine (CPU model and flags, torch version, threads) in $KVSERVE_CACHE_DIR/gemm/, so
+a second start reuses it.
 
 A layer holds a `LinearWeights` (its packed copy and the plan for its shape); `linear`
 picks the rung of the call's row count.
@@ -24,7 +25,6 @@ import bisect
 import hashlib
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -128,7 +128,9 @@ class GemmPlan:
 
 
 def _time_calls(fn: Callable[[], object], min_seconds: float, max_calls: int) -> float:
-    """Median seconds per call of fn, after a warm-up call."""
+    """The fastest call of fn, after a warm-up call. The minimum, not the median: another
+    process on the cores (a loaded machine at start-up) only ever adds time, and a plan is
+    measured once and then cached."""
     fn()
     samples = []
     deadline = time.perf_counter() + min_seconds
@@ -136,7 +138,7 @@ def _time_calls(fn: Callable[[], object], min_seconds: float, max_calls: int) ->
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def measure_shape(
@@ -157,7 +159,7 @@ def measure_shape(
             onednn_s.append(
                 _time_calls(lambda x=x: onednn_linear(x, packed, None), seconds_per_rung / 6, 50)
             )
-        faster = statistics.median(torch_s) > WIN_MARGIN * statistics.median(onednn_s)
+        faster = min(torch_s) > WIN_MARGIN * min(onednn_s)
         paths.append("onednn" if faster else "torch")
     return ShapePlan(tuple(paths))
 
