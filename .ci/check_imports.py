@@ -54,8 +54,8 @@ LAYERS = [
     ("kvserve.kernels", ("kvserve.services", FACADE), "kernels sit below every service"),
     (
         "kvserve.services.api",
-        ("kvserve.services.worker", "kvserve.kernels", "torch", "triton"),
-        "the API process never loads the model side",
+        ("kvserve.services.worker", "kvserve.kernels", "torch", "triton", "xgrammar"),
+        "the API process never loads the model side (xgrammar imports torch)",
     ),
     ("kvserve.services.worker", ("kvserve.services.api",), "workers know nothing of the API"),
     (

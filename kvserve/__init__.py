@@ -1,12 +1,20 @@
 """kvserve: an LLM inference server built like vLLM's V1 engine.
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
 """
 
 from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.shared.sampling_params import SamplingParams
+from kvserve.shared.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+]
 
 
 def __getattr__(name: str):

@@ -6,12 +6,19 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from kvserve.services.api.generation_config import load_generation_defaults
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
+from kvserve.services.api.request_constraints import bad_words_token_ids
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.sampling_params import SamplingParams, logprobs_over_limit
+from kvserve.shared.sampling_params import (
+    SamplingParams,
+    logprobs_over_limit,
+    token_ids_out_of_range,
+)
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -131,6 +138,15 @@ class LLM:
         over_limit = logprobs_over_limit(params, self.config.model.max_logprobs)
         if over_limit is not None:
             raise ValueError(f"{over_limit[0]}: {over_limit[1]}")
+        out_of_range = token_ids_out_of_range(params, vocab)
+        if out_of_range is not None:
+            raise ValueError(f"{out_of_range[0]}: {out_of_range[1]}")
+        if params.structured_outputs is not None:
+            # Compiled here, so a bad schema raises now (the engine then hits the cache).
+            manager = self.engine_core.structured_output_manager
+            error = manager.compile(params.structured_outputs).exception()
+            if error is not None:
+                raise ValueError(f"structured_outputs: {error}")
 
     def _run(self, inputs, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if sampling_params is None:
@@ -142,6 +158,7 @@ class LLM:
         )
         if len(params_list) != len(inputs):
             raise ValueError(f"sampling_params: {len(params_list)} given for {len(inputs)} prompts")
+        params_list = [self._with_bad_words_token_ids(p) for p in params_list]
         for (_, ids), params in zip(inputs, params_list):
             self._validate(ids, params)
 
@@ -151,6 +168,12 @@ class LLM:
             order[request_id] = i
             self._add_request(request_id, prompt, ids, params, priority[i] if priority else 0)
         return self._run_engine(order, use_tqdm)
+
+    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        ids = bad_words_token_ids(self.tokenizer_info.tokenizer, params.bad_words)
+        return msgspec.structs.replace(params, bad_words_token_ids=ids)
 
     def _add_request(self, request_id, prompt, prompt_token_ids, params, priority) -> None:
         child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)

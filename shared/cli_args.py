@@ -91,7 +91,7 @@ def _flag_kwargs(field: _Field) -> dict[str, Any]:
     if parse == "tokens":
         return {"type": parse_tokens, "metavar": "TOKENS"}
     if parse == "json":
-        return {"type": lambda text: msgspec.json.decode(text, type=annotation), "metavar": "JSON"}
+        return {"type": _json_parser(annotation), "metavar": "JSON"}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
     if typing.get_origin(annotation) is typing.Literal:
@@ -99,6 +99,18 @@ def _flag_kwargs(field: _Field) -> dict[str, Any]:
     if annotation in (int, float, str):
         return {"type": annotation}
     raise TypeError(f"field {field.name!r}: no flag type for {field.annotation!r}")
+
+
+def _json_parser(annotation: Any):
+    """A flag type that decodes JSON into the field's type; errors say what is wrong."""
+
+    def parse_json(text: str) -> Any:
+        try:
+            return msgspec.json.decode(text, type=annotation)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+    return parse_json
 
 
 def _is_group(field: _Field) -> bool:

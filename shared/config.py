@@ -1,8 +1,9 @@
 """Every typed option of kvserve: the engine's configuration and each process kind's launch
 options, one frozen struct per area.
 
-- Engine: ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, composed into
-  EngineConfig (what `LLM(**kwargs)` and every engine process take).
+- Engine: ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig and
+  StructuredOutputsConfig, composed into EngineConfig (what `LLM(**kwargs)` and every engine
+  process take).
 - Launch: HTTPConfig, DataParallelConfig, EngineSockets, composed into one options struct per
   process kind (ServeOptions, APIOptions, EngineOptions, CoordinatorOptions, WorkerOptions,
   GenerateOptions).
@@ -185,6 +186,34 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return "uni" if self.world_size == 1 else "mp"
 
 
+class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Structured outputs (vLLM's --structured-outputs-config): grammars compile with
+    xgrammar in the engine core.
+
+    Args:
+        backend: auto or xgrammar (the one backend; vLLM's others are refused).
+        disable_any_whitespace: JSON outputs without optional whitespace, for every request.
+        disable_additional_properties: accepted: xgrammar never emits unlisted properties.
+        disable_fallback: accepted: there is no other backend to fall back to.
+        reasoning_parser: must stay empty (reasoning parsers are not built).
+    """
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    reasoning_parser: str = ""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "xgrammar"):
+            raise ValueError(
+                f"structured outputs backend {self.backend!r} is not supported: kvserve "
+                f"compiles grammars with xgrammar (backend auto or xgrammar)"
+            )
+        if self.reasoning_parser:
+            raise ValueError("reasoning parsers are not built yet (reasoning_parser must be '')")
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """One engine core's whole configuration."""
 
@@ -192,13 +221,29 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    structured_outputs_config: Annotated[
+        StructuredOutputsConfig,
+        _doc(
+            'structured outputs, as JSON: {"backend": "xgrammar", "disable_any_whitespace": false}',
+            parse="json",
+        ),
+    ] = msgspec.field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Split vLLM-style keyword arguments (`LLM(model, dtype=..., max_num_seqs=...)`)
-        over the area structs; an unknown one is a ValueError that lists the known ones."""
-        areas = {name: _ENGINE_AREAS[name] for name in cls.__struct_fields__}
+        over the area structs; an unknown one is a ValueError that lists the known ones.
+        `structured_outputs_config` may be a StructuredOutputsConfig or a dict of its fields."""
+        areas = {
+            name: _ENGINE_AREAS[name] for name in cls.__struct_fields__ if name in _ENGINE_AREAS
+        }
         kwargs = {_RENAMED_KWARGS.get(key, key): value for key, value in kwargs.items()}
+        whole: dict[str, Any] = {}
+        if "structured_outputs_config" in kwargs:
+            value = kwargs.pop("structured_outputs_config")
+            if isinstance(value, dict):
+                value = StructuredOutputsConfig(**value)
+            whole["structured_outputs_config"] = value
         parts: dict[str, dict[str, Any]] = {name: {} for name in areas}
         for key, value in kwargs.items():
             owner = next(
@@ -210,7 +255,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             parts[owner][key] = value
         # Each field gets the area struct of its own name, a pairing mypy cannot follow.
         area_structs: dict[str, Any] = {name: areas[name](**parts[name]) for name in areas}
-        return cls(**area_structs)
+        return cls(**area_structs, **whole)
 
 
 # Engine arguments known by an older name too.
@@ -313,6 +358,24 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     disable_log_stats: Annotated[
         bool, _doc("no periodic throughput / KV-cache log line from the front end")
     ] = False
+    enable_auto_tool_choice: Annotated[
+        bool,
+        _doc('tool_choice "auto": the model decides, --tool-call-parser reads its tool calls'),
+    ] = False
+    tool_call_parser: Annotated[
+        Literal["hermes", "llama3_json", "pythonic"] | None,
+        _doc(
+            "how tool calls look in the model's text: hermes (JSON in <tool_call> tags), "
+            "llama3_json (JSON objects), pythonic ([f(a=1), g()])"
+        ),
+    ] = None
+    exclude_tools_when_tool_choice_none: Annotated[
+        bool, _doc('leave the tools out of the chat template when tool_choice is "none"')
+    ] = False
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 class DataParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -513,11 +576,11 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
     "--kv-cache-dtype": RefusedFlag(
         "the KV cache holds the model's dtype (only `auto`)", accepted=("auto",)
     ),
-    "--enable-auto-tool-choice": RefusedFlag(f"tool calling: {_LATER}"),
-    "--tool-call-parser": RefusedFlag(f"tool calling: {_LATER}"),
     "--reasoning-parser": RefusedFlag(f"reasoning parsers: {_LATER}"),
-    "--structured-outputs-config": RefusedFlag(f"structured outputs: {_LATER}"),
-    "--guided-decoding-backend": RefusedFlag(f"structured outputs: {_LATER}"),
+    "--guided-decoding-backend": RefusedFlag(
+        "vLLM replaced it with --structured-outputs-config; kvserve's backend is xgrammar",
+        accepted=("auto", "xgrammar"),
+    ),
     "--enable-expert-parallel": RefusedFlag("expert parallelism (MoE models) is not supported"),
     "--api-server-count": RefusedFlag(
         "one api process per server (scale engines with --data-parallel-size)", accepted=("1",)

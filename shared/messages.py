@@ -103,6 +103,13 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     prefix_cache_queries: int = 0  # prompt tokens looked up, in this step
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_scheduled_tokens: int = 0  # prompt and decode tokens this step computed
+    # Structured outputs: requests whose grammar is still compiling (also counted in
+    # num_waiting_reqs), cache lookups and hits in this step, and the seconds each grammar
+    # compiled in this step took.
+    num_waiting_for_grammar: int = 0
+    grammar_cache_queries: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_times: list[float] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, **_HOT):
@@ -144,6 +151,19 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []  # finished or aborted since the last step: drop state
     preempted_req_ids: list[str] = []  # preempted in this step: drop state, resent later
+    # Structured outputs: the requests that sample under a grammar in this step, and their
+    # allowed next tokens, one row each in that order: ceil(vocab_size / 32) little-endian
+    # int32 words per row, bit j of word w allowing token 32 * w + j. Raw bytes keep the
+    # ring message compact (a numpy view on the worker side, no per-token Python objects).
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute and nothing for the workers to drop."""
+        return not (
+            self.total_num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids
+        )
 
 
 class ModelRunnerOutput(msgspec.Struct, **_HOT):

@@ -6,6 +6,11 @@ from typing import Any
 
 import msgspec
 
+from kvserve.shared.structured_outputs import StructuredOutputsParams
+
+# OpenAI's bounds on a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
+
 
 class _StrictKeywords(msgspec.StructMeta):
     """Turns an unknown keyword into a ValueError that names it, instead of a TypeError."""
@@ -40,6 +45,13 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
         prompt_logprobs: number of top logprobs per prompt token, at most --max-logprobs.
         skip_special_tokens: drop special tokens from the text.
         include_stop_str_in_output: keep the matched stop string in the text.
+        structured_outputs: a constraint the output must satisfy (JSON schema, regex, ...).
+        logit_bias: token id -> bias added to its logit, in [-100, 100] (OpenAI's).
+        allowed_token_ids: only these tokens may be sampled.
+        bad_words: words that must not appear; the api (or LLM) tokenizes them into
+            bad_words_token_ids, which the sampler reads.
+        bad_words_token_ids: the token sequences of bad_words; the last token of a sequence
+            is banned when the output ends with the ones before it.
     """
 
     n: int = 1
@@ -60,6 +72,11 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +118,16 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
                 bad(name, value, "must be non-negative")
         if self.stop is not None and any(not s for s in self.stop):
             bad("stop", self.stop, "must not contain empty strings")
+        if self.logit_bias and any(abs(v) > MAX_LOGIT_BIAS for v in self.logit_bias.values()):
+            bad("logit_bias", self.logit_bias, "values must be in [-100, 100]")
+        if self.logit_bias and min(self.logit_bias) < 0:
+            bad("logit_bias", self.logit_bias, "keys must be token ids (>= 0)")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or min(self.allowed_token_ids) < 0
+        ):
+            bad("allowed_token_ids", self.allowed_token_ids, "must list token ids (>= 0)")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            bad("bad_words", self.bad_words, "must not contain empty words")
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +136,28 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
     @property
     def all_stop_token_ids(self) -> set[int]:
         return set(self.stop_token_ids or ())
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """logit_bias, allowed_token_ids or bad words touch this request's logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+
+def token_ids_out_of_range(params: SamplingParams, vocab_size: int) -> tuple[str, str] | None:
+    """(field, message) when logit_bias or allowed_token_ids name a token the vocabulary
+    lacks; None when every id fits.
+
+    Args:
+        params: the request's sampling parameters.
+        vocab_size: ids must be below this.
+    """
+    for field, ids in (
+        ("logit_bias", params.logit_bias or ()),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
+        if ids and max(ids) >= vocab_size:
+            return field, f"{field} names token id {max(ids)}, not in [0, {vocab_size})"
+    return None
 
 
 def logprobs_over_limit(params: SamplingParams, max_logprobs: int) -> tuple[str, str] | None:

@@ -36,11 +36,15 @@ class StatsTotals:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    grammar_cache_queries: int = 0
+    grammar_cache_hits: int = 0
 
     def add(self, stats: SchedulerStats) -> None:
         self.num_preemptions += stats.num_preemptions
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
+        self.grammar_cache_queries += stats.grammar_cache_queries
+        self.grammar_cache_hits += stats.grammar_cache_hits
 
 
 class StatLogger(Protocol):

@@ -11,6 +11,8 @@ and `finished_reason` on `request_success`. So a vLLM Grafana board works once i
 - each engine step (`ApiMetrics.record`, called by the EngineClient): tokens, TTFT,
   inter-token latency, and for each finished request its lengths, parameters and phase times
   (services/api/stats.py says which clock each comes from);
+- structured outputs (kvserve's own series): requests waiting for their grammar, grammar
+  cache queries and hits, and each grammar's compile time;
 - prometheus_client's process, platform and GC collectors (`process_*`, `python_*`).
 """
 
@@ -51,6 +53,7 @@ _REQUEST_BUCKETS = [
 ]
 # fmt: on
 _ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 _N_BUCKETS = [1, 2, 5, 10, 20]
 
 
@@ -120,6 +123,10 @@ def _request_series(max_model_len: int) -> dict[str, tuple[str, list | None]]:
             "Histogram of time spent in DECODE phase for request.",
             _REQUEST_BUCKETS,
         ),
+        "structured_output_compile_time_seconds": (
+            "Histogram of the time to compile a request's grammar (JSON schema, regex, ...).",
+            _COMPILE_BUCKETS,
+        ),
     }
 
 
@@ -139,6 +146,11 @@ _GAUGES = (
         "KV-cache usage. 1 means 100 percent usage.",
         lambda stats: stats.kv_cache_usage,
     ),
+    (
+        "kvserve:num_requests_waiting_for_grammar",
+        "Number of requests waiting for their grammar to compile (also counted as waiting).",
+        lambda stats: stats.num_waiting_for_grammar,
+    ),
 )
 _COUNTERS = (
     (
@@ -155,6 +167,16 @@ _COUNTERS = (
         "kvserve:prefix_cache_hits",
         "Prefix cache hits, in terms of number of cached tokens.",
         lambda totals: totals.prefix_cache_hits,
+    ),
+    (
+        "kvserve:structured_output_cache_queries",
+        "Structured-output requests that looked their grammar up in the cache.",
+        lambda totals: totals.grammar_cache_queries,
+    ),
+    (
+        "kvserve:structured_output_cache_hits",
+        "Of those, requests whose grammar was cached (compiled or compiling).",
+        lambda totals: totals.grammar_cache_hits,
     ),
 )
 
@@ -291,8 +313,11 @@ class ApiMetrics:
     ) -> None:
         """Take one engine step's figures."""
         s = self._engine_series(engine_index)
-        if scheduler_stats is not None and scheduler_stats.num_scheduled_tokens > 0:
-            s.iteration_tokens_total.observe(scheduler_stats.num_scheduled_tokens)
+        if scheduler_stats is not None:
+            if scheduler_stats.num_scheduled_tokens > 0:
+                s.iteration_tokens_total.observe(scheduler_stats.num_scheduled_tokens)
+            for seconds in scheduler_stats.grammar_compile_times:
+                s.structured_output_compile_time_seconds.observe(seconds)
         s.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         s.generation_tokens.inc(iteration_stats.num_generation_tokens)
         for ttft in iteration_stats.time_to_first_tokens:

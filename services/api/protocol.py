@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API, one msgspec Struct each.
 
 Requests decode strictly typed: a wrong type is a 400 that names the field. Unknown fields are
-ignored, as vLLM does (OpenAI's clients send extras such as `logit_bias` or `tools`).
+ignored with one warning line, as vLLM does; OpenAI fields kvserve knows but cannot honour
+(`UNSUPPORTED_FIELDS`: audio output, predicted outputs, `suffix`, ...) are a 400 when set.
 Responses follow OpenAI's shapes, plus vLLM's extras: `stop_reason` on each choice,
 `prompt_logprobs` (on each completion choice, on the chat response) and
 `usage.prompt_tokens_details.cached_tokens`.
@@ -15,6 +16,11 @@ from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
+
+from kvserve.shared.logging import init_logger
+from kvserve.shared.structured_outputs import StructuredOutputsParams
+
+logger = init_logger(__name__)
 
 # Sampling knobs that map one to one onto SamplingParams (None = SamplingParams' default).
 SAMPLING_FIELDS = (
@@ -33,6 +39,8 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "allowed_token_ids",
+    "bad_words",
 )
 
 
@@ -83,9 +91,13 @@ _VALIDATION_PATH = re.compile(r"at `\$\.(\w+)")
 
 
 def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
-    """Decode and type-check a JSON body; errors become 400s naming the bad field."""
+    """Decode and type-check a JSON body; errors become 400s naming the bad field.
+
+    Fields the request type does not know are ignored, with one warning line per request;
+    a field of UNSUPPORTED_FIELDS that asks for something is a 400.
+    """
     try:
-        return msgspec.json.decode(body, type=request_type)
+        request = msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
         match = _VALIDATION_PATH.search(str(exc))
         raise APIError(
@@ -93,6 +105,74 @@ def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
         ) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    _warn_unknown_fields(body, request_type)
+    _refuse_unsupported_fields(request)
+    return request
+
+
+_RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _warn_unknown_fields(body: bytes, request_type: type[msgspec.Struct]) -> None:
+    # Values stay undecoded (Raw): only the keys are read a second time.
+    unknown = set(_RAW_FIELDS.decode(body)) - set(request_type.__struct_fields__)
+    if unknown:
+        logger.warning(
+            "The following fields were present in the request but ignored: %s", sorted(unknown)
+        )
+
+
+# OpenAI (and old vLLM) request fields kvserve cannot honour: field -> (the values that ask
+# for nothing, why). A request setting another value is a 400 naming the field.
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "suffix": ((None, UNSET), "suffix (insertion) is not supported"),
+    "audio": ((None, UNSET), "audio output is not supported"),
+    "modalities": ((None, UNSET, ["text"]), "only the text modality is supported"),
+    "prediction": ((None, UNSET), "predicted outputs are not supported"),
+    "web_search_options": ((None, UNSET), "web search is not supported"),
+    "functions": ((None, UNSET), "`functions` is deprecated: use `tools`"),
+    "function_call": ((None, UNSET), "`function_call` is deprecated: use `tool_choice`"),
+    "store": ((None, UNSET, False), "responses are not stored"),
+    "metadata": (
+        (None, UNSET, {}),
+        "metadata is for stored responses, which kvserve keeps none of",
+    ),
+    "verbosity": ((None, UNSET), "verbosity is not supported"),
+    "service_tier": ((None, UNSET, "auto", "default"), "there is one service tier"),
+    "guided_json": ((None, UNSET), "vLLM removed guided_*: use structured_outputs.json"),
+    "guided_regex": ((None, UNSET), "vLLM removed guided_*: use structured_outputs.regex"),
+    "guided_choice": ((None, UNSET), "vLLM removed guided_*: use structured_outputs.choice"),
+    "guided_grammar": ((None, UNSET), "vLLM removed guided_*: use structured_outputs.grammar"),
+}
+
+
+def _refuse_unsupported_fields(request: msgspec.Struct) -> None:
+    for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
+        value = getattr(request, name, UNSET)
+        if value not in harmless:
+            raise APIError(400, f"`{name}` is not supported by kvserve: {why}", param=name)
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of != getattr(request, "n", 1):
+        raise APIError(400, "best_of is not supported (vLLM V1 dropped it): use n", param="best_of")
+
+
+class _UnsupportedFields(msgspec.Struct, kw_only=True):
+    """Decoded only to be refused when set (UNSUPPORTED_FIELDS)."""
+
+    audio: Any = UNSET
+    modalities: Any = UNSET
+    prediction: Any = UNSET
+    web_search_options: Any = UNSET
+    functions: Any = UNSET
+    function_call: Any = UNSET
+    store: Any = UNSET
+    metadata: Any = UNSET
+    verbosity: Any = UNSET
+    service_tier: Any = UNSET
+    guided_json: Any = UNSET
+    guided_regex: Any = UNSET
+    guided_choice: Any = UNSET
+    guided_grammar: Any = UNSET
 
 
 # --------------------------------------------------------------------------- requests
@@ -102,7 +182,27 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class _SamplingRequest(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """response_format.json_schema: the schema and its name (OpenAI's shape)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's response_format (text, json_object, json_schema) and vLLM's structural_tag
+    (its `structures` and `triggers`, or xgrammar's `format`)."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
+
+
+class _SamplingRequest(_UnsupportedFields, kw_only=True):
     """Fields that completions and chat share."""
 
     model: str | None = None
@@ -131,6 +231,13 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None
+    # Constraints: OpenAI's response_format and logit_bias (token id as a string -> bias),
+    # vLLM's structured_outputs, allowed_token_ids and bad_words.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling knobs the client set, with SamplingParams' names."""
@@ -152,6 +259,8 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     max_tokens: int | None = None  # None: up to max_model_len
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # refused when set (UNSUPPORTED_FIELDS)
+    best_of: int | None = None  # refused unless it equals n
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -159,10 +268,48 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One tool call, in an assistant message (request history or response)."""
+
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a `tool` message answers this call
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """tool_choice naming the function the model must call."""
+
+    type: str = "function"
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -176,6 +323,11 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    # "none", "auto", "required" or a NamedToolChoice; None: "auto" with tools, else "none".
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None  # passed to the chat template, as vLLM does
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -296,7 +448,8 @@ class ChatLogprobs(msgspec.Struct):
 
 class ChatResponseMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(msgspec.Struct):
@@ -317,9 +470,25 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     prompt_logprobs: PromptLogprobsBody | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A piece of a streamed tool call: the first carries id, type and name; later ones
+    append to the arguments of the call at `index`."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

@@ -31,6 +31,7 @@ from kvserve.services.api.protocol import (
     PromptLogprobsBody,
     UsageInfo,
 )
+from kvserve.services.api.request_constraints import logits_processor_kwargs
 from kvserve.services.api.request_logger import RequestLogger
 from kvserve.shared.config import FrontendConfig
 from kvserve.shared.sampling_params import SamplingParams, logprobs_over_limit
@@ -202,7 +203,8 @@ class OpenAIServing:
                 f"the length of the input or of the completion.",
                 param="max_tokens",
             )
-        kwargs = defaults | request.sampling_kwargs() | overrides
+        constraints = logits_processor_kwargs(request, self.tokenizer)
+        kwargs = defaults | request.sampling_kwargs() | constraints | overrides
         try:
             params = SamplingParams(max_tokens=max_tokens, **kwargs)
         except ValueError as exc:
@@ -359,6 +361,36 @@ def count_usage(final_outputs: list[RequestOutput | None]) -> tuple[int, int]:
             num_prompt += len(output.prompt_token_ids)
             num_completion += sum(len(c.token_ids) for c in output.outputs)
     return num_prompt, num_completion
+
+
+async def first_output_checked(
+    results: AsyncGenerator[tuple[int, T], None],
+) -> AsyncGenerator[tuple[int, T], None]:
+    """`results` again, once its first output has arrived and is not an error.
+
+    A stream's HTTP status goes out before its first chunk, so a request the engine may
+    still reject (a grammar that does not compile) waits here: its failure is a 400, not an
+    error event inside a 200.
+
+    Raises:
+        APIError: the first output is a failure (`results` is closed then).
+    """
+    try:
+        first = await anext(results)
+        raise_if_failed(first[1])
+    except BaseException:
+        await results.aclose()
+        raise
+    return _prepend(first, results)
+
+
+async def _prepend(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 def raise_if_failed(output: RequestOutput) -> None:

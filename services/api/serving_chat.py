@@ -1,7 +1,13 @@
-"""POST /v1/chat/completions: the model's chat template, then one prompt, streamed or not."""
+"""POST /v1/chat/completions: the model's chat template, then one prompt, streamed or not.
+
+With `tools`, tool_choice decides what the model may write (services/api/tool_calls.py), and
+each choice's text becomes content and OpenAI tool calls (finish_reason "tool_calls").
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import jinja2
@@ -26,6 +32,7 @@ from kvserve.services.api.protocol import (
     TopLogprob,
     now_seconds,
 )
+from kvserve.services.api.request_constraints import structured_outputs_of
 from kvserve.services.api.serving_base import (
     MIN_LOGPROB,
     SSE_DONE,
@@ -33,11 +40,18 @@ from kvserve.services.api.serving_base import (
     SSEResponse,
     StreamedChoice,
     error_event,
+    first_output_checked,
     prompt_logprobs_body,
     raise_if_failed,
     run_until_disconnected,
     sse_event,
     stop_holdback,
+)
+from kvserve.services.api.tool_calls import (
+    ToolCallOutput,
+    resolve_tool_choice,
+    tool_constraint,
+    tools_for_template,
 )
 from kvserve.shared.logging import init_logger
 from kvserve.shared.sampling_params import SamplingParams
@@ -46,7 +60,8 @@ logger = init_logger(__name__)
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template takes them; text parts are joined with newlines."""
+    """Messages as the chat template takes them; text parts are joined with newlines, and
+    tool-call arguments are objects (what templates render with `tojson`), as in vLLM."""
     conversation = []
     for message in messages:
         content = message.content
@@ -61,8 +76,29 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments_object(call.function.arguments),
+                    },
+                }
+                for call in message.tool_calls
+            ]
         conversation.append(entry)
     return conversation
+
+
+def _arguments_object(arguments: str):
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: the template gets the text
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -74,11 +110,14 @@ class OpenAIServingChat(OpenAIServing):
         add_generation_prompt: bool,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of the templated conversation; a template failure is a 400."""
         if not messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
         if continue_final_message:
             # The reply continues the last (assistant) message instead of starting a new one.
             kwargs["continue_final_message"] = True
@@ -98,11 +137,25 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_prompt_logprobs(request)
+        tool_choice = resolve_tool_choice(request, self.frontend)
+        structured_outputs = structured_outputs_of(request)
+        constraint = tool_constraint(request, tool_choice)
+        if constraint is not None and structured_outputs is not None:
+            raise APIError(
+                400,
+                f"tool_choice {tool_choice!r} constrains the output itself: drop "
+                f"response_format / structured_outputs",
+                param="tool_choice",
+            )
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.reasoning_effort is not None:
+            template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
         prompt_token_ids = self.apply_chat_template(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
-            request.chat_template_kwargs,
+            template_kwargs,
+            tools_for_template(request, tool_choice, self.frontend),
         )
         self.check_token_ids(prompt_token_ids, "messages")
         max_tokens = (
@@ -117,13 +170,22 @@ class OpenAIServingChat(OpenAIServing):
             "messages",
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
+            structured_outputs=constraint or structured_outputs,
         )
         self.check_engine()
         ids = self.request_ids(raw_request, request, "chatcmpl-")
         if request.stream:
-            return SSEResponse(self._stream(ids, request, prompt_token_ids, params))
+            results = self.generate(ids[1], [(None, prompt_token_ids)], [params], request.priority)
+            if params.structured_outputs is not None:
+                results = await first_output_checked(results)
+            return SSEResponse(self._stream(ids[0], request, params, tool_choice, results))
         return await run_until_disconnected(
-            raw_request, self._complete(ids, request, prompt_token_ids, params)
+            raw_request, self._complete(ids, request, prompt_token_ids, params, tool_choice)
+        )
+
+    def _tool_output(self, request: ChatCompletionRequest, tool_choice: str) -> ToolCallOutput:
+        return ToolCallOutput(
+            tool_choice, self.frontend.tool_call_parser, request.parallel_tool_calls
         )
 
     # ------------------------------------------------------------------ non-streaming
@@ -134,6 +196,7 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        tool_choice: str,
     ) -> Response:
         response_id, engine_id = ids
         final: RequestOutput | None = None
@@ -144,18 +207,21 @@ class OpenAIServingChat(OpenAIServing):
                 final = output
         assert final is not None and final.finished, "the request's stream ended early"
         raise_if_failed(final)
-        choices = [
-            ChatChoice(
-                completion.index,
-                ChatResponseMessage("assistant", completion.text),
-                self._logprobs(completion.token_ids, completion.logprobs, request)
-                if request.logprobs
-                else None,
-                completion.finish_reason,
-                completion.stop_reason,
+        choices = []
+        for completion in final.outputs:
+            tool_output = self._tool_output(request, tool_choice)
+            content, tool_calls = tool_output.result(completion.text)
+            choices.append(
+                ChatChoice(
+                    completion.index,
+                    ChatResponseMessage("assistant", content, tool_calls),
+                    self._logprobs(completion.token_ids, completion.logprobs, request)
+                    if request.logprobs
+                    else None,
+                    tool_output.finish_reason(completion.finish_reason, len(tool_calls)),
+                    completion.stop_reason,
+                )
             )
-            for completion in final.outputs
-        ]
         body = ChatCompletionResponse(
             id=response_id,
             model=self.served_model_name,
@@ -169,12 +235,12 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(
         self,
-        ids: tuple[str, str],
+        request_id: str,
         request: ChatCompletionRequest,
-        prompt_token_ids: list[int],
         params: SamplingParams,
+        tool_choice: str,
+        results: AsyncGenerator[tuple[int, RequestOutput], None],
     ):
-        request_id, engine_id = ids
         created = now_seconds()
         usage = None if request.include_usage else UNSET
 
@@ -191,13 +257,12 @@ class OpenAIServingChat(OpenAIServing):
 
         final: RequestOutput | None = None
         streamed = [StreamedChoice(stop_holdback(params)) for _ in range(params.n)]
+        tool_outputs = [self._tool_output(request, tool_choice) for _ in range(params.n)]
         try:
             # OpenAI opens every choice with the role and empty content.
             for index in range(params.n):
                 yield chunk([ChatStreamChoice(index, DeltaMessage("assistant", ""), None, None)])
-            async with aclosing(
-                self.generate(engine_id, [(None, prompt_token_ids)], [params], request.priority)
-            ) as results:
+            async with aclosing(results):
                 async for _, final in results:
                     raise_if_failed(final)
                     for completion in final.outputs:
@@ -207,6 +272,18 @@ class OpenAIServingChat(OpenAIServing):
                         if delta is None:
                             continue
                         text, first_token, finish_reason = delta
+                        message = DeltaMessage(content=text)
+                        tool_output = tool_outputs[completion.index]
+                        if tool_output.uses_tools:
+                            content, tool_deltas = tool_output.update(
+                                text, finish_reason is not None
+                            )
+                            message = DeltaMessage(content=content, tool_calls=tool_deltas or None)
+                            finish_reason = tool_output.finish_reason(
+                                finish_reason, tool_output.num_calls
+                            )
+                            if not (content or tool_deltas or finish_reason or request.logprobs):
+                                continue
                         logprobs = None
                         if request.logprobs:
                             logprobs = self._logprobs(
@@ -218,7 +295,7 @@ class OpenAIServingChat(OpenAIServing):
                             [
                                 ChatStreamChoice(
                                     completion.index,
-                                    DeltaMessage(content=text),
+                                    message,
                                     logprobs,
                                     finish_reason,
                                     completion.stop_reason if finish_reason else None,

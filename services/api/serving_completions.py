@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import msgspec
@@ -19,6 +20,7 @@ from kvserve.services.api.protocol import (
     CompletionStreamResponse,
     now_seconds,
 )
+from kvserve.services.api.request_constraints import structured_outputs_of
 from kvserve.services.api.serving_base import (
     MIN_LOGPROB,
     SSE_DONE,
@@ -27,6 +29,7 @@ from kvserve.services.api.serving_base import (
     SSEResponse,
     StreamedChoice,
     error_event,
+    first_output_checked,
     prompt_logprobs_body,
     raise_if_failed,
     run_until_disconnected,
@@ -51,6 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and request.echo:
             prompt_logprobs = request.logprobs
+        structured_outputs = structured_outputs_of(request)
         params_list = [
             self.make_sampling_params(
                 request,
@@ -59,13 +63,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 "prompt",
                 logprobs=request.logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs,
             )
             for _, token_ids in prompts
         ]
         self.check_engine()
         ids = self.request_ids(raw_request, request, "cmpl-")
         if request.stream:
-            return SSEResponse(self._stream(ids, request, prompts, params_list))
+            results = self.generate(ids[1], prompts, params_list, request.priority)
+            if structured_outputs is not None:
+                results = await first_output_checked(results)
+            return SSEResponse(self._stream(ids, request, prompts, params_list, results))
         return await run_until_disconnected(
             raw_request, self._complete(ids, request, prompts, params_list)
         )
@@ -164,8 +172,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request: CompletionRequest,
         prompts: list[PromptInput],
         params_list: list[SamplingParams],
+        results: AsyncGenerator[tuple[int, RequestOutput], None],
     ):
-        request_id, engine_id = ids
+        request_id = ids[0]
         created = now_seconds()
         as_ids = self.tokens_as_ids(request)
         want_logprobs = request.logprobs is not None
@@ -174,9 +183,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streamed: dict[tuple[int, int], StreamedChoice] = {}
         next_offsets: dict[tuple[int, int], int] = {}
         try:
-            async with aclosing(
-                self.generate(engine_id, prompts, params_list, request.priority)
-            ) as results:
+            async with aclosing(results):
                 async for prompt_index, output in results:
                     final[prompt_index] = output
                     raise_if_failed(output)

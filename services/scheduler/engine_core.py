@@ -13,12 +13,17 @@ import msgspec
 
 from kvserve.services.scheduler.executor import Executor, UniExecutor
 from kvserve.services.scheduler.scheduler import Scheduler
+from kvserve.services.scheduler.structured_output import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
+from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
 from kvserve.shared.wire import EngineReady, this_hostname
 
 logger = init_logger(__name__)
+
+# An engine whose only requests wait for their grammars blocks this long for a compile at a
+# time, instead of stepping idle (new inputs wait at most this long).
+_GRAMMAR_WAIT_S = 0.01
 
 
 def make_executor(config: EngineConfig, model_dir: str) -> Executor:
@@ -60,8 +65,18 @@ class EngineCore:
         self.executor = make_executor(config, model_dir)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
+        self.structured_output_manager = StructuredOutputManager(
+            model_dir,
+            config.model.tokenizer or model_dir,
+            config.structured_outputs_config,
+            config.scheduler.max_num_seqs,
+        )
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, num_blocks, self.executor.max_model_len
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            self.executor.max_model_len,
+            structured_output_manager=self.structured_output_manager,
         )
         # The scheduler may cap max_model_len to what the KV cache holds.
         self.ready = EngineReady(
@@ -99,8 +114,15 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine step; outputs of every request that advanced or ended."""
+        if self.scheduler.only_waiting_for_grammars():
+            self.structured_output_manager.wait_any(
+                self.scheduler.pending_grammar_futures(), _GRAMMAR_WAIT_S
+            )
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        if scheduler_output.is_empty:
+            runner_output = ModelRunnerOutput()  # nothing for the workers to do or drop
+        else:
+            runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic()
@@ -110,4 +132,5 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -218,7 +218,7 @@ class EngineCoreProc:
             num_blocks=manager.num_total_blocks,
             num_free_blocks=manager.num_free_blocks,
             num_running_reqs=len(scheduler.running),
-            num_waiting_reqs=len(scheduler.waiting),
+            num_waiting_reqs=len(scheduler.waiting) + len(scheduler.waiting_for_grammar),
             num_steps=self.num_steps,
             num_preemptions_total=scheduler.num_preemptions_total,
         )
@@ -236,7 +236,8 @@ class EngineCoreProc:
         scheduler = self.engine_core.scheduler if self.engine_core is not None else None
         if scheduler is None:
             return EngineLoad(self.engine_index, 0, 0)
-        return EngineLoad(self.engine_index, len(scheduler.waiting), len(scheduler.running))
+        num_waiting = len(scheduler.waiting) + len(scheduler.waiting_for_grammar)
+        return EngineLoad(self.engine_index, num_waiting, len(scheduler.running))
 
     # ------------------------------------------------------------------ IO threads
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from kvserve.shared.hashing import HashFn, hash_new_full_blocks, make_extra_keys
 from kvserve.shared.messages import (
@@ -14,21 +16,27 @@ from kvserve.shared.messages import (
 )
 from kvserve.shared.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kvserve.services.scheduler.grammar import Grammar
+
 # Returns the hashes of the request's full blocks that request.block_hashes lacks.
 BlockHasher = Callable[["Request"], list[bytes]]
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle: WAITING -> RUNNING (<-> PREEMPTED -> RUNNING) -> one FINISHED_* state."""
+    """Lifecycle: [WAITING_FOR_GRAMMAR ->] WAITING -> RUNNING (<-> PREEMPTED -> RUNNING) ->
+    one FINISHED_* state. A structured-output request waits for its grammar to compile
+    before it may be scheduled."""
 
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_GRAMMAR = 0
+    WAITING = 1
+    RUNNING = 2
+    PREEMPTED = 3
     # Every status after PREEMPTED is final; `is_finished` relies on this order.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -41,6 +49,20 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+
+
+class StructuredOutputState:
+    """A request's grammar: compiling (`future`), then walked by `grammar`.
+
+    Args:
+        future: the compile's Future (StructuredOutputManager.compile).
+    """
+
+    __slots__ = ("future", "grammar")
+
+    def __init__(self, future: Future[Any]):
+        self.future = future
+        self.grammar: Grammar | None = None
 
 
 def make_block_hasher(block_size: int, hash_fn: HashFn) -> BlockHasher:
@@ -92,6 +114,8 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
+        self.error: str | None = None  # why it ended, when FINISHED_ERROR
+        self.structured_output: StructuredOutputState | None = None
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose K/V is in the cache or being written by the step in flight.

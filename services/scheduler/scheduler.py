@@ -6,6 +6,10 @@ tail when the cache is full), then waiting requests (after a prefix-cache lookup
 long prompts. One `schedule()` makes a `SchedulerOutput`, a diff against the workers' state;
 `update_from_output()` takes the sampled tokens back and checks the stop conditions.
 
+A structured-output request first waits in `waiting_for_grammar` while its grammar compiles
+on the StructuredOutputManager's threads; each step's SchedulerOutput carries the bitmask of
+the grammars that sample in it, and their matchers advance on the sampled tokens.
+
 `num_computed_tokens` advances when a step is scheduled (its K/V is then being written), not
 when its output returns, so state stays consistent even if two schedules run back to back.
 """
@@ -14,13 +18,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
 
 from kvserve.services.scheduler.block_pool import KVCacheBlock
 from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
-from kvserve.services.scheduler.request import Request, RequestStatus, make_block_hasher
+from kvserve.services.scheduler.request import (
+    Request,
+    RequestStatus,
+    StructuredOutputState,
+    make_block_hasher,
+)
 from kvserve.services.scheduler.request_queue import create_request_queue
 from kvserve.services.scheduler.step_plan import StepPlan
 from kvserve.services.scheduler.stop_check import check_stop
+from kvserve.services.scheduler.structured_output import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, SchedulerConfig
 from kvserve.shared.hashing import get_hash_fn
 from kvserve.shared.logging import init_logger
@@ -53,6 +65,7 @@ class Scheduler:
             cache holds, so `self.max_model_len` is the effective limit.
         log_stats: collect the counters `make_stats` reports, and time each request's
             events (queued, scheduled, preempted) for the api's metrics.
+        structured_output_manager: compiles grammars; None refuses structured requests.
     """
 
     def __init__(
@@ -62,8 +75,10 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         log_stats: bool = True,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.structured_output_manager = structured_output_manager
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.log_stats = log_stats
@@ -82,6 +97,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
+        # Structured-output requests whose grammar is compiling, in arrival order.
+        self.waiting_for_grammar: dict[str, Request] = {}
+        self._num_live_grammars = 0  # requests holding a matcher (bitmask work to do)
         # Finished or aborted since the last schedule(): the workers drop their state.
         self.finished_req_ids: set[str] = set()
         # Outputs not tied to a step (rejected requests), sent with the next step's outputs.
@@ -133,7 +151,14 @@ class Scheduler:
             )
             return
         self.requests[request.req_id] = request
-        self.waiting.add_request(request)
+        params = request.sampling_params.structured_outputs
+        if params is not None and self.structured_output_manager is not None:
+            future = self.structured_output_manager.compile(params)
+            request.structured_output = StructuredOutputState(future)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[request.req_id] = request
+        else:
+            self.waiting.add_request(request)
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED, time.monotonic())
 
@@ -151,6 +176,9 @@ class Scheduler:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) > _MAX_TOKEN_ID:
             return f"prompt token ids must be in [0, {_MAX_TOKEN_ID}]"
+        params = engine_request.sampling_params
+        if params.structured_outputs is not None and self.structured_output_manager is None:
+            return "structured outputs are not enabled in this engine"
         return None
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -173,12 +201,17 @@ class Scheduler:
             for r in requests.values()
             if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         )
+        for req_id in requests:
+            self.waiting_for_grammar.pop(req_id, None)
         for request in requests.values():
             request.status = status
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
         assert request.is_finished, f"{request} freed before it finished"
+        if request.structured_output is not None and request.structured_output.grammar:
+            request.structured_output.grammar = None
+            self._num_live_grammars -= 1
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
@@ -187,6 +220,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then waiting ones if nothing was preempted."""
+        if self.waiting_for_grammar:
+            self._admit_compiled_grammars()
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: admitting more would thrash.
@@ -199,6 +234,55 @@ class Scheduler:
             self._record_step_events(plan)
             self._num_step_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         return scheduler_output
+
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; a failed compile ends its
+        request with the compile's error (the api answers it as a 400)."""
+        manager = self.structured_output_manager
+        assert manager is not None, "only a manager's compiles wait here"
+        for request in list(self.waiting_for_grammar.values()):
+            state = request.structured_output
+            assert state is not None, f"{request} waits for a grammar it does not have"
+            if not state.future.done():
+                continue
+            del self.waiting_for_grammar[request.req_id]
+            try:
+                state.grammar = manager.make_grammar(state.future)
+            except Exception as exc:  # noqa: BLE001 - a bad grammar costs its request only
+                self._fail_request(request, str(exc))
+                continue
+            self._num_live_grammars += 1
+            request.status = RequestStatus.WAITING
+            self.waiting.add_request(request)
+
+    def _fail_request(self, request: Request, error: str) -> None:
+        """End a request that never ran with an ERROR output (sent with the next outputs)."""
+        logger.warning("request %s failed: %s", request.req_id, error)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request_id=request.req_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=error,
+            )
+        )
+        self._free_request(request)
+
+    def only_waiting_for_grammars(self) -> bool:
+        """Every unfinished request waits for its grammar, and nothing else is to be done:
+        the engine may block on the compiles instead of stepping idle."""
+        return bool(self.waiting_for_grammar) and not (
+            self.waiting or self.running or self.finished_req_ids or self._pending_outputs
+        )
+
+    def pending_grammar_futures(self) -> list[Future[Any]]:
+        """The compiles the waiting_for_grammar requests wait for."""
+        return [
+            r.structured_output.future
+            for r in self.waiting_for_grammar.values()
+            if r.structured_output is not None
+        ]
 
     @staticmethod
     def _record_step_events(plan: StepPlan) -> None:
@@ -329,6 +413,7 @@ class Scheduler:
             num_computed_tokens=[request.num_computed_tokens for request in plan.scheduled_running],
         )
         finished_req_ids, self.finished_req_ids = sorted(self.finished_req_ids), set()
+        grammar_req_ids, grammar_bitmask = self._grammar_bitmask(plan)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -336,7 +421,28 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             preempted_req_ids=[request.req_id for request in plan.preempted],
+            grammar_req_ids=grammar_req_ids,
+            grammar_bitmask=grammar_bitmask,
         )
+
+    def _grammar_bitmask(self, plan: StepPlan) -> tuple[list[str], bytes]:
+        """The requests that sample under a grammar in this step (their scheduled tokens
+        reach the end of what they hold), and the bitmask of their next tokens."""
+        if not self._num_live_grammars:
+            return [], b""
+        req_ids, grammars = [], []
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            state = request.structured_output
+            if state is None or state.grammar is None:
+                continue
+            if request.num_computed_tokens + num_tokens >= request.num_tokens:
+                req_ids.append(req_id)
+                grammars.append(state.grammar)
+        if not grammars:
+            return [], b""
+        assert self.structured_output_manager is not None, "grammars come from the manager"
+        return req_ids, self.structured_output_manager.grammar_bitmask(grammars)
 
     # ------------------------------------------------------------------ outputs back
 
@@ -388,7 +494,13 @@ class Scheduler:
         for token_id in sampled_token_ids:
             request.append_output_token_ids(token_id)
             new_token_ids.append(token_id)
+            if request.structured_output is not None and not self._advance_grammar(
+                request, token_id
+            ):
+                break
             if check_stop(request, self.max_model_len):
+                break
+            if request.structured_output is not None and self._grammar_complete(request):
                 break
         logprobs = model_runner_output.logprobs.get(request.req_id)
         if logprobs is not None and len(logprobs.ranks) > len(new_token_ids):
@@ -410,8 +522,30 @@ class Scheduler:
             finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason,
             num_cached_tokens=num_cached_tokens,
+            error=request.error,
             events=request.take_events(),
         )
+
+    @staticmethod
+    def _advance_grammar(request: Request, token_id: int) -> bool:
+        """Move the request's matcher over its new token; False (the request failed) when
+        the grammar forbids it, which the bitmask should have made impossible."""
+        assert request.structured_output is not None and request.structured_output.grammar
+        if request.structured_output.grammar.accept_tokens([token_id]):
+            return True
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = f"sampled token {token_id} is not allowed by the request's grammar"
+        logger.error("request %s: %s", request.req_id, request.error)
+        return False
+
+    @staticmethod
+    def _grammar_complete(request: Request) -> bool:
+        """A grammar that took its stop token ends the request (even with ignore_eos)."""
+        assert request.structured_output is not None and request.structured_output.grammar
+        if not request.structured_output.grammar.is_terminated:
+            return False
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     @staticmethod
     def _take_new_prompt_logprobs(
@@ -431,7 +565,7 @@ class Scheduler:
     # ------------------------------------------------------------------ state and stats
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting_for_grammar) + len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -456,14 +590,23 @@ class Scheduler:
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
         num_preemptions, self._num_step_preemptions = self._num_step_preemptions, 0
         num_scheduled_tokens, self._num_step_scheduled_tokens = self._num_step_scheduled_tokens, 0
+        grammar_queries, grammar_hits, compile_times = 0, 0, list[float]()
+        if self.structured_output_manager is not None:
+            grammar_queries, grammar_hits, compile_times = (
+                self.structured_output_manager.take_stats()
+            )
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=num_preemptions,
             prefix_cache_queries=prefix_stats.num_queried_tokens,
             prefix_cache_hits=prefix_stats.num_hit_tokens,
             num_scheduled_tokens=num_scheduled_tokens,
+            num_waiting_for_grammar=len(self.waiting_for_grammar),
+            grammar_cache_queries=grammar_queries,
+            grammar_cache_hits=grammar_hits,
+            grammar_compile_times=compile_times,
         )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvserve.services.worker.logits_processors import LogitsProcessorState
 from kvserve.shared.messages import NewRequestData
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -26,6 +27,8 @@ class RequestState:
     generator: torch.Generator | None
     eos_token_id: int | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    # logit_bias, allowed_token_ids, bad words as arrays; None when the request has none.
+    logits_processors: LogitsProcessorState | None = None
 
 
 class InputBatch:
@@ -35,7 +38,8 @@ class InputBatch:
         max_num_reqs: rows available (the scheduler's max_num_seqs).
         max_model_len: the longest request in tokens.
         max_num_blocks_per_req: block-table width.
-        vocab_size: used to pad prompt token ids for the repetition penalty.
+        vocab_size: the logits' width (pads prompt token ids for the repetition penalty,
+            bounds logit_bias and allowed ids).
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class InputBatch:
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
 
         self.requests: dict[str, RequestState] = {}
+        self.num_logits_processor_reqs = 0  # live requests with a LogitsProcessorState
         # Low rows first, so the live rows stay dense.
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -85,6 +90,8 @@ class InputBatch:
         )
         if params.repetition_penalty != 1.0:
             state.prompt_token_ids = list(new.prompt_token_ids)
+        state.logits_processors = LogitsProcessorState.of(params, self.vocab_size)
+        self.num_logits_processor_reqs += state.logits_processors is not None
         self.requests[new.req_id] = state
 
         tokens = new.prompt_token_ids + new.output_token_ids
@@ -107,6 +114,7 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            self.num_logits_processor_reqs -= state.logits_processors is not None
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]

@@ -22,6 +22,7 @@ from kvserve.services.worker.input_batch import InputBatch, RequestState
 from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
 from kvserve.services.worker.layers.embed_head import ParallelLMHead
 from kvserve.services.worker.layers.linear import LinearBase
+from kvserve.services.worker.logits_processors import LogitsProcessorBatch
 from kvserve.services.worker.models import load_model
 from kvserve.services.worker.parallel_state import (
     broadcast_from_driver,
@@ -266,7 +267,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[logits_indices])
                 if self.is_driver:
                     out = self.sampler(
-                        logits, self._sampling_metadata(sample_states, rows[sample_idx])
+                        logits, self._sampling_metadata(sample_states, rows[sample_idx], so)
                     )
                     sampled_ids = out.sampled_token_ids
                     if out.logprobs is not None:
@@ -303,7 +304,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling inputs
 
-    def _sampling_metadata(self, states: list[RequestState], rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(
+        self, states: list[RequestState], rows: np.ndarray, so: SchedulerOutput
+    ) -> SamplingMetadata:
         b = self.input_batch
         temperature = b.temperature[rows]
         greedy = temperature < 1e-5
@@ -346,7 +349,30 @@ class ModelRunner:
             md.repetition_penalties = torch.from_numpy(repetition)
             if (repetition != 1).any():
                 md.prompt_token_ids = self._padded_prompts(states)
+        if so.grammar_req_ids:
+            md.grammar_bitmask, md.grammar_rows = self._grammar_rows(states, so)
+        if b.num_logits_processor_reqs:
+            with_processors = [
+                (i, s.logits_processors, s.output_token_ids)
+                for i, s in enumerate(states)
+                if s.logits_processors is not None
+            ]
+            if with_processors:
+                md.logits_processors = LogitsProcessorBatch.gather(with_processors)
         return md
+
+    @staticmethod
+    def _grammar_rows(
+        states: list[RequestState], so: SchedulerOutput
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's bitmask as [N, W] int32 (a view of the message's bytes), and the
+        sampling row of each of its rows."""
+        row_of = {s.req_id: i for i, s in enumerate(states)}
+        bitmask = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(
+            len(so.grammar_req_ids), -1
+        )
+        rows = np.fromiter((row_of[r] for r in so.grammar_req_ids), np.int64, len(bitmask))
+        return bitmask, rows
 
     def _padded_prompts(self, states: list[RequestState]) -> torch.Tensor:
         width = max(len(s.prompt_token_ids) for s in states) or 1

@@ -2,7 +2,9 @@
 
 The order follows vLLM V1:
 
-    raw logprobs (log_softmax of the untouched logits, only when some row asks)
+    grammar bitmask (structured outputs: the model runner's step in vLLM)
+    -> raw logprobs (log_softmax of these logits, only when some row asks)
+    -> allowed_token_ids, bad words, logit_bias (services/worker/logits_processors.py)
     -> min_tokens mask -> penalties -> greedy argmax                    (greedy rows)
                                     -> temperature -> top-k / top-p -> min-p
                                        -> softmax -> inverse-CDF draw    (random rows)
@@ -16,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvserve.services.worker.logits_processors import apply_token_bitmask
 from kvserve.services.worker.sampling_metadata import (
     LogprobsTensors,
     SamplerOutput,
@@ -41,11 +44,17 @@ class Sampler(torch.nn.Module):
         """
         assert logits.dim() == 2, f"logits must be [R, V], got {tuple(logits.shape)}"
         logits = logits.float()  # a no-op when already float32
-        # Logprobs describe the model's own distribution, so they are taken before any
-        # penalty, mask or temperature touches the logits (vLLM's raw_logprobs mode).
+        if metadata.grammar_bitmask is not None:
+            assert metadata.grammar_rows is not None, "a bitmask row per grammar row"
+            apply_token_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+        # Logprobs describe the model's own distribution (under its grammar), so they are
+        # taken before any penalty, mask or temperature touches the logits (vLLM's
+        # raw_logprobs mode).
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
+        if metadata.logits_processors is not None:
+            metadata.logits_processors.apply(logits)
         if metadata.min_tokens:
             apply_min_tokens(logits, metadata.min_tokens)
         if not metadata.no_penalties:

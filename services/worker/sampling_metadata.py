@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from kvserve.services.worker.logits_processors import LogitsProcessorBatch
 
 
 @dataclass(slots=True)
@@ -27,6 +30,11 @@ class SamplingMetadata:
         output_token_ids: per row, the tokens generated so far (penalties, min_tokens).
         min_tokens: row -> (min_tokens, token ids to forbid while fewer outputs exist),
             only for rows whose output is still shorter than min_tokens.
+        grammar_bitmask: [N, W] int32, the allowed tokens of the N rows that sample under a
+            grammar (structured outputs); None when none does.
+        grammar_rows: [N] the row of each bitmask row.
+        logits_processors: allowed_token_ids, bad words and logit_bias of the rows that use
+            them; None when no row does.
     """
 
     temperature: torch.Tensor | None
@@ -44,6 +52,9 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None = None
     output_token_ids: list[list[int]] = field(default_factory=list)
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
+    grammar_rows: np.ndarray | None = None
+    logits_processors: LogitsProcessorBatch | None = None
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -61,8 +62,21 @@ def test_defaults_leave_sampling_params_defaults_alone():
 
 
 def test_unknown_fields_are_ignored_like_vllm():
-    request = decode({"prompt": "x", "logit_bias": {"5": 1}, "suffix": "y"})
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("kvserve.services.api.protocol")
+    logger.addHandler(handler)
+    try:
+        request = decode({"prompt": "x", "no_such_field": 1, "another_one": {"a": 2}})
+        decode({"prompt": "x"})
+    finally:
+        logger.removeHandler(handler)
     assert request.prompt == "x"
+    assert [r.getMessage() for r in records] == [
+        "The following fields were present in the request but ignored: "
+        "['another_one', 'no_such_field']"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,27 @@ CASES = [
     (["--executor", "mp"], lambda o: o.engine.parallel.distributed_executor_backend, "mp"),
     (["--kv-cache-dtype", "auto"], lambda o: o.engine.cache, ServeOptions().engine.cache),
     (["--load-format", "safetensors"], lambda o: o.engine, ServeOptions().engine),
+    (
+        ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
+        lambda o: (
+            o.engine.structured_outputs_config.backend,
+            o.engine.structured_outputs_config.disable_any_whitespace,
+        ),
+        ("xgrammar", True),
+    ),
+    (["--guided-decoding-backend", "xgrammar"], lambda o: o.engine, ServeOptions().engine),
+    (
+        ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        lambda o: (o.frontend.enable_auto_tool_choice, o.frontend.tool_call_parser),
+        (True, "hermes"),
+    ),
+    (["--tool-call-parser", "llama3_json"], lambda o: o.frontend.tool_call_parser, "llama3_json"),
+    (["--tool-call-parser", "pythonic"], lambda o: o.frontend.tool_call_parser, "pythonic"),
+    (
+        ["--exclude-tools-when-tool-choice-none"],
+        lambda o: o.frontend.exclude_tools_when_tool_choice_none,
+        True,
+    ),
 ]
 
 
@@ -89,6 +110,21 @@ def test_defaults_are_vllms():
         (["--ssl-keyfile", "k.pem"], "TLS needs both --ssl-keyfile and --ssl-certfile"),
         (["--max-logprobs", "-1"], "max_logprobs must be >= 0"),
         (["a", "--model", "b"], "model given twice"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+        (
+            ["--structured-outputs-config", '{"backend": "outlines"}'],
+            "backend 'outlines' is not supported",
+        ),
+        (
+            ["--structured-outputs-config", '{"reasoning_parser": "deepseek_r1"}'],
+            "reasoning parsers are not built yet",
+        ),
+        (
+            ["--guided-decoding-backend", "outlines"],
+            "--guided-decoding-backend outlines: not supported by kvserve",
+        ),
+        (["--reasoning-parser", "deepseek_r1"], "reasoning parsers: not built yet"),
     ],
 )
 def test_unsupported_and_invalid_flags_are_refused_by_name(argv, message, capsys):
