@@ -175,8 +175,8 @@ def build_app(
     metrics = ApiMetrics(engine_client, served_model_name)
     if not frontend.disable_log_stats:
         engine_client.stat_loggers.append(LoggingStatLogger())
-    completions = OpenAIServingCompletion(engine_client, served_model_name, metrics, frontend)
-    chat = OpenAIServingChat(engine_client, served_model_name, metrics, frontend)
+    completions = OpenAIServingCompletion(engine_client, served_model_name, frontend)
+    chat = OpenAIServingChat(engine_client, served_model_name, frontend)
     defaults = load_generation_defaults(
         frontend.generation_config, engine_client.tokenizer_info.model_dir
     )

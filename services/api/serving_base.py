@@ -22,7 +22,6 @@ from starlette.responses import Response, StreamingResponse
 
 from kvserve.services.api.detokenizer import num_held_back_chars
 from kvserve.services.api.engine_client import EngineClient, EngineDeadError
-from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvserve.services.api.protocol import (
     SAMPLING_FIELDS,
@@ -58,7 +57,6 @@ class OpenAIServing:
     Args:
         engine_client: where requests go.
         served_model_name: the only model name requests may ask for.
-        metrics: the app's metrics.
         frontend: the front end's options (usage details, token ids, request logs).
 
     `generation_defaults` are the SamplingParams defaults of --generation-config (set by
@@ -71,12 +69,10 @@ class OpenAIServing:
         self,
         engine_client: EngineClient,
         served_model_name: str,
-        metrics: ApiMetrics,
         frontend: FrontendConfig | None = None,
     ):
         self.engine_client = engine_client
         self.served_model_name = served_model_name
-        self.metrics = metrics
         self.frontend = frontend or FrontendConfig()
         self.request_logger = (
             RequestLogger(self.frontend.max_log_len) if self.frontend.enable_log_requests else None

@@ -13,7 +13,6 @@ import pytest
 from starlette.requests import Request
 
 from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.output_processor import OutputProcessor
 from kvserve.services.api.outputs import Logprob
 from kvserve.services.api.protocol import (
@@ -37,7 +36,7 @@ def tokenizer_info(tiny_llama_dir) -> TokenizerInfo:
 
 def make_serving(tokenizer_info, max_logprobs: int = 20, **frontend) -> OpenAIServing:
     client = EngineClient(tokenizer_info, 256, "tiny", max_logprobs=max_logprobs)
-    return OpenAIServing(client, "tiny", ApiMetrics(client, "tiny"), FrontendConfig(**frontend))
+    return OpenAIServing(client, "tiny", FrontendConfig(**frontend))
 
 
 def http_request(headers: dict[str, str] | None = None) -> Request:
