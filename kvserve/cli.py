@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from kvserve.benchmarks.tune import add_tune_parser
+
+    add_tune_parser(sub)
     return parser
 
 

@@ -16,6 +16,28 @@ import os
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """The dataset flags, shared with `kvserve tune`."""
+    data = p.add_argument_group("dataset")
+    data.add_argument("--dataset-name", default="random", choices=("random", "prefix", "sharegpt"))
+    data.add_argument("--dataset-path", default=None, help="ShareGPT JSON or JSONL file")
+    data.add_argument("--num-prompts", type=int, default=1000)
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--random-input-len", type=int, default=1024)
+    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0)
+    data.add_argument("--prefix-num-groups", type=int, default=4)
+    data.add_argument("--prefix-len", type=int, default=256)
+    data.add_argument("--prefix-suffix-len", type=int, default=32)
+    data.add_argument("--prefix-output-len", type=int, default=128)
+    data.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="max_tokens of every request (default: the gpt answer's length)",
+    )
+
+
 def add_parser(kinds) -> None:
     p = kinds.add_parser("serve", help="online serving benchmark (any OpenAI-compatible server)")
     server = p.add_argument_group("server")
@@ -39,24 +61,7 @@ def add_parser(kinds) -> None:
         help="bearer token (default: $OPENAI_API_KEY)",
     )
 
-    data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=("random", "prefix", "sharegpt"))
-    data.add_argument("--dataset-path", default=None, help="ShareGPT JSON or JSONL file")
-    data.add_argument("--num-prompts", type=int, default=1000)
-    data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--random-input-len", type=int, default=1024)
-    data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=0.0)
-    data.add_argument("--prefix-num-groups", type=int, default=4)
-    data.add_argument("--prefix-len", type=int, default=256)
-    data.add_argument("--prefix-suffix-len", type=int, default=32)
-    data.add_argument("--prefix-output-len", type=int, default=128)
-    data.add_argument(
-        "--sharegpt-output-len",
-        type=int,
-        default=None,
-        help="max_tokens of every request (default: the gpt answer's length)",
-    )
+    add_dataset_args(p)
 
     load = p.add_argument_group("load")
     load.add_argument(
