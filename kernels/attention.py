@@ -9,9 +9,16 @@ query_start_loc[r] .. query_start_loc[r + 1] and has seq_lens[r] tokens of conte
 
 and attends to keys 0..its own position, read through block_table[r] (block_size tokens per
 block). Query head h reads KV head h // (Hq // Hkv) (GQA).
+
+Two options, off by default (the fast paths): a sliding window W limits query position p to
+keys p - W < t <= p (Mistral, Gemma); a logits soft cap c squashes every score s = scale q.k to
+c * tanh(s / c) before the softmax (Gemma 2). The cache keeps every block: keys older than the
+window are masked, not freed.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,11 @@ _TILE_N = 32
 _DECODE_GROUP_BYTES = 16 << 20
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _tanh(x):
+        # 1 - 2 / (e^2x + 1): saturates to -1 and 1 without inf / inf.
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
     def _find_request(query_start_loc_ptr, num_reqs, q_block_idx, BLOCK_Q: tl.constexpr):
@@ -53,6 +65,8 @@ if HAS_TRITON:
         query_start_loc_ptr,
         seq_lens_ptr,
         scale,
+        sliding_window,
+        soft_cap,
         num_reqs,
         query_token_stride,
         query_head_stride,
@@ -70,6 +84,8 @@ if HAS_TRITON:
         BLOCK_Q: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        USE_SOFT_CAP: tl.constexpr,
     ):
         # Grid: (q block, KV head). A program's BLOCK_M rows are (query token, query head of
         # this KV head) pairs, row m = token m // G, head m % G, so every K/V tile it loads
@@ -108,7 +124,11 @@ if HAS_TRITON:
         qk_scale = scale * 1.4426950408889634  # log2(e): softmax via exp2
         # Keys past this block's last query are invisible to all its rows.
         num_keys = context_len + tl.minimum(query_len, (q_block_in_req + 1) * BLOCK_Q)
-        for tile_start in range(0, num_keys, TILE_N):
+        first_key = 0
+        if USE_WINDOW:
+            # Keys before the window of this block's first query are invisible to all its rows.
+            first_key = tl.maximum(context_len + q_block_in_req * BLOCK_Q - sliding_window + 1, 0)
+        for tile_start in range(first_key, num_keys, TILE_N):
             keys = tile_start + tl.arange(0, TILE_N)
             key_mask = keys < num_keys
             block_ids = tl.load(
@@ -126,8 +146,14 @@ if HAS_TRITON:
                 mask=key_mask[None, :] & dim_mask[:, None],
                 other=0.0,
             )
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+            if USE_SOFT_CAP:
+                scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+                scores = soft_cap * _tanh(scores / soft_cap) * 1.4426950408889634
+            else:
+                scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
             visible = (keys[None, :] <= query_positions[:, None]) & key_mask[None, :]
+            if USE_WINDOW:
+                visible = visible & (keys[None, :] > query_positions[:, None] - sliding_window)
             scores = tl.where(visible, scores, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
             # Rows with nothing visible yet (padding rows) keep a finite shift: no inf - inf.
@@ -188,6 +214,8 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; contract in kernels.dispatch.paged_attention.
 
@@ -197,6 +225,7 @@ def paged_attention(
         block_table: [R, max_blocks] int32, rows contiguous.
         query_start_loc: [R + 1] int32; seq_lens: [R] int32.
         scale: softmax scale; max_query_len, max_seq_len: host-side maxima.
+        sliding_window, logits_soft_cap: the options of the module docstring (None: off).
     Returns:
         [T, Hq, D] contiguous, query's dtype.
     """
@@ -228,6 +257,8 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         scale,
+        sliding_window or 0,
+        logits_soft_cap or 0.0,
         num_reqs,
         query.stride(0),
         query.stride(1),
@@ -246,6 +277,8 @@ def paged_attention(
         TILE_N=_TILE_N,
         # fp32 runs are the exactness reference: keep tf32 out of them.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        USE_WINDOW=bool(sliding_window),
+        USE_SOFT_CAP=bool(logits_soft_cap),
     )
     return out
 
@@ -274,6 +307,38 @@ def _group_decodes(
     return groups
 
 
+def _attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    # SDPA (causal when mask is None), or with a soft cap, which SDPA lacks, the same in
+    # plain float32 ops.
+    if not soft_cap:
+        return F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    if enable_gqa:
+        group = query.shape[-3] // keys.shape[-3]
+        keys, values = (t.repeat_interleave(group, dim=-3) for t in (keys, values))
+    scores = (query.float() @ keys.float().transpose(-1, -2)) * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril_()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ values.float()).to(query.dtype)
+
+
 def _decode_attention_ref(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -282,6 +347,8 @@ def _decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     num_blocks: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     # query: [R, Hq, D], one token per request, the last of its context. Gather the first
     # num_blocks blocks of every request into a padded [R, Hkv, S_pad, D] view and run one
@@ -292,7 +359,10 @@ def _decode_attention_ref(
     # Table entries past a request's own blocks get read too (their slots are zeroed and
     # masked below); clamping keeps whatever padding the table holds a valid block id.
     block_ids = block_table[:, :num_blocks].reshape(-1).clamp(0, key_cache.shape[0] - 1)
-    visible = torch.arange(padded_len, device=query.device) < seq_lens.unsqueeze(1)  # [R, S_pad]
+    key_positions = torch.arange(padded_len, device=query.device)
+    visible = key_positions < seq_lens.unsqueeze(1)  # [R, S_pad]
+    if sliding_window:
+        visible &= key_positions >= (seq_lens - sliding_window).unsqueeze(1)
     # Slots past a request's end hold stale or never-written data (NaN in an uninitialized
     # cache), and a masked NaN still poisons SDPA (0 * NaN): zero those rows after the gather.
     hidden_slots = (~visible).view(-1).nonzero().squeeze(1)
@@ -307,9 +377,7 @@ def _decode_attention_ref(
     # A decode token's G query heads share their KV head's keys and mask: fold them into
     # SDPA's query-length dim, so GQA needs no expanded K/V copy.
     queries = query.reshape(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=visible[:, None, None, :], scale=scale
-    )
+    out = _attention(queries, keys, values, visible[:, None, None, :], scale, soft_cap)
     return out.reshape(num_reqs, num_heads, head_size)
 
 
@@ -320,25 +388,37 @@ def _prefill_attention_ref(
     block_ids: torch.Tensor,
     seq_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     # query: [L, Hq, D], the last L tokens of a seq_len context; block_ids: its table row.
     query_len, num_heads = query.shape[:2]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    used_block_ids = block_ids[: -(-seq_len // block_size)]
-    keys = key_cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len].transpose(0, 1)
-    values = value_cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len].transpose(0, 1)
+    context_len = seq_len - query_len
+    # With a window, keys before the first query's window are read by no query.
+    first_key = max(context_len - sliding_window + 1, 0) if sliding_window else 0
+    first_block = first_key // block_size
+    used_block_ids = block_ids[first_block : -(-seq_len // block_size)]
+    num_keys = seq_len - first_block * block_size
+    keys, values = (
+        cache.index_select(0, used_block_ids).flatten(0, 1)[:num_keys].transpose(0, 1)
+        for cache in (key_cache, value_cache)
+    )
     mask = None
-    if query_len < seq_len:
+    if query_len < num_keys or sliding_window:
         # A chunk starting mid-sequence: SDPA's is_causal aligns top-left, we need bottom-right.
-        positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device) <= positions.unsqueeze(1)
-    out = F.scaled_dot_product_attention(
+        positions = torch.arange(context_len, seq_len, device=query.device).unsqueeze(1)
+        key_positions = torch.arange(first_block * block_size, seq_len, device=query.device)
+        mask = key_positions <= positions
+        if sliding_window:
+            mask &= key_positions > positions - sliding_window
+    out = _attention(
         query.transpose(0, 1),
         keys,
         values,
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
+        mask,
+        scale,
+        soft_cap,
         enable_gqa=num_heads != num_kv_heads,
     )
     return out.transpose(0, 1)
@@ -354,6 +434,8 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Torch paged attention (the CPU hot path); same contract as `paged_attention`.
 
@@ -377,7 +459,14 @@ def paged_attention_ref(
             decode_reqs.append(req)
         elif end > start:
             out[start:end] = _prefill_attention_ref(
-                query[start:end], key_cache, value_cache, block_table[req], seq_len, scale
+                query[start:end],
+                key_cache,
+                value_cache,
+                block_table[req],
+                seq_len,
+                scale,
+                sliding_window,
+                logits_soft_cap,
             )
     max_group_tokens = _DECODE_GROUP_BYTES // (
         2 * num_kv_heads * head_size * key_cache.element_size()
@@ -387,7 +476,15 @@ def paged_attention_ref(
         if len(group) == num_reqs == query.shape[0] and group == list(range(num_reqs)):
             # All decodes, in order, one group (the common decode step): no index shuffles.
             return _decode_attention_ref(
-                query, key_cache, value_cache, block_table[:num_reqs], seq_lens, scale, num_blocks
+                query,
+                key_cache,
+                value_cache,
+                block_table[:num_reqs],
+                seq_lens,
+                scale,
+                num_blocks,
+                sliding_window,
+                logits_soft_cap,
             )
         req_indices = torch.tensor(group, device=query.device)
         token_indices = torch.tensor([query_starts[req] for req in group], device=query.device)
@@ -399,6 +496,8 @@ def paged_attention_ref(
             seq_lens.index_select(0, req_indices),
             scale,
             num_blocks,
+            sliding_window,
+            logits_soft_cap,
         )
         out.index_copy_(0, token_indices, group_out)
     return out
@@ -455,10 +554,13 @@ def paged_attention_cpu(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather),
-    prefill chunks through SDPA as in the reference. Same contract as `paged_attention`; the
-    caller (kernels.dispatch) checks that the native kernel is built for the dtype."""
+    prefill chunks through SDPA as in the reference (the reference's own prefill when a window
+    or soft cap is set). Same contract as `paged_attention`; the caller (kernels.dispatch)
+    checks that the native kernel is built for the dtype."""
     from kvserve.kernels import cpu
 
     _check_attention_args(
@@ -472,10 +574,17 @@ def paged_attention_cpu(
     else:
         bounds = torch.cat((query_start_loc, seq_lens)).tolist()
         starts, lens = bounds[: num_reqs + 1], bounds[num_reqs + 1 :]
+        prefill = _prefill_attention_cpu
+        if sliding_window or logits_soft_cap:
+            prefill = functools.partial(
+                _prefill_attention_ref,
+                sliding_window=sliding_window,
+                soft_cap=logits_soft_cap,
+            )
         for req in range(num_reqs):
             start, end = starts[req], starts[req + 1]
             if end - start > 1:
-                out[start:end] = _prefill_attention_cpu(
+                out[start:end] = prefill(
                     query[start:end], key_cache, value_cache, block_table[req], lens[req], scale
                 )
         decode_reqs = (query_lens == 1).nonzero().squeeze(1)
@@ -490,5 +599,16 @@ def paged_attention_cpu(
         lens_t = seq_lens.index_select(0, decode_reqs)
     if table.stride(1) != 1:
         table = table.contiguous()
-    cpu.decode_attention(out, query, key_cache, value_cache, table, lens_t, rows, scale)
+    cpu.decode_attention(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        table,
+        lens_t,
+        rows,
+        scale,
+        sliding_window,
+        logits_soft_cap,
+    )
     return out

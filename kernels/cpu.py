@@ -144,6 +144,8 @@ def decode_attention(
     seq_lens: torch.Tensor,
     token_rows: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """Attention of one query token per request, written into out[token_rows].
 
@@ -154,6 +156,8 @@ def decode_attention(
             contiguous, same strides.
         block_table: [R, max_blocks] int32, row-contiguous; seq_lens: [R] int32.
         token_rows: [R] int64, the query row of each request.
+        sliding_window: attend to only the last this many keys; None for all.
+        soft_cap: scores become soft_cap * tanh(score / soft_cap); None for none.
     """
     lib = _load()
     assert lib is not None
@@ -186,6 +190,8 @@ def decode_attention(
         ctypes.c_int(head_size),
         ctypes.c_int(block_size),
         ctypes.c_float(scale),
+        ctypes.c_int(sliding_window or 0),
+        ctypes.c_float(soft_cap or 0.0),
     )
 
 

@@ -109,6 +109,8 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of flattened varlen queries over K/V read through a block table.
 
@@ -118,6 +120,10 @@ def paged_attention(
     seq_lens: [R] int32, tokens in context after this step. Query token j of request r sits at
     position seq_lens[r] - query_len[r] + j and sees keys 0..that position.
     max_query_len, max_seq_len: host-side maxima of the two (avoid a device sync).
+    sliding_window: if set, a query at position p sees only keys p - sliding_window < t <= p
+        (older blocks stay in the cache, masked).
+    logits_soft_cap: if set, each score s (scale included) becomes cap * tanh(s / cap)
+        before the softmax (Gemma 2).
     Returns [T, Hq, D]. Hq must be a multiple of Hkv (GQA).
     """
     if _use_triton(query):
@@ -136,4 +142,6 @@ def paged_attention(
         scale,
         max_query_len,
         max_seq_len,
+        sliding_window,
+        logits_soft_cap,
     )

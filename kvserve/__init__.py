@@ -1,9 +1,10 @@
 """kvserve: an LLM inference server built like vLLM's V1 engine.
 
-from kvserve import LLM, SamplingParams, StructuredOutputsParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams, LoRARequest
 """
 
 from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.shared.lora import LoRARequest
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 
@@ -11,6 +12,7 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "LoRARequest",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -14,6 +14,7 @@ from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.request_constraints import bad_words_token_ids
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.config import EngineConfig
+from kvserve.shared.lora import LoRARequest, read_adapter_config
 from kvserve.shared.sampling_params import (
     SamplingParams,
     logprobs_over_limit,
@@ -78,12 +79,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for one or many prompts (text, token ids, or dicts with
-        `prompt` / `prompt_token_ids`), in the order given."""
+        `prompt` / `prompt_token_ids`), in the order given.
+
+        `lora_request`: one adapter for every prompt, or one per prompt (None: the base
+        model); needs `LLM(..., enable_lora=True)`. Prompts of different adapters run in one
+        batch (up to max_loras adapters at a time)."""
         prompt_list = self._as_prompt_list(prompts)
         inputs = [self._tokenize(p) for p in prompt_list]
-        return self._run(inputs, sampling_params, use_tqdm, priority)
+        return self._run(inputs, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -148,7 +154,24 @@ class LLM:
             if error is not None:
                 raise ValueError(f"structured_outputs: {error}")
 
-    def _run(self, inputs, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+    def _lora_requests(self, lora_request, num_prompts: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * num_prompts
+        else:
+            lora_list = list(lora_request)
+        if len(lora_list) != num_prompts:
+            raise ValueError(f"lora_request: {len(lora_list)} given for {num_prompts} prompts")
+        if any(lora_list) and not self.config.lora.enable_lora:
+            raise ValueError(
+                "lora_request: LoRA is not enabled; create the LLM with enable_lora=True"
+            )
+        for lora in {r for r in lora_list if r is not None}:
+            read_adapter_config(lora.lora_path, self.config.lora.max_lora_rank)  # raises now
+        return lora_list
+
+    def _run(
+        self, inputs, sampling_params, use_tqdm, priority, lora_request=None
+    ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = (
@@ -161,12 +184,15 @@ class LLM:
         params_list = [self._with_bad_words_token_ids(p) for p in params_list]
         for (_, ids), params in zip(inputs, params_list):
             self._validate(ids, params)
+        lora_list = self._lora_requests(lora_request, len(inputs))
 
         order = {}
         for i, ((prompt, ids), params) in enumerate(zip(inputs, params_list)):
             request_id = str(next(self._counter))
             order[request_id] = i
-            self._add_request(request_id, prompt, ids, params, priority[i] if priority else 0)
+            self._add_request(
+                request_id, prompt, ids, params, priority[i] if priority else 0, lora_list[i]
+            )
         return self._run_engine(order, use_tqdm)
 
     def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
@@ -175,10 +201,12 @@ class LLM:
         ids = bad_words_token_ids(self.tokenizer_info.tokenizer, params.bad_words)
         return msgspec.structs.replace(params, bad_words_token_ids=ids)
 
-    def _add_request(self, request_id, prompt, prompt_token_ids, params, priority) -> None:
+    def _add_request(
+        self, request_id, prompt, prompt_token_ids, params, priority, lora_request=None
+    ) -> None:
         child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         for request in make_engine_requests(
-            child_ids, prompt_token_ids, params, priority, self.tokenizer_info
+            child_ids, prompt_token_ids, params, priority, self.tokenizer_info, lora_request
         ):
             self.engine_core.add_request(request)
 

@@ -44,6 +44,7 @@ from kvserve.shared.config import (
     EngineOptions,
     FrontendConfig,
     HTTPConfig,
+    LoRAConfig,
     ModelConfig,
     ServeOptions,
 )
@@ -174,12 +175,19 @@ def _describe_exit(exitcode: int | None) -> str:
 # ---------------------------------------------------------------------- the api process
 
 
+# uvicorn's bounds on slow and idle clients (see serve_http).
+_TIMEOUT_KEEP_ALIVE_S = 5
+_MAX_HEADER_BYTES = 16 << 10
+_LIMIT_CONCURRENCY = 8192
+
+
 async def serve_http(
     client: MPEngineClient,
     http: HTTPConfig,
     frontend: FrontendConfig,
     build_app: AppFactory | None = None,
     stop: asyncio.Event | None = None,
+    lora: LoRAConfig | None = None,
 ) -> int:
     """Serve the HTTP app until SIGTERM/SIGINT (0) or the engine's death (1).
 
@@ -189,17 +197,24 @@ async def serve_http(
         frontend: the OpenAI front end's options.
         build_app: the app factory (default: kvserve.services.api.server.build_app).
         stop: set by a signal that came before uvicorn took the signals over.
+        lora: the engines' LoRA options (adapters are served with enable_lora).
     """
     import uvicorn
 
+    from kvserve.services.api.auth import load_api_keys
+
     if build_app is None:
         from kvserve.services.api.server import build_app
+    api_keys = load_api_keys(http)
+    if api_keys:
+        logger.info("/v1/* needs one of %d API keys: %s", len(api_keys), sorted(api_keys))
     app = build_app(
         client,
         served_model_name=client.model_name,
-        api_key=http.effective_api_key,
         http=http,
         frontend=frontend,
+        api_keys=api_keys,
+        lora_config=lora,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -208,6 +223,15 @@ async def serve_http(
             port=http.port,
             log_level=http.uvicorn_log_level,
             timeout_graceful_shutdown=http.shutdown_timeout,
+            # Slow or idle clients (each holds only its own request: outputs wait in that
+            # request's queue, and a full socket buffer pauses only its own send):
+            # - an idle keep-alive connection is closed after 5 s (vLLM's value);
+            timeout_keep_alive=_TIMEOUT_KEEP_ALIVE_S,
+            # - request line and headers: 16 KiB at most (the body is BodySizeLimitMiddleware's);
+            h11_max_incomplete_event_size=_MAX_HEADER_BYTES,
+            # - connections and requests in progress at once; past it uvicorn answers 503
+            #   (requests past the engines' --max-waiting-requests get 429s long before).
+            limit_concurrency=_LIMIT_CONCURRENCY,
             root_path=http.root_path or "",
             ssl_keyfile=http.ssl_keyfile,
             ssl_certfile=http.ssl_certfile,
@@ -274,6 +298,7 @@ async def _run_api_server(
     num_engines: int = 1,
     load_table_addr: str | None = None,
     routing: DPRouting = "load",
+    lora: LoRAConfig | None = None,
 ) -> int:
     """Load the tokenizer, wait for READY from every engine, serve; always close the channel
     and stop the engine processes that are ours."""
@@ -299,7 +324,7 @@ async def _run_api_server(
         if client is None:
             logger.info("stopped before the engines were ready")
             return 0
-        return await serve_http(client, http, frontend, build_app, stop)
+        return await serve_http(client, http, frontend, build_app, stop, lora)
     except EngineDeadError as exc:
         logger.error("exiting with code 1: %s", exc)
         return 1
@@ -372,6 +397,7 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
                 layout.size,
                 load_table_addr,
                 dp.dp_routing,
+                lora=config.lora,
             )
         finally:
             if registration is not None:
@@ -457,6 +483,7 @@ def run_api(options: APIOptions) -> int:
             num_engines=options.data_parallel_size,
             load_table_addr=options.load_table_addr,
             routing=options.dp_routing,
+            lora=options.lora,
         )
 
     return asyncio.run(main())

@@ -15,7 +15,8 @@ default lives in one place: the struct.
 Field metadata (`msgspec.Meta(extra={...})`):
     aliases: extra flag spellings (vLLM's, e.g. ["--executor"]).
     parse: "size" takes byte sizes such as 4G; "tokens" token counts such as 32k; "json" the
-        field's value as JSON (a struct, a list).
+        field's value as JSON (a struct, a list); "items" one or more values of a list
+        field, each read by its item type's `parse_flag(text)` (--lora-modules a=/x b=/y).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def _flag_kwargs(field: _Field) -> dict[str, Any]:
         return {"type": parse_tokens, "metavar": "TOKENS"}
     if parse == "json":
         return {"type": _json_parser(annotation), "metavar": "JSON"}
+    if parse == "items":
+        (item_type,) = typing.get_args(annotation)
+        return {"type": _item_parser(item_type), "nargs": "+", "metavar": "ITEM"}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
     if typing.get_origin(annotation) is typing.Literal:
@@ -111,6 +115,18 @@ def _json_parser(annotation: Any):
             raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
     return parse_json
+
+
+def _item_parser(item_type: Any):
+    """A flag type for one item of a list field: the item type's `parse_flag(text)`."""
+
+    def parse_item(text: str) -> Any:
+        try:
+            return item_type.parse_flag(text)
+        except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_item
 
 
 def _is_group(field: _Field) -> bool:

@@ -21,7 +21,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvserve.shared.cli_args import RefusedFlag
-from kvserve.shared.env import API_KEY
+from kvserve.shared.env import API_KEY, VLLM_API_KEY
+from kvserve.shared.lora import LoRAModulePath
 from kvserve.shared.shm_ring import ShmRingHandle
 
 GiB = 1 << 30
@@ -73,6 +74,16 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             "keeps the faster per row count"
         ),
     ] = "auto"
+    quantization: Annotated[
+        Literal["gguf", "int8"] | None,
+        _doc(
+            "weights held quantized: gguf keeps a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks "
+            "(other types expand to float), int8 quantizes a float checkpoint per output "
+            "channel at load; default: a checkpoint's config.json quantization_config, else "
+            "none (a .gguf file expands to float32)",
+            aliases=["-q"],
+        ),
+    ] = None
     trust_remote_code: Annotated[
         bool,
         _doc("accepted for vLLM's scripts: kvserve never runs a checkpoint's own code"),
@@ -142,12 +153,21 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     scheduling_policy: Annotated[
         Literal["fcfs", "priority"], _doc("fcfs, or priority (lower value first, then arrival)")
     ] = "fcfs"
+    max_waiting_requests: Annotated[
+        int,
+        _doc(
+            "requests one engine core queues at most (n > 1 counts n); past it the api "
+            "answers 429 with Retry-After and the engine refuses the request"
+        ),
+    ] = 4096
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be positive")
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -214,6 +234,40 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("reasoning parsers are not built yet (reasoning_parser must be '')")
 
 
+class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """LoRA adapters: many in one batch, each request with its own (or none)."""
+
+    enable_lora: Annotated[bool, _doc("serve LoRA adapters (PEFT folders) beside the model")] = (
+        False
+    )
+    max_loras: Annotated[
+        int,
+        _doc(
+            "distinct adapters in one batch at most (the worker's adapter slots); requests "
+            "for others wait"
+        ),
+    ] = 1
+    max_lora_rank: Annotated[int, _doc("highest adapter rank (slots are padded to it)")] = 16
+    max_cpu_loras: Annotated[
+        int | None,
+        _doc("adapters kept in host memory, least recently used out (default: max_loras)"),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def cpu_cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """One engine core's whole configuration."""
 
@@ -221,6 +275,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
     structured_outputs_config: Annotated[
         StructuredOutputsConfig,
         _doc(
@@ -265,6 +320,7 @@ _ENGINE_AREAS: dict[str, type[msgspec.Struct]] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -286,7 +342,18 @@ class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: Annotated[str, _doc("interface to listen on")] = "0.0.0.0"
     port: Annotated[int, _doc("port to listen on")] = 8000
     api_key: Annotated[
-        str | None, _doc(f"require this bearer token on /v1/* (default: ${API_KEY.name})")
+        str | None,
+        _doc(
+            f"require this bearer token on /v1/* (default: ${API_KEY.name}, else "
+            f"${VLLM_API_KEY.name})"
+        ),
+    ] = None
+    api_key_file: Annotated[
+        str | None,
+        _doc(
+            "a file of 'name:key' lines: each key is accepted on /v1/*, and its name shows in "
+            "the request log and the kvserve:api_key_requests_total metric"
+        ),
     ] = None
     shutdown_timeout: Annotated[
         float, _doc("seconds SIGTERM/SIGINT waits for in-flight requests")
@@ -323,8 +390,40 @@ class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def effective_api_key(self) -> str | None:
-        """--api-key, else $KVSERVE_API_KEY, else None (no auth)."""
-        return self.api_key if self.api_key is not None else API_KEY.get()
+        """--api-key, else $KVSERVE_API_KEY, else $VLLM_API_KEY, else None."""
+        if self.api_key is not None:
+            return self.api_key
+        return API_KEY.get() or VLLM_API_KEY.get()
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request may ask for: past a limit the api answers 400 naming it, before
+    anything is tokenized or queued (services/api/limits.py)."""
+
+    max_request_body_bytes: Annotated[
+        int, _doc("bytes of a request body at most (413 past it, unparsed)", parse="size")
+    ] = 16 << 20
+    max_prompt_chars: Annotated[
+        int | None,
+        _doc("characters of a prompt or of all messages at most (default: 32 x max_model_len)"),
+    ] = None
+    max_n: Annotated[int, _doc("completions per prompt (`n`) at most")] = 128
+    max_prompts: Annotated[int, _doc("prompts in one /v1/completions batch at most")] = 1024
+    max_stop_strings: Annotated[int, _doc("stop strings of a request at most")] = 64
+    max_stop_string_chars: Annotated[int, _doc("characters of one stop string at most")] = 512
+    max_messages: Annotated[int, _doc("messages of a chat request at most")] = 2048
+    max_tools: Annotated[int, _doc("tools of a chat request at most (OpenAI's limit)")] = 128
+    max_token_id_list: Annotated[
+        int,
+        _doc("entries of stop_token_ids, allowed_token_ids, logit_bias and bad_words at most"),
+    ] = 4096
+    max_json_depth: Annotated[int, _doc("nesting of a JSON body at most")] = 64
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
 class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -372,6 +471,15 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     exclude_tools_when_tool_choice_none: Annotated[
         bool, _doc('leave the tools out of the chat template when tool_choice is "none"')
     ] = False
+    lora_modules: Annotated[
+        list[LoRAModulePath],
+        _doc(
+            "LoRA adapters served at start-up (needs --enable-lora): name=path ..., or vLLM's "
+            'JSON {"name": ..., "path": ..., "base_model_name": ...}',
+            parse="items",
+        ),
+    ] = msgspec.field(default_factory=list)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -493,12 +601,19 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         self.data_parallel.layout(self.engine.parallel.data_parallel_size)  # checks it
+        _check_lora_modules(self.frontend, self.engine.lora)
+
+
+def _check_lora_modules(frontend: FrontendConfig, lora: LoRAConfig) -> None:
+    if frontend.lora_modules and not lora.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
 
 
 class APIOptions(msgspec.Struct, frozen=True, kw_only=True):
     """`kvserve api`: the HTTP server alone, for engine cores started elsewhere."""
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
     sockets: EngineSockets
     http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
     frontend: FrontendConfig = msgspec.field(default_factory=FrontendConfig)
@@ -509,6 +624,11 @@ class APIOptions(msgspec.Struct, frozen=True, kw_only=True):
         str | None, _doc("the DP coordinator's --publish-addr, e.g. tcp://coordinator:5558")
     ] = None
     dp_routing: DPRoutingOption = "load"
+
+    def __post_init__(self) -> None:
+        # The engines need --enable-lora (and the same --max-loras) too: the api cannot
+        # tell whether theirs match.
+        _check_lora_modules(self.frontend, self.lora)
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -561,14 +681,6 @@ class GenerateOptions(msgspec.Struct, frozen=True, kw_only=True):
 _NO_HUB = "kvserve loads local folders, GGUF files and the local HF cache only (no downloads)"
 _LATER = "not built yet"
 UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
-    "--quantization": RefusedFlag(
-        "quantized weights are not supported yet (a .gguf file is dequantized at load)"
-    ),
-    "-q": RefusedFlag("quantized weights are not supported yet (see --quantization)"),
-    "--enable-lora": RefusedFlag(f"LoRA adapters: {_LATER}"),
-    "--lora-modules": RefusedFlag(f"LoRA adapters: {_LATER}"),
-    "--max-loras": RefusedFlag(f"LoRA adapters: {_LATER}"),
-    "--max-lora-rank": RefusedFlag(f"LoRA adapters: {_LATER}"),
     "--speculative-config": RefusedFlag(f"speculative decoding: {_LATER}"),
     "--kv-transfer-config": RefusedFlag(f"KV transfer (P/D disaggregation): {_LATER}"),
     "--kv-events-config": RefusedFlag(f"KV cache events: {_LATER}"),

@@ -92,11 +92,25 @@ API_KEY = EnvVar(
     str,
     "bearer token /v1/* requires when --api-key is not given (vLLM's VLLM_API_KEY)",
 )
+VLLM_API_KEY = EnvVar(
+    "VLLM_API_KEY",
+    None,
+    str,
+    "vLLM's name for the bearer token, read when neither --api-key nor KVSERVE_API_KEY is set",
+)
 CACHE_DIR = EnvVar(
     "KVSERVE_CACHE_DIR",
     os.path.join(os.path.expanduser("~"), ".cache", "kvserve"),
     str,
     "folder for converted models and built CPU kernels (default ~/.cache/kvserve)",
+)
+QUANT_ACTIVATIONS = EnvVar(
+    "KVSERVE_QUANT_ACTIVATIONS",
+    "int8",
+    str,
+    "activations of the CPU matmul over weights held quantized: int8 (quantized in blocks "
+    "of 32, integer dot products, as llama.cpp) or float32 (weight tiles expanded in the "
+    "kernel: the float32 expansion's numbers, slower)",
 )
 HF_HUB_CACHE = EnvVar(
     "HF_HUB_CACHE",

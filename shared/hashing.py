@@ -143,13 +143,14 @@ def hash_new_full_blocks(
     return new_hashes
 
 
-def make_extra_keys(cache_salt: str | None = None) -> bytes | None:
+def make_extra_keys(cache_salt: str | None = None, lora_key: bytes = b"") -> bytes | None:
     """Pack a request's extra hash keys into bytes (None when there are none).
 
     Args:
         cache_salt: a tenant's secret; requests with different salts never share blocks.
+        lora_key: the request's adapter (`shared.lora.lora_extra_key`); requests under
+            different adapters (or one and the base model) never share blocks.
     """
-    if not cache_salt:
-        return None
-    # The tag keeps future keys (LoRA id, multimodal hashes) from colliding with the salt.
-    return b"salt\x00" + cache_salt.encode("utf-8")
+    # Tags keep the parts from colliding (the LoRA key starts with b"lora\x00").
+    salt = b"salt\x00" + cache_salt.encode("utf-8") if cache_salt else b""
+    return (lora_key + salt) or None

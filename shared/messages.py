@@ -10,6 +10,7 @@ import enum
 
 import msgspec
 
+from kvserve.shared.lora import LoRARequest
 from kvserve.shared.sampling_params import SamplingParams
 
 _HOT = dict(array_like=True, omit_defaults=True, gc=False)
@@ -37,6 +38,7 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter to run with; None: the base model
 
 
 class Logprobs(msgspec.Struct, **_HOT):
@@ -110,6 +112,9 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     grammar_cache_queries: int = 0
     grammar_cache_hits: int = 0
     grammar_compile_times: list[float] = []
+    # LoRA: requests per adapter name, running and waiting (vLLM's lora_requests_info).
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, **_HOT):
@@ -132,6 +137,7 @@ class NewRequestData(msgspec.Struct, **_HOT):
     num_computed_tokens: int
     output_token_ids: list[int] = []  # non-empty when resumed after preemption
     eos_token_id: int | None = None  # the sampler hides it until min_tokens are out
+    lora_request: LoRARequest | None = None  # the adapter the worker runs it with
 
 
 class CachedRequestData(msgspec.Struct, **_HOT):

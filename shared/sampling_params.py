@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -10,6 +11,14 @@ from kvserve.shared.structured_outputs import StructuredOutputsParams
 
 # OpenAI's bounds on a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 class _StrictKeywords(msgspec.StructMeta):
@@ -89,6 +98,9 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
         def bad(field: str, value, why: str):
             raise ValueError(f"{field} {why}, got {value!r}")
 
+        for name in _FLOAT_FIELDS:  # NaN passes every comparison below
+            if not math.isfinite(getattr(self, name)):
+                bad(name, getattr(self, name), "must be a finite number")
         if self.n < 1:
             bad("n", self.n, "must be at least 1")
         if self.temperature < 0.0:
@@ -118,7 +130,7 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
                 bad(name, value, "must be non-negative")
         if self.stop is not None and any(not s for s in self.stop):
             bad("stop", self.stop, "must not contain empty strings")
-        if self.logit_bias and any(abs(v) > MAX_LOGIT_BIAS for v in self.logit_bias.values()):
+        if self.logit_bias and not all(abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):
             bad("logit_bias", self.logit_bias, "values must be in [-100, 100]")
         if self.logit_bias and min(self.logit_bias) < 0:
             bad("logit_bias", self.logit_bias, "keys must be token ids (>= 0)")
@@ -144,8 +156,8 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
 
 
 def token_ids_out_of_range(params: SamplingParams, vocab_size: int) -> tuple[str, str] | None:
-    """(field, message) when logit_bias or allowed_token_ids name a token the vocabulary
-    lacks; None when every id fits.
+    """(field, message) when logit_bias, allowed_token_ids or stop_token_ids name a token the
+    vocabulary lacks; None when every id fits.
 
     Args:
         params: the request's sampling parameters.
@@ -154,6 +166,7 @@ def token_ids_out_of_range(params: SamplingParams, vocab_size: int) -> tuple[str
     for field, ids in (
         ("logit_bias", params.logit_bias or ()),
         ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("stop_token_ids", params.stop_token_ids or ()),
     ):
         if ids and max(ids) >= vocab_size:
             return field, f"{field} names token id {max(ids)}, not in [0, {vocab_size})"

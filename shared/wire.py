@@ -42,6 +42,11 @@ class MsgType(enum.IntEnum):
 _FRAMES = {t: bytes([t]) for t in MsgType}
 
 
+# How an engine core words the refusal of a request past --max-waiting-requests (the start
+# of the ERROR output's message); the api answers it with a 429.
+QUEUE_FULL_ERROR = "queue full"
+
+
 class EngineReady(msgspec.Struct, frozen=True, kw_only=True):
     """The READY message: what an engine core's start-up learned (never patched into its
     config), plus who to watch for liveness. The offline `LLM` reads the same struct."""
@@ -58,6 +63,8 @@ class EngineReady(msgspec.Struct, frozen=True, kw_only=True):
     prefix_caching_hash_algo: str = "sha256"
     # --max-logprobs: the api rejects requests for more logprobs per token (a 400).
     max_logprobs: int = 20
+    # --max-waiting-requests: the api answers 429 once the engine's queue holds this many.
+    max_waiting_requests: int = 4096
     # Every CacheConfig field and num_gpu_blocks, as strings: the labels of the api's
     # `kvserve:cache_config_info` (vLLM's vllm:cache_config_info).
     cache_config_info: dict[str, str] = {}

@@ -9,6 +9,11 @@
 //   out[r, h, :] = sum_t softmax(scores[h])[t] * V[slot(r, t), kh, :]
 // slot(r, t) = block_table[r][t / block_size], offset t % block_size.
 //
+// Options (0 = off): a sliding window keeps only the last `sliding_window` keys (t >=
+// seq_len - sliding_window; the blocks wholly before it are skipped, the keys before it in its
+// first block get weight 0), and a soft cap squashes each score to cap * tanh(score / cap)
+// before the softmax (Gemma 2).
+//
 // Loops run KV head by KV head: each K/V row is read once for the `group` query heads that
 // share it (float32 rows in place, bfloat16 rows widened once into a small buffer). The head
 // size is a compile-time constant for the common sizes (64, 128) so the dot products unroll,
@@ -96,8 +101,9 @@ static inline void qk_chunk_bf16(float *scores, const float *q_scaled, const uin
 static inline __attribute__((always_inline)) void NAME(                                       \
         T *out, const T *query, int64_t q_head_stride, const T *key_cache,                    \
         const T *value_cache, int64_t block_stride, int64_t slot_stride,                      \
-        const int32_t *blocks, int seq_len, int num_heads, int group, const int head_size,    \
-        int block_size, float scale, float *q, float *scores, float *acc) {                   \
+        const int32_t *blocks, int seq_len, int num_masked, int num_heads, int group,         \
+        const int head_size, int block_size, float scale, float soft_cap, float *q,           \
+        float *scores, float *acc) {                                                          \
     for (int h = 0; h < num_heads; h++)                                                       \
         for (int d = 0; d < head_size; d++)                                                   \
             q[h * head_size + d] = LOAD(query + h * q_head_stride, d) * scale;                \
@@ -124,15 +130,23 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                         \
     for (int h = 0; h < num_heads; h++) {                                                     \
         float *s = scores + (int64_t)h * seq_len;                                             \
+        if (soft_cap > 0.f) {                                                                 \
+            /* cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^2x + 1): vectorizes, saturates. */   \
+            const float two_over_cap = 2.f / soft_cap;                                        \
+            _Pragma("omp simd")                                                               \
+            for (int t = num_masked; t < seq_len; t++)                                        \
+                s[t] = soft_cap * (1.f - 2.f / (exp_approx(s[t] * two_over_cap) + 1.f));      \
+        }                                                                                     \
         float max = -INFINITY, sum = 0.f;                                                     \
-        for (int t = 0; t < seq_len; t++) max = s[t] > max ? s[t] : max;                      \
+        for (int t = num_masked; t < seq_len; t++) max = s[t] > max ? s[t] : max;             \
         _Pragma("omp simd reduction(+:sum)")                                                  \
-        for (int t = 0; t < seq_len; t++) {                                                   \
+        for (int t = num_masked; t < seq_len; t++) {                                          \
             s[t] = exp_approx(s[t] - max);                                                    \
             sum += s[t];                                                                      \
         }                                                                                     \
         const float inv = 1.f / sum;                                                          \
-        for (int t = 0; t < seq_len; t++) s[t] *= inv;                                        \
+        for (int t = 0; t < num_masked; t++) s[t] = 0.f;                                      \
+        for (int t = num_masked; t < seq_len; t++) s[t] *= inv;                               \
     }                                                                                         \
     if (PV_FAST(head_size)) {                                                                 \
         for (int h = 0; h < num_heads; h++)                                                   \
@@ -175,7 +189,8 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
           const T *key_cache, const T *value_cache, int64_t block_stride,                    \
           int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
           const int32_t *seq_lens, const int64_t *token_rows, int num_reqs, int num_heads,   \
-          int num_kv_heads, int head_size, int block_size, float scale) {                    \
+          int num_kv_heads, int head_size, int block_size, float scale, int sliding_window,  \
+          float soft_cap) {                                                                  \
     const int group = num_heads / num_kv_heads;                                              \
     _Pragma("omp parallel")                                                                  \
     {                                                                                        \
@@ -185,7 +200,12 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
         float *acc = (float *)malloc(sizeof(float) * (size_t)num_heads * head_size);         \
         _Pragma("omp for schedule(dynamic, 4)")                                              \
         for (int r = 0; r < num_reqs; r++) {                                                 \
-            const int seq_len = seq_lens[r];                                                 \
+            /* A window that starts mid-block: attend from that block on, mask its head. */  \
+            const int window_start = sliding_window > 0 && seq_lens[r] > sliding_window      \
+                                     ? seq_lens[r] - sliding_window : 0;                     \
+            const int first_block = window_start / block_size;                               \
+            const int num_masked = window_start - first_block * block_size;                  \
+            const int seq_len = seq_lens[r] - first_block * block_size;                      \
             if (seq_len > capacity) {                                                        \
                 free(scores);                                                                \
                 capacity = seq_len + 1024;                                                   \
@@ -194,19 +214,19 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
             const int64_t token = token_rows[r];                                             \
             T *o = out + token * num_heads * (int64_t)head_size;                             \
             const T *qr = query + token * q_token_stride;                                    \
-            const int32_t *blocks = block_table + (int64_t)r * table_stride;                 \
+            const int32_t *blocks = block_table + (int64_t)r * table_stride + first_block;   \
             if (head_size == 64)                                                             \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
-                           slot_stride, blocks, seq_len, num_heads, group, 64, block_size,   \
-                           scale, q, scores, acc);                                                \
+                           slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
+                           64, block_size, scale, soft_cap, q, scores, acc);                 \
             else if (head_size == 128)                                                       \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
-                           slot_stride, blocks, seq_len, num_heads, group, 128, block_size,  \
-                           scale, q, scores, acc);                                                \
+                           slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
+                           128, block_size, scale, soft_cap, q, scores, acc);                \
             else                                                                             \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
-                           slot_stride, blocks, seq_len, num_heads, group, head_size,        \
-                           block_size, scale, q, scores, acc);                                    \
+                           slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
+                           head_size, block_size, scale, soft_cap, q, scores, acc);          \
         }                                                                                    \
         free(scores);                                                                        \
         free(q);                                                                             \

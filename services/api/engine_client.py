@@ -15,9 +15,12 @@ from typing import Protocol
 
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
+from kvserve.services.api.protocol import APIError
+from kvserve.services.api.request_logger import key_name_suffix
 from kvserve.services.api.stats import IterationStats
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.logging import init_logger
+from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import EngineReady
@@ -27,6 +30,20 @@ logger = init_logger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine core (or one of its workers) died; requests fail with 503."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Every engine's queue is full (--max-waiting-requests): a 429 with Retry-After."""
+
+    RETRY_AFTER_S = 1
+
+    def to_api_error(self) -> APIError:
+        return APIError(
+            429,
+            str(self),
+            err_type="RateLimitError",
+            headers={"Retry-After": str(self.RETRY_AFTER_S)},
+        )
 
 
 @dataclass(slots=True)
@@ -45,6 +62,20 @@ class StatsTotals:
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.grammar_cache_queries += stats.grammar_cache_queries
         self.grammar_cache_hits += stats.grammar_cache_hits
+
+
+def estimate_waiting(num_in_flight: int, stats: SchedulerStats | None) -> int:
+    """An engine's waiting requests: those sent and not finished, less those its latest
+    stats say run (requests sent since those stats count as waiting)."""
+    return max(0, num_in_flight - (stats.num_running_reqs if stats is not None else 0))
+
+
+def overloaded(num_waiting: int, max_waiting_requests: int) -> EngineOverloadedError:
+    return EngineOverloadedError(
+        f"the server is overloaded: {num_waiting} requests wait and the limit is "
+        f"{max_waiting_requests} (--max-waiting-requests); retry after "
+        f"{EngineOverloadedError.RETRY_AFTER_S} s"
+    )
 
 
 class StatLogger(Protocol):
@@ -66,6 +97,8 @@ class EngineClient:
         model_name: the name the API serves the model under.
         max_logprobs: the most logprobs a request may ask for per token (the engine's
             --max-logprobs, from its ready message).
+        max_waiting_requests: requests an engine queues at most (its
+            --max-waiting-requests, from its ready message).
     """
 
     def __init__(
@@ -74,11 +107,13 @@ class EngineClient:
         max_model_len: int,
         model_name: str,
         max_logprobs: int = 20,
+        max_waiting_requests: int | None = None,
     ):
         self.tokenizer_info = tokenizer_info
         self.max_model_len = max_model_len
         self.model_name = model_name
         self.max_logprobs = max_logprobs
+        self.max_waiting_requests = max_waiting_requests
         self.output_processor = OutputProcessor(tokenizer_info.tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
         self.latest_stats: SchedulerStats | None = None
@@ -126,6 +161,17 @@ class EngineClient:
         """Every engine core's READY message, by engine index (none known here)."""
         return []
 
+    def check_capacity(self, num_requests: int = 1) -> None:
+        """Raise EngineOverloadedError when no engine can queue `num_requests` more engine
+        requests (a request's n children count each) within --max-waiting-requests."""
+        if self.max_waiting_requests is None:
+            return
+        num_waiting = estimate_waiting(
+            len(self.output_processor.child_to_parent), self.latest_stats
+        )
+        if num_waiting > 0 and num_waiting + num_requests > self.max_waiting_requests:
+            raise overloaded(num_waiting, self.max_waiting_requests)
+
     async def generate(
         self,
         request_id: str,
@@ -133,6 +179,7 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield cumulative RequestOutputs until the last one (finished=True).
 
@@ -147,7 +194,7 @@ class EngineClient:
         try:
             await self._send_requests(
                 make_engine_requests(
-                    child_ids, prompt_token_ids, params, priority, self.tokenizer_info
+                    child_ids, prompt_token_ids, params, priority, self.tokenizer_info, lora_request
                 )
             )
             while not finished:
@@ -157,8 +204,9 @@ class EngineClient:
                 finished = item.finished
                 if finished:
                     logger.info(
-                        "request %s finished (%s): %d prompt + %d output tokens, %d cached",
+                        "request %s%s finished (%s): %d prompt + %d output tokens, %d cached",
                         request_id,
+                        key_name_suffix(),
                         ",".join(str(c.finish_reason) for c in item.outputs),
                         len(prompt_token_ids),
                         sum(len(c.token_ids) for c in item.outputs),

@@ -13,11 +13,14 @@ and `finished_reason` on `request_success`. So a vLLM Grafana board works once i
   (services/api/stats.py says which clock each comes from);
 - structured outputs (kvserve's own series): requests waiting for their grammar, grammar
   cache queries and hits, and each grammar's compile time;
+- LoRA (with --enable-lora): vLLM's `lora_requests_info`, the adapters of running and
+  waiting requests in its labels, at scrape time;
 - prometheus_client's process, platform and GC collectors (`process_*`, `python_*`).
 """
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from prometheus_client import (
@@ -185,9 +188,10 @@ class _EngineStatsCollector:
     """Reads each engine's latest load, counter sums and cache config whenever /metrics is
     scraped."""
 
-    def __init__(self, engine_client, model_name: str):
+    def __init__(self, engine_client, model_name: str, max_loras: int | None = None):
         self.engine_client = engine_client
         self.model_name = model_name
+        self.max_loras = max_loras
 
     def collect(self):
         per_engine = self.engine_client.per_engine_stats()
@@ -213,9 +217,31 @@ class _EngineStatsCollector:
         yield family
         yield from self._cache_config_info()
         yield from self._gemm_path_info()
+        if self.max_loras is not None:
+            yield self._lora_requests_info(per_engine)
 
     def _labels(self, engine_index: int) -> list[str]:
         return [self.model_name, str(engine_index)]
+
+    def _lora_requests_info(self, per_engine) -> GaugeMetricFamily:
+        # vLLM's info gauge: the adapter names (over every engine) in comma-separated labels,
+        # its value the time they were read.
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for _, stats, _ in per_engine:
+            if stats is not None:
+                running.update(stats.running_lora_adapters)
+                waiting.update(stats.waiting_lora_adapters)
+        family = GaugeMetricFamily(
+            "kvserve:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        family.add_metric(
+            [str(self.max_loras), ",".join(sorted(waiting)), ",".join(sorted(running))],
+            time.time(),
+        )
+        return family
 
     def _cache_config_info(self):
         # An info metric as vLLM emulates one: a gauge at 1, the facts in its labels.
@@ -254,12 +280,13 @@ class ApiMetrics:
     Args:
         engine_client: the EngineClient whose engines and requests the series show.
         model_name: the served model name (the `model_name` label).
+        max_loras: --max-loras with --enable-lora (adds lora_requests_info), else None.
     """
 
-    def __init__(self, engine_client, model_name: str):
+    def __init__(self, engine_client, model_name: str, max_loras: int | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(engine_client, model_name))
+        self.registry.register(_EngineStatsCollector(engine_client, model_name, max_loras))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)

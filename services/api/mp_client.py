@@ -31,7 +31,13 @@ import zmq
 import zmq.asyncio
 
 from kvserve.services.api.dp_router import DPRouter, DPRouting
-from kvserve.services.api.engine_client import EngineClient, EngineDeadError, StatsTotals
+from kvserve.services.api.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    StatsTotals,
+    estimate_waiting,
+    overloaded,
+)
 from kvserve.services.api.engine_connection import EngineChannel, EngineConnection
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.env import (
@@ -42,6 +48,7 @@ from kvserve.shared.env import (
 )
 from kvserve.shared.hashing import get_hash_fn, make_extra_keys
 from kvserve.shared.logging import init_logger
+from kvserve.shared.lora import lora_extra_key
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvserve.shared.transport import MessageDecoder, MessageEncoder, make_socket
 from kvserve.shared.wire import (
@@ -95,6 +102,7 @@ class MPEngineClient(EngineClient):
             min(e.handshake.max_model_len for e in engines),
             model_name,
             max_logprobs=min(e.handshake.max_logprobs for e in engines),
+            max_waiting_requests=min(e.handshake.max_waiting_requests for e in engines),
         )
         self.channel = channel
         self.engines = {engine.engine_index: engine for engine in engines}
@@ -107,6 +115,7 @@ class MPEngineClient(EngineClient):
         self._call_ids = itertools.count()
         self._utility_futures: dict[int, tuple[int, asyncio.Future]] = {}
         self._child_engine: dict[str, int] = {}  # engine-core request id -> engine index
+        self._num_in_flight = {index: 0 for index in self.engines}  # children per engine
         self._dead_event = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._process_outputs(), name="engine-outputs"),
@@ -313,17 +322,39 @@ class MPEngineClient(EngineClient):
 
     # ------------------------------------------------------------------ transport
 
+    def _engines_with_room(self, num_requests: int) -> list[EngineConnection]:
+        """The serving engines that can queue num_requests more within their
+        --max-waiting-requests (an idle engine always can)."""
+        return [
+            engine
+            for engine in self._serving_engines()
+            if (num_waiting := self._num_waiting(engine)) == 0
+            or num_waiting + num_requests <= engine.handshake.max_waiting_requests
+        ]
+
+    def _num_waiting(self, engine: EngineConnection) -> int:
+        return estimate_waiting(self._num_in_flight[engine.engine_index], engine.latest_stats)
+
+    def check_capacity(self, num_requests: int = 1) -> None:
+        serving = self._serving_engines()
+        if serving and not self._engines_with_room(num_requests):
+            engine = min(serving, key=self._num_waiting)
+            raise overloaded(self._num_waiting(engine), engine.handshake.max_waiting_requests)
+
     async def _send_requests(self, requests: list[EngineCoreRequest]) -> None:
         # The n children of one request share its prompt: one engine gets them all.
         first = requests[0]
         while True:
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
-            serving = [e.engine_index for e in self._serving_engines()]
+            # Engines with room first; when none has (a race with check_capacity), the
+            # engine refuses past its bound itself.
+            candidates = self._engines_with_room(len(requests)) or self._serving_engines()
+            serving = [e.engine_index for e in candidates]
             engine = self.engines[
                 self.router.choose(
                     first.prompt_token_ids,
-                    make_extra_keys(first.cache_salt),
+                    make_extra_keys(first.cache_salt, lora_extra_key(first.lora_request)),
                     candidate_ids=serving or None,
                 )
             ]
@@ -342,12 +373,14 @@ class MPEngineClient(EngineClient):
                 logger.debug("request %s -> engine core %d", parent.request_id, engine.engine_index)
         for request in requests:
             self._child_engine[request.request_id] = engine.engine_index
+        self._num_in_flight[engine.engine_index] += len(requests)
 
     def _forget_request(self, request_id: str, child_ids: list[str]) -> None:
         for child_id in child_ids:
             engine_index = self._child_engine.pop(child_id, None)
             if engine_index is not None:
                 self.engines[engine_index].request_ids.discard(request_id)
+                self._num_in_flight[engine_index] -= 1
 
     async def _send_abort(self, engine_request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}

@@ -15,6 +15,7 @@ import msgspec
 from kvserve.services.api.detokenizer import Detokenizer, check_stop_strings, make_detokenizer
 from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.services.api.stats import IterationStats, RequestTimes
+from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -29,8 +30,10 @@ def make_engine_requests(
     params: SamplingParams,
     priority: int,
     tokenizer_info,
+    lora_request: LoRARequest | None = None,
 ) -> list[EngineCoreRequest]:
-    """One EngineCoreRequest per child; child i of a seeded request gets seed + i."""
+    """One EngineCoreRequest per child; child i of a seeded request gets seed + i; all
+    run with `lora_request`'s adapter (None: the base model)."""
     if tokenizer_info.extra_stop_token_ids and not params.ignore_eos:
         stop_ids = list(params.stop_token_ids or ()) + tokenizer_info.extra_stop_token_ids
         params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
@@ -43,7 +46,13 @@ def make_engine_requests(
             child_params = msgspec.structs.replace(params, n=1, seed=seed)
         requests.append(
             EngineCoreRequest(
-                child_id, prompt_token_ids, child_params, tokenizer_info.eos_token_id, now, priority
+                child_id,
+                prompt_token_ids,
+                child_params,
+                tokenizer_info.eos_token_id,
+                now,
+                priority,
+                lora_request=lora_request,
             )
         )
     return requests

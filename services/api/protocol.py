@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 from msgspec import UNSET, UnsetType
 
 from kvserve.shared.logging import init_logger
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 
 logger = init_logger(__name__)
+
+# Every integer a request carries fits in 64 bits (what the engine's msgpack carries): a
+# 400-digit seed is a 400 naming the field, never an encoding error.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 # Sampling knobs that map one to one onto SamplingParams (None = SamplingParams' default).
 SAMPLING_FIELDS = (
@@ -52,6 +57,7 @@ class APIError(Exception):
         message: what went wrong and how to fix it.
         param: the request field at fault, if one is.
         err_type: OpenAI's error type; derived from the status when None.
+        headers: response headers (a 429's Retry-After).
     """
 
     _TYPES = {
@@ -59,14 +65,22 @@ class APIError(Exception):
         401: "AuthenticationError",
         404: "NotFoundError",
         409: "ConflictError",
+        413: "BadRequestError",
+        429: "RateLimitError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }
 
     def __init__(
-        self, status_code: int, message: str, param: str | None = None, err_type: str | None = None
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        err_type: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
+        self.headers = headers
         self.status_code = status_code
         self.message = message
         self.param = param
@@ -90,12 +104,19 @@ class ErrorResponse(msgspec.Struct):
 _VALIDATION_PATH = re.compile(r"at `\$\.(\w+)")
 
 
-def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
+def decode_request(
+    body: bytes, request_type: type[msgspec.Struct], max_depth: int | None = None
+) -> Any:
     """Decode and type-check a JSON body; errors become 400s naming the bad field.
 
     Fields the request type does not know are ignored, with one warning line per request;
     a field of UNSUPPORTED_FIELDS that asks for something is a 400.
+
+    Args:
+        max_depth: a body nesting deeper is a 400 before it is decoded (--max-json-depth).
     """
+    if max_depth is not None:
+        check_json_depth(body, max_depth)
     try:
         request = msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
@@ -105,9 +126,41 @@ def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
         ) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply") from None
     _warn_unknown_fields(body, request_type)
     _refuse_unsupported_fields(request)
     return request
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text (0 for a scalar), ignoring brackets
+    inside strings; for malformed JSON an estimate (the decoder then refuses it)."""
+    if body.count(b"[") + body.count(b"{") <= 1:
+        return int(b"[" in body or b"{" in body)
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), np.int8(1), np.int8(-1))
+    return int(np.cumsum(steps, dtype=np.int32).max())
+
+
+def check_json_depth(body: bytes, max_depth: int) -> None:
+    """A 400 when the body nests deeper than max_depth (--max-json-depth)."""
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return  # most bodies: too few brackets to nest deeper, found without a scan
+    depth = json_depth(body)
+    if depth > max_depth:
+        raise APIError(
+            400,
+            f"the JSON body's nesting depth is {depth}, more than the limit of {max_depth} "
+            f"(--max-json-depth)",
+        )
 
 
 _RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
@@ -206,29 +259,29 @@ class _SamplingRequest(_UnsupportedFields, kw_only=True):
     """Fields that completions and chat share."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras: top logprobs per prompt token; logprobs naming tokens "token_id:N"
     # (None: the server's --return-tokens-as-token-ids); the request id when no
     # X-Request-Id header names one.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int64 | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None
     # Constraints: OpenAI's response_format and logit_bias (token id as a string -> bias),
@@ -236,7 +289,7 @@ class _SamplingRequest(_UnsupportedFields, kw_only=True):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -255,12 +308,12 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     list of token-id lists (msgspec allows one array type per union, so the list's items are
     checked for consistency by the server)."""
 
-    prompt: str | list[str | int | list[int]]
-    max_tokens: int | None = None  # None: up to max_model_len
-    logprobs: int | None = None
+    prompt: str | list[str | Int64 | list[Int64]]
+    max_tokens: Int64 | None = None  # None: up to max_model_len
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None  # refused when set (UNSUPPORTED_FIELDS)
-    best_of: int | None = None  # refused unless it equals n
+    best_of: Int64 | None = None  # refused unless it equals n
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -316,10 +369,10 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -342,7 +395,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 # --------------------------------------------------------------------------- responses

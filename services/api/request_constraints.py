@@ -64,7 +64,8 @@ def _from_response_format(response_format: ResponseFormat | None) -> StructuredO
 
 def logits_processor_kwargs(request, tokenizer) -> dict[str, Any]:
     """SamplingParams' logit_bias (ids as ints), allowed_token_ids and bad words (with their
-    token ids) from the request; token ids outside the vocabulary are a 400."""
+    token ids) from the request; token ids outside the vocabulary (there or in
+    stop_token_ids) are a 400."""
     vocab_size = len(tokenizer)
     kwargs: dict[str, Any] = {}
     if request.logit_bias:
@@ -76,8 +77,9 @@ def logits_processor_kwargs(request, tokenizer) -> dict[str, Any]:
             ) from None
         _check_ids(bias, vocab_size, "logit_bias")
         kwargs["logit_bias"] = bias
-    if request.allowed_token_ids is not None:
-        _check_ids(request.allowed_token_ids, vocab_size, "allowed_token_ids")
+    for field in ("allowed_token_ids", "stop_token_ids"):
+        if getattr(request, field) is not None:
+            _check_ids(getattr(request, field), vocab_size, field)
     if request.bad_words:
         kwargs["bad_words_token_ids"] = bad_words_token_ids(tokenizer, request.bad_words)
     return kwargs

@@ -8,10 +8,24 @@
 
 from __future__ import annotations
 
+import contextvars
+
 from kvserve.shared.logging import init_logger
 from kvserve.shared.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
+
+# The name of the API key that authenticated the request being handled (None without keys):
+# auth.APIKeyMiddleware sets it, and the request log lines name it (never the key).
+API_KEY_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kvserve_api_key_name", default=None
+)
+
+
+def key_name_suffix() -> str:
+    """' (API key NAME)' while a named key's request is handled, else ''."""
+    name = API_KEY_NAME.get()
+    return "" if name is None else f" (API key {name!r})"
 
 
 class RequestLogger:
@@ -43,8 +57,9 @@ class RequestLogger:
                 prompt = prompt[: self.max_log_len]
             prompt_token_ids = prompt_token_ids[: self.max_log_len]
         logger.info(
-            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s.",
+            "Received request %s%s: prompt: %r, params: %s, prompt_token_ids: %s.",
             request_id,
+            key_name_suffix(),
             prompt,
             params,
             prompt_token_ids,

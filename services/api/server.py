@@ -10,11 +10,16 @@ Routes:
     POST /tokenize, /detokenize                  vLLM's shapes
     GET|POST /ping      /health's answer (vLLM's, for SageMaker-style probes)
     GET  /version       {"version": kvserve's package version}
+    GET  /openapi.json  the OpenAPI 3.1 description of these routes (services/api/openapi.py)
     POST /reset_prefix_cache   every engine forgets its cached prefixes: 200, or 409 while
                         running requests hold KV blocks
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with --enable-lora: serve a PEFT
+                        folder as a model, or stop (services/api/serving_models.py)
 
-Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`. With an API
-key, /v1/* needs `Authorization: Bearer <key>`; the other routes stay open, as in vLLM.
+Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`. With API
+keys (services/api/auth.py), /v1/* needs `Authorization: Bearer <key>`; the other routes stay
+open, as in vLLM. Request bounds (body size, n, prompt characters, ...) are
+services/api/limits.py's; a full engine queue is a 429 with Retry-After.
 With --enable-request-id-headers every response carries `X-Request-Id`: the client's, else
 the id the request got, else a fresh one.
 """
@@ -22,7 +27,6 @@ the id the request got, else a fresh one.
 from __future__ import annotations
 
 import importlib.metadata
-import secrets
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -36,17 +40,19 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.services.api.engine_client import EngineClient, EngineDeadError
+from kvserve.services.api.auth import APIKeyMiddleware
+from kvserve.services.api.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
 from kvserve.services.api.generation_config import load_generation_defaults
+from kvserve.services.api.limits import BodySizeLimitMiddleware, check_prompt_chars
 from kvserve.services.api.log_stats import LoggingStatLogger
 from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.openapi import openapi_document
 from kvserve.services.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -55,7 +61,8 @@ from kvserve.services.api.protocol import (
 from kvserve.services.api.serving_base import REQUEST_ID_HEADER
 from kvserve.services.api.serving_chat import OpenAIServingChat
 from kvserve.services.api.serving_completions import OpenAIServingCompletion
-from kvserve.shared.config import FrontendConfig, HTTPConfig
+from kvserve.services.api.serving_models import ServingModels, lora_adapter_endpoints
+from kvserve.shared.config import FrontendConfig, HTTPConfig, LoRAConfig
 from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
@@ -75,7 +82,9 @@ def json_response(body: msgspec.Struct, status_code: int = 200) -> Response:
 
 
 def error_response(exc: APIError) -> Response:
-    return json_response(exc.to_body(), exc.status_code)
+    response = json_response(exc.to_body(), exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def _with_errors(endpoint: Endpoint) -> Endpoint:
@@ -86,6 +95,8 @@ def _with_errors(endpoint: Endpoint) -> Endpoint:
             return await endpoint(request)
         except APIError as exc:
             return error_response(exc)
+        except EngineOverloadedError as exc:
+            return error_response(exc.to_api_error())
         except EngineDeadError as exc:
             return error_response(APIError(503, f"the engine is dead: {exc}"))
         except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the server
@@ -99,29 +110,6 @@ def _route_path(scope: Scope) -> str:
     """The path routes match: uvicorn puts --root-path in front of the request's path."""
     path, root_path = scope["path"], scope.get("root_path", "")
     return path[len(root_path) :] if root_path and path.startswith(root_path) else path
-
-
-class _APIKeyMiddleware:
-    """Rejects /v1/* requests without `Authorization: Bearer <api_key>` (401)."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _route_path(scope).startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response(
-                    APIError(
-                        401,
-                        "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                        err_type="AuthenticationError",
-                    )
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _RequestIdMiddleware:
@@ -159,24 +147,34 @@ def build_app(
     api_key: str | None = None,
     http: HTTPConfig | None = None,
     frontend: FrontendConfig | None = None,
+    api_keys: dict[str, str] | None = None,
+    lora_config: LoRAConfig | None = None,
 ) -> Starlette:
     """The HTTP app over one engine client.
 
     Args:
         engine_client: an EngineClient (multi-process or in-process).
         served_model_name: the name /v1/models lists and requests must use (or omit).
-        api_key: when set, /v1/* requires it as a bearer token.
+        api_key: when set, /v1/* requires it as a bearer token (named "default").
+        api_keys: name -> key, each accepted on /v1/* (auth.load_api_keys); with api_key.
         http: the HTTP options the app itself honours (CORS); the server's own (host, TLS,
             root path) are uvicorn's.
         frontend: the front end's options (templates, request defaults, API details).
+        lora_config: the engines' LoRA options: with enable_lora, --lora-modules are served,
+            `model` may name an adapter, and /v1/load_lora_adapter and
+            /v1/unload_lora_adapter exist.
     """
     http = http or HTTPConfig()
     frontend = frontend or FrontendConfig()
-    metrics = ApiMetrics(engine_client, served_model_name)
+    models = ServingModels(
+        served_model_name, engine_client.model_name, lora_config, frontend.lora_modules
+    )
+    max_loras = models.lora_config.max_loras if models.enable_lora else None
+    metrics = ApiMetrics(engine_client, served_model_name, max_loras)
     if not frontend.disable_log_stats:
         engine_client.stat_loggers.append(LoggingStatLogger())
-    completions = OpenAIServingCompletion(engine_client, served_model_name, frontend)
-    chat = OpenAIServingChat(engine_client, served_model_name, frontend)
+    completions = OpenAIServingCompletion(engine_client, served_model_name, frontend, models)
+    chat = OpenAIServingChat(engine_client, served_model_name, frontend, models)
     defaults = load_generation_defaults(
         frontend.generation_config, engine_client.tokenizer_info.model_dir
     )
@@ -184,21 +182,18 @@ def build_app(
         logger.info("request defaults from the generation config: %s", defaults)
     completions.generation_defaults = chat.generation_defaults = defaults
 
+    max_depth = frontend.limits.max_json_depth
+
     async def create_completion(request: Request) -> Response:
-        body = decode_request(await request.body(), CompletionRequest)
+        body = decode_request(await request.body(), CompletionRequest, max_depth)
         return await completions.create_completion(body, request)
 
     async def create_chat_completion(request: Request) -> Response:
-        body = decode_request(await request.body(), ChatCompletionRequest)
+        body = decode_request(await request.body(), ChatCompletionRequest, max_depth)
         return await chat.create_chat_completion(body, request)
 
     async def list_models(request: Request) -> Response:
-        card = ModelCard(
-            id=served_model_name,
-            root=engine_client.model_name,
-            max_model_len=engine_client.max_model_len,
-        )
-        return json_response(ModelList(data=[card]))
+        return json_response(ModelList(data=models.model_cards(engine_client.max_model_len)))
 
     async def health(request: Request) -> Response:
         # Degraded (some engines gone) still serves: 200, and the body says which are gone.
@@ -224,18 +219,26 @@ def build_app(
             )
         return Response(status_code=200)
 
+    openapi_body = msgspec.json.encode(openapi_document(KVSERVE_VERSION))
+
+    async def openapi(request: Request) -> Response:
+        return Response(openapi_body, media_type="application/json")
+
     async def metrics_endpoint(request: Request) -> Response:
         text, content_type = metrics.render()
         return Response(text, headers={"Content-Type": content_type})
 
     async def tokenize(request: Request) -> Response:
-        body = decode_request(await request.body(), TokenizeRequest)
+        body = decode_request(await request.body(), TokenizeRequest, max_depth)
         completions.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of `prompt` or `messages`", param="prompt")
         if body.messages is not None:
             token_ids = chat.apply_chat_template(body.messages, body.add_generation_prompt)
         else:
+            check_prompt_chars(
+                len(body.prompt), frontend.limits, engine_client.max_model_len, "prompt"
+            )
             token_ids = engine_client.tokenizer_info.tokenizer.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens
             )
@@ -244,7 +247,7 @@ def build_app(
         )
 
     async def detokenize(request: Request) -> Response:
-        body = decode_request(await request.body(), DetokenizeRequest)
+        body = decode_request(await request.body(), DetokenizeRequest, max_depth)
         completions.check_model(body.model)
         if body.tokens:
             completions.check_token_ids(body.tokens, "tokens")
@@ -263,7 +266,13 @@ def build_app(
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/tokenize", _with_errors(tokenize), methods=["POST"]),
         Route("/detokenize", _with_errors(detokenize), methods=["POST"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
+    if models.enable_lora:
+        routes += [
+            Route(path, _with_errors(endpoint), methods=["POST"])
+            for path, endpoint in lora_adapter_endpoints(models, max_depth).items()
+        ]
     # CORS outermost, so a browser's preflight (OPTIONS, no credentials) is answered before
     # the API key is asked for, as vLLM does.
     middleware = [
@@ -278,8 +287,19 @@ def build_app(
     if frontend.enable_request_id_headers:
         # Outside the API-key check, so a 401 carries the id too.
         middleware.append(Middleware(_RequestIdMiddleware))
+    keys = dict(api_keys or {})
     if api_key:
-        middleware.append(Middleware(_APIKeyMiddleware, api_key=api_key))
+        keys.setdefault("default", api_key)
+    if keys:
+        middleware.append(
+            Middleware(
+                APIKeyMiddleware, keys=keys, registry=metrics.registry, route_path=_route_path
+            )
+        )
+    # Inside the key check: a client without a key cannot make the server buffer a body.
+    middleware.append(
+        Middleware(BodySizeLimitMiddleware, max_bytes=frontend.limits.max_request_body_bytes)
+    )
     app = Starlette(routes=routes, middleware=middleware)
     app.state.engine_client = engine_client
     app.state.metrics = metrics

@@ -21,7 +21,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvserve.services.api.detokenizer import num_held_back_chars
-from kvserve.services.api.engine_client import EngineClient, EngineDeadError
+from kvserve.services.api.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineOverloadedError,
+)
+from kvserve.services.api.limits import check_request_limits
 from kvserve.services.api.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvserve.services.api.protocol import (
     SAMPLING_FIELDS,
@@ -32,8 +37,11 @@ from kvserve.services.api.protocol import (
 )
 from kvserve.services.api.request_constraints import logits_processor_kwargs
 from kvserve.services.api.request_logger import RequestLogger
+from kvserve.services.api.serving_models import ServingModels
 from kvserve.shared.config import FrontendConfig
+from kvserve.shared.lora import LoRARequest
 from kvserve.shared.sampling_params import SamplingParams, logprobs_over_limit
+from kvserve.shared.wire import QUEUE_FULL_ERROR
 
 T = TypeVar("T")
 
@@ -56,8 +64,10 @@ class OpenAIServing:
     """
     Args:
         engine_client: where requests go.
-        served_model_name: the only model name requests may ask for.
+        served_model_name: the base model's name.
         frontend: the front end's options (usage details, token ids, request logs).
+        models: the base model and the LoRA adapters a request's `model` may name
+            (default: the base model alone).
 
     `generation_defaults` are the SamplingParams defaults of --generation-config (set by
     build_app); a request's own values win.
@@ -70,9 +80,11 @@ class OpenAIServing:
         engine_client: EngineClient,
         served_model_name: str,
         frontend: FrontendConfig | None = None,
+        models: ServingModels | None = None,
     ):
         self.engine_client = engine_client
         self.served_model_name = served_model_name
+        self.models = models or ServingModels(served_model_name, engine_client.model_name)
         self.frontend = frontend or FrontendConfig()
         self.request_logger = (
             RequestLogger(self.frontend.max_log_len) if self.frontend.enable_log_requests else None
@@ -137,11 +149,25 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         """A request may omit `model`; naming another one is a 404, as in vLLM."""
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+        self.models.lora_request(model)
 
-    def check_engine(self) -> None:
-        """Fail before a stream starts (a stream's status is sent before its first chunk)."""
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter asked for, else the served model."""
+        return model if model in self.models.lora_requests else self.served_model_name
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter the request's `model` names (None: the base model); 404 for others."""
+        return self.models.lora_request(model)
+
+    def check_limits(self, request) -> None:
+        """The request's bounds (n, prompt characters, stop strings, ...: limits.py), before
+        anything is tokenized."""
+        check_request_limits(request, self.frontend.limits, self.engine_client.max_model_len)
+
+    def check_engine(self, num_requests: int = 1) -> None:
+        """Fail before a stream starts (a stream's status is sent before its first chunk):
+        a 503 without a serving engine, a 429 when no engine's queue has room for
+        `num_requests` engine requests (prompts x n)."""
         if not self.engine_client.is_healthy:
             reason = (
                 self.engine_client.dead_reason
@@ -149,6 +175,7 @@ class OpenAIServing:
                 or "the engine is not healthy"
             )
             raise EngineDeadError(reason)
+        self.engine_client.check_capacity(num_requests)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
@@ -219,8 +246,10 @@ class OpenAIServing:
         prompts: list[PromptInput],
         params_list: list[SamplingParams],
         priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Submit every prompt; yield (prompt index, cumulative RequestOutput) as they come.
+        """Submit every prompt (all with `lora_request`'s adapter, None: the base model);
+        yield (prompt index, cumulative RequestOutput) as they come.
 
         Closing the returned generator aborts whatever is still running.
         """
@@ -232,7 +261,7 @@ class OpenAIServing:
                 logged_text = text if text is not None else self.tokenizer.decode(token_ids)
                 self.request_logger.log_inputs(engine_request_id, logged_text, token_ids, params)
             stream = self.engine_client.generate(
-                engine_request_id, text, token_ids, params, priority
+                engine_request_id, text, token_ids, params, priority, lora_request
             )
             streams.append(stream)
         return merge_async_iterators(streams)
@@ -390,14 +419,20 @@ async def _prepend(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T,
 
 
 def raise_if_failed(output: RequestOutput) -> None:
-    """The engine rejected a request (its finish reason is "error"): a 400."""
+    """The engine rejected a request (its finish reason is "error"): a 400, or a 429 when
+    its queue was full (--max-waiting-requests)."""
     for completion in output.outputs:
-        if completion.finish_reason == "error":
-            raise APIError(400, f"the engine rejected the request: {completion.stop_reason}")
+        if completion.finish_reason != "error":
+            continue
+        if str(completion.stop_reason).startswith(QUEUE_FULL_ERROR):
+            raise EngineOverloadedError(str(completion.stop_reason)).to_api_error()
+        raise APIError(400, f"the engine rejected the request: {completion.stop_reason}")
 
 
 def error_event(exc: Exception) -> bytes:
     """An SSE event carrying an error body, for failures after the stream started."""
+    if isinstance(exc, EngineOverloadedError):
+        exc = exc.to_api_error()
     if not isinstance(exc, APIError):
         status = 503 if isinstance(exc, EngineDeadError) else 500
         exc = APIError(status, f"{type(exc).__name__}: {exc}")

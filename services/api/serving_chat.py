@@ -134,6 +134,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         """Validate, template, submit, and answer with JSON or an SSE stream."""
         self.check_model(request.model)
+        self.check_limits(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_prompt_logprobs(request)
@@ -172,10 +173,16 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=request.prompt_logprobs,
             structured_outputs=constraint or structured_outputs,
         )
-        self.check_engine()
+        self.check_engine(request.n)
         ids = self.request_ids(raw_request, request, "chatcmpl-")
         if request.stream:
-            results = self.generate(ids[1], [(None, prompt_token_ids)], [params], request.priority)
+            results = self.generate(
+                ids[1],
+                [(None, prompt_token_ids)],
+                [params],
+                request.priority,
+                self.lora_request(request.model),
+            )
             if params.structured_outputs is not None:
                 results = await first_output_checked(results)
             return SSEResponse(self._stream(ids[0], request, params, tool_choice, results))
@@ -201,7 +208,13 @@ class OpenAIServingChat(OpenAIServing):
         response_id, engine_id = ids
         final: RequestOutput | None = None
         async with aclosing(
-            self.generate(engine_id, [(None, prompt_token_ids)], [params], request.priority)
+            self.generate(
+                engine_id,
+                [(None, prompt_token_ids)],
+                [params],
+                request.priority,
+                self.lora_request(request.model),
+            )
         ) as results:
             async for _, output in results:
                 final = output
@@ -224,7 +237,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         body = ChatCompletionResponse(
             id=response_id,
-            model=self.served_model_name,
+            model=self.response_model(request.model),
             choices=choices,
             usage=self.usage([final]),
             prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
@@ -249,7 +262,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=self.served_model_name,
+                    model=self.response_model(request.model),
                     choices=choices,
                     usage=usage,
                 )

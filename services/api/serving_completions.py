@@ -48,6 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Validate, submit every prompt, and answer with JSON or an SSE stream."""
         self.check_model(request.model)
+        self.check_limits(request)
         self.check_prompt_logprobs(request)
         prompts = self._prompt_inputs(request.prompt)
         # echo + logprobs also reports the prompt's logprobs, as OpenAI's API did.
@@ -67,10 +68,12 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for _, token_ids in prompts
         ]
-        self.check_engine()
+        self.check_engine(len(prompts) * request.n)
         ids = self.request_ids(raw_request, request, "cmpl-")
         if request.stream:
-            results = self.generate(ids[1], prompts, params_list, request.priority)
+            results = self.generate(
+                ids[1], prompts, params_list, request.priority, self.lora_request(request.model)
+            )
             if structured_outputs is not None:
                 results = await first_output_checked(results)
             return SSEResponse(self._stream(ids, request, prompts, params_list, results))
@@ -121,7 +124,9 @@ class OpenAIServingCompletion(OpenAIServing):
         as_ids = self.tokens_as_ids(request)
         final: list[RequestOutput | None] = [None] * len(prompts)
         async with aclosing(
-            self.generate(engine_id, prompts, params_list, request.priority)
+            self.generate(
+                engine_id, prompts, params_list, request.priority, self.lora_request(request.model)
+            )
         ) as results:
             async for prompt_index, output in results:
                 final[prompt_index] = output
@@ -158,7 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         body = CompletionResponse(
             id=response_id,
-            model=self.served_model_name,
+            model=self.response_model(request.model),
             choices=choices,
             usage=self.usage(final),
         )
@@ -236,7 +241,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             CompletionStreamResponse(
                                 id=request_id,
                                 created=created,
-                                model=self.served_model_name,
+                                model=self.response_model(request.model),
                                 choices=[choice],
                                 usage=usage,
                             )
@@ -246,7 +251,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     CompletionStreamResponse(
                         id=request_id,
                         created=created,
-                        model=self.served_model_name,
+                        model=self.response_model(request.model),
                         choices=[],
                         usage=self.usage(final),
                     )

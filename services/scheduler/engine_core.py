@@ -12,11 +12,22 @@ import time
 import msgspec
 
 from kvserve.services.scheduler.executor import Executor, UniExecutor
+from kvserve.services.scheduler.request_checks import (
+    check_engine_request,
+    model_vocab_size,
+    queue_full_error,
+)
 from kvserve.services.scheduler.scheduler import Scheduler
 from kvserve.services.scheduler.structured_output import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput
+from kvserve.shared.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    ModelRunnerOutput,
+)
 from kvserve.shared.wire import EngineReady, this_hostname
 
 logger = init_logger(__name__)
@@ -57,9 +68,18 @@ class EngineCore:
         config: the engine config.
         model_dir: a resolved HF-style model folder.
         engine_index: this engine core's data-parallel index.
+        bound_waiting: refuse requests past --max-waiting-requests (the engine process);
+            the offline `LLM` queues all of its prompts.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: str, engine_index: int = 0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        engine_index: int = 0,
+        *,
+        bound_waiting: bool = False,
+    ):
         start = time.perf_counter()
         self.config = config
         self.executor = make_executor(config, model_dir)
@@ -77,7 +97,11 @@ class EngineCore:
             num_blocks,
             self.executor.max_model_len,
             structured_output_manager=self.structured_output_manager,
+            lora_config=config.lora,
         )
+        self.vocab_size = model_vocab_size(model_dir)
+        self.bound_waiting = bound_waiting
+        self._refused: list[EngineCoreOutput] = []  # refused requests' ERROR outputs
         # The scheduler may cap max_model_len to what the KV cache holds.
         self.ready = EngineReady(
             engine_index=engine_index,
@@ -90,6 +114,7 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo,
             max_logprobs=config.model.max_logprobs,
+            max_waiting_requests=config.scheduler.max_waiting_requests,
             cache_config_info=cache_config_info(config.cache, num_blocks),
             gemm_plan=self.executor.gemm_plan,
         )
@@ -101,7 +126,31 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(request)
+        """Queue a request, or refuse it with an ERROR output (in the next step's outputs):
+        a bad one (request_checks), or, with bound_waiting, any past --max-waiting-requests."""
+        try:
+            error = check_engine_request(request, self.vocab_size, self.config.model.max_logprobs)
+        except Exception as exc:  # noqa: BLE001 - a bad request must never stop the engine
+            error = f"invalid request: {exc}"
+        max_waiting = self.config.scheduler.max_waiting_requests
+        if error is None and self.bound_waiting and self.num_waiting_requests >= max_waiting:
+            error = queue_full_error(max_waiting)
+        if error is None:
+            self.scheduler.add_request(request)
+            return
+        logger.warning("request %s refused: %s", request.request_id, error)
+        self._refused.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=error,
+            )
+        )
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.waiting_for_grammar)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         from kvserve.services.scheduler.request import RequestStatus
@@ -110,7 +159,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """True while a step is needed: running/waiting requests, or outputs to deliver."""
-        return self.scheduler.has_requests()
+        return bool(self._refused) or self.scheduler.has_requests()
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine step; outputs of every request that advanced or ended."""
@@ -124,6 +173,8 @@ class EngineCore:
         else:
             runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._refused:
+            outputs, self._refused = self._refused + outputs, []
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic()
         )

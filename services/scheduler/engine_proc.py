@@ -111,7 +111,7 @@ class EngineCoreProc:
         """Build the EngineCore (model load, KV profile), then say READY to the api."""
         from kvserve.services.scheduler.engine_core import EngineCore
 
-        self.engine_core = EngineCore(config, model_dir, self.engine_index)
+        self.engine_core = EngineCore(config, model_dir, self.engine_index, bound_waiting=True)
         handshake = self.engine_core.ready
         self.input_thread = threading.Thread(
             target=self._process_input_socket,

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from kvserve.shared.hashing import HashFn, hash_new_full_blocks, make_extra_keys
+from kvserve.shared.lora import LoRARequest, lora_extra_key
 from kvserve.shared.messages import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -88,6 +89,8 @@ class Request:
         priority: lower runs first under the priority policy.
         cache_salt: isolates this request's prefix-cache blocks from other salts.
         block_hasher: hashes full blocks as tokens arrive; None when prefix caching is off.
+        lora_request: the adapter it runs with (None: the base model); part of its block
+            hashes, so adapters never share cached blocks.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -108,7 +112,8 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        self.extra_keys = make_extra_keys(cache_salt)
+        self.lora_request = lora_request
+        self.extra_keys = make_extra_keys(cache_salt, lora_extra_key(lora_request))
         # Read once per sampled token, so frozen here rather than rebuilt by the property.
         self.stop_token_ids = frozenset(sampling_params.all_stop_token_ids)
 
@@ -149,6 +154,7 @@ class Request:
             priority=req.priority,
             cache_salt=req.cache_salt,
             block_hasher=block_hasher,
+            lora_request=req.lora_request,
         )
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
@@ -173,6 +179,11 @@ class Request:
     def _update_block_hashes(self) -> None:
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

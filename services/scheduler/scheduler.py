@@ -33,9 +33,10 @@ from kvserve.services.scheduler.request_queue import create_request_queue
 from kvserve.services.scheduler.step_plan import StepPlan
 from kvserve.services.scheduler.stop_check import check_stop
 from kvserve.services.scheduler.structured_output import StructuredOutputManager
-from kvserve.shared.config import CacheConfig, SchedulerConfig
+from kvserve.shared.config import CacheConfig, LoRAConfig, SchedulerConfig
 from kvserve.shared.hashing import get_hash_fn
 from kvserve.shared.logging import init_logger
+from kvserve.shared.lora import read_adapter_config
 from kvserve.shared.messages import (
     CachedRequestData,
     EngineCoreEventType,
@@ -66,6 +67,9 @@ class Scheduler:
         log_stats: collect the counters `make_stats` reports, and time each request's
             events (queued, scheduled, preempted) for the api's metrics.
         structured_output_manager: compiles grammars; None refuses structured requests.
+        lora_config: with enable_lora, requests may name adapters, and the running requests
+            use max_loras distinct adapters at most (the others wait); else LoRA requests
+            are refused.
     """
 
     def __init__(
@@ -76,8 +80,12 @@ class Scheduler:
         max_model_len: int,
         log_stats: bool = True,
         structured_output_manager: StructuredOutputManager | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.lora_config = lora_config if lora_config and lora_config.enable_lora else None
+        # (adapter id, path) -> why it cannot run (None: it can); read once per adapter.
+        self._lora_errors: dict[tuple[int, str], str | None] = {}
         self.structured_output_manager = structured_output_manager
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -179,7 +187,23 @@ class Scheduler:
         params = engine_request.sampling_params
         if params.structured_outputs is not None and self.structured_output_manager is None:
             return "structured outputs are not enabled in this engine"
+        if engine_request.lora_request is not None:
+            return self._check_lora(engine_request)
         return None
+
+    def _check_lora(self, engine_request: EngineCoreRequest) -> str | None:
+        lora_request = engine_request.lora_request
+        assert lora_request is not None
+        if self.lora_config is None:
+            return "LoRA adapters are not enabled in this engine (start it with enable_lora)"
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        if key not in self._lora_errors:
+            try:
+                read_adapter_config(lora_request.lora_path, self.lora_config.max_lora_rank)
+                self._lora_errors[key] = None
+            except ValueError as exc:
+                self._lora_errors[key] = str(exc)
+        return self._lora_errors[key]
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (aborts, stop strings); their blocks are freed at once.
@@ -312,10 +336,23 @@ class Scheduler:
             plan.scheduled_running.append(request)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
+        # Requests whose adapter would be one too many wait, in their order, for the next step.
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(plan, skipped)
+        finally:
+            for request in reversed(skipped):
+                self.waiting.prepend_request(request)
+
+    def _admit_waiting(self, plan: StepPlan, skipped: list[Request]) -> None:
         config = self.scheduler_config
+        lora_ids = self._running_lora_ids()
         while self.waiting and plan.token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
             assert request.num_computed_tokens == 0, f"{request} waits with computed tokens"
+            if self._lora_blocked(request, lora_ids):
+                skipped.append(self.waiting.pop_request())
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             if (
                 not config.enable_chunked_prefill
@@ -338,6 +375,23 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             plan.add(request, num_new_tokens, new_blocks)
             plan.scheduled_new.append(request)
+            if request.lora_int_id:
+                lora_ids.add(request.lora_int_id)
+
+    def _running_lora_ids(self) -> set[int]:
+        """The adapters of the running requests (the ones the workers hold)."""
+        if self.lora_config is None:
+            return set()
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _lora_blocked(self, request: Request, lora_ids: set[int]) -> bool:
+        """Admitting `request` would put more than max_loras adapters in the batch."""
+        return (
+            self.lora_config is not None
+            and request.lora_int_id != 0
+            and request.lora_int_id not in lora_ids
+            and len(lora_ids) >= self.lora_config.max_loras
+        )
 
     def _num_tokens_to_schedule(
         self, request: Request, num_computed_tokens: int, token_budget: int
@@ -402,6 +456,7 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
                 output_token_ids=list(request.output_token_ids),
                 eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id,
+                lora_request=request.lora_request,
             )
             for request in plan.scheduled_new
         ]
@@ -607,7 +662,19 @@ class Scheduler:
             grammar_cache_queries=grammar_queries,
             grammar_cache_hits=grammar_hits,
             grammar_compile_times=compile_times,
+            running_lora_adapters=_count_adapters(self.running) if self.lora_config else {},
+            waiting_lora_adapters=_count_adapters(self.waiting) if self.lora_config else {},
         )
+
+
+def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per adapter name (the base model's are not counted)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _slice_logprobs(logprobs: Logprobs, start: int, stop: int) -> Logprobs:

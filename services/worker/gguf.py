@@ -8,6 +8,11 @@
 
 transformers is used for the config and tokenizer only; the weights are ours: dequantized,
 renamed to HF names, and with llama.cpp's q/k row permutation undone.
+
+With `--quantization gguf` the weights skip the folder: `iterate_gguf_tensors(path,
+keep_quantized=True)` reads the stored blocks from the .gguf file itself (the folder still
+gives the config and tokenizer). `requantize_gguf` writes a copy of a GGUF with its weights
+re-quantized (bench/quantized.py and the tests make Q8_0 / Q4_0 / Q4_K models with it).
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.kernels.quant import GGUF_QTYPES, QuantizedTensor
+
 MAX_SHARD_BYTES = 2 << 30  # float32 bytes per safetensors file: bounds conversion memory
 
-# Architectures whose GGUF tensors we know how to name (general.architecture values).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+# Architectures whose GGUF tensors we know how to name (general.architecture values), and
+# the HF architecture each converts to.
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_GGUF_ARCHITECTURES = tuple(_HF_ARCHITECTURES)
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -78,10 +87,15 @@ def _field(reader: Any, key: str) -> Any:
     return field.contents()
 
 
-def iterate_gguf_tensors(gguf_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_tensors(
+    gguf_path: str, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield (HF name, float32 tensor) for every tensor of gguf_path, in file order.
 
-    `lm_head.weight` is absent when the file has no `output.weight` (tied embeddings).
+    With keep_quantized, a 2-D tensor stored as one of kernels.quant.GGUF_QTYPES comes as a
+    `QuantizedTensor` of its stored blocks instead (q/k rows still unpermuted: blocks run
+    along the input dim, so whole rows move). `lm_head.weight` is absent when the file has
+    no `output.weight` (tied embeddings).
     """
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -101,15 +115,30 @@ def iterate_gguf_tensors(gguf_path: str) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_tensor_name(tensor.name)
         # GGUF lists dims fastest-first; numpy (and HF) order is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = dequantize(tensor.data, tensor.tensor_type)
-        # Unquantized tensors are read-only views of the file's memory map: copy those only.
-        array = np.require(array, dtype=np.float32, requirements=("C", "W"))
-        weight = torch.from_numpy(array.reshape(shape))
+        qtype = tensor.tensor_type.name
+        weight: torch.Tensor | QuantizedTensor
+        if keep_quantized and len(shape) == 2 and qtype in GGUF_QTYPES:
+            # The blocks are a read-only view of the file's memory map: copy them.
+            data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(shape[0], -1)
+            weight = QuantizedTensor(qtype, shape, torch.from_numpy(data))
+        else:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            # Unquantized tensors are read-only views of the file's memory map: copy those.
+            array = np.require(array, dtype=np.float32, requirements=("C", "W"))
+            weight = torch.from_numpy(array.reshape(shape))
         # Only llama.cpp's llama converter permutes q/k; qwen2 files keep HF's order.
+        heads = None
         if arch == "llama" and ".q_proj." in name:
-            weight = unpermute_qk_rows(weight, num_heads)
+            heads = num_heads
         elif arch == "llama" and ".k_proj." in name:
-            weight = unpermute_qk_rows(weight, num_kv_heads)
+            heads = num_kv_heads
+        if isinstance(weight, QuantizedTensor):
+            if heads is not None:
+                weight = weight.permute_rows(lambda t, h=heads: unpermute_qk_rows(t, h))
+            yield name, weight
+            continue
+        if heads is not None:
+            weight = unpermute_qk_rows(weight, heads)
         yield name, weight.contiguous()
 
 
@@ -178,13 +207,13 @@ def convert_gguf(gguf_path: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_
     """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from kvserve.services.worker.models import architecture_of_model_type
-
     gguf_dir, gguf_file = os.path.split(os.path.abspath(gguf_path))
     names = save_sharded(iterate_gguf_tensors(gguf_path), out_dir, max_shard_bytes)
 
     config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    arch = architecture_of_model_type(config.model_type)
+    # Not models.architecture_of_model_type: models/ imports the quantized loader, which
+    # reads GGUFs through this module (a cycle).
+    arch = _HF_ARCHITECTURES.get(config.model_type)
     if arch is None:
         raise ValueError(f"model_type {config.model_type!r} of {gguf_path} is not supported")
     config.architectures = [arch]
@@ -195,3 +224,95 @@ def convert_gguf(gguf_path: str, out_dir: str, max_shard_bytes: int = MAX_SHARD_
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)
+
+
+# ---------------------------------------------------------------------- re-quantization
+
+
+def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
+    """A simple Q4_K quantizer (the `gguf` package has none): [N, K] float32 -> [N, K/256*144]
+    uint8 blocks. Per 32-element sub-block a scale and a min from its range, both stored as
+    6-bit multiples of the super-block's fp16 d / dmin; no search for better ranges (llama.cpp
+    does one, so its files are slightly more accurate)."""
+    n, k = weight.shape
+    if k % 256:
+        raise ValueError(f"Q4_K needs rows of a multiple of 256 elements, got {k}")
+    x = weight.astype(np.float32).reshape(n, k // 256, 8, 32)
+    lo = np.minimum(x.min(axis=-1), 0.0)  # w = d sc q - dmin m, m >= 0: offsets are <= 0
+    hi = x.max(axis=-1)
+    scale = (hi - lo) / 15.0
+    mins = -lo
+    d = (scale.max(axis=-1) / 63.0).astype(np.float16)
+    dmin = (mins.max(axis=-1) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32), dmin.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df[..., None] > 0, np.rint(scale / df[..., None]), 0).clip(0, 63)
+        mn = np.where(dminf[..., None] > 0, np.rint(mins / dminf[..., None]), 0).clip(0, 63)
+        step = df[..., None] * sc
+        offset = dminf[..., None] * mn
+        q = np.where(
+            step[..., None] > 0, np.rint((x + offset[..., None]) / step[..., None]), 0
+        ).clip(0, 15)
+    sc, mn, q = sc.astype(np.uint8), mn.astype(np.uint8), q.astype(np.uint8)
+    scales = np.zeros((n, k // 256, 12), dtype=np.uint8)
+    scales[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    q = q.reshape(n, k // 256, 4, 2, 32)  # pairs of sub-blocks share bytes: lo | hi << 4
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, k // 256, 128)
+    blocks = np.concatenate(
+        [
+            d.reshape(n, k // 256, 1).view(np.uint8),
+            dmin.reshape(n, k // 256, 1).view(np.uint8),
+            scales,
+            qs,
+        ],
+        axis=-1,
+    )
+    return blocks.reshape(n, k // 256 * 144)
+
+
+def requantize_gguf(
+    src_path: str, dst_path: str, qtype: str, fallback: str = "Q4_1", keep: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """Write dst_path: src_path's metadata and tensors, its 2-D weights dequantized to float32
+    and re-quantized as qtype (Q8_0, Q4_0, Q4_1 by the `gguf` package, Q4_K by
+    `quantize_q4_k`). A tensor whose rows do not divide into qtype's blocks takes fallback;
+    tensors named in keep (GGUF names, e.g. token_embd.weight) keep their stored type.
+    Returns the type written per GGUF tensor name.
+    """
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(src_path)
+    arch = _field(reader, "general.architecture")
+    writer = GGUFWriter(dst_path, arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # the writer adds these itself
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub_type)
+    written: dict[str, str] = {}
+    for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        src_type = tensor.tensor_type
+        if len(shape) != 2 or tensor.name in keep:
+            data, out_type = np.array(tensor.data), src_type
+        else:
+            weight = dequantize(tensor.data, src_type).reshape(shape).astype(np.float32)
+            name = qtype
+            if shape[1] % (256 if qtype == "Q4_K" else 32):
+                name = fallback
+            out_type = GGMLQuantizationType[name]
+            if name == "Q4_K":
+                data = quantize_q4_k(weight)
+            else:
+                data = quantize(weight, out_type)
+        written[tensor.name] = out_type.name
+        writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=out_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written

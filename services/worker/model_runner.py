@@ -58,7 +58,9 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = resolve_dtype(config.model.dtype_name, device, checkpoint_dtype(model_dir))
-        self.model, self.hf_config = load_model(model_dir, self.dtype, device)
+        self.model, self.hf_config = load_model(
+            model_dir, self.dtype, device, config.model.quantization, config.model.model
+        )
         self.vocab_size = self.hf_config.vocab_size
         self.hidden_size = self.hf_config.hidden_size
         self.is_first_stage = is_first_pp_rank()
@@ -67,6 +69,14 @@ class ModelRunner:
         self.max_model_len = effective_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # LoRA wraps the linear layers before the GEMM plan, which finds them inside.
+        self.lora_manager = None
+        if config.lora.enable_lora:
+            from kvserve.services.worker.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(
+                self.model, config.lora, config.scheduler.max_num_seqs, self.dtype, device
+            )
         self.gemm_plan = self.prepare_gemm() if device.type == "cpu" else None
         self.sampler = Sampler()
         self.input_batch: InputBatch | None = None
@@ -87,6 +97,7 @@ class ModelRunner:
             )
             for m in self.model.modules()
             if isinstance(m, LinearBase | ParallelLMHead)
+            and m.weight.is_floating_point()  # weights held quantized have their own kernels
         ]
         plan = gemm.tune(
             ((m.weight.dtype, *m.weight.shape, max_rows) for m, max_rows in layers),
@@ -188,12 +199,15 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
-        for req_id in so.finished_req_ids:
-            batch.remove_request(req_id)
-        for req_id in so.preempted_req_ids:
+        lora = self.lora_manager
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+            if lora is not None and req_id in batch.requests:
+                lora.remove_request(batch.requests[req_id].row)
             batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
-            batch.add_request(new)
+            state = batch.add_request(new)
+            if lora is not None:
+                lora.add_request(state.row, new.lora_request)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -228,6 +242,8 @@ class ModelRunner:
         positions = num_computed[req_indices] + offsets
         token_rows = rows[req_indices]
         input_ids = batch.token_ids[token_rows, positions]
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(token_rows)
         block_size = self.block_size
         slot_mapping = (
             batch.block_table[token_rows, positions // block_size].astype(np.int64) * block_size

@@ -40,6 +40,8 @@ def verify_parallel_sizes(
         "intermediate_size": hf_config.intermediate_size,
         "vocab_size": hf_config.vocab_size,
     }
+    if getattr(hf_config, "moe_intermediate_size", None):  # Qwen3-MoE's experts
+        sizes["moe_intermediate_size"] = hf_config.moe_intermediate_size
     bad = [f"{name}={size}" for name, size in sizes.items() if size % tp]
     if bad:
         fitting = [

@@ -171,6 +171,106 @@ def test_openai_client_raises_typed_errors(url):
         )
 
 
+HUGE = 10**400  # far past 64 bits: Python's json writes it, msgpack could not carry it
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"seed": HUGE}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 10**30}, "max_tokens"),
+        ({"n": HUGE}, "n"),
+        ({"top_k": -(2**70)}, "top_k"),
+        ({"priority": 2**63}, "priority"),
+        ({"logprobs": 10**30}, "logprobs"),
+        ({"prompt_logprobs": 10**20}, "prompt_logprobs"),
+        ({"min_tokens": 2**64}, "min_tokens"),
+        ({"stop_token_ids": [HUGE]}, "stop_token_ids"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"allowed_token_ids": [2**63]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+        ({"logit_bias": {str(HUGE): 1.0}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),
+        ({"prompt": [HUGE]}, "prompt"),
+        ({"prompt": [[1, 2**63]]}, "prompt"),
+        ({"prompt": [1, 10**9]}, "prompt"),
+        ({"best_of": HUGE}, "best_of"),
+    ],
+)
+def test_huge_integers_are_400_naming_the_field(url, fields, param):
+    assert_error(post(url, "/v1/completions", completion(**fields)), 400, param)
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'"temperature": 1e309', "temperature"),
+        (b'"temperature": -1e309', "temperature"),
+        (b'"top_p": 1e400', "top_p"),
+        (b'"temperature": NaN', None),
+        (b'"temperature": Infinity', None),
+        (b'"temperature": -Infinity', None),
+        (b'"logit_bias": {"5": NaN}', None),
+        (b'"logit_bias": {"5": 1e999}', "logit_bias"),
+        (b'"repetition_penalty": 1e309', "repetition_penalty"),
+    ],
+)
+def test_non_finite_floats_are_400(url, raw, param):
+    """JSON has no NaN or infinity: neither literally nor as an overflowing number."""
+    body = b'{"prompt": "hi", "max_tokens": 2, ' + raw + b"}"
+    assert_error(post(url, "/v1/completions", body), 400, param)
+
+
+def test_chat_huge_numbers_are_400(url):
+    for fields, param in [
+        ({"seed": HUGE}, "seed"),
+        ({"max_completion_tokens": 10**30}, "max_completion_tokens"),
+        ({"logprobs": True, "top_logprobs": 10**30}, "top_logprobs"),
+        ({"n": 10**12}, "n"),
+    ]:
+        response = post(url, "/v1/chat/completions", chat(**fields))
+        error = assert_error(response, 400)
+        assert error["param"] in (param, "logprobs"), error
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"\xff\xfe", b"caf\xe9", b"\xc3\x28", b"\xed\xa0\x80"],  # the last: a UTF-8 surrogate
+)
+def test_invalid_utf8_is_400(url, text):
+    body = b'{"prompt": "' + text + b'", "max_tokens": 2}'
+    assert_error(post(url, "/v1/completions", body), 400)
+
+
+@pytest.mark.parametrize("escaped", [r"\ud800", r"\udfff abc", r"a\ud83d"])
+def test_lone_surrogate_escapes_are_400(url, escaped):
+    """JSON may escape half a surrogate pair: no text the tokenizer could encode."""
+    text = '"' + escaped + '"'  # a JSON string holding the escape itself
+    body = '{"prompt": ' + text + ', "max_tokens": 2}'
+    assert_error(post(url, "/v1/completions", body), 400)
+    body = '{"max_tokens": 2, "messages": [{"role": "user", "content": ' + text + "}]}"
+    assert_error(post(url, "/v1/chat/completions", body), 400)
+    assert_error(post(url, "/tokenize", '{"prompt": ' + text + "}"), 400)
+
+
+@pytest.mark.parametrize("depth", [65, 1000, 100_000])
+def test_deeply_nested_json_is_400(url, depth):
+    nested = b"[" * depth + b"]" * depth
+    body = b'{"prompt": "hi", "max_tokens": 2, "chat_template_kwargs": ' + nested + b"}"
+    assert_error(post(url, "/v1/completions", body), 400, message_part="nesting depth")
+    schema = b'{"type": "object", "properties": {"a": ' * depth + b"{}" + b"}}" * depth
+    body = b'{"prompt": "hi", "max_tokens": 2, "response_format": {"type": "json_schema", '
+    body += b'"json_schema": {"name": "x", "schema": ' + schema + b"}}}"
+    assert_error(post(url, "/v1/completions", body), 400)
+
+
+def test_nesting_inside_strings_is_not_depth(url):
+    prompt = "[" * 500 + "{" * 500
+    response = post(url, "/v1/completions", completion(prompt=prompt, max_tokens=1))
+    assert response.status_code == 200, response.text
+
+
 def test_api_key_guards_v1_only():
     client, _ = shared_api_server()
     server = ServerThread(

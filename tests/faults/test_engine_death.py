@@ -120,7 +120,7 @@ def test_engine_that_fails_to_start_reports_why(tiny_llama_dir, tmp_path):
     config_path = os.path.join(bad_dir, "config.json")
     with open(config_path) as f:
         hf_config = json.load(f)
-    hf_config["hidden_act"] = "gelu"  # the Llama model refuses it at construction
+    hf_config["hidden_act"] = "relu"  # the Llama model refuses it at construction
     with open(config_path, "w") as f:
         json.dump(hf_config, f)
 
@@ -128,7 +128,7 @@ def test_engine_that_fails_to_start_reports_why(tiny_llama_dir, tmp_path):
         channel = EngineChannel(EngineAddresses.local())
         process = start_engine_process(EngineConfig(), bad_dir, channel.addresses)
         try:
-            with pytest.raises(EngineDeadError, match="failed to start: ValueError.*gelu"):
+            with pytest.raises(EngineDeadError, match="failed to start: ValueError.*relu"):
                 await channel.wait_ready(timeout_s=300, engine_process=process)
         finally:
             channel.close()

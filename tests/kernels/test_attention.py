@@ -174,3 +174,50 @@ def test_paged_attention_triton_strided_block_size_one_cache():
     batch = _to_device(_cacheless_prefill_batch([5, 1, 12], 6, 2, 16))
     out = _run(attention.paged_attention, batch, 0.25)
     assert_close(out, _run(attention.paged_attention_ref, batch, 0.25), torch.float32)
+
+
+# Windows shorter than, equal to and inside a block; requests longer and shorter than them.
+WINDOWED = [(17, 40), (1, 29), (7, 40), (1, 1), (3, 16), (1, 45), (1, 7)]
+ATTENTION_OPTIONS = [(5, None), (16, None), (21, None), (None, 2.0), (9, 3.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [WINDOWED, DECODES], ids=["mixed", "decodes"])
+@pytest.mark.parametrize("sliding_window,soft_cap", ATTENTION_OPTIONS)
+def test_paged_attention_ref_window_and_soft_cap_match_dense(
+    dtype, layout, sliding_window, soft_cap
+):
+    batch = make_paged_batch(layout, 6, 2, 16, BLOCK_SIZE, dtype)
+    out = _run_with_options(attention.paged_attention_ref, batch, 0.5, sliding_window, soft_cap)
+    assert not out.isnan().any()
+    expected = dense_causal_attention(batch, 0.5, sliding_window, soft_cap)
+    assert_close(out, expected, dtype)
+    # The options must change the result: the batch has keys outside every window.
+    assert not torch.allclose(out.double(), dense_causal_attention(batch, 0.5), atol=1e-2)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("sliding_window,soft_cap", ATTENTION_OPTIONS)
+def test_paged_attention_triton_window_and_soft_cap_match_ref(sliding_window, soft_cap):
+    batch = _to_device(make_paged_batch(WINDOWED, 6, 2, 32, BLOCK_SIZE, torch.float32))
+    out = _run_with_options(attention.paged_attention, batch, 0.3, sliding_window, soft_cap)
+    expected = _run_with_options(
+        attention.paged_attention_ref, batch, 0.3, sliding_window, soft_cap
+    )
+    assert_close(out, expected, torch.float32)
+
+
+def _run_with_options(fn, batch: PagedBatch, scale: float, sliding_window, soft_cap):
+    return fn(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table,
+        batch.query_start_loc,
+        batch.seq_lens,
+        scale,
+        batch.max_query_len,
+        batch.max_seq_len,
+        sliding_window,
+        soft_cap,
+    )

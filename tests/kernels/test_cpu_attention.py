@@ -77,3 +77,19 @@ def test_dispatch_picks_the_native_kernel_or_the_reference(monkeypatch):
     monkeypatch.setattr(cpu, "available", lambda dtype: False)
     kernels.paged_attention(*args)
     assert calls == ["cpu", "ref"]
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("query_lens", [[1] * 13, [1, 5, 1, 17]])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(40, None), (16, None), (None, 5.0), (33, 2)])
+def test_cpu_path_window_and_soft_cap_match_reference(
+    dtype, atol, query_lens, sliding_window, soft_cap
+):
+    if not cpu.available(dtype):
+        pytest.skip("no C compiler here: the CPU path is the torch reference itself")
+    args = (*_case(dtype, len(query_lens), query_lens), sliding_window, soft_cap)
+    expected = paged_attention_ref(*args)
+    got = paged_attention_cpu(*args)
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
+    plain = paged_attention_ref(*args[:-2])
+    assert not torch.allclose(got.float(), plain.float(), atol=1e-2)

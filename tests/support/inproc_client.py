@@ -50,6 +50,7 @@ class InprocEngineClient(EngineClient):
             self.engine_core.ready.max_model_len,
             model_name,
             max_logprobs=self.engine_core.ready.max_logprobs,
+            max_waiting_requests=self.engine_core.ready.max_waiting_requests,
         )
         self._commands: queue.Queue = queue.Queue()
         # Bound on first use: the loop whose generate() calls receive the outputs.

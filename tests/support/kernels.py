@@ -116,8 +116,16 @@ def make_paged_batch(
     )
 
 
-def dense_causal_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """Float64 attention from the dense per-request K/V, written from the definition."""
+def dense_causal_attention(
+    batch: PagedBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Float64 attention from the dense per-request K/V, written from the definition.
+
+    With sliding_window the query at position p sees keys p - sliding_window + 1 .. p; with
+    soft_cap each score s becomes soft_cap * tanh(s / soft_cap)."""
     num_heads = batch.query.shape[1]
     out = torch.empty(batch.query.shape, dtype=torch.float64)
     start = 0
@@ -127,10 +135,14 @@ def dense_causal_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         for i in range(query_len):
             position = seq_len - query_len + i
             for head in range(num_heads):
+                first = max(position + 1 - sliding_window, 0) if sliding_window else 0
                 q = batch.query[start + i, head].double()
-                k = keys[: position + 1, head // group].double()
-                v = values[: position + 1, head // group].double()
-                weights = torch.softmax((k @ q) * scale, dim=0)
+                k = keys[first : position + 1, head // group].double()
+                v = values[first : position + 1, head // group].double()
+                scores = (k @ q) * scale
+                if soft_cap:
+                    scores = soft_cap * torch.tanh(scores / soft_cap)
+                weights = torch.softmax(scores, dim=0)
                 out[start + i, head] = weights @ v
         start += query_len
     return out

@@ -51,18 +51,30 @@ class Attention(nn.Module):
         head_size: features per head (D).
         scale: softmax scale, usually D ** -0.5.
         num_kv_heads: key/value heads on this rank (num_heads must be a multiple).
+        sliding_window: attend to only the last this many positions (None: all).
+        logits_soft_cap: scores become cap * tanh(score / cap) before the softmax (None: off).
 
     `kv_cache` is [2, num_blocks, block_size, num_kv_heads, D] (keys, then values), bound by
     the model runner after it sizes the cache; None before that.
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ):
         super().__init__()
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
@@ -88,6 +100,8 @@ class Attention(nn.Module):
                 self.scale,
                 attn_metadata.max_query_len,
                 attn_metadata.max_seq_len,
+                self.sliding_window,
+                self.logits_soft_cap,
             )
         return out.view(num_tokens, self.num_heads * self.head_size)
 
@@ -114,4 +128,6 @@ class Attention(nn.Module):
             self.scale,
             attn_metadata.max_query_len,
             attn_metadata.max_query_len,
+            self.sliding_window,
+            self.logits_soft_cap,
         )

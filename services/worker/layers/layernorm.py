@@ -29,3 +29,24 @@ class RMSNorm(nn.Module):
         if residual is None:
             return kernels.rms_norm(x, self.weight, self.eps)
         return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, y = x / rms(x) * (1 + weight): the checkpoint stores weight - 1.
+
+    The 1 is added once at load time (in float32, then stored in the model dtype: in bfloat16
+    that rounds 1 + weight where HF rounds weight), so the forward is RMSNorm's kernels.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self.weight_loader
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if param.shape != loaded_weight.shape:
+            raise ValueError(
+                f"checkpoint tensor shape {tuple(loaded_weight.shape)} does not match "
+                f"parameter shape {tuple(param.shape)}"
+            )
+        param.data.copy_(loaded_weight.float() + 1.0)

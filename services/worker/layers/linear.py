@@ -6,15 +6,28 @@ checkpoint tensor per shard:
 
     QKVParallelLinear weight rows on one rank:  [ q (Hq/tp * D) | k (Hkv/tp * D) | v (Hkv/tp * D) ]
     MergedColumnParallelLinear rows:            [ shard 0 / tp  | shard 1 / tp | ... ]
+
+How a layer stores its weight and computes x W^T is its `quant_method` (vLLM's
+QuantizeMethodBase): `UnquantizedLinearMethod` (a float parameter, the measured CPU GEMM) or
+`QuantizedLinearMethod` (GGUF blocks or int8, kernels/quant.py). The method is picked at
+construction from `quantization_scope` (set by the model loader). The loaders below only pick
+this rank's rows and columns of a checkpoint tensor and hand them to the method with the row
+offset they go to (`load_rows`); a checkpoint tensor may be a float tensor or a
+`QuantizedTensor`, which splits by rows and by block-aligned columns.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from kvserve import kernels
 from kvserve.kernels.gemm import LinearWeights
+from kvserve.kernels.quant import QuantizedTensor, cat_rows, quant_linear, quantize_int8
 from kvserve.services.worker.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -42,6 +55,8 @@ def default_weight_loader(
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if isinstance(src, QuantizedTensor):
+        src = src.dequantize()
     if dst.shape != src.shape:
         raise ValueError(
             f"checkpoint shard shape {tuple(src.shape)} does not match "
@@ -50,21 +65,195 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+# ---------------------------------------------------------------------- quant methods
+
+_QUANT_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kvserve_linear_quantization", default=None
+)
+LINEAR_QUANTIZATIONS = ("gguf", "int8")
+
+
+@contextlib.contextmanager
+def quantization_scope(method: str | None) -> Iterator[None]:
+    """Linear layers built inside hold their weights as `method` (None: float)."""
+    if method is not None and method not in LINEAR_QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {method!r}; have {LINEAR_QUANTIZATIONS}")
+    token = _QUANT_SCOPE.set(method)
+    try:
+        yield
+    finally:
+        _QUANT_SCOPE.reset(token)
+
+
+def current_quantization() -> str | None:
+    return _QUANT_SCOPE.get()
+
+
+def _placeholder() -> nn.Parameter:
+    """The `weight` parameter of a layer whose weight lives elsewhere: loaders find it by
+    name; it holds nothing."""
+    return nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+
+
+class LinearMethod:
+    """How a linear layer holds its weight and computes y = x W^T + b."""
+
+    def create_weights(self, layer: LinearBase) -> None:
+        raise NotImplementedError
+
+    def load_rows(self, layer: LinearBase, row_offset: int, src) -> None:
+        """Put src (rows of this rank's weight, all its columns) at row_offset."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        pass
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None):
+        raise NotImplementedError
+
+    def weight_bytes(self, layer: LinearBase) -> int:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """A float weight parameter [output_size, input_size], multiplied on the GEMM path the
+    CPU plan names (kernels.linear)."""
+
+    def create_weights(self, layer):
+        layer.weight = nn.Parameter(
+            torch.empty(layer.output_size, layer.input_size), requires_grad=False
+        )
+
+    def load_rows(self, layer, row_offset, src):
+        _copy_checked(layer.weight.data.narrow(0, row_offset, src.shape[0]), src)
+
+    def apply(self, layer, x, bias):
+        return kernels.linear(x, layer.weight, bias, layer.gemm)
+
+    def weight_bytes(self, layer):
+        return layer.weight.numel() * layer.weight.element_size()
+
+
+class QuantizedLinearMethod(LinearMethod):
+    """The weight held quantized, never expanded to float (kernels/quant.py).
+
+    gguf: each checkpoint tensor keeps its GGUF blocks; shards of one fused layer may differ in
+        type (then each runs its own kernel into its columns of the output). A shard of a type
+        kernels/quant.py lacks arrives as float and is kept as float.
+    int8: a float parameter is loaded as usual, then quantized per output channel.
+    """
+
+    def __init__(self, method: str):
+        self.method = method
+
+    def create_weights(self, layer):
+        layer.quant_parts: list[tuple[int, QuantizedTensor | torch.Tensor]] = []
+        layer.params_dtype = torch.get_default_dtype()  # the model's dtype (set while built)
+        if self.method == "int8":
+            UnquantizedLinearMethod().create_weights(layer)
+        else:
+            layer.weight = _placeholder()
+
+    def load_rows(self, layer, row_offset, src):
+        if self.method == "int8":
+            UnquantizedLinearMethod().load_rows(layer, row_offset, src)
+            return
+        if src.shape[1] != layer.input_size:
+            raise ValueError(
+                f"checkpoint shard has {src.shape[1]} input features, the layer {layer.input_size}"
+            )
+        device = layer.weight.device
+        if isinstance(src, QuantizedTensor):
+            src = src.to(device).contiguous()
+        else:
+            src = src.to(device, layer.params_dtype).contiguous()
+        layer.quant_parts.append((row_offset, src))
+
+    def process_weights_after_loading(self, layer):
+        if self.method == "int8":
+            weight = layer.weight.detach()
+            layer.quant_parts = [(0, quantize_int8(weight))]
+            layer.weight = _placeholder()
+            layer.weight.weight_loader = layer.weight_loader
+            return
+        parts = sorted(layer.quant_parts, key=lambda p: p[0])
+        merged: list[tuple[int, QuantizedTensor | torch.Tensor]] = []
+        end = 0
+        for offset, part in parts:
+            if offset != end:
+                what = (
+                    f"rows {end}..{offset} missing"
+                    if offset > end
+                    else f"row {offset} loaded twice"
+                )
+                raise ValueError(f"{type(layer).__name__}: checkpoint {what}")
+            end = offset + part.shape[0]
+            prev = merged[-1][1] if merged else None
+            if (
+                isinstance(part, QuantizedTensor)
+                and isinstance(prev, QuantizedTensor)
+                and prev.qtype == part.qtype
+            ):
+                merged[-1] = (merged[-1][0], cat_rows([prev, part]))
+            elif isinstance(part, torch.Tensor) and isinstance(prev, torch.Tensor):
+                merged[-1] = (merged[-1][0], torch.cat([prev, part]))
+            else:
+                merged.append((offset, part))
+        if end != layer.output_size:
+            raise ValueError(
+                f"{type(layer).__name__}: loaded {end} of its {layer.output_size} weight rows"
+            )
+        layer.quant_parts = merged
+
+    def apply(self, layer, x, bias):
+        parts = layer.quant_parts
+        if len(parts) == 1 and isinstance(parts[0][1], QuantizedTensor):
+            return quant_linear(x, parts[0][1], bias)
+        out = torch.empty(x.shape[0], layer.output_size, dtype=torch.float32, device=x.device)
+        for offset, part in parts:
+            view = out[:, offset : offset + part.shape[0]]
+            if isinstance(part, QuantizedTensor):
+                quant_linear(x, part, None, out=view)
+            else:
+                view.copy_(torch.nn.functional.linear(x, part.to(x.dtype)))
+        if bias is not None:
+            out += bias.float()
+        return out.to(x.dtype)
+
+    def weight_bytes(self, layer):
+        return sum(
+            p.nbytes if isinstance(p, QuantizedTensor) else p.numel() * p.element_size()
+            for _, p in layer.quant_parts
+        )
+
+
+def make_linear_method(method: str | None) -> LinearMethod:
+    return UnquantizedLinearMethod() if method is None else QuantizedLinearMethod(method)
+
+
 class LinearBase(nn.Module):
     """y = x W^T + b with W: [output_size, input_size] local to this rank.
 
     Args:
         input_size, output_size: this rank's (already split) sizes.
         bias: whether the layer has a bias of output_size.
+        quant_method: how W is held (default: from `quantization_scope`, float outside one).
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_method: LinearMethod | None = None,
+    ):
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.quant_method = quant_method or make_linear_method(current_quantization())
+        self.quant_method.create_weights(self)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -74,20 +263,47 @@ class LinearBase(nn.Module):
         # The CPU GEMM plan and packed weight, set after loading (ModelRunner.prepare_gemm).
         self.gemm: LinearWeights | None = None
 
+    @property
+    def is_quantized(self) -> bool:
+        return not isinstance(self.quant_method, UnquantizedLinearMethod)
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weight as held (the bias not counted)."""
+        return self.quant_method.weight_bytes(self)
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def _load(self, param: nn.Parameter, row_offset: int, src) -> None:
+        """src: rows for this rank's weight (or bias) starting at row_offset."""
+        if param is self.bias:
+            _copy_checked(param.data.narrow(0, row_offset, src.shape[0]), src)
+        else:
+            self.quant_method.load_rows(self, row_offset, src)
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.gemm)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
     """The same full weight on every rank."""
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
-        default_weight_loader(param, loaded_weight, shard_id)
+        assert shard_id is None, "an unsplit parameter has no shards"
+        rows = self.output_size
+        if tuple(loaded_weight.shape) != (
+            (rows,) if param is self.bias else (rows, self.input_size)
+        ):
+            raise ValueError(
+                f"checkpoint tensor shape {tuple(loaded_weight.shape)} does not match "
+                f"the layer's {(rows, self.input_size)}"
+            )
+        self._load(param, 0, loaded_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -104,8 +320,8 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         assert shard_id is None, f"{type(self).__name__} has no shards"
-        rows = param.shape[0]
-        _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * rows, rows))
+        rows = self.output_size
+        self._load(param, 0, loaded_weight.narrow(0, self.tp_rank * rows, rows))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -128,9 +344,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         local_sizes = [divide(size, self.tp_size) for size in self.output_sizes]
         offset, size = sum(local_sizes[:shard_id]), local_sizes[shard_id]
-        _copy_checked(
-            param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size)
-        )
+        self._load(param, offset, loaded_weight.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -170,9 +384,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
             shard_id
         ]
-        _copy_checked(
-            param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size)
-        )
+        self._load(param, offset, loaded_weight.narrow(0, self.tp_rank * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -189,15 +401,15 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         assert shard_id is None, f"{type(self).__name__} has no shards"
-        if param.dim() == 1:  # the bias is not split
-            _copy_checked(param.data, loaded_weight)
+        if param is self.bias:  # the bias is not split
+            self._load(param, 0, loaded_weight)
             return
-        cols = param.shape[1]
-        _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * cols, cols))
+        cols = self.input_size
+        self._load(param, 0, loaded_weight.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank would add the bias before the sum: only rank 0 does.
-        y = kernels.linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.gemm)
+        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         return y

@@ -28,6 +28,10 @@ def rope_parameters_from_config(config: Any) -> dict:
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     if params["rope_type"] == "llama3":
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if params["rope_type"] in ("longrope", "su"):
+        original = getattr(config, "original_max_position_embeddings", None)
+        params.setdefault("original_max_position_embeddings", original)
+        params.setdefault("max_position_embeddings", config.max_position_embeddings)
     return params
 
 
@@ -46,6 +50,32 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_tables(inv_freq: torch.Tensor, params: dict, max_position: int) -> torch.Tensor:
+    """Phi-3's longrope: inv_freq divided per dim by short_factor for positions below
+    original_max_position_embeddings and by long_factor from there on, cos and sin scaled
+    by the attention factor sqrt(1 + ln(factor) / ln(original)).
+
+    HF switches the whole sequence to the long factors once it is longer than the original
+    context (re-rotating cached keys); here each position keeps its own, so the two agree
+    up to that length.
+    """
+    original = params["original_max_position_embeddings"] or max_position
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    tables = []
+    for key, start, end in (("short_factor", 0, original), ("long_factor", original, max_position)):
+        if end <= start:
+            continue
+        scaled = inv_freq / torch.tensor(params[key], dtype=torch.float32)
+        freqs = torch.outer(torch.arange(start, end, dtype=torch.float32), scaled)
+        tables.append(torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor)
+    return torch.cat(tables)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE over the whole head.
 
@@ -53,8 +83,8 @@ class RotaryEmbedding(nn.Module):
         head_size: features per head (all of them rotate).
         max_position: positions the table covers.
         base: rope_theta.
-        rope_parameters: the `rope_type` and its scaling keys; `default` and `llama3` are
-            supported.
+        rope_parameters: the `rope_type` and its scaling keys; `default`, `linear`, `llama3`
+            and `longrope` (Phi-3) are supported.
     """
 
     def __init__(
@@ -63,8 +93,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         rope_parameters = rope_parameters or {}
         rope_type = rope_parameters.get("rope_type", "default")
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+        if rope_type == "su":  # the old name of longrope
+            rope_type = "longrope"
+        if rope_type not in ("default", "linear", "llama3", "longrope"):
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported (default, linear, llama3, longrope)"
+            )
         if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(
                 "partial rotary embeddings are not supported: the kernel rotates the whole head"
@@ -74,8 +108,13 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base**exponents)
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / rope_parameters["factor"]
+        if rope_type == "longrope":
+            cos_sin_cache = _longrope_tables(inv_freq, rope_parameters, max_position)
+        else:
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     def forward(

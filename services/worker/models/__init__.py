@@ -16,6 +16,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
 }
 
 # For configs that name no architecture (e.g. converted GGUFs): model_type -> architecture.
@@ -23,6 +29,12 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -72,7 +84,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype, device: torch.device | str
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quantization: str | None = None,
+    model_arg: str | None = None,
 ) -> tuple[nn.Module, object]:
     """Build the model of model_dir/config.json in dtype on device and load its weights.
 
@@ -80,6 +96,8 @@ def load_model(
         model_dir: a HF-style folder (see model_loader.resolve_model).
         dtype: parameter dtype (RoPE tables stay float32).
         device: where parameters are created; checkpoint tensors are copied in one by one.
+        quantization: --quantization (gguf, int8 or None: see worker/quantization.py).
+        model_arg: the user's model argument (the .gguf file gguf quantization reads).
 
     Returns:
         (model in eval mode, the transformers config).
@@ -92,7 +110,11 @@ def load_model(
     if not architectures and fallback:
         architectures = [fallback]
     model_class = get_model_class(architectures)
+    from kvserve.services.worker import quantization as quant
+
+    method, gguf_path = quant.resolve_quantization(quantization, model_arg, model_dir)
     with _default_dtype(dtype), torch.device(device):
-        model = model_class(hf_config)
-    model.load_weights(iterate_safetensors(model_dir))
+        model = quant.build_quantized(model_class, hf_config, method)
+    model.load_weights(quant.quantized_weights(method, gguf_path, iterate_safetensors(model_dir)))
+    quant.finish_loading(model)
     return model.eval(), hf_config

@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral) and Qwen2 (qkv bias).
+"""The Llama decoder, with the switches the other dense families flip (see `LlamaForCausalLM`).
+
+Llama 2/3 (rope scaling `llama3`), SmolLM2, TinyLlama, Mistral (sliding window) and Qwen2 (qkv
+bias) are this file; qwen3.py, gemma2.py, gemma3.py, phi3.py and mixtral.py are subclasses that
+override a few class attributes or hooks.
 
 Checkpoint names are HF's; q/k/v and gate/up are fused on load (`packed_modules_mapping`).
 With pipeline parallelism each stage builds only its slice of the layers (the others are
@@ -9,12 +13,12 @@ the last the final norm and LM head; checkpoint tensors of other stages are skip
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from kvserve.services.worker.layers.activation import SiluAndMul
+from kvserve.services.worker.layers.activation import get_act_and_mul
 from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
 from kvserve.services.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvserve.services.worker.layers.layernorm import RMSNorm
@@ -43,72 +47,104 @@ class PPMissingLayer(nn.Identity):
     """Stands in for a layer that lives on another pipeline stage (no parameters)."""
 
 
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class LlamaAttention(nn.Module):
-    """Self-attention: fused qkv, RoPE on q and k, paged attention, o_proj.
+    """Self-attention: fused qkv, [per-head q/k norm], RoPE on q and k, paged attention, o_proj.
 
     Args:
         config: the HF model config.
-        qkv_bias, o_bias: whether qkv_proj / o_proj have biases.
+        layer_idx: this layer's global index (windows and RoPE may vary by layer).
+        arch: the model class, whose hooks say what this family changes.
     """
 
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config: Any, layer_idx: int, arch: type[LlamaForCausalLM]):
         super().__init__()
         tp_size = get_tp_size()
         total_num_heads = config.num_attention_heads
         total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_num_heads
+        head_dim = head_dim_of(config)
         num_heads = divide(total_num_heads, tp_size)
         num_kv_heads = divide(total_num_kv_heads, tp_size)
+        self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
+        qkv_bias, o_bias = arch.attention_biases(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, total_num_heads, total_num_kv_heads, bias=qkv_bias
         )
         self.o_proj = RowParallelLinear(total_num_heads * head_dim, config.hidden_size, bias=o_bias)
+        self.q_norm = self.k_norm = None
+        if arch.qk_norm:
+            self.q_norm = arch.norm_class(head_dim, config.rms_norm_eps)
+            self.k_norm = arch.norm_class(head_dim, config.rms_norm_eps)
         self.rotary_emb = get_rope(
-            head_dim, config.max_position_embeddings, rope_parameters_from_config(config)
+            head_dim, config.max_position_embeddings, arch.rope_parameters(config, layer_idx)
         )
-        self.attn = Attention(num_heads, head_dim, head_dim**-0.5, num_kv_heads)
+        self.attn = Attention(
+            num_heads,
+            head_dim,
+            arch.attention_scale(config),
+            num_kv_heads,
+            sliding_window=arch.sliding_window(config, layer_idx),
+            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
+        )
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:  # per head: [T * H, D] rows
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul.
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul.
 
     Args:
-        config: the HF model config (hidden_act must be silu; mlp_bias optional).
+        config: the HF model config (`hidden_activation` or `hidden_act`: silu or gelu;
+            mlp_bias optional).
+        intermediate_size: the MLP width, if not config.intermediate_size.
     """
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, intermediate_size: int | None = None):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu only)")
         bias = getattr(config, "mlp_bias", False)
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = get_act_and_mul(
+            getattr(config, "hidden_activation", None) or config.hidden_act
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), residual adds fused in norms."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), residual adds fused in norms.
 
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+    With `arch.sandwich_norms` (Gemma 2/3) the attention and MLP outputs are normed too,
+    before their residual adds: x + norm(attn(norm(x))), then + norm(mlp(norm(.))).
+    """
+
+    def __init__(self, config: Any, layer_idx: int, arch: type[LlamaForCausalLM]):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, arch)
+        self.mlp = arch.make_mlp(config, layer_idx)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = arch.norm_class(hidden, eps)
+        self.post_attention_layernorm = arch.norm_class(hidden, eps)
+        self.sandwich_norms = arch.sandwich_norms
+        if arch.sandwich_norms:
+            self.pre_feedforward_layernorm = arch.norm_class(hidden, eps)
+            self.post_feedforward_layernorm = arch.norm_class(hidden, eps)
 
     def forward(
         self,
@@ -124,8 +160,12 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        if not self.sandwich_norms:
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            return self.mlp(hidden_states), residual
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
 
 class LlamaModel(nn.Module):
@@ -135,7 +175,7 @@ class LlamaModel(nn.Module):
     [start_layer, end_layer) only, the final norm only on the last stage.
     """
 
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config: Any, arch: type[LlamaForCausalLM]):
         super().__init__()
         num_layers = config.num_hidden_layers
         self.start_layer, self.end_layer = pp_layer_range(num_layers, get_pp_rank(), get_pp_size())
@@ -144,13 +184,16 @@ class LlamaModel(nn.Module):
             if is_first_pp_rank()
             else None
         )
+        self.embed_scale = arch.embedding_scale(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias)
+            LlamaDecoderLayer(config, i, arch)
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer()
             for i in range(num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last_pp_rank() else None
+        self.norm = (
+            arch.norm_class(config.hidden_size, config.rms_norm_eps) if is_last_pp_rank() else None
+        )
 
     def forward(
         self,
@@ -166,6 +209,10 @@ class LlamaModel(nn.Module):
         """
         if self.embed_tokens is not None:
             hidden_states, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:  # rounded to the model dtype, as HF does
+                hidden_states = hidden_states * torch.tensor(
+                    self.embed_scale, dtype=hidden_states.dtype
+                )
         else:
             assert intermediate_tensors is not None, "a later stage needs the previous one's"
             hidden_states, residual = intermediate_tensors
@@ -180,27 +227,36 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM over flattened tokens of many requests.
 
+    A family that differs from Llama subclasses this and overrides the class attributes and
+    hooks below; each layer reads them through `arch`, the model's class.
+
     Args:
         config: the HF model config (LlamaConfig or compatible).
     """
 
     # checkpoint sub-name -> (our fused parameter's sub-name, shard id)
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, object]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # The norm of every layer norm (GemmaRMSNorm scales by 1 + weight).
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
+    # Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+    qk_norm: ClassVar[bool] = False
+    # Norms after attention and around the MLP too (Gemma 2/3; see LlamaDecoderLayer).
+    sandwich_norms: ClassVar[bool] = False
 
     def __init__(self, config: Any):
         super().__init__()
         self.config = config
-        qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias)
+        self.model = LlamaModel(config, type(self))
         self.lm_head = (
             ParallelLMHead(config.vocab_size, config.hidden_size) if is_last_pp_rank() else None
         )
+        self.final_logit_softcap = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if (
             self.tie_word_embeddings
@@ -209,11 +265,45 @@ class LlamaForCausalLM(nn.Module):
         ):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    # -- hooks: what a family may change --------------------------------------------------
+
     @staticmethod
     def attention_biases(config: Any) -> tuple[bool, bool]:
         """(qkv_proj has bias, o_proj has bias): Llama's `attention_bias` covers both."""
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
+
+    @staticmethod
+    def attention_scale(config: Any) -> float:
+        """The softmax scale: head_dim ** -0.5."""
+        return head_dim_of(config) ** -0.5
+
+    @staticmethod
+    def sliding_window(config: Any, layer_idx: int) -> int | None:
+        """The layer's window: config.sliding_window on the layers `layer_types` marks
+        sliding_attention (on all layers when the config has no layer_types), else None."""
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if window is None or (layer_types and layer_types[layer_idx] != "sliding_attention"):
+            return None
+        return int(window)
+
+    @staticmethod
+    def rope_parameters(config: Any, layer_idx: int) -> dict:
+        """The layer's RoPE settings (see rope_parameters_from_config)."""
+        return rope_parameters_from_config(config)
+
+    @staticmethod
+    def embedding_scale(config: Any) -> float | None:
+        """A factor the embeddings are multiplied by (Gemma: sqrt(hidden_size)), or None."""
+        return None
+
+    @staticmethod
+    def make_mlp(config: Any, layer_idx: int) -> nn.Module:
+        """The layer's feed-forward block (mixtral.py returns a mixture of experts)."""
+        return LlamaMLP(config)
+
+    # -- forward ----------------------------------------------------------------------------
 
     def forward(
         self,
@@ -230,7 +320,13 @@ class LlamaForCausalLM(nn.Module):
         """hidden_states: [N, hidden], only the rows to sample. Returns [N, vocab] float32
         (on every TP rank: the vocab slices are all-gathered). Last pipeline stage only."""
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
-        return self.lm_head(hidden_states).float()
+        logits = self.lm_head(hidden_states).float()
+        if self.final_logit_softcap:
+            cap = self.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # -- loading ----------------------------------------------------------------------------
 
     def _on_this_stage(self, name: str) -> bool:
         """Whether checkpoint tensor `name` belongs to a module this pipeline stage holds."""
@@ -244,6 +340,13 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("lm_head."):
             return self.lm_head is not None
         return True
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, object]:
+        """(our parameter's name, shard id or None) of checkpoint tensor `name`."""
+        for src, (dst, shard_id) in self.packed_modules_mapping.items():
+            if f".{src}." in name:
+                return name.replace(f".{src}.", f".{dst}."), shard_id
+        return name, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the (fused, TP-sliced) parameters.
@@ -266,11 +369,7 @@ class LlamaForCausalLM(nn.Module):
                 name = "lm_head.weight"  # a last stage without the embedding it is tied to
             if not self._on_this_stage(name):
                 continue
-            param_name, shard_id = name, None
-            for src, (dst, sid) in self.packed_modules_mapping.items():
-                if f".{src}." in name:
-                    param_name, shard_id = name.replace(f".{src}.", f".{dst}."), sid
-                    break
+            param_name, shard_id = self.map_checkpoint_name(name)
             param = params.get(param_name)
             if param is None:
                 raise ValueError(

@@ -100,9 +100,11 @@ def test_defaults_are_vllms():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--quantization", "awq"], "--quantization awq: not supported by kvserve"),
-        (["-q", "gptq"], "-q gptq: not supported by kvserve"),
-        (["--enable-lora"], "--enable-lora: not supported by kvserve: LoRA"),
+        (["--quantization", "awq"], "invalid choice: 'awq'"),
+        (["-q", "gptq"], "invalid choice: 'gptq'"),
+        (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "a"], "give name=path or a JSON object"),
+        (["--enable-lora", "--max-loras", "0"], "max_loras must be >= 1"),
         (["--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported"),
         (["--revision", "main"], "no downloads"),
@@ -176,5 +178,5 @@ def test_every_engine_facing_command_refuses_the_same_flags(command, capsys):
         "generate": ["--prompt", "p"],
     }[command]
     with pytest.raises(SystemExit):
-        parse_options([command, *required, "--enable-lora"])
+        parse_options([command, *required, "--cpu-offload-gb", "1"])
     assert "not supported by kvserve" in capsys.readouterr().err

@@ -1,0 +1,526 @@
+"""Weights held quantized: GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K) and per-channel int8 (I8).
+
+A `QuantizedTensor` is a weight [N, K] kept as its stored bytes: `data` is uint8
+[N, bytes per row], each row a run of blocks along K (for I8, int8 values with one float
+scale per row in `scales`). `quant_linear` computes y = x W^T (+ b) without the float weight:
+
+    CPU, C kernels built   up to C_ROWS_MAX rows: kvq_gemm (kernels/csrc/quant_gemm.c),
+                           activations quantized to int8 blocks, integer dot products (VNNI);
+                           or, with KVSERVE_QUANT_ACTIVATIONS=float32, kvq_gemm_f32: tiles of
+                           4 weight rows expanded to float32 in the kernel, float FMAs
+                           more rows: weight rows dequantized in chunks of DEQUANT_CHUNK_BYTES
+                           by the C kernel, each chunk multiplied by F.linear (MKL/oneDNN)
+    CPU, no compiler       the torch reference: dequantize (torch ops), then F.linear
+    CUDA                   the Triton kernel (dequantizes tiles in registers, fp32 dots)
+
+The C library is built like kernels/cpu.py's (same flags, cached per machine and source
+hash) but as its own .so, so the two sources change independently.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels._triton import HAS_TRITON, require_triton, tl, triton
+from kvserve.kernels.cpu import _compiler, cpu_identity
+from kvserve.shared.env import CACHE_DIR, QUANT_ACTIVATIONS
+from kvserve.shared.logging import init_logger
+
+logger = init_logger(__name__)
+
+# name -> (code shared with the C kernel = ggml's type number, elements, bytes per block)
+QTYPES: dict[str, tuple[int, int, int]] = {
+    "Q8_0": (8, 32, 34),
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q4_K": (12, 256, 144),
+    "I8": (100, 1, 1),
+}
+GGUF_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+
+# Row counts up to this take the C kernel; more rows dequantize chunks of the weight and use
+# the float GEMM. Measured on a 2-core EPYC (AVX-512 VNNI), SmolLM2-135M's shapes: the
+# integer kernel is faster than dequantize + F.linear up to 64 rows on every shape (1.7-6x
+# at 1-16 rows), 1.2-1.6x slower on the Q4_1 layers from 256 rows (bench/quantized.py
+# --kernels, bench/RESULTS.md "Weights held quantized").
+C_ROWS_MAX = 128
+DEQUANT_CHUNK_BYTES = 8 << 20  # float32 bytes of weight rows expanded at a time (prefill)
+
+
+def activations() -> str:
+    """KVSERVE_QUANT_ACTIVATIONS: int8 (default) or float32, for the C kernel."""
+    value = QUANT_ACTIVATIONS.get()
+    if value not in ("int8", "float32"):
+        raise ValueError(f"KVSERVE_QUANT_ACTIVATIONS must be int8 or float32, got {value!r}")
+    return value
+
+
+_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+
+
+@dataclass
+class QuantizedTensor:
+    """A weight [N, K] held as stored blocks.
+
+    Attributes:
+        qtype: one of QTYPES.
+        shape: (N, K) of the float weight it stands for.
+        data: uint8 [N, row_bytes] (int8 reinterpreted for I8).
+        scales: float32 [N] per-row scales of I8, else None.
+    """
+
+    qtype: str
+    shape: tuple[int, int]
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.qtype not in QTYPES:
+            raise ValueError(f"unsupported quantized type {self.qtype!r}; have {sorted(QTYPES)}")
+        n, k = self.shape
+        if k % self.block_elems:
+            raise ValueError(f"{self.qtype} needs K divisible by {self.block_elems}, got {k}")
+        if tuple(self.data.shape) != (n, self.row_bytes) or self.data.dtype != torch.uint8:
+            raise ValueError(
+                f"{self.qtype} data must be uint8 {(n, self.row_bytes)}, got "
+                f"{self.data.dtype} {tuple(self.data.shape)}"
+            )
+
+    @property
+    def block_elems(self) -> int:
+        return QTYPES[self.qtype][1]
+
+    @property
+    def row_bytes(self) -> int:
+        _, elems, nbytes = QTYPES[self.qtype]
+        return self.shape[1] // elems * nbytes
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.scales.numel() * 4 if self.scales is not None else 0
+        return self.data.numel() + extra
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        """Rows [start, start + length) (dim 0), or columns (dim 1: block-aligned only)."""
+        n, k = self.shape
+        if dim == 0:
+            scales = self.scales.narrow(0, start, length) if self.scales is not None else None
+            return QuantizedTensor(
+                self.qtype, (length, k), self.data.narrow(0, start, length), scales
+            )
+        if dim != 1:
+            raise ValueError(f"a weight has dims 0 and 1, not {dim}")
+        elems = self.block_elems
+        if start % elems or length % elems:
+            raise ValueError(
+                f"cannot split {self.qtype} weight columns at [{start}, {start + length}): its "
+                f"blocks hold {elems} input features; use a tensor-parallel size that splits "
+                f"K={k} into multiples of {elems}"
+            )
+        bpb = QTYPES[self.qtype][2]
+        data = self.data.narrow(1, start // elems * bpb, length // elems * bpb)
+        return QuantizedTensor(self.qtype, (n, length), data, self.scales)
+
+    def split(self, sizes: list[int], dim: int = 0) -> list[QuantizedTensor]:
+        assert dim == 0, "quantized weights split along rows"
+        out, start = [], 0
+        for size in sizes:
+            out.append(self.narrow(0, start, size))
+            start += size
+        return out
+
+    def permute_rows(self, fn) -> QuantizedTensor:
+        """Rows reordered by fn (a function of a [N, ...] tensor that reorders dim 0)."""
+        scales = fn(self.scales) if self.scales is not None else None
+        return QuantizedTensor(self.qtype, self.shape, fn(self.data).contiguous(), scales)
+
+    def contiguous(self) -> QuantizedTensor:
+        scales = self.scales.contiguous() if self.scales is not None else None
+        return QuantizedTensor(self.qtype, self.shape, self.data.contiguous(), scales)
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        scales = self.scales.to(device) if self.scales is not None else None
+        return QuantizedTensor(self.qtype, self.shape, self.data.to(device), scales)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] (C kernel on CPU where built, else torch ops)."""
+        if self.device.type == "cpu" and _load() is not None:
+            return dequantize_rows(self, None)
+        return dequantize_ref(self)
+
+
+def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Row-wise concatenation of same-type, same-K quantized weights."""
+    qtype, k = parts[0].qtype, parts[0].shape[1]
+    assert all(p.qtype == qtype and p.shape[1] == k for p in parts), "mixed types or K"
+    n = sum(p.shape[0] for p in parts)
+    data = torch.cat([p.data for p in parts])
+    scales = torch.cat([p.scales for p in parts]) if parts[0].scales is not None else None
+    return QuantizedTensor(qtype, (n, k), data, scales)
+
+
+# ---------------------------------------------------------------------- int8 weight-only
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
+    """Per-output-channel symmetric int8: q = round(w / s), s = max|w_row| / 127."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp_min(1e-30) / 127.0
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedTensor("I8", tuple(w.shape), q.view(torch.uint8).contiguous(), scales)
+
+
+# ---------------------------------------------------------------------- torch reference
+
+
+def _f16(data: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 field at byte offset of every block: [..., nblocks] float32."""
+    return data[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32]: low nibbles (elements 0..15), then high (16..31)."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1).float()
+
+
+def dequantize_ref(qt: QuantizedTensor) -> torch.Tensor:
+    """The float32 weight from torch ops only (the fallback where no C compiler exists)."""
+    n, k = qt.shape
+    if qt.qtype == "I8":
+        return qt.data.view(torch.int8).float() * qt.scales[:, None]
+    _, elems, bpb = QTYPES[qt.qtype]
+    blocks = qt.data.reshape(n, k // elems, bpb)
+    if qt.qtype == "Q8_0":
+        out = _f16(blocks, 0)[..., None] * blocks[..., 2:].view(torch.int8).float()
+    elif qt.qtype == "Q4_0":
+        out = _f16(blocks, 0)[..., None] * (_nibbles(blocks[..., 2:]) - 8)
+    elif qt.qtype == "Q4_1":
+        out = _f16(blocks, 0)[..., None] * _nibbles(blocks[..., 4:]) + _f16(blocks, 2)[..., None]
+    else:  # Q4_K
+        d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
+        s = blocks[..., 4:16].to(torch.int32)
+        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+        mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        qs = blocks[..., 16:].reshape(n, k // elems, 4, 32)
+        q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k // elems, 8, 32).float()
+        out = (d * sc.float())[..., None] * q - (dmin * mn.float())[..., None]
+    return out.reshape(n, k)
+
+
+# ---------------------------------------------------------------------- the C library
+
+
+def _build(compiler: str) -> Path:
+    key_text = _SOURCE.read_bytes() + compiler.encode() + cpu_identity().encode()
+    key = hashlib.sha256(key_text).hexdigest()[:16]
+    out_dir = Path(CACHE_DIR.get()) / "kernels"
+    target = out_dir / f"kvserve_quant-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        tmp_target = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+            + ["-o", str(tmp_target), str(_SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(tmp_target, target)  # atomic: concurrent builders race harmlessly
+    logger.info("built the quantized GEMM kernels: %s", target)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _failed
+    with _lock:
+        if _lib is not None or _failed:
+            return _lib
+        compiler = _compiler()
+        if compiler is None:
+            logger.warning("no C compiler: quantized matmuls use the torch reference")
+            _failed = True
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(compiler)))
+        except (OSError, subprocess.SubprocessError) as exc:
+            logger.warning("quantized kernel build failed (%s): using the torch reference", exc)
+            _failed = True
+            return None
+        for name in ("kvq_quantize_rows", "kvq_gemm", "kvq_gemm_f32", "kvq_dequantize_rows"):
+            getattr(lib, name).restype = None
+        _lib = lib
+        return _lib
+
+
+def c_available() -> bool:
+    """Whether the C quantized kernels are built here."""
+    return _load() is not None
+
+
+def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+
+
+def _code(qt: QuantizedTensor) -> ctypes.c_int:
+    return ctypes.c_int(QTYPES[qt.qtype][0])
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x float32 [M, K] -> (int8 [M, K], scales, sums, scale * int sums), each [M, K/32]."""
+    lib = _load()
+    assert lib is not None
+    m, k = x.shape
+    qx = torch.empty(m, k, dtype=torch.int8)
+    dx, sx, dsq = (torch.empty(m, k // 32) for _ in range(3))
+    lib.kvq_quantize_rows(
+        _p(x), ctypes.c_int64(x.stride(0)), ctypes.c_int(m), ctypes.c_int(k), _p(qx), _p(dx),
+        _p(sx), _p(dsq),
+    )  # fmt: skip
+    return qx, dx, sx, dsq
+
+
+def gemm_c(x: torch.Tensor, qt: QuantizedTensor, out: torch.Tensor) -> None:
+    """out [M, N] (row-strided view allowed) = x W^T with the integer kernel; x float32."""
+    lib = _load()
+    assert lib is not None
+    qx, dx, sx, dsq = quantize_activations(x)
+    n, k = qt.shape
+    assert out.stride(1) == 1 and qt.data.stride(1) == 1
+    lib.kvq_gemm(
+        _code(qt), _p(qt.data), ctypes.c_int64(qt.data.stride(0)), _p(qt.scales), ctypes.c_int(n),
+        ctypes.c_int(k), _p(qx), _p(dx), _p(sx), _p(dsq), ctypes.c_int(x.shape[0]), _p(out),
+        ctypes.c_int64(out.stride(0)),
+    )  # fmt: skip
+
+
+def gemm_f32_c(x: torch.Tensor, qt: QuantizedTensor, out: torch.Tensor) -> None:
+    """out [M, N] (row-strided view allowed) = x W^T, float32 x, weight tiles expanded to
+    float32 inside the kernel."""
+    lib = _load()
+    assert lib is not None
+    n, k = qt.shape
+    assert out.stride(1) == 1 and qt.data.stride(1) == 1 and x.stride(1) == 1
+    lib.kvq_gemm_f32(
+        _code(qt), _p(qt.data), ctypes.c_int64(qt.data.stride(0)), _p(qt.scales), ctypes.c_int(n),
+        ctypes.c_int(k), _p(x), ctypes.c_int64(x.stride(0)), ctypes.c_int(x.shape[0]), _p(out),
+        ctypes.c_int64(out.stride(0)),
+    )  # fmt: skip
+
+
+def dequantize_rows(
+    qt: QuantizedTensor, rows: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Float32 rows of W: all of them (rows None) or W[rows] (int64 ids), by the C kernel,
+    into out (contiguous [count, K]) when given."""
+    lib = _load()
+    assert lib is not None and qt.data.stride(1) == 1
+    n, k = qt.shape
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+    count = n if rows is None else rows.numel()
+    if out is None:
+        out = torch.empty(count, k)
+    assert out.shape == (count, k) and out.is_contiguous() and out.dtype == torch.float32
+    lib.kvq_dequantize_rows(
+        _code(qt), _p(qt.data), ctypes.c_int64(qt.data.stride(0)), _p(qt.scales), _p(rows),
+        ctypes.c_int(count), ctypes.c_int(k), _p(out), ctypes.c_int64(k),
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------- matmul and lookup
+
+
+def quant_linear_ref(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None):
+    """Dequantize (torch ops), then F.linear: the fallback and a reference."""
+    y = F.linear(x.float(), dequantize_ref(qt).to(x.device), None)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quant_linear(
+    x: torch.Tensor,
+    qt: QuantizedTensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x W^T (+ bias) for x [M, K], W held quantized; written into out [M, N] if given
+    (a float32 view whose last dim is contiguous, e.g. columns of a wider output)."""
+    if x.is_cuda:
+        y = quant_linear_triton(x, qt, bias)
+    elif _load() is None:
+        y = quant_linear_ref(x, qt, bias)
+    else:
+        y = _quant_linear_cpu(x, qt, bias, out)
+        if out is not None:
+            return out
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+def _quant_linear_cpu(x, qt, bias, out):
+    xf = x.float()
+    if xf.stride(1) != 1:
+        xf = xf.contiguous()
+    m, (n, k) = xf.shape[0], qt.shape
+    y = out if out is not None and out.dtype == torch.float32 else torch.empty(m, n)
+    if m <= C_ROWS_MAX and k % 32 == 0:
+        (gemm_f32_c if activations() == "float32" else gemm_c)(xf, qt, y)
+    else:
+        chunk = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
+        scratch = _scratch(min(chunk, n) * k)
+        for start in range(0, n, chunk):
+            rows = min(chunk, n - start)
+            w = dequantize_rows(qt.narrow(0, start, rows), None, scratch[: rows * k].view(rows, k))
+            if rows == n and y.is_contiguous():
+                torch.matmul(xf, w.t(), out=y)
+            else:
+                y[:, start : start + rows] = F.linear(xf, w)
+    if bias is not None:
+        y += bias.float()
+    if out is not None and y is not out:
+        out.copy_(y)
+        return out
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """A reused float32 buffer of at least numel (per thread): a fresh multi-MB tensor per
+    call costs its page faults, more than the dequantization itself."""
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch_local.buf = torch.empty(numel)
+    return buf
+
+
+def quant_embedding(ids: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """Rows W[ids] as float32 [T, K] (a dequantizing embedding lookup)."""
+    flat = ids.reshape(-1)
+    if qt.device.type == "cpu" and _load() is not None:
+        rows = dequantize_rows(qt, flat)
+    else:
+        rows = _lookup_ref(qt, flat)
+    return rows.reshape(*ids.shape, qt.shape[1])
+
+
+def _lookup_ref(qt: QuantizedTensor, flat: torch.Tensor) -> torch.Tensor:
+    data = qt.data[flat]
+    scales = qt.scales[flat] if qt.scales is not None else None
+    return dequantize_ref(QuantizedTensor(qt.qtype, (flat.numel(), qt.shape[1]), data, scales))
+
+
+# ---------------------------------------------------------------------- Triton (GPU)
+
+
+def quant_linear_triton(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None):
+    """y = x W^T (+ bias) on the GPU: each program dequantizes [BLOCK_N, 32] weight tiles in
+    registers and accumulates fp32 dot products for BLOCK_M activation rows."""
+    require_triton("quant_linear")
+    m, k = x.shape
+    n = qt.shape[0]
+    code, elems, bpb = QTYPES[qt.qtype]
+    xf = x.float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    scales = qt.scales if qt.scales is not None else y  # unused unless I8
+    block_m, block_n = 16, 32
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _quant_linear_kernel[grid](
+        xf, qt.data, scales, y, m, n, k,
+        xf.stride(0), qt.data.stride(0), y.stride(0),
+        QTYPE=code, BLOCK_BYTES=bpb, SUPER=elems, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _f16_at(ptr, mask):
+        """The little-endian fp16 at byte pointers ptr, as float32."""
+        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _quant_linear_kernel(
+        x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
+        stride_xm, stride_wn, stride_ym,
+        QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, SUPER: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        nm = n_ok[:, None]
+        i = tl.arange(0, 32)[None, :]  # element within a 32-block
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        row = w_ptr + rn[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1] byte pointers
+        for kb in range(0, K // 32):
+            if QTYPE == 8:  # Q8_0: d, 32 x int8
+                base = row + kb * BLOCK_BYTES
+                q = tl.load(base + 2 + i, mask=nm, other=0).to(tl.int8, bitcast=True)
+                w = _f16_at(base, nm) * q.to(tl.float32)
+            elif QTYPE == 2:  # Q4_0: d, 16 bytes of nibbles (lo = 0..15, hi = 16..31)
+                base = row + kb * BLOCK_BYTES
+                byte = tl.load(base + 2 + (i % 16), mask=nm, other=0)
+                nib = tl.where(i < 16, byte & 15, byte >> 4).to(tl.float32)
+                w = _f16_at(base, nm) * (nib - 8.0)
+            elif QTYPE == 3:  # Q4_1: d, m, 16 bytes of nibbles
+                base = row + kb * BLOCK_BYTES
+                byte = tl.load(base + 4 + (i % 16), mask=nm, other=0)
+                nib = tl.where(i < 16, byte & 15, byte >> 4).to(tl.float32)
+                w = _f16_at(base, nm) * nib + _f16_at(base + 2, nm)
+            elif QTYPE == 12:  # Q4_K: sub-block j of super-block kb // 8
+                j = kb % 8
+                jj = j % 4
+                base = row + (kb // 8) * BLOCK_BYTES
+                a = tl.load(base + 4 + jj, mask=nm, other=0).to(tl.int32)
+                b = tl.load(base + 8 + jj, mask=nm, other=0).to(tl.int32)
+                c = tl.load(base + 12 + jj, mask=nm, other=0).to(tl.int32)
+                sc = tl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
+                mn = tl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+                byte = tl.load(base + 16 + 32 * (j // 2) + i, mask=nm, other=0)
+                nib = tl.where(j % 2 == 0, byte & 15, byte >> 4).to(tl.float32)
+                w = _f16_at(base, nm) * sc * nib - _f16_at(base + 2, nm) * mn
+            else:  # I8: int8 values, per-row scale applied at the end
+                q = tl.load(row + kb * 32 + i, mask=nm, other=0).to(tl.int8, bitcast=True)
+                w = q.to(tl.float32)
+            xk = tl.load(
+                x_ptr + rm[:, None] * stride_xm + kb * 32 + i, mask=m_ok[:, None], other=0.0
+            )
+            acc += tl.dot(xk, tl.trans(w), input_precision="ieee")
+        if QTYPE == 100:
+            acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        tl.store(
+            y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :]
+        )

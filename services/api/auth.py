@@ -1,0 +1,108 @@
+"""API keys: /v1/* needs `Authorization: Bearer <key>` once any key is configured.
+
+Keys come from --api-key (else $KVSERVE_API_KEY, else $VLLM_API_KEY), named "default", and
+from --api-key-file, a file of `name:key` lines (blank lines and `#` comments skipped). A
+key's name, never the key, is what the server shows: in the request log line
+(--enable-log-requests) and as the `key_name` label of kvserve:api_key_requests_total.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve.services.api.protocol import APIError
+from kvserve.services.api.request_logger import API_KEY_NAME
+from kvserve.shared.config import HTTPConfig
+
+DEFAULT_KEY_NAME = "default"
+
+
+def load_api_keys(http: HTTPConfig) -> dict[str, str]:
+    """name -> key, from --api-key (or its env vars) and --api-key-file; {} means no auth.
+
+    Raises:
+        ValueError: a malformed key file line (its number is named, its key never), an
+            empty key, or a name or key given twice.
+    """
+    keys: dict[str, str] = {}
+    if http.effective_api_key:
+        keys[DEFAULT_KEY_NAME] = http.effective_api_key
+    if http.api_key_file is None:
+        return keys
+    with open(http.api_key_file, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for line_number, line in enumerate(lines, start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        name, sep, key = (part.strip() for part in text.partition(":"))
+        where = f"{http.api_key_file} line {line_number}"
+        if not sep or not name or not key:
+            raise ValueError(f"{where}: expected 'name:key' with a non-empty name and key")
+        if name in keys:
+            raise ValueError(f"{where}: the key name {name!r} is used twice")
+        if key in keys.values():
+            raise ValueError(f"{where}: this key is given twice (named {name!r} here)")
+        keys[name] = key
+    return keys
+
+
+def match_key(given: bytes, expected: dict[str, bytes]) -> str | None:
+    """The name of the key `given` equals, or None; every key is compared in constant time
+    (hmac.compare_digest) and none is skipped, so the timing tells nothing of which matched."""
+    found = None
+    for name, key in expected.items():
+        if hmac.compare_digest(given, key):
+            found = name
+    return found
+
+
+class APIKeyMiddleware:
+    """Rejects /v1/* requests without a known bearer key (401, OpenAI's error body).
+
+    Args:
+        app: the app behind it.
+        keys: name -> key.
+        registry: where kvserve:api_key_requests_total (by key_name) is registered.
+        route_path: the request's path without the root path (server._route_path).
+    """
+
+    def __init__(self, app: ASGIApp, keys: dict[str, str], registry: CollectorRegistry, route_path):
+        assert keys, "APIKeyMiddleware needs at least one key"
+        self.app = app
+        self.expected = {name: f"Bearer {key}".encode() for name, key in keys.items()}
+        self.route_path = route_path
+        self.requests_total = Counter(
+            "kvserve:api_key_requests",
+            "Authenticated /v1/* requests, by the name of the API key they used.",
+            ["key_name"],
+            registry=registry,
+        )
+        for name in keys:  # every key's series exists from the start, at 0
+            self.requests_total.labels(key_name=name)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.route_path(scope).startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        name = match_key(given, self.expected)
+        if name is None:
+            exc = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+            response = Response(
+                msgspec.json.encode(exc.to_body()), status_code=401, media_type="application/json"
+            )
+            await response(scope, receive, send)
+            return
+        self.requests_total.labels(key_name=name).inc()
+        scope.setdefault("state", {})["api_key_name"] = name
+        token = API_KEY_NAME.set(name)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            API_KEY_NAME.reset(token)

@@ -1,0 +1,111 @@
+"""GET /openapi.json: the routes and their bodies as OpenAPI 3.1, generated from the msgspec
+structs of protocol.py (msgspec.json.schema_components), so the description is the decoder.
+
+Used by clients and by the fuzz tests (schemathesis, tests/e2e/test_api_fuzz.py and
+bench/fuzz_api.py), which send what the schemas allow and what they do not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvserve.services.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+_REF = "#/components/schemas/{name}"
+# The errors any POST route may answer, besides its own 200.
+_ERRORS = {
+    "400": "invalid request (the message names the field or the limit)",
+    "401": "missing or unknown API key (/v1/* only, when keys are set)",
+    "404": "unknown model",
+    "413": "request body over --max-request-body-bytes",
+    "429": "every engine queue is full (--max-waiting-requests); see Retry-After",
+    "503": "no engine core serves",
+}
+
+
+def _json(ref: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": _REF.format(name=ref)}}}
+
+
+def _post(summary: str, request: str, response: str, stream: bool = False) -> dict[str, Any]:
+    ok: dict[str, Any] = {"description": "the result", "content": _json(response)}
+    if stream:
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["description"] += ' (with "stream": true, server-sent events ending data: [DONE])'
+    errors = {
+        code: {"description": why, "content": _json("ErrorResponse")}
+        for code, why in _ERRORS.items()
+    }
+    responses = {"200": ok} | errors
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": responses,
+        }
+    }
+
+
+def _get(summary: str, media_type: str = "application/json", ref: str | None = None):
+    schema = {"$ref": _REF.format(name=ref)} if ref else {"type": "object"}
+    if media_type != "application/json":
+        schema = {"type": "string"}
+    ok = {"description": "the result", "content": {media_type: {"schema": schema}}}
+    return {"get": {"summary": summary, "responses": {"200": ok}}}
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the app's routes (server.build_app)."""
+    _, components = msgspec.json.schema_components(
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+            CompletionResponse,
+            ChatCompletionResponse,
+            ModelList,
+            TokenizeResponse,
+            DetokenizeResponse,
+            ErrorResponse,
+        ],
+        ref_template=_REF,
+    )
+    health = _get("200 while an engine core serves, else 503; lists every engine's state")
+    health["get"]["responses"]["503"] = {"description": "no engine core serves"}
+    paths = {
+        "/v1/completions": _post(
+            "OpenAI completions", "CompletionRequest", "CompletionResponse", stream=True
+        ),
+        "/v1/chat/completions": _post(
+            "OpenAI chat completions", "ChatCompletionRequest", "ChatCompletionResponse", True
+        ),
+        "/v1/models": _get("the served model", ref="ModelList"),
+        "/tokenize": _post("vLLM's tokenize", "TokenizeRequest", "TokenizeResponse"),
+        "/detokenize": _post("vLLM's detokenize", "DetokenizeRequest", "DetokenizeResponse"),
+        "/health": health,
+        "/version": _get("kvserve's version"),
+        "/metrics": _get("Prometheus metrics", "text/plain"),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvserve", "version": version},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

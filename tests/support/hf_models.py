@@ -1,0 +1,138 @@
+"""Tiny random-weight HF models of every supported family beyond Llama/Qwen2 (those are in
+tests/support/models.py), to compare our forward against and to save as checkpoints.
+
+Every config is small (hidden 64, 2-3 layers, vocab 128) and sets what makes its family
+differ at a size the tests reach: sliding windows of 5-7 tokens (prompts are longer), soft
+caps small enough to bend the scores, a longrope switch at position 32.
+"""
+
+from __future__ import annotations
+
+VOCAB_SIZE = 128
+SLIDING_WINDOW = 6
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+_GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _kinds() -> dict:
+    import transformers as tf
+
+    return {
+        "mistral": (
+            tf.MistralConfig,
+            tf.MistralForCausalLM,
+            dict(sliding_window=SLIDING_WINDOW - 1, head_dim=16),
+        ),
+        "qwen3": (
+            tf.Qwen3Config,
+            tf.Qwen3ForCausalLM,
+            dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        ),
+        "gemma2": (
+            tf.Gemma2Config,
+            tf.Gemma2ForCausalLM,
+            dict(
+                num_hidden_layers=3,
+                head_dim=16,
+                query_pre_attn_scalar=24,
+                sliding_window=SLIDING_WINDOW,
+                layer_types=_GEMMA_LAYERS,
+                attn_logit_softcapping=2.0,
+                final_logit_softcapping=8.0,
+                hidden_activation="gelu_pytorch_tanh",
+                tie_word_embeddings=True,
+            ),
+        ),
+        "gemma3": (
+            tf.Gemma3TextConfig,
+            tf.Gemma3ForCausalLM,
+            dict(
+                num_hidden_layers=3,
+                head_dim=16,
+                query_pre_attn_scalar=16,
+                sliding_window=SLIDING_WINDOW + 1,
+                layer_types=_GEMMA_LAYERS,
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+                },
+                hidden_activation="gelu_pytorch_tanh",
+                tie_word_embeddings=True,
+            ),
+        ),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(pad_token_id=0)),
+        "phi3_longrope": (
+            tf.Phi3Config,
+            tf.Phi3ForCausalLM,
+            dict(
+                pad_token_id=0,
+                original_max_position_embeddings=32,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                },
+            ),
+        ),
+        "mixtral": (
+            tf.MixtralConfig,
+            tf.MixtralForCausalLM,
+            dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        ),
+        "qwen3_moe": (
+            tf.Qwen3MoeConfig,
+            tf.Qwen3MoeForCausalLM,
+            dict(
+                num_hidden_layers=3,
+                head_dim=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=48,
+                norm_topk_prob=True,
+                mlp_only_layers=[1],
+            ),
+        ),
+    }
+
+
+KINDS = (
+    "mistral",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "phi3_longrope",
+    "mixtral",
+    "qwen3_moe",
+)
+
+
+def make_tiny_family_model(kind: str, seed: int = 0, **config_overrides):
+    """A tiny HF model of `kind` (one of KINDS) in eval mode with random weights drawn large
+    enough for peaked logits (greedy ties cannot flip between our model and HF's)."""
+    import torch
+
+    config_class, model_class, fields = _kinds()[kind]
+    config = config_class(**(_COMMON | fields | config_overrides))
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    gemma = kind.startswith("gemma")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # Gemma's norms scale by 1 + weight
+                param.normal_(0.0 if gemma else 1.0, 0.1)
+            else:
+                param.normal_(0.0, 0.15)
+    return model
