@@ -17,32 +17,7 @@ import json
 
 import numpy as np
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "List three prime numbers.",
-    "What is 12 times 7?",
-    "Who wrote Romeo and Juliet?",
-    "Give me a tip for learning Python.",
-    "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?",
-    "Name a famous painting by Van Gogh.",
-    "What does a CPU do?",
-    "Describe a cat in five words.",
-    "How many legs does a spider have?",
-    "What is the boiling point of water in Celsius?",
-    "Suggest a name for a pet goldfish.",
-    "What is the largest planet in our solar system?",
-    "Summarize the plot of Cinderella.",
-    "What is a black hole?",
-    "Give two synonyms for happy.",
-    "How do vaccines work?",
-    "Write a limerick about a programmer.",
-    "What causes rain?",
-    "Explain recursion to a child.",
-    "What is the square root of 144?",
-]
+from kvserve.benchmarks.datasets import CHAT_QUESTIONS as QUESTIONS
 
 
 def _score(llm, sequences: list[list[int]], prompt_lens: list[int]):

@@ -36,24 +36,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "List three prime numbers.",
-    "What is 12 times 7?",
-    "Who wrote Romeo and Juliet?",
-    "Give me a tip for learning Python.",
-    "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?",
-    "Name a famous painting by Van Gogh.",
-    "What does a CPU do?",
-    "Describe a cat in five words.",
-    "How many legs does a spider have?",
-    "What is the boiling point of water in Celsius?",
-    "Suggest a name for a pet goldfish.",
-    "What is the largest planet in our solar system?",
-]
+from kvserve.benchmarks.datasets import CHAT_QUESTIONS
+
+QUESTIONS = CHAT_QUESTIONS[:16]  # the prompts of tests/e2e/test_quantized.py
 # NAME/f32: the same blocks with KVSERVE_QUANT_ACTIVATIONS=float32 (no activation rounding).
 # int8: the float32 expansion's linear layers quantized per output channel at load (the
 # embedding and tied LM head stay float32).

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,10 +38,6 @@ _FUNCTIONS = [
     for suffix in ("f32", "bf16")
 ]
 DTYPES = (torch.float32, torch.bfloat16)
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed = False
-_status = "not loaded"  # what status() reports: the library in use, or why there is none
 
 _c_int64_p = ctypes.POINTER(ctypes.c_int64)
 
@@ -67,11 +64,24 @@ def cpu_identity() -> str:
     return f"{platform.machine()}|{model}|{flags}"
 
 
-def _build(compiler: str) -> Path:
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+def build_library(
+    name: str,
+    sources: Sequence[Path],
+    compiler: str,
+    key_files: Sequence[Path] = (),
+    what: str = "the C kernels",
+) -> Path:
+    """sources compiled into <cache>/kernels/<name>-<key>.so, once per machine and source.
+
+    The key hashes the bytes of sources and key_files (the headers they include), the
+    compiler and cpu_identity(): -march=native code runs only on the CPU it was built for.
+    The library is written under a temporary name and renamed into place; a build is logged
+    as "built <what>".
+    """
+    source = b"".join(path.read_bytes() for path in (*sources, *key_files))
     key = hashlib.sha256(source + compiler.encode() + cpu_identity().encode()).hexdigest()[:16]
     out_dir = Path(CACHE_DIR.get()) / "kernels"
-    target = out_dir / f"kvserve_cpu-{key}.so"
+    target = out_dir / f"{name}-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -88,7 +98,7 @@ def _build(compiler: str) -> Path:
                 "-fPIC",
                 "-o",
                 str(tmp_target),
-                *map(str, _SOURCES),
+                *map(str, sources),
                 "-lm",
             ],
             check=True,
@@ -96,38 +106,78 @@ def _build(compiler: str) -> Path:
             timeout=120,
         )
         os.replace(tmp_target, target)  # atomic: concurrent builders race harmlessly
-    logger.info("built the CPU kernels: %s", target)
+    logger.info("built %s: %s", what, target)
     return target
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _failed, _status
-    with _lock:
-        if _lib is not None or _failed:
-            return _lib
-        compiler = _compiler()
-        if compiler is None:
-            logger.warning("no C compiler: the CPU kernels fall back to the torch references")
-            _failed, _status = True, "no C compiler (install gcc or set CC)"
-            return None
-        try:
-            path = _build(compiler)
-            lib = ctypes.CDLL(str(path))
-        except (OSError, subprocess.SubprocessError) as exc:
-            logger.warning("CPU kernel build failed (%s): using the torch reference", exc)
-            _failed, _status = True, f"the C kernel build failed ({exc})"
-            return None
-        _status = f"C CPU kernels {path} for float32 and bfloat16"
-        for name in _FUNCTIONS:
-            getattr(lib, name).restype = None
-        _lib = lib
-        return _lib
+class NativeLibrary:
+    """A C library built by build_library at first use and loaded once per process.
+
+    Args:
+        name: the .so's name before its key.
+        sources: the C files compiled; key_files: the headers they include.
+        functions: the library's functions, all returning void.
+        label: what the log lines call one of its kernels ("CPU kernel").
+        fallback: what runs without the library, for the log ("quantized matmuls use ...").
+    """
+
+    def __init__(
+        self,
+        name: str,
+        sources: Sequence[Path],
+        functions: Sequence[str],
+        label: str,
+        fallback: str,
+        key_files: Sequence[Path] = (),
+    ) -> None:
+        self.name, self.sources, self.key_files = name, list(sources), list(key_files)
+        self.functions, self.label, self.fallback = list(functions), label, fallback
+        self.path: Path | None = None  # the loaded library's file
+        self.error: str | None = None  # why there is no library, once loading failed
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library (built if needed), or None where it cannot be built (logged once)."""
+        with self._lock:
+            if self._lib is not None or self.error is not None:
+                return self._lib
+            compiler = _compiler()
+            if compiler is None:
+                logger.warning("no C compiler: %s", self.fallback)
+                self.error = "no C compiler (install gcc or set CC)"
+                return None
+            try:
+                path = build_library(
+                    self.name, self.sources, compiler, self.key_files, f"the {self.label}s"
+                )
+                lib = ctypes.CDLL(str(path))
+            except (OSError, subprocess.SubprocessError) as exc:
+                logger.warning("%s build failed (%s): using the torch reference", self.label, exc)
+                self.error = f"the C kernel build failed ({exc})"
+                return None
+            for function in self.functions:
+                getattr(lib, function).restype = None
+            self.path, self._lib = path, lib
+            return lib
+
+
+_LIBRARY = NativeLibrary(
+    "kvserve_cpu",
+    _SOURCES,
+    _FUNCTIONS,
+    "CPU kernel",
+    "the CPU kernels fall back to the torch references",
+    key_files=_HEADERS,
+)
+_load = _LIBRARY.load
 
 
 def status() -> str:
     """The C kernels in use (building them if needed), or why the torch references run."""
-    _load()
-    return _status
+    if _load() is None:
+        return _LIBRARY.error or "not loaded"
+    return f"C CPU kernels {_LIBRARY.path} for float32 and bfloat16"
 
 
 def available(dtype: torch.dtype) -> bool:

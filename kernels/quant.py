@@ -13,17 +13,13 @@ scale per row in `scales`). `quant_linear` computes y = x W^T (+ b) without the 
     CPU, no compiler       the torch reference: dequantize (torch ops), then F.linear
     CUDA                   the Triton kernel (dequantizes tiles in registers, fp32 dots)
 
-The C library is built like kernels/cpu.py's (same flags, cached per machine and source
-hash) but as its own .so, so the two sources change independently.
+The C library is built by kernels/cpu.py's NativeLibrary (same flags, cached per machine and
+source hash) but as its own .so, so the two sources change independently.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels._triton import HAS_TRITON, require_triton, tl, triton
-from kvserve.kernels.cpu import _compiler, cpu_identity
-from kvserve.shared.env import CACHE_DIR, QUANT_ACTIVATIONS
-from kvserve.shared.logging import init_logger
-
-logger = init_logger(__name__)
+from kvserve.kernels.cpu import NativeLibrary
+from kvserve.shared.env import QUANT_ACTIVATIONS
 
 # name -> (code shared with the C kernel = ggml's type number, elements, bytes per block)
 QTYPES: dict[str, tuple[int, int, int]] = {
@@ -63,12 +56,6 @@ def activations() -> str:
     if value not in ("int8", "float32"):
         raise ValueError(f"KVSERVE_QUANT_ACTIVATIONS must be int8 or float32, got {value!r}")
     return value
-
-
-_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed = False
 
 
 @dataclass
@@ -227,48 +214,14 @@ def dequantize_ref(qt: QuantizedTensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- the C library
 
 
-def _build(compiler: str) -> Path:
-    key_text = _SOURCE.read_bytes() + compiler.encode() + cpu_identity().encode()
-    key = hashlib.sha256(key_text).hexdigest()[:16]
-    out_dir = Path(CACHE_DIR.get()) / "kernels"
-    target = out_dir / f"kvserve_quant-{key}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        tmp_target = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
-            + ["-o", str(tmp_target), str(_SOURCE), "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        os.replace(tmp_target, target)  # atomic: concurrent builders race harmlessly
-    logger.info("built the quantized GEMM kernels: %s", target)
-    return target
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib, _failed
-    with _lock:
-        if _lib is not None or _failed:
-            return _lib
-        compiler = _compiler()
-        if compiler is None:
-            logger.warning("no C compiler: quantized matmuls use the torch reference")
-            _failed = True
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(compiler)))
-        except (OSError, subprocess.SubprocessError) as exc:
-            logger.warning("quantized kernel build failed (%s): using the torch reference", exc)
-            _failed = True
-            return None
-        for name in ("kvq_quantize_rows", "kvq_gemm", "kvq_gemm_f32", "kvq_dequantize_rows"):
-            getattr(lib, name).restype = None
-        _lib = lib
-        return _lib
+_LIBRARY = NativeLibrary(
+    "kvserve_quant",
+    [Path(__file__).parent / "csrc" / "quant_gemm.c"],
+    ("kvq_quantize_rows", "kvq_gemm", "kvq_gemm_f32", "kvq_dequantize_rows"),
+    "quantized kernel",
+    "quantized matmuls use the torch reference",
+)
+_load = _LIBRARY.load
 
 
 def c_available() -> bool:

@@ -98,9 +98,9 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
         def bad(field: str, value, why: str):
             raise ValueError(f"{field} {why}, got {value!r}")
 
-        for name in _FLOAT_FIELDS:  # NaN passes every comparison below
-            if not math.isfinite(getattr(self, name)):
-                bad(name, getattr(self, name), "must be a finite number")
+        non_finite = non_finite_error(self)  # NaN passes every comparison below
+        if non_finite is not None:
+            raise ValueError(non_finite)
         if self.n < 1:
             bad("n", self.n, "must be at least 1")
         if self.temperature < 0.0:
@@ -153,6 +153,16 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
     def has_logits_processors(self) -> bool:
         """logit_bias, allowed_token_ids or bad words touch this request's logits."""
         return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+
+def non_finite_error(params: SamplingParams) -> str | None:
+    """The message naming the first float knob of params (temperature, top_p, min_p, the
+    penalties) that is NaN or infinite; None when all are finite."""
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if not math.isfinite(value):
+            return f"{name} must be a finite number, got {value!r}"
+    return None
 
 
 def token_ids_out_of_range(params: SamplingParams, vocab_size: int) -> tuple[str, str] | None:

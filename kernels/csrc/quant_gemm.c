@@ -170,17 +170,20 @@ static inline float hsum8(__m256 v) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), _mm256_set1_ps(scale), acc)
 #endif
 
-// One weight row against NR = 4 activation rows at once: each weight block is unpacked once
-// and used 4 times. w: the row's blocks; qx/dx/sx/dsq: per activation row its quantized
-// blocks (callers repeat the last row to fill 4); wscale: the I8 row scale.
-#define NR 4
-static void rows_dot(int qtype, const uint8_t *w, float wscale, int K,
-                     const int8_t *const qx[NR], const float *const dx[NR],
-                     const float *const sx[NR], const float *const dsq[NR], float res[NR]) {
+// One weight row against NR (1, 2 or 4) activation rows at once: each weight block is
+// unpacked once and used NR times. w: the row's blocks; qx/dx/sx/dsq: per activation row its
+// quantized blocks; wscale: the I8 row scale. rows_dot is always inlined into rows_dot_1/2/4,
+// so each gets a copy specialised to its constant NR (decode's single row does one dot
+// product per block, not four).
+#define NR_MAX 4
+static inline __attribute__((always_inline)) void rows_dot(
+    const int NR, int qtype, const uint8_t *w, float wscale, int K,
+    const int8_t *const qx[NR_MAX], const float *const dx[NR_MAX],
+    const float *const sx[NR_MAX], const float *const dsq[NR_MAX], float res[NR_MAX]) {
     const int nb = K / QK;
-    float extra[NR] = {0.f};
+    float extra[NR_MAX] = {0.f};
 #if defined(__AVX2__)
-    __m256 acc[NR];
+    __m256 acc[NR_MAX];
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     const __m256i zero = _mm256_setzero_si256();
     switch (qtype) {
@@ -307,6 +310,17 @@ static void rows_dot(int qtype, const uint8_t *w, float wscale, int K,
 #endif
 }
 
+#define ROWS_DOT_N(n)                                                                     \
+    static void rows_dot_##n(int qtype, const uint8_t *w, float wscale, int K,               \
+                             const int8_t *const qx[NR_MAX], const float *const dx[NR_MAX],  \
+                             const float *const sx[NR_MAX], const float *const dsq[NR_MAX],  \
+                             float res[NR_MAX]) {                                            \
+        rows_dot(n, qtype, w, wscale, K, qx, dx, sx, dsq, res);                              \
+    }
+ROWS_DOT_N(1)
+ROWS_DOT_N(2)
+ROWS_DOT_N(4)
+
 // out[m, n] (row stride ldo) = x[m] . W[n] for the M quantized activation rows.
 // w: N rows of ldw bytes; wscale: I8 per-row scales (NULL otherwise).
 void kvq_gemm(int qtype, const uint8_t *w, int64_t ldw, const float *wscale, int N, int K,
@@ -318,22 +332,30 @@ void kvq_gemm(int qtype, const uint8_t *w, int64_t ldw, const float *wscale, int
 #pragma omp parallel for schedule(static) if ((int64_t)N * K * M >= 262144)
     for (int t = 0; t < tiles; t++) {
         const int n0 = t * tile, n1 = n0 + tile < N ? n0 + tile : N;
-        for (int m0 = 0; m0 < M; m0 += NR) {
-            const int8_t *q[NR];
-            const float *d[NR], *s[NR], *ds[NR];
-            for (int r = 0; r < NR; r++) {
-                const int64_t m = m0 + r < M ? m0 + r : M - 1;  // repeat the last row
+        for (int m0 = 0; m0 < M;) {
+            const int nr = M - m0 >= 4 ? 4 : M - m0 >= 2 ? 2 : 1;
+            const int8_t *q[NR_MAX];
+            const float *d[NR_MAX], *s[NR_MAX], *ds[NR_MAX];
+            for (int r = 0; r < nr; r++) {
+                const int64_t m = m0 + r;
                 q[r] = qx + m * K;
                 d[r] = dx + m * nb;
                 s[r] = sx + m * nb;
                 ds[r] = dsq + m * nb;
             }
             for (int n = n0; n < n1; n++) {
-                float res[NR];
-                rows_dot(qtype, w + (int64_t)n * ldw, wscale ? wscale[n] : 0.f, K, q, d, s, ds,
-                         res);
-                for (int r = 0; r < NR && m0 + r < M; r++) out[(int64_t)(m0 + r) * ldo + n] = res[r];
+                float res[NR_MAX];
+                const uint8_t *wn = w + (int64_t)n * ldw;
+                const float sn = wscale ? wscale[n] : 0.f;
+                if (nr == 4)
+                    rows_dot_4(qtype, wn, sn, K, q, d, s, ds, res);
+                else if (nr == 2)
+                    rows_dot_2(qtype, wn, sn, K, q, d, s, ds, res);
+                else
+                    rows_dot_1(qtype, wn, sn, K, q, d, s, ds, res);
+                for (int r = 0; r < nr; r++) out[(int64_t)(m0 + r) * ldo + n] = res[r];
             }
+            m0 += nr;
         }
     }
 }

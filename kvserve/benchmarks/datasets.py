@@ -23,6 +23,36 @@ _MAX_LENGTH_FIXES = 10
 # ShareGPT turns shorter than this many tokens say nothing about a server (vLLM's filter).
 _MIN_SHAREGPT_TOKENS = 4
 
+# Short chat questions for the accuracy comparisons against float32 (bench/bf16_accuracy.py
+# asks all of them; bench/quantized.py and the e2e tests against HF transformers and the
+# float32 expansion, tests/support/prompts.py, ask the first 16).
+CHAT_QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "What is 12 times 7?",
+    "Who wrote Romeo and Juliet?",
+    "Give me a tip for learning Python.",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+    "Name a famous painting by Van Gogh.",
+    "What does a CPU do?",
+    "Describe a cat in five words.",
+    "How many legs does a spider have?",
+    "What is the boiling point of water in Celsius?",
+    "Suggest a name for a pet goldfish.",
+    "What is the largest planet in our solar system?",
+    "Summarize the plot of Cinderella.",
+    "What is a black hole?",
+    "Give two synonyms for happy.",
+    "How do vaccines work?",
+    "Write a limerick about a programmer.",
+    "What causes rain?",
+    "Explain recursion to a child.",
+    "What is the square root of 144?",
+)
+
 
 @dataclass
 class SampleRequest:

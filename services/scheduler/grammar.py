@@ -24,6 +24,7 @@ from kvserve.services.scheduler.json_schema_support import (
     unsupported_features,
     with_length_patterns,
 )
+from kvserve.services.scheduler.request_checks import model_vocab_size as config_vocab_size
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ".
@@ -43,14 +44,8 @@ def _backend_message(exc: Exception) -> str:
 def model_vocab_size(model_dir: str, tokenizer_size: int) -> int:
     """The logits' width: config.json's vocab_size (also under text_config), which may pad
     the tokenizer's vocabulary; the tokenizer's size when the config names none."""
-    path = os.path.join(model_dir, "config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            config = json.load(f)
-        size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-        if size:
-            return max(int(size), tokenizer_size)
-    return tokenizer_size
+    size = config_vocab_size(model_dir)
+    return tokenizer_size if size is None else max(size, tokenizer_size)
 
 
 def load_tokenizer(tokenizer_dir: str):

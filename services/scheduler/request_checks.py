@@ -13,17 +13,10 @@ import math
 import os
 
 from kvserve.shared.messages import EngineCoreRequest
+from kvserve.shared.sampling_params import non_finite_error
 from kvserve.shared.wire import QUEUE_FULL_ERROR
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
 
 
 def model_vocab_size(model_dir: str) -> int | None:
@@ -57,9 +50,9 @@ def check_engine_request(
         max_logprobs: the engine's --max-logprobs.
     """
     params = request.sampling_params
-    for name in _FLOAT_FIELDS:
-        if not math.isfinite(getattr(params, name)):
-            return f"{name} must be a finite number, got {getattr(params, name)!r}"
+    non_finite = non_finite_error(params)
+    if non_finite is not None:
+        return non_finite
     if params.logit_bias and not all(math.isfinite(v) for v in params.logit_bias.values()):
         return "logit_bias values must be finite numbers"
     if params.seed is not None and not _INT64_MIN <= params.seed <= _INT64_MAX:

@@ -11,46 +11,14 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from tests.support.kv import assert_no_leaked_blocks
+from tests.support.prompts import MAX_TOKENS, QUESTIONS, chat_prompt_ids
 
 pytestmark = pytest.mark.slow
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "List three prime numbers.",
-    "What is 12 times 7?",
-    "Who wrote Romeo and Juliet?",
-    "Give me a tip for learning Python.",
-    "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?",
-    "Name a famous painting by Van Gogh.",
-    "What does a CPU do?",
-    "Describe a cat in five words.",
-    "How many legs does a spider have?",
-    "What is the boiling point of water in Celsius?",
-    "Suggest a name for a pet goldfish.",
-    "What is the largest planet in our solar system?",
-]
-MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def chat_prompts(default_model_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    return [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}],
-                tokenize=True,
-                add_generation_prompt=True,
-                return_dict=False,
-            )
-        )
-        for q in QUESTIONS
-    ]
+    return chat_prompt_ids(default_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -81,8 +81,9 @@ def completion_ids(choice) -> list[int]:
     return [int(token.removeprefix("token_id:")) for token in choice.logprobs.tokens]
 
 
-def complete(client: OpenAI, model: str) -> list[int]:
-    response = client.completions.create(
+def greedy_request(model: str) -> dict:
+    """The completion request whose tokens the references hold, for `model`."""
+    return dict(
         model=model,
         prompt=PROMPT,
         max_tokens=MAX_TOKENS,
@@ -90,6 +91,10 @@ def complete(client: OpenAI, model: str) -> list[int]:
         logprobs=0,
         extra_body=TOKEN_IDS,
     )
+
+
+def complete(client: OpenAI, model: str) -> list[int]:
+    response = client.completions.create(**greedy_request(model))
     assert response.model == model
     return completion_ids(response.choices[0])
 
@@ -136,15 +141,7 @@ def test_concurrent_requests_of_every_adapter_share_batches(server, setup):
         async with AsyncOpenAI(base_url=server + "/v1", api_key="x", max_retries=0) as aclient:
             responses = await asyncio.gather(
                 *(
-                    aclient.completions.create(
-                        model=model,
-                        prompt=PROMPT,
-                        max_tokens=MAX_TOKENS,
-                        temperature=0.0,
-                        logprobs=0,
-                        stream=False,
-                        extra_body=TOKEN_IDS,
-                    )
+                    aclient.completions.create(**greedy_request(model), stream=False)
                     for model in models
                 )
             )

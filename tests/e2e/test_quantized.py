@@ -16,8 +16,8 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.kernels.quant import C_ROWS_MAX
-from tests.e2e.test_llm_correctness import MAX_TOKENS, QUESTIONS
 from tests.support.kv import assert_no_leaked_blocks
+from tests.support.prompts import MAX_TOKENS, chat_prompt_ids
 from tests.support.server import serving
 
 pytestmark = pytest.mark.slow
@@ -35,20 +35,7 @@ KV = 256 << 20
 
 @pytest.fixture(scope="module")
 def chat_prompts(default_model_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    return [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}],
-                tokenize=True,
-                add_generation_prompt=True,
-                return_dict=False,
-            )
-        )
-        for q in QUESTIONS
-    ]
+    return chat_prompt_ids(default_model_dir)
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

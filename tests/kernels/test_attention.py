@@ -33,7 +33,7 @@ UNIFORM_DECODES = [(1, 64), (1, 50), (1, 40)]
 PREFILL_CHUNKS = [(20, 20), (16, 48), (5, 5)]
 
 
-def _run(fn, batch: PagedBatch, scale: float) -> torch.Tensor:
+def _run(fn, batch: PagedBatch, scale: float, sliding_window=None, soft_cap=None) -> torch.Tensor:
     return fn(
         batch.query,
         batch.key_cache,
@@ -44,6 +44,8 @@ def _run(fn, batch: PagedBatch, scale: float) -> torch.Tensor:
         scale,
         batch.max_query_len,
         batch.max_seq_len,
+        sliding_window,
+        soft_cap,
     )
 
 
@@ -188,7 +190,7 @@ def test_paged_attention_ref_window_and_soft_cap_match_dense(
     dtype, layout, sliding_window, soft_cap
 ):
     batch = make_paged_batch(layout, 6, 2, 16, BLOCK_SIZE, dtype)
-    out = _run_with_options(attention.paged_attention_ref, batch, 0.5, sliding_window, soft_cap)
+    out = _run(attention.paged_attention_ref, batch, 0.5, sliding_window, soft_cap)
     assert not out.isnan().any()
     expected = dense_causal_attention(batch, 0.5, sliding_window, soft_cap)
     assert_close(out, expected, dtype)
@@ -200,24 +202,6 @@ def test_paged_attention_ref_window_and_soft_cap_match_dense(
 @pytest.mark.parametrize("sliding_window,soft_cap", ATTENTION_OPTIONS)
 def test_paged_attention_triton_window_and_soft_cap_match_ref(sliding_window, soft_cap):
     batch = _to_device(make_paged_batch(WINDOWED, 6, 2, 32, BLOCK_SIZE, torch.float32))
-    out = _run_with_options(attention.paged_attention, batch, 0.3, sliding_window, soft_cap)
-    expected = _run_with_options(
-        attention.paged_attention_ref, batch, 0.3, sliding_window, soft_cap
-    )
+    out = _run(attention.paged_attention, batch, 0.3, sliding_window, soft_cap)
+    expected = _run(attention.paged_attention_ref, batch, 0.3, sliding_window, soft_cap)
     assert_close(out, expected, torch.float32)
-
-
-def _run_with_options(fn, batch: PagedBatch, scale: float, sliding_window, soft_cap):
-    return fn(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_table,
-        batch.query_start_loc,
-        batch.seq_lens,
-        scale,
-        batch.max_query_len,
-        batch.max_seq_len,
-        sliding_window,
-        soft_cap,
-    )

@@ -8,19 +8,11 @@ caps small enough to bend the scores, a longrope switch at position 32.
 
 from __future__ import annotations
 
+from tests.support.models import TINY_HF_DIMS, random_hf_model
+
 VOCAB_SIZE = 128
 SLIDING_WINDOW = 6
-_COMMON = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+_COMMON = dict(TINY_HF_DIMS, vocab_size=VOCAB_SIZE, tie_word_embeddings=False)
 _GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 
 
@@ -121,18 +113,8 @@ KINDS = (
 def make_tiny_family_model(kind: str, seed: int = 0, **config_overrides):
     """A tiny HF model of `kind` (one of KINDS) in eval mode with random weights drawn large
     enough for peaked logits (greedy ties cannot flip between our model and HF's)."""
-    import torch
-
     config_class, model_class, fields = _kinds()[kind]
-    config = config_class(**(_COMMON | fields | config_overrides))
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    gemma = kind.startswith("gemma")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # Gemma's norms scale by 1 + weight
-                param.normal_(0.0 if gemma else 1.0, 0.1)
-            else:
-                param.normal_(0.0, 0.15)
-    return model
+    norm_mean = 0.0 if kind.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + weight
+    return random_hf_model(
+        config_class, model_class, _COMMON | fields | config_overrides, seed, norm_mean
+    )

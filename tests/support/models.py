@@ -114,6 +114,18 @@ def _write_tokenizer(model_dir: str) -> None:
         )
 
 
+# The dimensions of the tiny HF models: make_tiny_hf_model's and tests/support/hf_models.py's.
+TINY_HF_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
+
+
 def make_tiny_hf_model(kind: str, seed: int = 0, **config_overrides):
     """A 2-layer HF model of `kind` with random weights large enough to give peaked logits
     (greedy ties cannot flip between our model and HF's).
@@ -123,19 +135,9 @@ def make_tiny_hf_model(kind: str, seed: int = 0, **config_overrides):
         seed: the torch seed the weights are drawn with.
         config_overrides: config fields to change (layers, vocabulary size, ...).
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-    )
+    common = dict(TINY_HF_DIMS, vocab_size=96)
     if kind == "llama":
         fields = dict(common, rope_theta=10000.0, tie_word_embeddings=False)
         config_class, model_class = LlamaConfig, LlamaForCausalLM
@@ -155,14 +157,39 @@ def make_tiny_hf_model(kind: str, seed: int = 0, **config_overrides):
         config_class, model_class = Qwen2Config, Qwen2ForCausalLM
     else:
         raise AssertionError(kind)
-    config = config_class(**(fields | config_overrides))
+    return random_hf_model(config_class, model_class, fields | config_overrides, seed)
+
+
+def saved_checkpoints(tmp_path_factory, make):
+    """kind -> (folder saved with save_pretrained, the HF model make(kind) returns), each
+    built and saved once (a session fixture's value)."""
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            model = make(kind)
+            model_dir = tmp_path_factory.mktemp(f"tiny-{kind}")
+            model.save_pretrained(model_dir)
+            cache[kind] = (str(model_dir), model)
+        return cache[kind]
+
+    return get
+
+
+def random_hf_model(config_class, model_class, fields: dict, seed: int, norm_mean: float = 1.0):
+    """model_class(config_class(**fields)) in eval mode with eager attention, its weights drawn
+    with the torch seed `seed`, large enough for peaked logits (greedy ties cannot flip between
+    our model and HF's): norms N(norm_mean, 0.1), every other parameter N(0, 0.15)."""
+    import torch
+
+    config = config_class(**fields)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_class(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.normal_(1.0, 0.1)
+                param.normal_(norm_mean, 0.1)
             else:
                 param.normal_(0.0, 0.15)
     return model

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.support.models import make_tiny_hf_model, write_llama_gguf
+from tests.support.models import make_tiny_hf_model, saved_checkpoints, write_llama_gguf
 
 
 def pytest_configure(config):
@@ -16,17 +16,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """kind -> (folder saved with save_pretrained, the HF model it holds), built once."""
-    cache = {}
-
-    def get(kind: str):
-        if kind not in cache:
-            model = make_tiny_hf_model(kind)
-            model_dir = tmp_path_factory.mktemp(f"tiny-{kind}")
-            model.save_pretrained(model_dir)
-            cache[kind] = (str(model_dir), model)
-        return cache[kind]
-
-    return get
+    return saved_checkpoints(tmp_path_factory, make_tiny_hf_model)
 
 
 @pytest.fixture(scope="session")

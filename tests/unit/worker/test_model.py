@@ -190,11 +190,13 @@ def test_bfloat16_model_keeps_float32_rope_and_logits(tiny_checkpoint):
     assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
 
 
-def _tp_worker(rank: int, model_dir: str, store_path: str, out_path: str, requests) -> None:
+def _tp_worker(
+    rank: int, model_dir: str, store_path: str, out_path: str, requests, num_blocks: int
+) -> None:
     init_two_ranks(rank, store_path, tp=2)
     try:
         model, _ = load_model(model_dir, torch.float32, "cpu")
-        bind_kv_caches(model)
+        bind_kv_caches(model, num_blocks=num_blocks)
         logits = run_step(model, requests)
         if rank == 0:
             torch.save(logits, out_path)
@@ -207,13 +209,21 @@ def test_tensor_parallel_2_matches_hf(tiny_checkpoint, tmp_path):
     model_dir, hf_model = tiny_checkpoint("qwen2")
     tokens_a, tokens_b = random_tokens(5, 96, seed=9), random_tokens(7, 96, seed=10)
     requests = [(tokens_a, 0, [0, 1]), (tokens_b, 0, [2, 3])]
+    assert_tensor_parallel_2_matches_hf(tmp_path, model_dir, hf_model, requests)
+
+
+def assert_tensor_parallel_2_matches_hf(
+    tmp_path, model_dir: str, hf_model, requests, num_blocks: int = NUM_BLOCKS
+) -> None:
+    """Two gloo ranks run one step of requests (whole prompts: (tokens, 0, block ids)) on
+    model_dir with num_blocks KV blocks; rank 0's logits must equal HF's."""
     out_path = str(tmp_path / "logits.pt")
-    torch.multiprocessing.spawn(
-        _tp_worker, nprocs=2, args=(model_dir, str(tmp_path / "store"), out_path, requests)
-    )
-    logits_a, logits_b = torch.load(out_path)
-    torch.testing.assert_close(logits_a, hf_logits(hf_model, tokens_a), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits_b, hf_logits(hf_model, tokens_b), atol=ATOL, rtol=0)
+    args = (model_dir, str(tmp_path / "store"), out_path, requests, num_blocks)
+    torch.multiprocessing.spawn(_tp_worker, nprocs=2, args=args)
+    logits = torch.load(out_path)
+    assert len(logits) == len(requests)
+    for step_logits, (tokens, _, _) in zip(logits, requests):
+        torch.testing.assert_close(step_logits, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow

@@ -12,11 +12,11 @@ import torch
 
 from kvserve.services.worker.layers.attention import Attention
 from kvserve.services.worker.models import load_model
-from tests.support.distributed import init_two_ranks, leave_two_ranks
 from tests.support.hf_models import KINDS, VOCAB_SIZE, make_tiny_family_model
-from tests.support.models import make_tiny_hf_model
+from tests.support.models import make_tiny_hf_model, saved_checkpoints
 from tests.unit.worker.test_model import (
     ATOL,
+    assert_tensor_parallel_2_matches_hf,
     bind_kv_caches,
     hf_logits,
     random_tokens,
@@ -31,20 +31,13 @@ NUM_BLOCKS = 16
 @pytest.fixture(scope="session")
 def family_checkpoint(tmp_path_factory):
     """kind -> (folder saved with save_pretrained, the HF model it holds), built once."""
-    cache = {}
 
-    def get(kind: str):
-        if kind not in cache:
-            if kind in ("llama3_rope", "qwen2"):
-                model = make_tiny_hf_model(kind, vocab_size=VOCAB_SIZE)
-            else:
-                model = make_tiny_family_model(kind)
-            model_dir = tmp_path_factory.mktemp(f"tiny-{kind}")
-            model.save_pretrained(model_dir)
-            cache[kind] = (str(model_dir), model)
-        return cache[kind]
+    def make(kind: str):
+        if kind in ("llama3_rope", "qwen2"):
+            return make_tiny_hf_model(kind, vocab_size=VOCAB_SIZE)
+        return make_tiny_family_model(kind)
 
-    return get
+    return saved_checkpoints(tmp_path_factory, make)
 
 
 def _ours(model_dir: str):
@@ -123,27 +116,10 @@ def test_phi3_fused_checkpoint_tensors_load_as_is(family_checkpoint):
     assert torch.equal(mlp.gate_up_proj.weight, hf_model.model.layers[0].mlp.gate_up_proj.weight)
 
 
-def _tp_worker(rank: int, model_dir: str, store_path: str, out_path: str, requests) -> None:
-    init_two_ranks(rank, store_path, tp=2)
-    try:
-        model = _ours(model_dir)
-        logits = run_step(model, requests)
-        if rank == 0:
-            torch.save(logits, out_path)
-    finally:
-        leave_two_ranks()
-
-
 @pytest.mark.parametrize("kind", ["gemma2", "mixtral"])
 def test_tensor_parallel_2_matches_hf(family_checkpoint, tmp_path, kind):
     # Heads, MLP columns and each expert's intermediate dim split over two gloo ranks.
     model_dir, hf_model = family_checkpoint(kind)
     tokens_a, tokens_b = random_tokens(11, VOCAB_SIZE, seed=5), random_tokens(4, VOCAB_SIZE, 6)
     requests = [(tokens_a, 0, [0, 1, 2]), (tokens_b, 0, [3])]
-    out_path = str(tmp_path / "logits.pt")
-    torch.multiprocessing.spawn(
-        _tp_worker, nprocs=2, args=(model_dir, str(tmp_path / "store"), out_path, requests)
-    )
-    logits_a, logits_b = torch.load(out_path)
-    torch.testing.assert_close(logits_a, hf_logits(hf_model, tokens_a), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits_b, hf_logits(hf_model, tokens_b), atol=ATOL, rtol=0)
+    assert_tensor_parallel_2_matches_hf(tmp_path, model_dir, hf_model, requests, NUM_BLOCKS)
