@@ -255,14 +255,16 @@ def gemm_c(x: torch.Tensor, qt: QuantizedTensor, out: torch.Tensor) -> None:
     """out [M, N] (row-strided view allowed) = x W^T with the integer kernel; x float32."""
     lib = _load()
     assert lib is not None
-    qx, dx, sx, dsq = quantize_activations(x)
     n, k = qt.shape
-    assert out.stride(1) == 1 and qt.data.stride(1) == 1
-    lib.kvq_gemm(
+    assert out.stride(1) == 1 and qt.data.stride(1) == 1 and x.stride(1) == 1
+    # One FFI call: the C side quantizes the activation rows into its own buffer.
+    failed = lib.kvq_linear(
         _code(qt), _p(qt.data), ctypes.c_int64(qt.data.stride(0)), _p(qt.scales), ctypes.c_int(n),
-        ctypes.c_int(k), _p(qx), _p(dx), _p(sx), _p(dsq), ctypes.c_int(x.shape[0]), _p(out),
+        ctypes.c_int(k), _p(x), ctypes.c_int64(x.stride(0)), ctypes.c_int(x.shape[0]), _p(out),
         ctypes.c_int64(out.stride(0)),
     )  # fmt: skip
+    if failed:
+        raise MemoryError("the quantized GEMM could not allocate its activation buffer")
 
 
 def gemm_f32_c(x: torch.Tensor, qt: QuantizedTensor, out: torch.Tensor) -> None:

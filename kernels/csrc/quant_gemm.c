@@ -360,6 +360,27 @@ void kvq_gemm(int qtype, const uint8_t *w, int64_t ldw, const float *wscale, int
     }
 }
 
+// kvq_quantize_rows then kvq_gemm in one call, the activation blocks in a per-thread buffer
+// that grows as needed (decode's many small linears pay no allocation and one FFI call each).
+// Returns 0, or -1 when the buffer cannot be allocated.
+int kvq_linear(int qtype, const uint8_t *w, int64_t ldw, const float *wscale, int N, int K,
+               const float *x, int64_t ldx, int M, float *out, int64_t ldo) {
+    static __thread uint8_t *buf = NULL;
+    static __thread size_t cap = 0;
+    const size_t nb = (size_t)(K / QK), need = (size_t)M * K + 3 * (size_t)M * nb * sizeof(float);
+    if (need > cap) {
+        uint8_t *grown = realloc(buf, need);
+        if (grown == NULL) return -1;
+        buf = grown;
+        cap = need;
+    }
+    float *dx = (float *)buf, *sx = dx + (size_t)M * nb, *dsq = sx + (size_t)M * nb;
+    int8_t *qx = (int8_t *)(dsq + (size_t)M * nb);
+    kvq_quantize_rows(x, ldx, M, K, qx, dx, sx, dsq);
+    kvq_gemm(qtype, w, ldw, wscale, N, K, qx, dx, sx, dsq, M, out, ldo);
+    return 0;
+}
+
 // ------------------------------------------------------------------ dequantization
 
 static void dequantize_row(int qtype, const uint8_t *w, float wscale, int K, float *y) {

@@ -24,6 +24,7 @@ from tests.support.server import (
     start_dp_front_end,
     stream_completion,
 )
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +73,17 @@ def test_concurrent_requests_are_served_by_both_engines(load_server):
 def test_a_killed_engine_is_dropped_and_the_other_serves_on(load_server):
     _, body = load_server.health()
     victim = body["engines"][1]
+    # The earlier tests' requests are over on both engines, and the coordinator has had time
+    # to publish that (PUBLISH_INTERVAL_S is 0.1 s): a load table still showing the victim
+    # busy would send every stream below to engine 0.
+    assert wait_until(
+        lambda: all(
+            load_server.metric("kvserve:num_requests_running", i) == 0
+            for i in range(NUM_DP_ENGINES)
+        ),
+        timeout_s=30,
+    ), "the earlier requests never finished"
+    time.sleep(1.0)
     # Frozen first, so its request is surely in flight there when it dies (the tiny model
     # would finish a whole stream in well under a second).
     os.kill(victim["pid"], signal.SIGSTOP)
