@@ -9,15 +9,10 @@ second round is served from the prefix cache and its chunks start mid-sequence.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
-from tests.support.hf_models import VOCAB_SIZE, make_tiny_family_model
+from tests.support.hf_models import NUM_TOKENS, PROMPTS, hf_greedy, make_tiny_family_model
 from tests.support.kv import assert_no_leaked_blocks
-
-NUM_TOKENS = 10
-_PREFIX = [(7 * i + 3) % VOCAB_SIZE for i in range(40)]
-PROMPTS = [_PREFIX + [5, 17, 99], _PREFIX + [8] * 6, _PREFIX[:21]]
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +28,6 @@ def family_dirs(tmp_path_factory):
         return cache[kind]
 
     return get
-
-
-@torch.no_grad()
-def _hf_greedy(hf_model, prompt: list[int]) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(NUM_TOKENS):
-        tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
 
 
 def _generate_twice(model_dir: str, tokenizer: str, tp: int) -> tuple[list, list, list[int]]:
@@ -72,7 +59,7 @@ def _generate_twice(model_dir: str, tokenizer: str, tp: int) -> tuple[list, list
 def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
     first, second, cached = _generate_twice(model_dir, default_model_dir, tp=1)
-    assert first == [_hf_greedy(hf_model, prompt) for prompt in PROMPTS]
+    assert first == [hf_greedy(hf_model, prompt) for prompt in PROMPTS]
     assert second == first
     assert all(n >= 16 for n in cached), cached  # the second round hit the prefix cache
 
@@ -81,5 +68,5 @@ def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, 
 def test_llm_tensor_parallel_2_equals_hf(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
     first, second, _ = _generate_twice(model_dir, default_model_dir, tp=2)
-    assert first == [_hf_greedy(hf_model, prompt) for prompt in PROMPTS]
+    assert first == [hf_greedy(hf_model, prompt) for prompt in PROMPTS]
     assert second == first

@@ -8,6 +8,8 @@ caps small enough to bend the scores, a longrope switch at position 32.
 
 from __future__ import annotations
 
+import torch
+
 from tests.support.models import TINY_HF_DIMS, random_hf_model
 
 VOCAB_SIZE = 128
@@ -118,3 +120,19 @@ def make_tiny_family_model(kind: str, seed: int = 0, **config_overrides):
     return random_hf_model(
         config_class, model_class, _COMMON | fields | config_overrides, seed, norm_mean
     )
+
+
+# Prompts for the family tests: a 40-token shared prefix, far longer than the sliding windows,
+# so a second round is served from the prefix cache and its chunks start mid-sequence.
+NUM_TOKENS = 10
+_PREFIX = [(7 * i + 3) % VOCAB_SIZE for i in range(40)]
+PROMPTS = [_PREFIX + [5, 17, 99], _PREFIX + [8] * 6, _PREFIX[:21]]
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
+    """NUM_TOKENS greedy tokens after prompt, a full HF forward each step."""
+    tokens = list(prompt)
+    for _ in range(NUM_TOKENS):
+        tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
