@@ -24,9 +24,10 @@ from kvserve.llm import LLM
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 from tests.support.kv import assert_no_leaked_blocks
-from tests.support.metrics import metrics_text, read_metric
+from tests.support.metrics import engine_idle, metrics_text, read_metric
 from tests.support.models import TINY_KV_CACHE_MEMORY
 from tests.support.server import serving
+from tests.support.streams import collect_stream
 from tests.support.waiting import wait_until
 
 MODEL = "tiny-structured"
@@ -218,24 +219,6 @@ def url(tiny_llama_dir, tmp_path_factory):
         yield url
         # The module's leak check: every request gone, every KV block free.
         assert wait_until(lambda: engine_idle(url), timeout_s=20), metrics_text(url)
-
-
-IDLE_GAUGES = (
-    "kvserve:num_requests_running",
-    "kvserve:num_requests_waiting",
-    "kvserve:num_requests_waiting_for_grammar",
-    "kvserve:kv_cache_usage_perc",
-)
-
-
-def engine_idle(url: str) -> bool:
-    """Every engine's gauges of work in flight are 0: no request and no KV block left."""
-    samples = [
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics_text(url).splitlines()
-        if line.split("{", 1)[0] in IDLE_GAUGES
-    ]
-    return len(samples) >= len(IDLE_GAUGES) and not any(samples)
 
 
 @pytest.fixture(scope="module")
@@ -468,32 +451,6 @@ def test_forced_tool_calls_parse_and_match_their_schema(client, tool_choice, str
     assert calls and all(c.id.startswith("chatcmpl-tool-") for c in message.tool_calls)
     if isinstance(tool_choice, dict):
         assert [name for name, _ in calls] == ["get_weather"]
-
-
-class _Message:
-    def __init__(self, content, tool_calls):
-        self.content, self.tool_calls = content, tool_calls
-
-
-def collect_stream(chunks):
-    """A streamed choice as OpenAI clients assemble it: content, and tool calls from their
-    deltas (the first carries id and name, the rest append arguments)."""
-    content, calls, finish_reason = None, {}, None
-    for chunk in chunks:
-        delta = chunk.choices[0].delta
-        if delta.content:
-            content = (content or "") + delta.content
-        for part in delta.tool_calls or []:
-            if part.index not in calls:
-                assert part.id and part.type == "function" and part.function.name
-                calls[part.index] = openai.types.chat.ChatCompletionMessageToolCall(
-                    id=part.id,
-                    type="function",
-                    function={"name": part.function.name, "arguments": ""},
-                )
-            calls[part.index].function.arguments += part.function.arguments or ""
-        finish_reason = chunk.choices[0].finish_reason or finish_reason
-    return _Message(content, [calls[i] for i in sorted(calls)]), finish_reason
 
 
 def test_a_history_with_tool_results_renders_and_continues(client):

@@ -14,9 +14,9 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.test_structured_outputs import collect_stream, engine_idle
-from tests.support.metrics import metrics_text
+from tests.support.metrics import engine_idle, metrics_text
 from tests.support.server import serving
+from tests.support.streams import collect_stream
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow

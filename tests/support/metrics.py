@@ -32,3 +32,21 @@ def read_metric(text: str, name: str, default: float | object = _MISSING, **labe
     if default is _MISSING:
         raise KeyError(f"metric {name}{labels or ''} not in the /metrics output")
     return default
+
+
+IDLE_GAUGES = (
+    "kvserve:num_requests_running",
+    "kvserve:num_requests_waiting",
+    "kvserve:num_requests_waiting_for_grammar",
+    "kvserve:kv_cache_usage_perc",
+)
+
+
+def engine_idle(url: str) -> bool:
+    """Every engine's gauges of work in flight are 0: no request and no KV block left."""
+    samples = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text(url).splitlines()
+        if line.split("{", 1)[0] in IDLE_GAUGES
+    ]
+    return len(samples) >= len(IDLE_GAUGES) and not any(samples)

@@ -13,8 +13,7 @@ import torch
 from kvserve.services.worker.layers.attention import Attention
 from kvserve.services.worker.models import load_model
 from tests.support.hf_models import KINDS, VOCAB_SIZE, make_tiny_family_model
-from tests.support.models import make_tiny_hf_model, saved_checkpoints
-from tests.unit.worker.test_model import (
+from tests.support.model_steps import (
     ATOL,
     assert_tensor_parallel_2_matches_hf,
     bind_kv_caches,
@@ -22,6 +21,7 @@ from tests.unit.worker.test_model import (
     random_tokens,
     run_step,
 )
+from tests.support.models import make_tiny_hf_model, saved_checkpoints
 
 # The two Llama-file kinds whose HF comparison lives in test_model.py get greedy runs here.
 GREEDY_KINDS = KINDS + ("llama3_rope", "qwen2")
