@@ -20,7 +20,14 @@ from kvserve.shared.logging import init_logger
 logger = init_logger("kvserve.benchmarks")
 
 METRIC_PREFIXES = ("kvserve:", "vllm:")
-_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+_COUNTERS = (
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
 _KV_USAGE = "kv_cache_usage_perc"
 # Engine-side phase histograms (seconds): the report shows the run's mean of each.
 _PHASES = {
@@ -150,6 +157,22 @@ def server_delta(before: dict[str, float], after: dict[str, float], peak_kv_usag
         else None,
         "server_peak_kv_cache_usage": peak,
         **phase_means,
+        **spec_decode_figures(delta),
+    }
+
+
+def spec_decode_figures(delta) -> dict:
+    """Speculative decoding's acceptance rate (accepted / draft tokens) and mean acceptance
+    length (1 + accepted per draft: tokens per verifying step, vLLM's definition); None
+    when the run verified no drafts."""
+    num_drafts = delta("spec_decode_num_drafts")
+    num_draft_tokens = delta("spec_decode_num_draft_tokens")
+    num_accepted = delta("spec_decode_num_accepted_tokens")
+    if num_drafts <= 0 or num_draft_tokens <= 0:
+        return {"server_spec_acceptance_rate": None, "server_spec_mean_acceptance_length": None}
+    return {
+        "server_spec_acceptance_rate": num_accepted / num_draft_tokens,
+        "server_spec_mean_acceptance_length": 1 + num_accepted / num_drafts,
     }
 
 
@@ -168,5 +191,10 @@ def format_server_report(figures: dict) -> str:
         mean = figures.get(f"server_mean_{phase}_time_ms")
         if mean is not None:
             lines.append(f"{f'Mean {phase} time (ms):':<40} {mean:<10.2f}")
+    if figures.get("server_spec_acceptance_rate") is not None:
+        rate = figures["server_spec_acceptance_rate"] * 100
+        length = figures["server_spec_mean_acceptance_length"]
+        lines.append(f"{'Draft acceptance rate (%):':<40} {rate:<10.2f}")
+        lines.append(f"{'Mean acceptance length:':<40} {length:<10.2f}")
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
@@ -55,6 +55,10 @@ class StatsTotals:
     prefix_cache_hits: int = 0
     grammar_cache_queries: int = 0
     grammar_cache_hits: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     def add(self, stats: SchedulerStats) -> None:
         self.num_preemptions += stats.num_preemptions
@@ -62,6 +66,14 @@ class StatsTotals:
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.grammar_cache_queries += stats.grammar_cache_queries
         self.grammar_cache_hits += stats.grammar_cache_hits
+        if stats.spec_num_drafts:
+            self.spec_num_drafts += stats.spec_num_drafts
+            self.spec_num_draft_tokens += stats.spec_num_draft_tokens
+            self.spec_num_accepted_tokens += stats.spec_num_accepted_tokens
+            per_pos = self.spec_accepted_per_pos
+            per_pos.extend([0] * (len(stats.spec_accepted_per_pos) - len(per_pos)))
+            for pos, count in enumerate(stats.spec_accepted_per_pos):
+                per_pos[pos] += count
 
 
 def estimate_waiting(num_in_flight: int, stats: SchedulerStats | None) -> int:

@@ -181,6 +181,21 @@ _COUNTERS = (
         "Of those, requests whose grammar was cached (compiled or compiling).",
         lambda totals: totals.grammar_cache_hits,
     ),
+    (
+        "kvserve:spec_decode_num_drafts",
+        "Number of spec decoding drafts (requests that verified drafts, per step).",
+        lambda totals: totals.spec_num_drafts,
+    ),
+    (
+        "kvserve:spec_decode_num_draft_tokens",
+        "Number of draft tokens.",
+        lambda totals: totals.spec_num_draft_tokens,
+    ),
+    (
+        "kvserve:spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+        lambda totals: totals.spec_num_accepted_tokens,
+    ),
 )
 
 
@@ -205,6 +220,15 @@ class _EngineStatsCollector:
             for engine_index, _, totals in per_engine:
                 family.add_metric(self._labels(engine_index), read(totals))
             yield family
+        family = CounterMetricFamily(
+            "kvserve:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
+        for engine_index, _, totals in per_engine:
+            for pos, count in enumerate(totals.spec_accepted_per_pos):
+                family.add_metric([*self._labels(engine_index), str(pos)], count)
+        yield family
         states = {
             entry["engine"]: entry["state"]
             for entry in self.engine_client.health_report()["engines"]

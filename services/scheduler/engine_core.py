@@ -98,6 +98,8 @@ class EngineCore:
             self.executor.max_model_len,
             structured_output_manager=self.structured_output_manager,
             lora_config=config.lora,
+            speculative_config=config.speculative_config,
+            step_costs=self.executor.step_costs,
         )
         self.vocab_size = model_vocab_size(model_dir)
         self.bound_waiting = bound_waiting

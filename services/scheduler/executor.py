@@ -21,6 +21,11 @@ class Executor:
         """The driver rank's CPU GEMM path per layer shape (kernels/gemm.py)."""
         return {}
 
+    @property
+    def step_costs(self) -> list[tuple[int, float]]:
+        """The driver's forward times by query tokens (adaptive speculation; else empty)."""
+        return []
+
     def determine_num_blocks(self) -> int:
         raise NotImplementedError
 
@@ -42,6 +47,11 @@ class UniExecutor(Executor):
 
         self.worker = Worker(config, model_dir, rank=0)
         self.max_model_len = self.worker.max_model_len
+        self._step_costs = self.worker.measure_step_costs()
+
+    @property
+    def step_costs(self) -> list[tuple[int, float]]:
+        return self._step_costs
 
     @property
     def gemm_plan(self) -> dict[str, str]:

@@ -90,6 +90,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Give a request blocks for `num_new_tokens` more tokens, or fail without side effects.
 
@@ -105,6 +106,8 @@ class KVCacheManager:
             num_new_tokens: tokens to compute this step (> 0).
             num_new_computed_tokens: prefix-hit tokens from `get_computed_blocks`.
             new_computed_blocks: the hit blocks from `get_computed_blocks`.
+            num_lookahead_tokens: slots past the new tokens that a draft model writes after
+                the step (speculative decoding); never part of the prefix cache.
 
         Returns:
             The newly allocated blocks (possibly empty), or None if the pool lacks blocks.
@@ -117,7 +120,7 @@ class KVCacheManager:
             f"{request} already holds blocks; prefix hits apply to new requests only"
         )
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_with_slots = num_computed_tokens + num_new_tokens
+        num_tokens_with_slots = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         assert self.max_model_len is None or num_tokens_with_slots <= self.max_model_len, (
             f"{request} would hold {num_tokens_with_slots} > max_model_len tokens"
         )

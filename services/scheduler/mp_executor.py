@@ -102,6 +102,7 @@ class MpExecutor(Executor):
             raise
         self.max_model_len = min(r.max_model_len for r in readies)
         self._gemm_plan = readies[0].gemm_plan
+        self._step_costs = [(int(n), float(t)) for n, t in readies[0].step_costs]
         self._num_blocks = min(r.num_blocks for r in readies)
 
     # ------------------------------------------------------------------ Executor API
@@ -109,6 +110,10 @@ class MpExecutor(Executor):
     @property
     def gemm_plan(self) -> dict[str, str]:
         return self._gemm_plan
+
+    @property
+    def step_costs(self) -> list[tuple[int, float]]:
+        return self._step_costs
 
     @property
     def worker_pids(self) -> list[int]:

@@ -19,6 +19,7 @@ from kvserve.shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.services.scheduler.grammar import Grammar
+    from kvserve.services.scheduler.spec_decode import SpecRequestState
 
 # Returns the hashes of the request's full blocks that request.block_hashes lacks.
 BlockHasher = Callable[["Request"], list[bytes]]
@@ -121,6 +122,8 @@ class Request:
         self.stop_reason: int | None = None
         self.error: str | None = None  # why it ended, when FINISHED_ERROR
         self.structured_output: StructuredOutputState | None = None
+        # Speculative decoding: drafts and acceptance (None when the engine has none).
+        self.spec: SpecRequestState | None = None
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose K/V is in the cache or being written by the step in flight.

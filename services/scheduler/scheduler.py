@@ -30,10 +30,11 @@ from kvserve.services.scheduler.request import (
     make_block_hasher,
 )
 from kvserve.services.scheduler.request_queue import create_request_queue
+from kvserve.services.scheduler.spec_decode import SpecDecodePolicy, SpecRequestState
 from kvserve.services.scheduler.step_plan import StepPlan
 from kvserve.services.scheduler.stop_check import check_stop
 from kvserve.services.scheduler.structured_output import StructuredOutputManager
-from kvserve.shared.config import CacheConfig, LoRAConfig, SchedulerConfig
+from kvserve.shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.hashing import get_hash_fn
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import read_adapter_config
@@ -70,6 +71,11 @@ class Scheduler:
         lora_config: with enable_lora, requests may name adapters, and the running requests
             use max_loras distinct adapters at most (the others wait); else LoRA requests
             are refused.
+        speculative_config: speculative decoding (None: off). Each decoding request's drafts
+            from the last step are scheduled as extra query tokens; the ones the target
+            rejects are rolled back (num_computed_tokens and the KV slots they wrote).
+        step_costs: (query tokens, seconds) of a forward, measured by the workers; the
+            adaptive speculation rule (spec_decode.py) weighs drafts against them.
     """
 
     def __init__(
@@ -81,8 +87,19 @@ class Scheduler:
         log_stats: bool = True,
         structured_output_manager: StructuredOutputManager | None = None,
         lora_config: LoRAConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        step_costs: list[tuple[int, float]] | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.speculative_config = speculative_config
+        self.spec_policy = (
+            SpecDecodePolicy(speculative_config, step_costs or [])
+            if speculative_config is not None
+            else None
+        )
+        self._spec_stats = _SpecStats(
+            speculative_config.num_speculative_tokens if speculative_config else 0
+        )
         self.lora_config = lora_config if lora_config and lora_config.enable_lora else None
         # (adapter id, path) -> why it cannot run (None: it can); read once per adapter.
         self._lora_errors: dict[tuple[int, str], str | None] = {}
@@ -160,6 +177,10 @@ class Scheduler:
             return
         self.requests[request.req_id] = request
         params = request.sampling_params.structured_outputs
+        if self.spec_policy is not None and params is None:
+            # Structured-output requests never speculate: each draft would need the
+            # grammar's bitmask at its own position.
+            request.spec = SpecRequestState()
         if params is not None and self.structured_output_manager is not None:
             future = self.structured_output_manager.compile(params)
             request.structured_output = StructuredOutputState(future)
@@ -247,6 +268,8 @@ class Scheduler:
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        if self.spec_policy is not None:
+            self._plan_proposals(plan)
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: admitting more would thrash.
         if not plan.preempted:
@@ -329,11 +352,31 @@ class Scheduler:
             )
             if num_new_tokens == 0:
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            draft_token_ids: list[int] = []
+            if (
+                request.spec is not None
+                and request.spec.draft_token_ids
+                and request.num_computed_tokens == request.num_tokens - 1
+            ):
+                # Drafts follow the request's last token: verified in this step's forward.
+                draft_token_ids = request.spec.draft_token_ids[
+                    : self._max_drafts(request, plan.token_budget - num_new_tokens)
+                ]
+                num_new_tokens += len(draft_token_ids)
+            num_lookahead = 0
+            if self.speculative_config and self.speculative_config.uses_lookahead_slots:
+                # The draft model's own steps write K/V past this step's tokens.
+                num_lookahead = min(
+                    plan.num_spec_tokens_to_propose.get(request.req_id, 0),
+                    self.max_model_len - request.num_computed_tokens - num_new_tokens,
+                )
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan, num_lookahead)
             if new_blocks is None:
                 break  # the request itself was preempted: the cache is full
             plan.add(request, num_new_tokens, new_blocks)
             plan.scheduled_running.append(request)
+            if draft_token_ids:
+                plan.spec_token_ids[request.req_id] = draft_token_ids
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         # Requests whose adapter would be one too many wait, in their order, for the next step.
@@ -403,7 +446,7 @@ class Scheduler:
         return min(num_new_tokens, token_budget)
 
     def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, plan: StepPlan
+        self, request: Request, num_new_tokens: int, plan: StepPlan, num_lookahead: int = 0
     ) -> list[KVCacheBlock] | None:
         """Allocate for a running request, preempting others until it fits.
 
@@ -411,7 +454,9 @@ class Scheduler:
             The new blocks, or None if `request` itself had to be preempted.
         """
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=num_lookahead
+            )
             if new_blocks is not None:
                 return new_blocks
             victim = self._pick_preemption_victim()
@@ -433,6 +478,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.spec is not None:
+            request.spec.draft_token_ids = []
         request.num_preemptions += 1
         request.num_prompt_logprobs_seen = 0
         self.waiting.prepend_request(request)
@@ -478,6 +525,12 @@ class Scheduler:
             preempted_req_ids=[request.req_id for request in plan.preempted],
             grammar_req_ids=grammar_req_ids,
             grammar_bitmask=grammar_bitmask,
+            scheduled_spec_decode_tokens=plan.spec_token_ids,
+            num_spec_tokens_to_propose={
+                req_id: n
+                for req_id, n in plan.num_spec_tokens_to_propose.items()
+                if req_id in plan.num_scheduled_tokens
+            },
         )
 
     def _grammar_bitmask(self, plan: StepPlan) -> tuple[list[str], bytes]:
@@ -498,6 +551,67 @@ class Scheduler:
             return [], b""
         assert self.structured_output_manager is not None, "grammars come from the manager"
         return req_ids, self.structured_output_manager.grammar_bitmask(grammars)
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _plan_proposals(self, plan: StepPlan) -> None:
+        """How many drafts each decoding request proposes after this step (the adaptive
+        rule of spec_decode.py, over the requests that sample in it)."""
+        assert self.spec_policy is not None
+        decoding = [
+            r
+            for r in self.running
+            if r.spec is not None and r.num_computed_tokens == r.num_tokens - 1
+        ]
+        if not decoding:
+            return
+        caps = []
+        for request in decoding:
+            assert request.spec is not None
+            # After this step the request holds at most num_tokens + drafts + 1 tokens; the
+            # next step verifies the new drafts after those.
+            num_after = request.num_tokens + len(request.spec.draft_token_ids) + 1
+            caps.append(max(0, self._max_drafts_after(request, num_after)))
+        counts = self.spec_policy.num_to_propose(
+            [r.spec for r in decoding if r.spec is not None], caps, len(self.running)
+        )
+        for request, count in zip(decoding, counts):
+            if count > 0:
+                plan.num_spec_tokens_to_propose[request.req_id] = count
+
+    def _max_drafts(self, request: Request, token_budget: int) -> int:
+        """Drafts a decoding request may verify now: the step's budget, max_model_len and
+        max_tokens bound them (a draft past the last allowed token is wasted work)."""
+        return max(0, min(token_budget, self._max_drafts_after(request, request.num_tokens)))
+
+    def _max_drafts_after(self, request: Request, num_tokens: int) -> int:
+        """Drafts that may follow `num_tokens` tokens of `request`: each needs a slot below
+        max_model_len, and at most max_tokens - 1 of them can be emitted before the
+        verifying step's own token ends the request."""
+        num_slots = self.max_model_len - num_tokens
+        max_tokens = request.max_tokens
+        if max_tokens is not None:
+            num_left = max_tokens - (request.num_output_tokens + num_tokens - request.num_tokens)
+            num_slots = min(num_slots, num_left - 1)
+        return max(0, num_slots)
+
+    def _verify_drafts(
+        self, request: Request, scheduler_output: SchedulerOutput, sampled_token_ids: list[int]
+    ) -> None:
+        """Roll back the rejected drafts: their K/V slots are rewritten by later steps, and
+        num_computed_tokens counts only the verified tokens (whose hashes alone enter the
+        prefix cache)."""
+        assert request.spec is not None
+        draft_token_ids = scheduler_output.scheduled_spec_decode_tokens.get(request.req_id)
+        if not draft_token_ids:
+            return
+        num_drafts = len(draft_token_ids)
+        # A verifying step emits the accepted drafts and one more token.
+        num_accepted = max(len(sampled_token_ids) - 1, 0)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        request.spec.record(num_drafts, num_accepted)
+        if self.log_stats:
+            self._spec_stats.add(num_drafts, num_accepted)
 
     # ------------------------------------------------------------------ outputs back
 
@@ -525,6 +639,9 @@ class Scheduler:
             sampled_token_ids = (
                 model_runner_output.sampled_token_ids[row] if row is not None else []
             )
+            if request.spec is not None:
+                self._verify_drafts(request, scheduler_output, sampled_token_ids)
+                request.spec.draft_token_ids = model_runner_output.spec_token_ids.get(req_id, [])
             output = self._update_request(request, sampled_token_ids, model_runner_output)
             if output is not None:
                 outputs.append(output)
@@ -664,6 +781,7 @@ class Scheduler:
             grammar_compile_times=compile_times,
             running_lora_adapters=_count_adapters(self.running) if self.lora_config else {},
             waiting_lora_adapters=_count_adapters(self.waiting) if self.lora_config else {},
+            **self._spec_stats.take(),
         )
 
 
@@ -683,3 +801,37 @@ def _slice_logprobs(logprobs: Logprobs, start: int, stop: int) -> Logprobs:
         logprobs=logprobs.logprobs[start:stop],
         ranks=logprobs.ranks[start:stop],
     )
+
+
+class _SpecStats:
+    """Speculative-decoding counters since the last SchedulerStats."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_speculative_tokens = num_speculative_tokens
+        self._reset()
+
+    def _reset(self) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def take(self) -> dict:
+        """The SchedulerStats fields (empty when there were no drafts), then reset."""
+        if not self.num_drafts:
+            return {}
+        fields = {
+            "spec_num_drafts": self.num_drafts,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_accepted_per_pos": self.accepted_per_pos,
+        }
+        self._reset()
+        return fields

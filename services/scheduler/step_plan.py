@@ -19,6 +19,10 @@ class StepPlan:
     scheduled_running: list[Request] = field(default_factory=list)
     scheduled_new: list[Request] = field(default_factory=list)  # new or resumed
     preempted: list[Request] = field(default_factory=list)
+    # Speculative decoding: the drafts each request verifies, and the drafts each proposes
+    # after the step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_spec_tokens_to_propose: dict[str, int] = field(default_factory=dict)
 
     def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]) -> None:
         self.num_scheduled_tokens[request.req_id] = num_tokens
@@ -31,5 +35,6 @@ class StepPlan:
         if num_tokens is None:
             return
         self.new_block_ids.pop(request.req_id)
+        self.spec_token_ids.pop(request.req_id, None)
         self.token_budget += num_tokens
         self.scheduled_running.remove(request)

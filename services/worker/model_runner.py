@@ -34,7 +34,10 @@ from kvserve.services.worker.parallel_state import (
 )
 from kvserve.services.worker.sampler import Sampler, compute_topk_logprobs
 from kvserve.services.worker.sampling_metadata import LogprobsTensors, SamplingMetadata
-from kvserve.shared.config import EngineConfig
+from kvserve.services.worker.spec_decode.draft_model import DraftModelProposer
+from kvserve.services.worker.spec_decode.ngram import NgramProposer
+from kvserve.services.worker.spec_decode.rejection_sampler import verify
+from kvserve.shared.config import EngineConfig, SpeculativeConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -79,6 +82,12 @@ class ModelRunner:
             )
         self.gemm_plan = self.prepare_gemm() if device.type == "cpu" else None
         self.sampler = Sampler()
+        self.spec_config = config.speculative_config
+        self.ngram: NgramProposer | None = None
+        self.draft: DraftModelProposer | None = None
+        self.medusa = None
+        if self.spec_config is not None:
+            self._init_proposer(self.spec_config)
         self.input_batch: InputBatch | None = None
         self.kv_caches: list[torch.Tensor] = []
 
@@ -121,12 +130,33 @@ class ModelRunner:
         )
         return plan
 
+    def _init_proposer(self, spec: SpeculativeConfig) -> None:
+        if spec.method == "ngram":
+            self.ngram = NgramProposer(*spec.ngram_range)
+        elif spec.method == "draft_model":
+            self.draft = DraftModelProposer(
+                spec, self.model, self.dtype, self.device, self.block_size
+            )
+        else:
+            from kvserve.services.worker.spec_decode.medusa import MedusaProposer
+
+            if not (self.is_first_stage and self.is_last_stage):
+                raise ValueError("medusa speculation does not run with pipeline parallelism")
+            assert spec.model is not None, "SpeculativeConfig checks medusa has a model"
+            self.medusa = MedusaProposer.load(spec.model, self.model, self.dtype, self.device)
+            if spec.num_speculative_tokens > self.medusa.num_heads:
+                raise ValueError(
+                    f"num_speculative_tokens {spec.num_speculative_tokens} exceeds the "
+                    f"{self.medusa.num_heads} Medusa heads of {spec.model}"
+                )
+
     # ------------------------------------------------------------------ KV cache
 
     def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one block over every layer (a draft model's own layers too)."""
         layer = self.attention_layers[0]
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return (
+        target = (
             2
             * self.block_size
             * layer.num_kv_heads
@@ -134,6 +164,7 @@ class ModelRunner:
             * element_size
             * len(self.attention_layers)
         )
+        return target + (self.draft.kv_cache_bytes_per_block() if self.draft else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate [2, num_blocks, block_size, Hkv, D] per layer and bind it to the layer."""
@@ -149,6 +180,8 @@ class ModelRunner:
             )
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
             self.config.scheduler.max_num_seqs,
@@ -195,6 +228,50 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last_rows])
             torch.softmax(logits.float(), dim=-1)  # the sampler's largest temporary
 
+    @torch.inference_mode()
+    def measure_step_costs(self) -> list[tuple[int, float]]:
+        """Seconds of a forward (with logits for every token, as a verifying step needs) for
+        1, 2, 4, ... query tokens: what the adaptive speculation rule weighs drafts against
+        (services/scheduler/spec_decode.py). Empty unless adaptive speculation is on; every
+        rank runs it (collectives), the driver's figures are used."""
+        import time
+
+        spec = self.spec_config
+        if spec is None or not spec.adaptive:
+            return []
+        sched = self.config.scheduler
+        limit = min(sched.max_num_batched_tokens, 4 * sched.max_num_seqs, 256)
+        dev = self.device
+        costs = []
+        num_tokens = 1
+        while num_tokens <= limit:
+            metadata = AttentionMetadata(
+                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+                block_table=torch.zeros(1, 0, dtype=torch.int32, device=dev),
+                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+                max_query_len=num_tokens,
+                max_seq_len=num_tokens,
+            )
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+            positions = torch.arange(num_tokens, device=dev)
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                hidden = self._run_stage(input_ids, positions, metadata)
+                if self.is_last_stage:
+                    self.model.compute_logits(hidden)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - start)
+            costs.append((num_tokens, min(times)))
+            num_tokens *= 2
+        logger.info(
+            "step costs for speculation: %s",
+            ", ".join(f"{n} tokens {t * 1e3:.1f} ms" for n, t in costs),
+        )
+        return costs
+
     # ------------------------------------------------------------------ one step
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -230,6 +307,17 @@ class ModelRunner:
             so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids)
         )
         num_computed = batch.num_computed_tokens[rows]
+        # Speculative decoding: drafts follow each request's known tokens in its row, so the
+        # inputs below pick them up (num_tokens does not count them).
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        spec_decode_tokens = so.scheduled_spec_decode_tokens
+        if spec_decode_tokens:
+            for i, req_id in enumerate(req_ids):
+                drafts = spec_decode_tokens.get(req_id)
+                if drafts:
+                    row, n = rows[i], batch.num_tokens[rows[i]]
+                    batch.token_ids[row, n : n + len(drafts)] = drafts
+                    num_drafts[i] = len(drafts)
 
         # Example: num_scheduled = [3, 1, 2], num_computed = [0, 7, 4]
         #   query_start_loc = [0, 3, 4, 6]; req_indices = [0 0 0 1 2 2]
@@ -264,9 +352,11 @@ class ModelRunner:
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
         )
-        hidden = self._run_stage(
-            torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata
-        )
+        input_ids_t = torch.from_numpy(input_ids).to(dev)
+        positions_t = torch.from_numpy(positions).to(dev)
+        hidden = self._run_stage(input_ids_t, positions_t, metadata)
+        if self.draft is not None:
+            self.draft.catch_up(input_ids_t, positions_t, metadata)
 
         # A request samples once its context reaches every token it has (the prompt chunk, or
         # the whole prompt plus outputs after a resume, is done).
@@ -274,7 +364,12 @@ class ModelRunner:
         sample_idx = np.flatnonzero(samples)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, Logprobs] = {}
-        if len(sample_idx):
+        last_rows = query_start_loc[1:] - 1  # the hidden row of each request's last token
+        if len(sample_idx) and spec_decode_tokens:
+            last_rows = self._verify_drafts(
+                so, states, rows, sample_idx, num_drafts, hidden, query_start_loc, sampled, logprobs
+            )
+        elif len(sample_idx):
             sample_states = [states[i] for i in sample_idx]
             sampled_ids = torch.empty(len(sample_idx), dtype=torch.int64, device=dev)
             if self.is_last_stage:
@@ -298,7 +393,118 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(
                 states, hidden, query_start_loc, num_computed, num_scheduled
             )
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+        spec_token_ids = {}
+        if so.num_spec_tokens_to_propose and len(sample_idx):
+            spec_token_ids = self._propose(so, states, rows, sample_idx, hidden, last_rows)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, spec_token_ids)
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _verify_drafts(
+        self, so, states, rows, sample_idx, num_drafts, hidden, query_start_loc, sampled, logprobs
+    ) -> np.ndarray:
+        """Score every draft position and keep what the rejection sampler accepts; fills
+        `sampled` and `logprobs` and returns the hidden row of each request's last emitted
+        token (what a Medusa proposer reads)."""
+        batch = self.input_batch
+        dev = self.device
+        sample_states = [states[i] for i in sample_idx]
+        sample_rows = rows[sample_idx]
+        k = num_drafts[sample_idx]
+        counts = k + 1
+        ends = query_start_loc[1:][sample_idx]
+        # Example: k = [2, 0], ends = [3, 7] -> logits rows [0 1 2 | 6]
+        starts = ends - counts
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        logits_rows = np.repeat(starts, counts) + offsets
+        max_k = int(k.max())
+        emitted = torch.empty(len(sample_idx), max_k + 1, dtype=torch.int64, device=dev)
+        if self.is_last_stage:
+            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_rows).to(dev)])
+            if self.is_driver:
+                emitted, lp = self._verify_on_driver(
+                    logits, sample_states, sample_rows, k, so, counts
+                )
+                if lp is not None:
+                    logprobs.update(lp)
+        emitted_np = broadcast_from_driver(emitted).cpu().numpy()
+        last_rows = query_start_loc[1:] - 1
+        for j, (i, state) in enumerate(zip(sample_idx, sample_states)):
+            tokens = emitted_np[j][emitted_np[j] >= 0].tolist()
+            for token_id in tokens:
+                batch.append_token(state, token_id)
+            sampled[i] = tokens
+            last_rows[i] = starts[j] + len(tokens) - 1
+        return last_rows
+
+    def _verify_on_driver(self, logits, states, rows, k, so, counts):
+        """The driver's half of _verify_drafts: sampling metadata with one row per logits
+        row (a row sees the drafts before it as output), then the rejection sampler."""
+        batch = self.input_batch
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [spec.get(s.req_id, []) for s in states]
+        expanded_states = [s for s, n in zip(states, counts) for _ in range(n)]
+        prefixes = [d[:j] for d, n in zip(drafts, counts) for j in range(n)]
+        md = self._sampling_metadata(expanded_states, np.repeat(rows, counts), so, prefixes)
+        draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.int64)
+        is_greedy = torch.from_numpy(batch.temperature[rows] < 1e-5)
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        emitted, lp = verify(self.sampler, logits, md, draft_ids, k.tolist(), is_greedy, generators)
+        if lp is None:
+            return emitted, None
+        out = {}
+        start = 0
+        for j, s in enumerate(states):
+            n_lp = s.sampling_params.logprobs
+            num_emitted = int((emitted[j] >= 0).sum())
+            if n_lp is not None:
+                sl = slice(start, start + num_emitted)
+                out[s.req_id] = Logprobs(
+                    lp.token_ids[sl, : n_lp + 1].tolist(),
+                    lp.logprobs[sl, : n_lp + 1].tolist(),
+                    lp.ranks[sl].tolist(),
+                )
+            start += int(counts[j])
+        return emitted, out
+
+    def _propose(self, so, states, rows, sample_idx, hidden, last_rows) -> dict[str, list[int]]:
+        """The next step's drafts of the requests that sampled (only the driver's reach
+        the scheduler; a draft model and Medusa run on every rank of their TP group)."""
+        batch = self.input_batch
+        wanted = so.num_spec_tokens_to_propose
+        idx = [i for i in sample_idx if wanted.get(states[i].req_id, 0) > 0]
+        if not idx:
+            return {}
+        prop_states = [states[i] for i in idx]
+        prop_rows = rows[idx]
+        num = np.fromiter((wanted[s.req_id] for s in prop_states), np.int64, len(idx))
+        num_tokens = batch.num_tokens[prop_rows]
+        # Never past max_model_len, nor past the slots the request holds for a draft's
+        # own steps.
+        num = np.minimum(num, self.max_model_len - num_tokens)
+        if self.ngram is not None:
+            if not self.is_driver:
+                return {}
+            proposals = self.ngram.propose(
+                [batch.token_ids[r, :n] for r, n in zip(prop_rows, num_tokens)], num.tolist()
+            )
+        elif self.draft is not None:
+            slots = batch.num_blocks[prop_rows] * self.block_size
+            num = np.maximum(np.minimum(num, slots - (num_tokens - 1)), 0)
+            lora = self.lora_manager
+            proposals = self.draft.propose(
+                batch.token_ids[prop_rows, num_tokens - 1],
+                num_tokens,
+                batch.block_table[prop_rows],
+                num,
+                None if lora is None else (lambda active: lora.prepare_step(prop_rows[active])),
+            )
+        else:
+            assert self.medusa is not None
+            rows_t = torch.from_numpy(last_rows[idx]).to(self.device)
+            guesses = self.medusa.propose(hidden[rows_t], int(num.max())).cpu().tolist()
+            proposals = [g[:n] for g, n in zip(guesses, num.tolist())]
+        return {s.req_id: p for s, p in zip(prop_states, proposals) if p}
 
     def _run_stage(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -321,9 +527,20 @@ class ModelRunner:
     # ------------------------------------------------------------------ sampling inputs
 
     def _sampling_metadata(
-        self, states: list[RequestState], rows: np.ndarray, so: SchedulerOutput
+        self,
+        states: list[RequestState],
+        rows: np.ndarray,
+        so: SchedulerOutput,
+        draft_prefixes: list[list[int]] | None = None,
     ) -> SamplingMetadata:
+        """One row per entry of `states`; with draft_prefixes (speculative decoding), row i
+        scores the position after draft_prefixes[i], which counts as output for penalties,
+        min_tokens and logits processors."""
         b = self.input_batch
+        if draft_prefixes is None:
+            outputs = [s.output_token_ids for s in states]
+        else:
+            outputs = [s.output_token_ids + p for s, p in zip(states, draft_prefixes)]
         temperature = b.temperature[rows]
         greedy = temperature < 1e-5
         all_greedy = bool(greedy.all())
@@ -351,14 +568,14 @@ class ModelRunner:
         needs_outputs = not md.no_penalties
         for i, s in enumerate(states):
             p = s.sampling_params
-            if len(s.output_token_ids) < p.min_tokens:
+            if len(outputs[i]) < p.min_tokens:
                 forbidden = set(p.stop_token_ids or ())
                 if s.eos_token_id is not None:
                     forbidden.add(s.eos_token_id)
                 md.min_tokens[i] = (p.min_tokens, forbidden)
                 needs_outputs = True
         if needs_outputs:
-            md.output_token_ids = [s.output_token_ids for s in states]
+            md.output_token_ids = outputs
         if not md.no_penalties:
             md.presence_penalties = torch.from_numpy(presence)
             md.frequency_penalties = torch.from_numpy(frequency)
@@ -369,7 +586,7 @@ class ModelRunner:
             md.grammar_bitmask, md.grammar_rows = self._grammar_rows(states, so)
         if b.num_logits_processor_reqs:
             with_processors = [
-                (i, s.logits_processors, s.output_token_ids)
+                (i, s.logits_processors, outputs[i])
                 for i, s in enumerate(states)
                 if s.logits_processors is not None
             ]

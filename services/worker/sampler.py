@@ -44,6 +44,19 @@ class Sampler(torch.nn.Module):
         """
         assert logits.dim() == 2, f"logits must be [R, V], got {tuple(logits.shape)}"
         logits = logits.float()  # a no-op when already float32
+        raw_logprobs = self.process(logits, metadata)
+        sampled_token_ids = self.sample(logits, metadata)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = compute_topk_logprobs(
+                raw_logprobs, sampled_token_ids, metadata.max_num_logprobs
+            )
+        return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+
+    def process(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+        """Everything before the draw, in place on float32 logits: the grammar bitmask,
+        logits processors, min_tokens and penalties. Returns the raw logprobs when some row
+        asks for logprobs, else None."""
         if metadata.grammar_bitmask is not None:
             assert metadata.grammar_rows is not None, "a bitmask row per grammar row"
             apply_token_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
@@ -59,13 +72,7 @@ class Sampler(torch.nn.Module):
             apply_min_tokens(logits, metadata.min_tokens)
         if not metadata.no_penalties:
             apply_penalties(logits, metadata)
-        sampled_token_ids = self.sample(logits, metadata)
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = compute_topk_logprobs(
-                raw_logprobs, sampled_token_ids, metadata.max_num_logprobs
-            )
-        return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+        return raw_logprobs
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy argmax and/or random sampling of the processed logits; returns [R] int64."""
@@ -74,6 +81,17 @@ class Sampler(torch.nn.Module):
             greedy_token_ids = logits.argmax(dim=-1)
             if metadata.all_greedy:
                 return greedy_token_ids
+        probs = self._random_probs(logits, metadata)
+        random_token_ids = inverse_cdf_sample(probs, metadata.generators)
+        if greedy_token_ids is None:
+            return random_token_ids
+        assert metadata.temperature is not None
+        return torch.where(metadata.temperature < _SAMPLING_EPS, greedy_token_ids, random_token_ids)
+
+    @staticmethod
+    def _random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from: temperature, top-k / top-p, softmax and
+        min-p (unnormalised after min-p). Consumes `logits`."""
         temperature = metadata.temperature
         assert temperature is not None, "random rows need a temperature tensor"
         is_greedy = temperature < _SAMPLING_EPS
@@ -83,10 +101,7 @@ class Sampler(torch.nn.Module):
         probs = logits.softmax(dim=-1)
         if metadata.min_p is not None:
             apply_min_p(probs, metadata.min_p)
-        random_token_ids = inverse_cdf_sample(probs, metadata.generators)
-        if greedy_token_ids is None:
-            return random_token_ids
-        return torch.where(is_greedy, greedy_token_ids, random_token_ids)
+        return probs
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[int]]]) -> None:

@@ -89,6 +89,10 @@ class Worker:
         plan = self.runner.gemm_plan
         return plan.summary() if plan is not None else {}
 
+    def measure_step_costs(self) -> list[tuple[int, float]]:
+        """Forward times by query tokens, for adaptive speculation (see ModelRunner)."""
+        return self.runner.measure_step_costs()
+
     def determine_num_blocks(self) -> int:
         """KV blocks that fit the memory budget (plus the null block 0)."""
         cache = self.config.cache

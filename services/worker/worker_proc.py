@@ -182,6 +182,7 @@ class WorkerProc:
             worker.max_model_len,
             worker.determine_num_blocks(),
             worker.gemm_plan,
+            worker.measure_step_costs(),
         )
         sock.send_multipart([READY, self.encoder.encode(ready)])
         scheduler_output_decoder = msgspec.msgpack.Decoder(SchedulerOutput)

@@ -10,7 +10,7 @@ import itertools
 
 from kvserve.services.scheduler.request import Request, make_block_hasher
 from kvserve.services.scheduler.scheduler import Scheduler
-from kvserve.shared.config import CacheConfig, SchedulerConfig
+from kvserve.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.hashing import get_hash_fn
 from kvserve.shared.messages import (
     EngineCoreOutput,
@@ -40,6 +40,8 @@ def create_scheduler(
     num_blocks: int = 1000,
     max_model_len: int = 1024,
     log_stats: bool = True,
+    speculative_config: SpeculativeConfig | None = None,
+    step_costs: list[tuple[int, float]] | None = None,
 ) -> Scheduler:
     """A Scheduler over `num_blocks` KV blocks (block 0 is the null block); the knobs are the
     config fields of the same names."""
@@ -55,7 +57,15 @@ def create_scheduler(
         enable_prefix_caching=enable_prefix_caching,
         prefix_caching_hash_algo=hash_algo,
     )
-    return Scheduler(scheduler_config, cache_config, num_blocks, max_model_len, log_stats)
+    return Scheduler(
+        scheduler_config,
+        cache_config,
+        num_blocks,
+        max_model_len,
+        log_stats,
+        speculative_config=speculative_config,
+        step_costs=step_costs,
+    )
 
 
 def create_request(
@@ -90,9 +100,11 @@ def make_runner_output(
     scheduler: Scheduler,
     scheduler_output: SchedulerOutput,
     sampled: dict[str, list[int]] | None = None,
+    spec_token_ids: dict[str, list[int]] | None = None,
 ) -> ModelRunnerOutput:
     """What a model would return: one token for each request whose tokens are all computed
-    after this step, none for prompt chunks that stop short; `sampled` overrides per request."""
+    after this step, none for prompt chunks that stop short; `sampled` overrides per request,
+    and `spec_token_ids` are the drafts proposed for the next step."""
     sampled = sampled or {}
     req_ids = list(scheduler_output.num_scheduled_tokens)
     sampled_token_ids = []
@@ -100,15 +112,19 @@ def make_runner_output(
         request = scheduler.requests.get(req_id)
         done = request is not None and request.num_computed_tokens >= request.num_tokens
         sampled_token_ids.append(sampled.get(req_id, [SAMPLED_TOKEN_ID]) if done else [])
-    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids)
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled_token_ids, spec_token_ids=spec_token_ids or {}
+    )
 
 
 def step(
-    scheduler: Scheduler, sampled: dict[str, list[int]] | None = None
+    scheduler: Scheduler,
+    sampled: dict[str, list[int]] | None = None,
+    spec_token_ids: dict[str, list[int]] | None = None,
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     """One engine step with a fake model."""
     scheduler_output = scheduler.schedule()
-    runner_output = make_runner_output(scheduler, scheduler_output, sampled)
+    runner_output = make_runner_output(scheduler, scheduler_output, sampled, spec_token_ids)
     return scheduler_output, scheduler.update_from_output(scheduler_output, runner_output)
 
 

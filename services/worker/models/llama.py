@@ -201,11 +201,13 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """The final hidden states on the last stage; (hidden, residual) on the others.
 
         The first stage embeds input_ids; later stages start from the previous stage's
-        intermediate_tensors instead.
+        intermediate_tensors instead. num_layers runs only the first layers, then the final
+        norm (a self-draft for speculative decoding, on a model without pipeline stages).
         """
         if self.embed_tokens is not None:
             hidden_states, residual = self.embed_tokens(input_ids), None
@@ -216,7 +218,8 @@ class LlamaModel(nn.Module):
         else:
             assert intermediate_tensors is not None, "a later stage needs the previous one's"
             hidden_states, residual = intermediate_tensors
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        end_layer = self.end_layer if num_layers is None else min(num_layers, self.end_layer)
+        for layer in self.layers[self.start_layer : end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         if self.norm is None:
             return hidden_states, residual

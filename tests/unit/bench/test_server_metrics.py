@@ -99,6 +99,10 @@ def test_parses_the_api_servers_own_exposition():
         prefix_cache_queries=40,
         prefix_cache_hits=16,
         num_scheduled_tokens=24,
+        spec_num_drafts=3,
+        spec_num_draft_tokens=9,
+        spec_num_accepted_tokens=5,
+        spec_accepted_per_pos=[3, 2, 0],
     )
     asyncio.run(client._handle_outputs(EngineCoreOutputs(scheduler_stats=stats)))
     values = parse_engine_metrics(metrics.render()[0].decode())
@@ -107,6 +111,9 @@ def test_parses_the_api_servers_own_exposition():
         "num_preemptions": 2.0,
         "prefix_cache_queries": 40.0,
         "prefix_cache_hits": 16.0,
+        "spec_decode_num_drafts": 3.0,
+        "spec_decode_num_draft_tokens": 9.0,
+        "spec_decode_num_accepted_tokens": 5.0,
         **{
             f"request_{phase}_time_seconds_{part}": 0.0
             for phase in ("queue", "prefill", "decode")
@@ -134,3 +141,20 @@ def test_phase_means_combine_engines_and_need_finished_requests():
     idle = server_delta(after, after, 0.0)
     assert idle["server_mean_queue_time_ms"] is None
     assert "Mean queue time" not in format_server_report(idle)
+
+
+def test_spec_decode_figures_from_the_counters():
+    before = {"spec_decode_num_drafts": 10.0, "spec_decode_num_draft_tokens": 40.0}
+    after = {
+        "spec_decode_num_drafts": 20.0,
+        "spec_decode_num_draft_tokens": 80.0,
+        "spec_decode_num_accepted_tokens": 25.0,
+    }
+    figures = server_delta(before, after, 0.0)
+    assert figures["server_spec_acceptance_rate"] == 25 / 40
+    assert figures["server_spec_mean_acceptance_length"] == 1 + 25 / 10
+    report = format_server_report(figures)
+    assert "Draft acceptance rate (%):" in report and "62.50" in report
+    idle = server_delta(after, after, 0.0)
+    assert idle["server_spec_acceptance_rate"] is None
+    assert "acceptance" not in format_server_report(idle)

@@ -1,0 +1,137 @@
+"""How many draft tokens each request verifies and proposes: the adaptive speculation rule.
+
+Verifying k drafts costs one forward of k + 1 query tokens. While a step is bandwidth-bound
+(small batches) that costs about as much as one token, so drafts are nearly free; once the
+batch is large enough that the step is compute-bound, every draft token costs its full
+share, and speculation only slows the batch down (vLLM's own guidance).
+
+The rule (adaptive, the default) maximises the step's expected goodput, tokens emitted per
+second, with two measured inputs:
+
+- `acceptance`: each request's EWMA of the fraction of its drafts accepted (alpha). Under the
+  usual independence assumption its j-th draft is accepted with probability alpha ** j.
+- `step_seconds(n)`: the forward's time for n query tokens, measured by the workers at
+  start-up (ModelRunner.measure_step_costs) and interpolated.
+
+A step with B decoding requests emits B tokens at least. Candidate drafts are taken in
+order of falling alpha_r ** j, and each is kept while it raises
+(B + sum of kept alpha_r ** j) / step_seconds(B + kept). So a low-acceptance request stops
+speculating (its alpha ** 1 does not pay for the extra token), and a large batch stops
+altogether (the step time grows with every token). A request whose drafts were turned off
+retries one draft every `_PROBE_INTERVAL` steps, so a change of text can turn them back on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+
+from kvserve.shared.config import SpeculativeConfig
+
+# EWMA weight of the newest step's acceptance, and the starting acceptance of a request.
+_EWMA_WEIGHT = 0.3
+_INITIAL_ACCEPTANCE = 0.6
+# A request with speculation turned off proposes one draft every this many steps.
+_PROBE_INTERVAL = 16
+
+
+class SpecRequestState:
+    """One request's speculation: its next drafts and its measured acceptance."""
+
+    __slots__ = ("acceptance", "draft_token_ids", "steps_off")
+
+    def __init__(self) -> None:
+        self.draft_token_ids: list[int] = []  # proposed after the last step, not verified
+        self.acceptance = _INITIAL_ACCEPTANCE
+        self.steps_off = 0
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts > 0:
+            rate = num_accepted / num_drafts
+            self.acceptance += _EWMA_WEIGHT * (rate - self.acceptance)
+
+
+class StepCostModel:
+    """step_seconds(n): the forward time for n query tokens, linear between measured points
+    and extrapolated with the last segment's slope."""
+
+    def __init__(self, samples: list[tuple[int, float]]):
+        samples = sorted(samples)
+        if not samples:
+            # No profile (the in-process tests, a proposer without one): a flat step of
+            # unit cost, plus 2% per token.
+            samples = [(1, 1.0), (2, 1.02)]
+        if len(samples) == 1:
+            n, t = samples[0]
+            samples.append((n + 1, t * 1.02))
+        self.num_tokens = [n for n, _ in samples]
+        self.seconds = [t for _, t in samples]
+
+    def __call__(self, num_tokens: int) -> float:
+        ns, ts = self.num_tokens, self.seconds
+        i = bisect.bisect_left(ns, num_tokens)
+        if i < len(ns) and ns[i] == num_tokens:
+            return ts[i]
+        lo = min(max(i - 1, 0), len(ns) - 2)
+        slope = (ts[lo + 1] - ts[lo]) / (ns[lo + 1] - ns[lo])
+        return max(ts[lo] + slope * (num_tokens - ns[lo]), 1e-9)
+
+
+class SpecDecodePolicy:
+    """Decides each step's drafts (see the module docstring).
+
+    Args:
+        config: the speculative config.
+        step_costs: (query tokens, seconds) pairs the workers measured; empty without.
+    """
+
+    def __init__(self, config: SpeculativeConfig, step_costs: list[tuple[int, float]]):
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.step_seconds = StepCostModel(step_costs)
+
+    def num_to_propose(
+        self, states: list[SpecRequestState], caps: list[int], num_running: int
+    ) -> list[int]:
+        """Drafts each decoding request proposes after this step.
+
+        Args:
+            states: the requests that sample in this step.
+            caps: the most drafts each may take (budget, max_tokens, max_model_len).
+            num_running: requests in the batch (for disable_by_batch_size).
+        """
+        config = self.config
+        if config.disable_by_batch_size is not None and num_running >= config.disable_by_batch_size:
+            return [0] * len(states)
+        caps = [min(cap, self.num_speculative_tokens) for cap in caps]
+        if not config.adaptive:
+            return caps
+        for state, cap in zip(states, caps):
+            state.steps_off = state.steps_off + 1 if cap > 0 else 0
+        # Max-heap of the next candidate draft of each request: (-alpha ** j, request, j).
+        heap = [(-state.acceptance, i, 1) for i, state in enumerate(states) if caps[i] > 0]
+        heapq.heapify(heap)
+        chosen = [0] * len(states)
+        base = len(states)
+        expected_tokens = float(base)
+        seconds = self.step_seconds(base)
+        num_drafts = 0
+        while heap:
+            neg_gain, i, j = heapq.heappop(heap)
+            gain = -neg_gain
+            next_seconds = self.step_seconds(base + num_drafts + 1)
+            if (expected_tokens + gain) / next_seconds <= expected_tokens / seconds:
+                break  # the best remaining draft does not pay; the others pay less
+            chosen[i] = j
+            expected_tokens += gain
+            seconds = next_seconds
+            num_drafts += 1
+            if j < caps[i]:
+                heapq.heappush(heap, (neg_gain * states[i].acceptance, i, j + 1))
+        for i, state in enumerate(states):
+            if chosen[i]:
+                state.steps_off = 0
+            elif caps[i] > 0 and state.steps_off >= _PROBE_INTERVAL:
+                chosen[i] = 1  # probe: has the text turned predictable?
+                state.steps_off = 0
+        return chosen
