@@ -18,7 +18,9 @@ from kvserve.shared.config import (
     CoordinatorOptions,
     EngineOptions,
     GenerateOptions,
+    KvStoreOptions,
     ServeOptions,
+    TrainDraftOptions,
     WorkerOptions,
 )
 
@@ -34,6 +36,12 @@ def _run_generate(options: GenerateOptions) -> int:
         outputs = llm.generate(options.prompt, params)
     print(outputs[0].outputs[0].text)
     return 0
+
+
+def _run_train_draft(options: TrainDraftOptions) -> int:
+    from kvserve.services.worker.spec_decode.train_draft import run_train_draft
+
+    return run_train_draft(options)
 
 
 def _run_serve(options: ServeOptions) -> int:
@@ -58,6 +66,12 @@ def _run_coordinator(options: CoordinatorOptions) -> int:
     from kvserve.serve import run_coordinator_cmd
 
     return run_coordinator_cmd(options)
+
+
+def _run_kv_store(options: KvStoreOptions) -> int:
+    from kvserve.services.kv_store.server import run_kv_store
+
+    return run_kv_store(options)
 
 
 def _run_worker(options: WorkerOptions) -> int:
@@ -104,7 +118,21 @@ COMMANDS: dict[str, _Command] = {
         (),
         (),
     ),
+    "kv-store": (
+        KvStoreOptions,
+        _run_kv_store,
+        "the KV-cache store: blocks by hash for P/D transfer and CPU offload",
+        (),
+        (),
+    ),
     "generate": (GenerateOptions, _run_generate, "generate a completion offline", ("model",), ()),
+    "train-draft": (
+        TrainDraftOptions,
+        _run_train_draft,
+        "train Medusa draft heads on the model's own generations (speculative decoding)",
+        ("model",),
+        (),
+    ),
 }
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from kvserve.services.api.engine_client import StatsTotals
 from kvserve.services.api.generation_config import load_generation_defaults
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
@@ -60,6 +61,9 @@ class LLM:
         self.max_model_len = self.engine_core.ready.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer_info.tokenizer)
         self._counter = itertools.count()
+        # The engine's counters (preemptions, prefix-cache and speculative-decoding
+        # figures) summed over every step since start-up, as the server's /metrics has them.
+        self.stats_totals = StatsTotals()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults (vLLM's)."""
@@ -221,7 +225,10 @@ class LLM:
         while remaining:
             if not self.engine_core.has_work():
                 raise RuntimeError(f"{remaining} requests vanished from the engine")
-            outputs = self.engine_core.step().outputs
+            step = self.engine_core.step()
+            if step.scheduler_stats is not None:
+                self.stats_totals.add(step.scheduler_stats)
+            outputs = step.outputs
             request_outputs, to_abort = self.output_processor.process_outputs(outputs)
             if to_abort:
                 self.engine_core.abort_requests(to_abort)

@@ -234,6 +234,83 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("reasoning parsers are not built yet (reasoning_parser must be '')")
 
 
+SpecMethod = Literal["ngram", "draft_model", "medusa"]
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding (vLLM's --speculative-config / speculative_config).
+
+    Args:
+        method: ngram (prompt lookup over the request's own tokens), draft_model (a smaller
+            model with the target's vocabulary, or the target's first num_draft_layers
+            layers as a self-draft) or medusa (residual heads over the last hidden state).
+        num_speculative_tokens: drafts per step at most (k).
+        prompt_lookup_min, prompt_lookup_max: ngram: the n-gram lengths matched, longest
+            first.
+        model: draft_model: the draft's folder or GGUF file (absent: the target itself,
+            truncated to num_draft_layers); medusa: the heads' folder.
+        num_draft_layers: draft_model: run only the draft's first L layers (then its final
+            norm and LM head). Without `model` the draft shares the target's weights and
+            KV cache, so it costs no memory and no extra prefill.
+        disable_by_batch_size: no speculation in a step with at least this many running
+            requests (vLLM's key); None: no such cap.
+        adaptive: each request's k follows its measured acceptance, and speculation turns
+            itself off when a batch is large enough that extra tokens are not free (the rule
+            is in services/scheduler/spec_decode.py).
+    """
+
+    method: SpecMethod
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    num_draft_layers: int | None = None
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if self.method == "ngram":
+            low, high = self.ngram_range
+            if not 1 <= low <= high:
+                raise ValueError(
+                    f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {low}, {high}"
+                )
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError("prompt_lookup_min/max apply to the ngram method only")
+        if self.method == "draft_model":
+            if self.model is None and self.num_draft_layers is None:
+                raise ValueError(
+                    "draft_model needs a draft `model`, or `num_draft_layers` for a self-draft "
+                    "made of the target's first layers"
+                )
+            if self.num_draft_layers is not None and self.num_draft_layers < 1:
+                raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        elif self.num_draft_layers is not None:
+            raise ValueError("num_draft_layers applies to the draft_model method only")
+        if self.method == "medusa" and self.model is None:
+            raise ValueError("medusa needs `model`: the folder of the Medusa heads")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("the ngram method takes no model")
+
+    @property
+    def ngram_range(self) -> tuple[int, int]:
+        """(prompt_lookup_min, prompt_lookup_max), each defaulting to the other (vLLM)."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return 5, 5  # vLLM's defaults
+        return (low or high or 1), (high or low or 1)
+
+    @property
+    def uses_lookahead_slots(self) -> bool:
+        """The proposer writes K/V past the verified tokens (a draft model's own steps), so
+        the scheduler reserves num_speculative_tokens more slots per request."""
+        return self.method == "draft_model"
+
+
 class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True):
     """LoRA adapters: many in one batch, each request with its own (or none)."""
 
@@ -283,6 +360,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             parse="json",
         ),
     ] = msgspec.field(default_factory=StructuredOutputsConfig)
+    speculative_config: Annotated[
+        SpeculativeConfig | None,
+        _doc(
+            'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (methods: ngram, draft_model, '
+            "medusa)",
+            parse="json",
+        ),
+    ] = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -299,6 +385,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if isinstance(value, dict):
                 value = StructuredOutputsConfig(**value)
             whole["structured_outputs_config"] = value
+        if "speculative_config" in kwargs:
+            spec = kwargs.pop("speculative_config")
+            if isinstance(spec, dict):
+                spec = msgspec.convert(spec, SpeculativeConfig)
+            whole["speculative_config"] = spec
         parts: dict[str, dict[str, Any]] = {name: {} for name in areas}
         for key, value in kwargs.items():
             owner = next(
@@ -651,6 +742,40 @@ class CoordinatorOptions(msgspec.Struct, frozen=True, kw_only=True):
     ] = "tcp://*:5558"
 
 
+class KvStoreOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """`kvserve kv-store`: the KV-cache store (P/D transfer, CPU offload tier)."""
+
+    address: Annotated[
+        str,
+        _doc(
+            "addresses to bind, comma-separated: ipc://PATH for clients on this host (they "
+            "copy through shared memory), tcp://HOST:PORT for the others (blocks as frames)"
+        ),
+    ] = "tcp://*:5570"
+    size: Annotated[int, _doc("bytes of KV blocks held at most (8G, 512M, 1.5G)", parse="size")] = (
+        4 * GiB
+    )
+    lease_timeout_s: Annotated[
+        float,
+        _doc("seconds a client's reservation, get or pin lasts unless released or committed"),
+    ] = 30.0
+    device: Annotated[
+        Literal["cpu", "cuda"],
+        _doc("where the blocks live: cpu (shared memory) or cuda (exported with CUDA IPC)"),
+    ] = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.size <= 0 or self.lease_timeout_s <= 0:
+            raise ValueError("--size and --lease-timeout-s must be positive")
+        for addr in self.addresses:
+            if not addr.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"--address {addr!r}: use ipc://PATH or tcp://HOST:PORT")
+
+    @property
+    def addresses(self) -> list[str]:
+        return [addr.strip() for addr in self.address.split(",") if addr.strip()]
+
+
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):
     """`kvserve worker`: one worker rank, started by an engine core's mp executor."""
 
@@ -676,12 +801,54 @@ class GenerateOptions(msgspec.Struct, frozen=True, kw_only=True):
     chat: Annotated[bool, _doc("wrap the prompt in the chat template")] = False
 
 
+class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """`kvserve train-draft`: Medusa draft heads from the model's own greedy generations.
+
+    Self-distillation on this machine: no hub, no data sets."""
+
+    model: Annotated[
+        str | None, _doc("HF folder or GGUF file of the target (default: SmolLM2-135M-Instruct)")
+    ] = None
+    output: Annotated[str, _doc("folder to write the heads to (config.json, model.safetensors)")]
+    method: Annotated[Literal["medusa", "eagle"], _doc("draft kind (eagle: not built yet)")] = (
+        "medusa"
+    )
+    num_heads: Annotated[int, _doc("Medusa heads: the most tokens drafted per step")] = 3
+    num_layers: Annotated[int, _doc("residual layers per head")] = 1
+    share_lm_head: Annotated[
+        bool, _doc("heads use the target's LM head (nothing to store; fewer bytes per step)")
+    ] = True
+    prompts: Annotated[
+        str | None,
+        _doc('a .jsonl of {"prompt": ...} lines (default: bench/spec_decode/train_prompts.jsonl)'),
+    ] = None
+    num_prompts: Annotated[int, _doc("prompts to generate from, a tenth held out for scoring")] = (
+        200
+    )
+    max_tokens: Annotated[int, _doc("tokens per generation at most")] = 96
+    epochs: Annotated[int, _doc("passes over the training positions")] = 2
+    lr: Annotated[float, _doc("AdamW learning rate")] = 1e-3
+    batch_size: Annotated[int, _doc("positions per training step")] = 64
+    seed: Annotated[int, _doc("seed of the prompt shuffle, the split and the training")] = 0
+
+    def __post_init__(self):
+        if self.method == "eagle":
+            raise ValueError("--method eagle: EAGLE draft training is not built yet; use medusa")
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError("--num-heads must be >= 1 and --num-layers >= 0")
+        if self.num_prompts < 2 or self.max_tokens < self.num_heads + 2:
+            raise ValueError(
+                "--num-prompts must be >= 2 (some are held out) and --max-tokens > --num-heads + 1"
+            )
+        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError("--epochs, --batch-size and --lr must be positive")
+
+
 # ---------------------------------------------------------------------- vLLM flags refused
 
 _NO_HUB = "kvserve loads local folders, GGUF files and the local HF cache only (no downloads)"
 _LATER = "not built yet"
 UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
-    "--speculative-config": RefusedFlag(f"speculative decoding: {_LATER}"),
     "--kv-transfer-config": RefusedFlag(f"KV transfer (P/D disaggregation): {_LATER}"),
     "--kv-events-config": RefusedFlag(f"KV cache events: {_LATER}"),
     "--cpu-offload-gb": RefusedFlag("weights are never offloaded to CPU memory"),

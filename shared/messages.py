@@ -115,6 +115,12 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     # LoRA: requests per adapter name, running and waiting (vLLM's lora_requests_info).
     running_lora_adapters: dict[str, int] = {}
     waiting_lora_adapters: dict[str, int] = {}
+    # Speculative decoding in this step: requests that verified drafts, the drafts, those
+    # accepted, and accepted counts per draft position (index 0: the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, **_HOT):
@@ -163,6 +169,11 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     # ring message compact (a numpy view on the worker side, no per-token Python objects).
     grammar_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    # Speculative decoding: the draft tokens each request verifies in this step (they follow
+    # its known tokens and are counted in num_scheduled_tokens), and how many drafts each
+    # request's proposer makes after the step (absent: none).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    num_spec_tokens_to_propose: dict[str, int] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -180,6 +191,8 @@ class ModelRunnerOutput(msgspec.Struct, **_HOT):
     sampled_token_ids: list[list[int]] = []
     logprobs: dict[str, Logprobs] = {}
     prompt_logprobs: dict[str, Logprobs] = {}
+    # Speculative decoding: each request's drafts for its next step (absent: none).
+    spec_token_ids: dict[str, list[int]] = {}
 
 
 # --------------------------------------------------------------------------- worker -> executor
@@ -193,6 +206,8 @@ class WorkerReady(msgspec.Struct, frozen=True):
     max_model_len: int
     num_blocks: int  # KV blocks that fit this rank's memory budget
     gemm_plan: dict[str, str] = {}  # 'float32:NxK' -> its CPU GEMM path (kernels/gemm.py)
+    # (query tokens, seconds) of a forward, for adaptive speculation (empty without it).
+    step_costs: list[tuple[int, float]] = []
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):
@@ -200,3 +215,244 @@ class WorkerFailure(msgspec.Struct, frozen=True):
 
     rank: int
     message: str  # the formatted traceback
+
+
+# ---- kv_store: the KV-cache store's control socket (services/kv_store/) ---------------------
+#
+# Client DEALER -> store ROUTER: [KvStoreRequest payload, *data frames]; the store answers on
+# the same socket with [KvStoreReply payload, *data frames]. Every request but KvRelease carries
+# a call_id that its reply echoes, so a client drops the late reply of a call it gave up on.
+# Both unions are tagged and array_like (msgspec needs one or the other for every member).
+
+# Bytes per element of the KV-cache dtypes a store can hold (torch dtype names, no torch here).
+KV_DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class KvFingerprint(msgspec.Struct, frozen=True, kw_only=True):
+    """The layout of one TP rank's KV blocks: blocks are shared only under equal layouts.
+
+    A store block (a slot) holds one block's K and V for every layer of one TP rank, laid out
+    [num_layers, 2, block_size * num_kv_heads * head_size] in `dtype`.
+    """
+
+    model: str
+    dtype: str  # a torch dtype name: "float32", "bfloat16", ...
+    block_size: int
+    num_layers: int
+    num_kv_heads: int  # on this TP rank
+    head_size: int
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPE_BYTES:
+            raise ValueError(
+                f"KV store dtype {self.dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}"
+            )
+        sizes = (self.block_size, self.num_layers, self.num_kv_heads, self.head_size)
+        if min(sizes) < 1 or self.tp_rank < 0:
+            raise ValueError(f"a KV layout needs positive sizes and tp_rank >= 0: {self}")
+
+    @property
+    def block_elements(self) -> int:
+        """Elements of one layer's K (or V) of one block."""
+        return self.block_size * self.num_kv_heads * self.head_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one store slot: K and V of every layer."""
+        return 2 * self.num_layers * self.block_elements * KV_DTYPE_BYTES[self.dtype]
+
+    def key(self) -> bytes:
+        """16 bytes naming this layout, the same in every process and on every machine."""
+        import hashlib
+
+        return hashlib.sha256(msgspec.msgpack.encode(self)).digest()[:16]
+
+
+class KvHostArenaHandle(msgspec.Struct, frozen=True):
+    """A store pool's slots in POSIX shared memory (/dev/shm/<shm_name>), for clients on the
+    store's host; slot i is bytes [i * slot_bytes, (i + 1) * slot_bytes)."""
+
+    shm_name: str
+    num_slots: int
+    slot_bytes: int
+
+
+class KvCudaArenaHandle(msgspec.Struct, frozen=True):
+    """A store pool's slots in CUDA memory, exported with CUDA IPC (the fields of torch's
+    `UntypedStorage._share_cuda_()`, in its order); slot i as in KvHostArenaHandle."""
+
+    device: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    num_slots: int
+    slot_bytes: int
+
+
+class KvHello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
+    """First call of a client: opens (or joins) the pool of `fingerprint`."""
+
+    call_id: int
+    fingerprint: KvFingerprint
+
+
+class KvLookup(msgspec.Struct, tag="lookup", **_HOT):
+    """How many of `block_hashes`, from the first, the store holds (committed)."""
+
+    call_id: int
+    pool_id: bytes
+    block_hashes: list[bytes]
+
+
+class KvReserve(msgspec.Struct, tag="reserve", **_HOT):
+    """Put, phase 1 (arena): lease slots for the blocks of `block_hashes` not held yet."""
+
+    call_id: int
+    pool_id: bytes
+    block_hashes: list[bytes]
+
+
+class KvCommit(msgspec.Struct, tag="commit", **_HOT):
+    """Put, phase 2 (arena): the client wrote the leased slots; make the blocks visible."""
+
+    call_id: int
+    lease_id: int
+
+
+class KvPut(msgspec.Struct, tag="put", **_HOT):
+    """Put in one call (frames): one data frame follows, the blocks' bytes back to back."""
+
+    call_id: int
+    pool_id: bytes
+    block_hashes: list[bytes]
+
+
+class KvGet(msgspec.Struct, tag="get", **_HOT):
+    """The held prefix of `block_hashes`: its slots, pinned under a lease (KvLease), or with
+    `as_frames` its bytes as data frames (KvCount)."""
+
+    call_id: int
+    pool_id: bytes
+    block_hashes: list[bytes]
+    as_frames: bool = False
+
+
+class KvPin(msgspec.Struct, tag="pin", **_HOT):
+    """Pin the held prefix of `block_hashes` against eviction until KvRelease (or `ttl_s`,
+    the store's lease timeout when None)."""
+
+    call_id: int
+    pool_id: bytes
+    block_hashes: list[bytes]
+    ttl_s: float | None = None
+
+
+class KvRelease(msgspec.Struct, tag="release", **_HOT):
+    """End a lease without commit (unpin, a get's copy done, an aborted put). No reply."""
+
+    lease_id: int
+
+
+class KvStatsQuery(msgspec.Struct, tag="stats", array_like=True, frozen=True):
+    call_id: int
+
+
+class KvShutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):
+    """Stop the store cleanly (it answers KvCount(0) first)."""
+
+    call_id: int
+
+
+KvStoreRequest = (
+    KvHello
+    | KvLookup
+    | KvReserve
+    | KvCommit
+    | KvPut
+    | KvGet
+    | KvPin
+    | KvRelease
+    | KvStatsQuery
+    | KvShutdown
+)
+
+
+class KvStoreStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What a store holds and has moved since it started (all pools together).
+
+    hits / misses count blocks asked for by lookups and gets: the held prefix, the rest.
+    """
+
+    num_blocks: int  # committed blocks held
+    capacity_bytes: int
+    used_bytes: int  # committed and reserved blocks
+    num_pinned: int  # committed blocks under a pin or a get's lease
+    num_reserved: int  # slots leased to puts, not committed yet
+    num_leases: int
+    num_pools: int
+    hits: int = 0
+    misses: int = 0
+    num_evicted: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+class KvHelloReply(msgspec.Struct, tag="hello_reply", array_like=True, frozen=True):
+    """The pool of a KvHello: `pool_id` names it in later calls (it changes when the store
+    restarts, so a stale id is refused instead of reaching a new arena's slots)."""
+
+    call_id: int
+    pool_id: bytes
+    capacity_bytes: int
+    host_arena: KvHostArenaHandle | None = None
+    cuda_arena: KvCudaArenaHandle | None = None
+
+
+class KvCount(msgspec.Struct, tag="count", **_HOT):
+    """A number of blocks: held (lookup), now stored (commit, put), sent (frames get: the
+    data frames follow, each a run of whole blocks, in order)."""
+
+    call_id: int
+    num_blocks: int
+
+
+class KvLease(msgspec.Struct, tag="lease", **_HOT):
+    """Slots under a lease (reserve, get, pin), one per block from the first hash; a shorter
+    list when the rest is not held (get, pin) or does not fit (reserve). In a reserve, -1
+    marks a block the store holds already (nothing to write)."""
+
+    call_id: int
+    lease_id: int
+    slots: list[int]
+
+
+class KvStatsReply(msgspec.Struct, tag="stats_reply", array_like=True, frozen=True):
+    call_id: int
+    stats: KvStoreStats
+
+
+class KvErrorCode(enum.IntEnum):
+    UNKNOWN_POOL = 1  # the store restarted (or never saw this pool): say hello again
+    BAD_REQUEST = 2  # a malformed request or data frame; the message says what
+
+
+class KvError(msgspec.Struct, tag="error", array_like=True, frozen=True):
+    call_id: int
+    code: KvErrorCode
+    message: str
+
+
+KvStoreReply = KvHelloReply | KvCount | KvLease | KvStatsReply | KvError

@@ -268,12 +268,12 @@ class Scheduler:
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
-        if self.spec_policy is not None:
-            self._plan_proposals(plan)
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: admitting more would thrash.
         if not plan.preempted:
             self._schedule_waiting(plan)
+        if self.spec_policy is not None:
+            self._plan_proposals(plan)
         scheduler_output = self._make_scheduler_output(plan)
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -363,14 +363,7 @@ class Scheduler:
                     : self._max_drafts(request, plan.token_budget - num_new_tokens)
                 ]
                 num_new_tokens += len(draft_token_ids)
-            num_lookahead = 0
-            if self.speculative_config and self.speculative_config.uses_lookahead_slots:
-                # The draft model's own steps write K/V past this step's tokens.
-                num_lookahead = min(
-                    plan.num_spec_tokens_to_propose.get(request.req_id, 0),
-                    self.max_model_len - request.num_computed_tokens - num_new_tokens,
-                )
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan, num_lookahead)
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
             if new_blocks is None:
                 break  # the request itself was preempted: the cache is full
             plan.add(request, num_new_tokens, new_blocks)
@@ -446,7 +439,7 @@ class Scheduler:
         return min(num_new_tokens, token_budget)
 
     def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, plan: StepPlan, num_lookahead: int = 0
+        self, request: Request, num_new_tokens: int, plan: StepPlan
     ) -> list[KVCacheBlock] | None:
         """Allocate for a running request, preempting others until it fits.
 
@@ -454,9 +447,7 @@ class Scheduler:
             The new blocks, or None if `request` itself had to be preempted.
         """
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_lookahead_tokens=num_lookahead
-            )
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
                 return new_blocks
             victim = self._pick_preemption_victim()
@@ -555,29 +546,40 @@ class Scheduler:
     # ------------------------------------------------------------------ speculative decoding
 
     def _plan_proposals(self, plan: StepPlan) -> None:
-        """How many drafts each decoding request proposes after this step (the adaptive
-        rule of spec_decode.py, over the requests that sample in it)."""
-        assert self.spec_policy is not None
-        decoding = [
-            r
-            for r in self.running
-            if r.spec is not None and r.num_computed_tokens == r.num_tokens - 1
-        ]
-        if not decoding:
+        """How many drafts each request that samples in this step proposes after it (the
+        adaptive rule of spec_decode.py, over this step's batch); for a draft model, the
+        lookahead slots its guesses write, when the pool has them (the proposer guesses
+        only as far as the request's slots reach)."""
+        assert self.spec_policy is not None and self.speculative_config is not None
+        sampling = []
+        for request in (*plan.scheduled_running, *plan.scheduled_new):
+            num_scheduled = plan.num_scheduled_tokens[request.req_id]
+            if request.spec is not None and (
+                request.num_computed_tokens + num_scheduled >= request.num_tokens
+            ):
+                sampling.append(request)
+        if not sampling:
             return
         caps = []
-        for request in decoding:
-            assert request.spec is not None
+        for request in sampling:
             # After this step the request holds at most num_tokens + drafts + 1 tokens; the
             # next step verifies the new drafts after those.
-            num_after = request.num_tokens + len(request.spec.draft_token_ids) + 1
-            caps.append(max(0, self._max_drafts_after(request, num_after)))
-        counts = self.spec_policy.num_to_propose(
-            [r.spec for r in decoding if r.spec is not None], caps, len(self.running)
-        )
-        for request, count in zip(decoding, counts):
-            if count > 0:
-                plan.num_spec_tokens_to_propose[request.req_id] = count
+            num_drafts = len(plan.spec_token_ids.get(request.req_id, ()))
+            caps.append(self._max_drafts_after(request, request.num_tokens + num_drafts + 1))
+        states = [r.spec for r in sampling if r.spec is not None]
+        counts = self.spec_policy.num_to_propose(states, caps, len(self.running))
+        lookahead = self.speculative_config.uses_lookahead_slots
+        for request, count in zip(sampling, counts):
+            if count <= 0:
+                continue
+            plan.num_spec_tokens_to_propose[request.req_id] = count
+            if lookahead:
+                num_scheduled = plan.num_scheduled_tokens[request.req_id]
+                extra = self.kv_cache_manager.allocate_slots(
+                    request, num_scheduled, num_lookahead_tokens=count
+                )
+                if extra and request.req_id in plan.new_block_ids:
+                    plan.new_block_ids[request.req_id].extend(b.block_id for b in extra)
 
     def _max_drafts(self, request: Request, token_budget: int) -> int:
         """Drafts a decoding request may verify now: the step's budget, max_model_len and

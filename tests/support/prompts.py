@@ -9,8 +9,9 @@ QUESTIONS = CHAT_QUESTIONS[:16]  # bench/quantized.py's prompts too
 MAX_TOKENS = 64
 
 
-def chat_prompt_ids(model_dir: str) -> list[list[int]]:
-    """Token ids of each question as a user message, under model_dir's chat template."""
+def chat_prompt_ids(model_dir: str, questions: list[str] | None = None) -> list[list[int]]:
+    """Token ids of each question (QUESTIONS by default) as a user message, under
+    model_dir's chat template."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -23,5 +24,5 @@ def chat_prompt_ids(model_dir: str) -> list[list[int]]:
                 return_dict=False,
             )
         )
-        for q in QUESTIONS
+        for q in (QUESTIONS if questions is None else questions)
     ]

@@ -32,7 +32,7 @@ def _decoding(scheduler, req_id="a", num_tokens=10, **kwargs):
 def test_drafts_are_extra_query_tokens_and_rejected_ones_roll_back():
     scheduler = _decoding(create_scheduler(speculative_config=NGRAM, block_size=4))
     so, _ = step(scheduler, spec_token_ids={"a": [11, 12, 13, 14]})
-    assert so.num_spec_tokens_to_propose == {}  # still prefilling when it was planned
+    assert so.num_spec_tokens_to_propose == {"a": 4}  # the prefill samples, then proposes
     request = scheduler.requests["a"]
     assert request.num_computed_tokens == 10 and request.num_tokens == 11
 

@@ -1,0 +1,303 @@
+"""The store's bookkeeping: pools of blocks keyed by block hash, leases, LRU eviction.
+
+No sockets and no copies here (services/kv_store/server.py moves the bytes); every method is
+O(blocks it names).
+
+- A pool holds the blocks of one layout fingerprint, in the slots of its own arena. A lookup
+  or get names a pool, so a block is never served under another layout.
+- Every pool draws on one byte budget (--size). A block that no lease holds is evictable; the
+  evictable blocks of all pools sit in one LRU order (an OrderedDict: O(1) touch and pop).
+- A lease holds blocks for a client: a put's reservation (its new blocks are invisible until
+  commit, and dropped if it is released or expires), a get's slots while the client copies,
+  or a pin. A lease the client never ends expires at its deadline, so a client that dies
+  leaks nothing.
+- Within a chain the tail goes into the LRU order first, so it is evicted first: dropping a
+  chain's first block would make all the others unreachable by prefix lookups.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.shared.messages import KvFingerprint, KvStoreStats
+
+
+@dataclass(slots=True, eq=False)
+class Pool:
+    """The blocks of one layout fingerprint and their arena.
+
+    Args:
+        fingerprint: the layout.
+        pool_id: what clients name the pool by: the layout's key + a per-store nonce.
+        arena: the slots (HostArena or CudaArena), num_slots of block_bytes each.
+        num_slots: slots in the arena.
+    """
+
+    fingerprint: KvFingerprint
+    pool_id: bytes
+    arena: Any
+    num_slots: int
+    block_bytes: int = 0
+    blocks: dict[bytes, StoreBlock] = field(default_factory=dict)  # hash -> block
+    free_slots: list[int] = field(default_factory=list)  # a min-heap of freed slots
+    next_fresh_slot: int = 0  # slots from here on were never used
+
+    def __post_init__(self) -> None:
+        self.block_bytes = self.fingerprint.block_bytes
+
+    def take_slot(self) -> int:
+        # The lowest free slot, so a batch's slots come in few runs (blocks.py).
+        if self.free_slots:
+            return heapq.heappop(self.free_slots)
+        assert self.next_fresh_slot < self.num_slots, "byte budget lets a pool overflow its arena"
+        self.next_fresh_slot += 1
+        return self.next_fresh_slot - 1
+
+    def free_slot(self, slot: int) -> None:
+        heapq.heappush(self.free_slots, slot)
+
+
+@dataclass(slots=True, eq=False)
+class StoreBlock:
+    pool: Pool
+    block_hash: bytes
+    slot: int
+    ref_cnt: int = 0  # leases holding it; evictable when 0 and committed
+    committed: bool = False
+
+    @property
+    def lru_key(self) -> bytes:
+        return self.pool.pool_id + self.block_hash
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    lease_id: int
+    blocks: list[StoreBlock]
+    deadline: float
+    writes: bool  # a put's reservation
+
+
+class KvBlockStore:
+    """Pools, leases and the byte budget of one store process.
+
+    Args:
+        capacity_bytes: the budget of all pools together.
+        lease_timeout_s: the default life of a lease.
+        make_arena: (fingerprint, pool_id, num_slots) -> the arena of a new pool.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        lease_timeout_s: float,
+        make_arena: Callable[[KvFingerprint, bytes, int], Any],
+    ):
+        self.capacity_bytes = capacity_bytes
+        self.lease_timeout_s = lease_timeout_s
+        self._make_arena = make_arena
+        self._nonce = secrets.token_bytes(4)  # pool ids change when the store restarts
+        self.pools: dict[bytes, Pool] = {}
+        self.leases: dict[int, Lease] = {}
+        # Random start: a stale client's lease id never names a restarted store's lease.
+        self._lease_ids = itertools.count(secrets.randbits(48) + 1)
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease_id)
+        self._evictable: OrderedDict[bytes, StoreBlock] = OrderedDict()  # LRU first
+        self.used_bytes = 0
+        self.hits = self.misses = self.num_evicted = 0
+        self.bytes_in = self.bytes_out = 0
+
+    # ------------------------------------------------------------------------ pools
+
+    def open_pool(self, fingerprint: KvFingerprint) -> Pool:
+        """The pool of `fingerprint`, created (with its arena) on first use."""
+        pool_id = fingerprint.key() + self._nonce
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            num_slots = self.capacity_bytes // fingerprint.block_bytes
+            if num_slots == 0:
+                raise ValueError(
+                    f"the store's --size ({self.capacity_bytes} bytes) holds no block of "
+                    f"{fingerprint.block_bytes} bytes"
+                )
+            arena = self._make_arena(fingerprint, pool_id, num_slots)
+            pool = self.pools[pool_id] = Pool(fingerprint, pool_id, arena, num_slots)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.arena.close()
+        self.pools.clear()
+
+    # ------------------------------------------------------------------------ calls
+
+    def lookup(self, pool: Pool, block_hashes: Sequence[bytes]) -> int:
+        """Blocks of `block_hashes`, from the first, that the pool holds; they become the
+        most recently used."""
+        held = self._held_prefix(pool, block_hashes)
+        for block in reversed(held):
+            if block.ref_cnt == 0:
+                self._evictable.move_to_end(block.lru_key)
+        self._count(len(held), len(block_hashes))
+        return len(held)
+
+    def reserve(
+        self, pool: Pool, block_hashes: Sequence[bytes], now: float
+    ) -> tuple[Lease, list[int]]:
+        """Put, phase 1: a lease on a slot for each block not held yet (-1 for one that is
+        held: the lease keeps it from eviction until commit). Stops at the first block that
+        finds no room or that another client is writing, so what gets stored is a prefix."""
+        lease = self._new_lease(now + self.lease_timeout_s, writes=True)
+        slots = []
+        for block_hash in block_hashes:
+            block = pool.blocks.get(block_hash)
+            if block is not None:
+                if not block.committed:
+                    break
+                self._ref(block)
+                slots.append(-1)
+            else:
+                if not self._make_room(pool):
+                    break
+                block = StoreBlock(pool, block_hash, pool.take_slot(), ref_cnt=1)
+                pool.blocks[block_hash] = block
+                self.used_bytes += pool.block_bytes
+                slots.append(block.slot)
+            lease.blocks.append(block)
+        return lease, slots
+
+    def commit(self, lease_id: int) -> int:
+        """Put, phase 2: the reservation's blocks become visible. Returns how many blocks of
+        the put the store now holds; 0 for a lease that expired (or a stale id)."""
+        lease = self._pop_lease(lease_id)
+        if lease is None or not lease.writes:
+            return 0
+        for block in lease.blocks:
+            if not block.committed:
+                block.committed = True
+                self.bytes_in += block.pool.block_bytes
+        self._unref_all(lease.blocks)
+        return len(lease.blocks)
+
+    def acquire(
+        self,
+        pool: Pool,
+        block_hashes: Sequence[bytes],
+        now: float,
+        ttl_s: float | None = None,
+        reading: bool = True,
+    ) -> Lease:
+        """A lease on the held prefix of `block_hashes` (a get, or a pin when not `reading`)."""
+        held = self._held_prefix(pool, block_hashes)
+        lease = self._new_lease(now + (ttl_s or self.lease_timeout_s), writes=False)
+        for block in held:
+            self._ref(block)
+        lease.blocks = held
+        if reading:
+            self._count(len(held), len(block_hashes))
+            self.bytes_out += len(held) * pool.block_bytes
+        return lease
+
+    def release(self, lease_id: int) -> bool:
+        """End a lease without commit: a reservation's new blocks are dropped."""
+        lease = self._pop_lease(lease_id)
+        if lease is None:
+            return False
+        if lease.writes:
+            for block in reversed(lease.blocks):
+                if not block.committed:
+                    self._drop(block)
+        self._unref_all([b for b in lease.blocks if b.committed])
+        return True
+
+    def expire(self, now: float) -> list[Lease]:
+        """End every lease past its deadline; returns them."""
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, lease_id = heapq.heappop(self._deadlines)
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.deadline == deadline:
+                self.release(lease_id)
+                expired.append(lease)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def stats(self) -> KvStoreStats:
+        blocks = [b for pool in self.pools.values() for b in pool.blocks.values()]
+        return KvStoreStats(
+            num_blocks=sum(b.committed for b in blocks),
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self.used_bytes,
+            num_pinned=sum(b.committed and b.ref_cnt > 0 for b in blocks),
+            num_reserved=sum(not b.committed for b in blocks),
+            num_leases=len(self.leases),
+            num_pools=len(self.pools),
+            hits=self.hits,
+            misses=self.misses,
+            num_evicted=self.num_evicted,
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+        )
+
+    # ------------------------------------------------------------------------ helpers
+
+    def _held_prefix(self, pool: Pool, block_hashes: Sequence[bytes]) -> list[StoreBlock]:
+        held = []
+        for block_hash in block_hashes:
+            block = pool.blocks.get(block_hash)
+            if block is None or not block.committed:
+                break
+            held.append(block)
+        return held
+
+    def _count(self, num_hits: int, num_asked: int) -> None:
+        self.hits += num_hits
+        self.misses += num_asked - num_hits
+
+    def _new_lease(self, deadline: float, writes: bool) -> Lease:
+        lease = Lease(next(self._lease_ids), [], deadline, writes)
+        self.leases[lease.lease_id] = lease
+        heapq.heappush(self._deadlines, (deadline, lease.lease_id))
+        return lease
+
+    def _pop_lease(self, lease_id: int) -> Lease | None:
+        # Its deadline entry stays in the heap; expire() skips ids no longer leased.
+        return self.leases.pop(lease_id, None)
+
+    def _ref(self, block: StoreBlock) -> None:
+        if block.ref_cnt == 0 and block.committed:
+            del self._evictable[block.lru_key]
+        block.ref_cnt += 1
+
+    def _unref_all(self, blocks: Sequence[StoreBlock]) -> None:
+        # Tail first into the LRU order: a chain is evicted from its end.
+        for block in reversed(blocks):
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, "a block released more often than leased"
+            if block.ref_cnt == 0:
+                self._evictable[block.lru_key] = block
+
+    def _make_room(self, pool: Pool) -> bool:
+        """Evict least recently used blocks until one block of `pool` fits the budget."""
+        while self.used_bytes + pool.block_bytes > self.capacity_bytes:
+            if not self._evictable:
+                return False
+            _, victim = self._evictable.popitem(last=False)
+            self.num_evicted += 1
+            self._drop(victim)
+            if victim.pool is not pool:
+                victim.pool.arena.release_pages(victim.slot)
+        return True
+
+    def _drop(self, block: StoreBlock) -> None:
+        del block.pool.blocks[block.block_hash]
+        block.pool.free_slot(block.slot)
+        self.used_bytes -= block.pool.block_bytes
