@@ -181,3 +181,29 @@ def tiny_llama_for_tp(tmp_path_factory) -> str:
     )
     model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
+
+
+@pytest.fixture(scope="module")
+def medusa_heads(tmp_path_factory) -> str:
+    """Medusa heads for the default model from a short `train-draft` run (the real
+    training path; a few prompts, so the heads are weak: some drafts pass, most do not)."""
+    from kvserve.services.worker.spec_decode.train_draft import train_draft
+    from kvserve.shared.config import TrainDraftOptions
+
+    folder = str(tmp_path_factory.mktemp("medusa"))
+    options = TrainDraftOptions(
+        output=folder, num_heads=3, num_prompts=12, max_tokens=48, epochs=2, batch_size=32
+    )
+    train_draft(options)
+    return folder
+
+
+def test_medusa_heads(medusa_heads, prompts, greedy_reference):
+    spec = {"method": "medusa", "model": medusa_heads, "num_speculative_tokens": 3,
+            "adaptive": False}  # fmt: skip
+    llm = LLM(dtype="float32", speculative_config=spec)
+    _assert_equal(_greedy(llm, prompts), greedy_reference)
+    _assert_accepted_and_rejected(llm)
+    assert_no_leaked_blocks(llm.engine_core.scheduler)
+    with pytest.raises(ValueError, match="exceeds the 3 Medusa heads"):
+        LLM(dtype="float32", speculative_config={**spec, "num_speculative_tokens": 4})

@@ -105,7 +105,16 @@ def test_defaults_are_vllms():
         (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
         (["--enable-lora", "--lora-modules", "a"], "give name=path or a JSON object"),
         (["--enable-lora", "--max-loras", "0"], "max_loras must be >= 1"),
-        (["--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
+        (["--speculative-config", '{"method": "ngram"}'], "missing required field"),
+        (["--speculative-config", '{"method": "x", "num_speculative_tokens": 2}'], "`$.method`"),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}'],
+            "unknown field `k`",
+        ),
+        (
+            ["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'],
+            "medusa needs `model`",
+        ),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported"),
         (["--revision", "main"], "no downloads"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
