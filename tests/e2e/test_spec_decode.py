@@ -130,6 +130,44 @@ def test_logprobs_n_and_max_tokens(prompts):
     assert_no_leaked_blocks(spec.engine_core.scheduler)
 
 
+def test_structured_outputs_beside_speculating_requests(prompts, greedy_reference):
+    import json
+
+    from kvserve.shared.structured_outputs import StructuredOutputsParams
+
+    llm = LLM(dtype="float32", speculative_config=_fixed(NGRAM))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constrained = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        structured_outputs=StructuredOutputsParams(json=schema),
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(inputs + inputs[:1], [plain] * len(inputs) + [constrained], use_tqdm=False)
+    _assert_equal([o.outputs[0].token_ids for o in outs[:-1]], greedy_reference)
+    assert set(json.loads(outs[-1].outputs[0].text)) == {"n"}
+    _assert_accepted_and_rejected(llm)
+    assert_no_leaked_blocks(llm.engine_core.scheduler)
+
+
+def test_aborts_mid_speculation_free_every_block(prompts):
+    llm = LLM(dtype="float32", speculative_config=_fixed(SELF_DRAFT))
+    core = llm.engine_core
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for i, ids in enumerate(prompts):
+        llm._add_request(f"abort-{i}", None, ids, params, 0)
+    num_drafts = 0
+    for _ in range(4):  # prefill, then steps that verify drafts and hold lookahead slots
+        num_drafts += core.step().scheduler_stats.spec_num_drafts
+    assert num_drafts > 0
+    manager = core.scheduler.kv_cache_manager
+    assert manager.num_free_blocks < manager.num_total_blocks
+    core.abort_requests(list(core.scheduler.requests))
+    core.step()
+    assert_no_leaked_blocks(core.scheduler)
+
+
 def test_seeded_random_sampling_is_reproducible(prompts):
     llm = LLM(dtype="float32", speculative_config=_fixed(NGRAM))
     seeds = (1, 1, 2, 3, 4)
@@ -144,7 +182,7 @@ def test_seeded_random_sampling_is_reproducible(prompts):
     assert_no_leaked_blocks(llm.engine_core.scheduler)
 
 
-def test_tensor_parallel_two_ranks(tiny_llama_for_tp, default_model_dir):
+def test_tensor_and_pipeline_parallel(tiny_llama_for_tp, default_model_dir):
     # The default model's 9 heads do not split over 2 ranks: a tiny random Llama does
     # (its greedy text loops, so n-gram drafts are accepted too).
     inputs = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 42], [7] * 11, [20, 21, 22])]
@@ -153,8 +191,13 @@ def test_tensor_parallel_two_ranks(tiny_llama_for_tp, default_model_dir):
             "kv_cache_memory": 64 << 20}  # fmt: skip
     reference = [o.outputs[0].token_ids for o in LLM(tiny_llama_for_tp, **tiny).generate(
         inputs, params, use_tqdm=False)]  # fmt: skip
-    for spec in (_fixed(NGRAM), {**_fixed(SELF_DRAFT), "num_draft_layers": 2}):
-        llm = LLM(tiny_llama_for_tp, speculative_config=spec, tensor_parallel_size=2, **tiny)
+    runs = [
+        (_fixed(NGRAM), {"tensor_parallel_size": 2}),
+        ({**_fixed(SELF_DRAFT), "num_draft_layers": 2}, {"tensor_parallel_size": 2}),
+        (_fixed(NGRAM), {"pipeline_parallel_size": 2}),
+    ]
+    for spec, parallel in runs:
+        llm = LLM(tiny_llama_for_tp, speculative_config=spec, **parallel, **tiny)
         try:
             outs = llm.generate(inputs, params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == reference
