@@ -311,6 +311,45 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         return self.method == "draft_model"
 
 
+KVConnectorName = Literal["KvStoreConnector", "SharedStorageConnector", "OffloadingConnector"]
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+
+class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """KV transfer between engines and the KV-cache store (vLLM's --kv-transfer-config).
+
+    Args:
+        kv_connector: KvStoreConnector (the `kvserve kv-store` service), SharedStorageConnector
+            (blocks as files in a folder, for debugging) or OffloadingConnector (a store used
+            as a CPU tier for blocks the engine's prefix cache evicts).
+        kv_role: kv_producer saves the full blocks it computes, kv_consumer loads the
+            blocks the store holds before computing, kv_both does both.
+        kv_connector_extra_config: the connector's own settings: `store_address` (the
+            store's ipc:// or tcp:// address) and `timeout_s` for KvStoreConnector and
+            OffloadingConnector, `shared_storage_path` for SharedStorageConnector.
+    """
+
+    kv_connector: KVConnectorName
+    kv_role: KVRole = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        extra = self.kv_connector_extra_config
+        if self.kv_connector == "SharedStorageConnector":
+            if not extra.get("shared_storage_path"):
+                raise ValueError("SharedStorageConnector needs shared_storage_path")
+        elif not extra.get("store_address"):
+            raise ValueError(f"{self.kv_connector} needs store_address (the kv-store's address)")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
 class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True):
     """LoRA adapters: many in one batch, each request with its own (or none)."""
 
@@ -369,6 +408,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             parse="json",
         ),
     ] = None
+    kv_transfer_config: Annotated[
+        KVTransferConfig | None,
+        _doc(
+            'KV transfer, as JSON: {"kv_connector": "KvStoreConnector", "kv_role": '
+            '"kv_consumer", "kv_connector_extra_config": {"store_address": "ipc:///tmp/kv"}} '
+            "(connectors: KvStoreConnector, SharedStorageConnector, OffloadingConnector)",
+            parse="json",
+        ),
+    ] = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -390,6 +438,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if isinstance(spec, dict):
                 spec = msgspec.convert(spec, SpeculativeConfig)
             whole["speculative_config"] = spec
+        if "kv_transfer_config" in kwargs:
+            transfer = kwargs.pop("kv_transfer_config")
+            if isinstance(transfer, dict):
+                transfer = msgspec.convert(transfer, KVTransferConfig)
+            whole["kv_transfer_config"] = transfer
         parts: dict[str, dict[str, Any]] = {name: {} for name in areas}
         for key, value in kwargs.items():
             owner = next(
@@ -663,6 +716,59 @@ class DPLayout(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
+class PDConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill/decode disaggregation on one node: N prefill and M decode engine cores and a
+    KV store between them (`kvserve serve --prefill-size N --decode-size M`)."""
+
+    prefill_size: Annotated[
+        int, _doc("prefill engine cores (kv_producer); P/D needs --decode-size too")
+    ] = 0
+    decode_size: Annotated[
+        int, _doc("decode engine cores (kv_consumer); P/D needs --prefill-size too")
+    ] = 0
+    kv_store_size: Annotated[
+        int, _doc("bytes of KV blocks the P/D KV store holds at most (8G, 512M)", parse="size")
+    ] = 4 * GiB
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill_size > 0 or self.decode_size > 0
+
+    @property
+    def num_engines(self) -> int:
+        return self.prefill_size + self.decode_size
+
+    def kv_role(self, engine_index: int) -> KVRole:
+        """Engines 0..N-1 prefill, N..N+M-1 decode."""
+        return "kv_producer" if engine_index < self.prefill_size else "kv_consumer"
+
+    def validate(self, engine: EngineConfig, data_parallel: DataParallelConfig) -> None:
+        if not self.enabled:
+            return
+        if self.prefill_size < 1 or self.decode_size < 1:
+            raise ValueError(
+                f"P/D disaggregation needs both --prefill-size and --decode-size >= 1, got "
+                f"{self.prefill_size} and {self.decode_size}"
+            )
+        if engine.parallel.data_parallel_size > 1 or data_parallel.data_parallel_size_local:
+            raise ValueError(
+                "--prefill-size/--decode-size set the number of engine cores themselves: "
+                "drop --data-parallel-size and --data-parallel-size-local"
+            )
+        if data_parallel.headless:
+            raise ValueError(
+                "--prefill-size/--decode-size run the api, the KV store and the engines on "
+                "one node; a --headless node takes a role from --kv-transfer-config instead"
+            )
+        if engine.kv_transfer_config is not None:
+            raise ValueError(
+                "--prefill-size/--decode-size configure each engine's KV transfer (a "
+                "KvStoreConnector to their own KV store): drop --kv-transfer-config"
+            )
+        if self.kv_store_size <= 0:
+            raise ValueError(f"--kv-store-size must be positive, got {self.kv_store_size}")
+
+
 class EngineSockets(msgspec.Struct, frozen=True, kw_only=True):
     """The engine cores' two sockets: the api binds them, engine cores connect to them."""
 
@@ -689,9 +795,11 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     http: HTTPConfig = msgspec.field(default_factory=HTTPConfig)
     frontend: FrontendConfig = msgspec.field(default_factory=FrontendConfig)
     data_parallel: DataParallelConfig = msgspec.field(default_factory=DataParallelConfig)
+    pd: PDConfig = msgspec.field(default_factory=PDConfig)
 
     def __post_init__(self) -> None:
         self.data_parallel.layout(self.engine.parallel.data_parallel_size)  # checks it
+        self.pd.validate(self.engine, self.data_parallel)
         _check_lora_modules(self.frontend, self.engine.lora)
 
 
@@ -802,7 +910,8 @@ class GenerateOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """`kvserve train-draft`: Medusa draft heads from the model's own greedy generations.
+    """`kvserve train-draft`: Medusa heads or an EAGLE-1 head from the model's own greedy
+    generations.
 
     Self-distillation on this machine: no hub, no data sets."""
 
@@ -810,11 +919,12 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
         str | None, _doc("HF folder or GGUF file of the target (default: SmolLM2-135M-Instruct)")
     ] = None
     output: Annotated[str, _doc("folder to write the heads to (config.json, model.safetensors)")]
-    method: Annotated[Literal["medusa", "eagle"], _doc("draft kind (eagle: not built yet)")] = (
-        "medusa"
-    )
+    method: Annotated[
+        Literal["medusa", "eagle"], _doc("draft kind: Medusa heads or an EAGLE-1 decoder layer")
+    ] = "medusa"
     num_heads: Annotated[int, _doc("Medusa heads: the most tokens drafted per step")] = 3
     num_layers: Annotated[int, _doc("residual layers per head")] = 1
+    num_spec_tokens: Annotated[int, _doc("EAGLE: the drafted chain's length when scoring")] = 4
     share_lm_head: Annotated[
         bool, _doc("heads use the target's LM head (nothing to store; fewer bytes per step)")
     ] = True
@@ -826,22 +936,41 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
         200
     )
     max_tokens: Annotated[int, _doc("tokens per generation at most")] = 96
-    epochs: Annotated[int, _doc("passes over the training positions")] = 2
-    lr: Annotated[float, _doc("AdamW learning rate")] = 1e-3
-    batch_size: Annotated[int, _doc("positions per training step")] = 64
+    epochs: Annotated[
+        int | None, _doc("passes over the training data (default: medusa 2, eagle 3)")
+    ] = None
+    lr: Annotated[float | None, _doc("AdamW learning rate (default: medusa 1e-3, eagle 3e-4)")] = (
+        None
+    )
+    batch_size: Annotated[
+        int | None,
+        _doc("per training step: medusa positions (default 64), eagle sequences (default 4)"),
+    ] = None
     seed: Annotated[int, _doc("seed of the prompt shuffle, the split and the training")] = 0
 
     def __post_init__(self):
-        if self.method == "eagle":
-            raise ValueError("--method eagle: EAGLE draft training is not built yet; use medusa")
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError("--num-heads must be >= 1 and --num-layers >= 0")
+        if self.num_heads < 1 or self.num_layers < 0 or self.num_spec_tokens < 1:
+            raise ValueError("--num-heads, --num-spec-tokens must be >= 1, --num-layers >= 0")
         if self.num_prompts < 2 or self.max_tokens < self.num_heads + 2:
             raise ValueError(
                 "--num-prompts must be >= 2 (some are held out) and --max-tokens > --num-heads + 1"
             )
-        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
+        if self.train_epochs < 1 or self.train_batch_size < 1 or self.learning_rate <= 0:
             raise ValueError("--epochs, --batch-size and --lr must be positive")
+
+    @property
+    def train_epochs(self) -> int:
+        return self.epochs if self.epochs is not None else {"medusa": 2, "eagle": 3}[self.method]
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else {"medusa": 1e-3, "eagle": 3e-4}[self.method]
+
+    @property
+    def train_batch_size(self) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        return {"medusa": 64, "eagle": 4}[self.method]
 
 
 # ---------------------------------------------------------------------- vLLM flags refused
@@ -849,7 +978,6 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
 _NO_HUB = "kvserve loads local folders, GGUF files and the local HF cache only (no downloads)"
 _LATER = "not built yet"
 UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
-    "--kv-transfer-config": RefusedFlag(f"KV transfer (P/D disaggregation): {_LATER}"),
     "--kv-events-config": RefusedFlag(f"KV cache events: {_LATER}"),
     "--cpu-offload-gb": RefusedFlag("weights are never offloaded to CPU memory"),
     "--kv-cache-dtype": RefusedFlag(

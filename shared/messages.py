@@ -121,6 +121,18 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # KV connector: prompt tokens looked up in the store and found there (external prefix
+    # hits, beyond the local ones), whether the store answers (None: no connector), the
+    # seconds of each batch transfer, bytes moved, and the store's own figures.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_store_up: bool | None = None
+    kv_transfer_seconds: list[float] = []
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
+    kv_store_usage: float = 0.0
+    kv_store_hits: int = 0
+    kv_store_misses: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, **_HOT):
@@ -154,6 +166,15 @@ class CachedRequestData(msgspec.Struct, **_HOT):
     num_computed_tokens: list[int] = []
 
 
+class KVBlockTransfer(msgspec.Struct, **_HOT):
+    """Blocks one request moves between its paged KV cache and the KV connector's store:
+    block_ids[i] holds (or will hold) the block of hash block_hashes[i]."""
+
+    req_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+
+
 class SchedulerOutput(msgspec.Struct, **_HOT):
     """One step's plan: a diff against what the workers already hold."""
 
@@ -174,12 +195,23 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     # request's proposer makes after the step (absent: none).
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     num_spec_tokens_to_propose: dict[str, int] = {}
+    # KV connector: blocks to copy out before the forward (prefix blocks this step's
+    # allocation evicts: the offload tier), to load before it (external prefix hits of
+    # requests waiting for them), and to save after it (full blocks the step computes).
+    kv_saves_before: list[KVBlockTransfer] = []
+    kv_loads: list[KVBlockTransfer] = []
+    kv_saves: list[KVBlockTransfer] = []
 
     @property
     def is_empty(self) -> bool:
         """Nothing to compute and nothing for the workers to drop."""
         return not (
-            self.total_num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids
+            self.total_num_scheduled_tokens
+            or self.finished_req_ids
+            or self.preempted_req_ids
+            or self.kv_loads
+            or self.kv_saves_before
+            or self.kv_saves
         )
 
 
@@ -193,6 +225,13 @@ class ModelRunnerOutput(msgspec.Struct, **_HOT):
     prompt_logprobs: dict[str, Logprobs] = {}
     # Speculative decoding: each request's drafts for its next step (absent: none).
     spec_token_ids: dict[str, list[int]] = {}
+    # KV connector: blocks loaded per SchedulerOutput.kv_loads entry (fewer than asked:
+    # the rest is recomputed), whether the store answered, and the transfers' figures.
+    kv_loaded: dict[str, int] = {}
+    kv_store_ok: bool = True
+    kv_transfer_seconds: list[float] = []
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
 
 
 # --------------------------------------------------------------------------- worker -> executor
@@ -208,6 +247,8 @@ class WorkerReady(msgspec.Struct, frozen=True):
     gemm_plan: dict[str, str] = {}  # 'float32:NxK' -> its CPU GEMM path (kernels/gemm.py)
     # (query tokens, seconds) of a forward, for adaptive speculation (empty without it).
     step_costs: list[tuple[int, float]] = []
+    # The rank's KV block layout, for the KV connector's store (None without one).
+    kv_fingerprint: KvFingerprint | None = None
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):

@@ -71,6 +71,9 @@ class EngineReady(msgspec.Struct, frozen=True, kw_only=True):
     # The CPU GEMM path of each linear layer shape ('float32:960x576' -> 'onednn'), measured
     # by the worker at start-up: the labels of `kvserve:gemm_path_info`.
     gemm_plan: dict[str, str] = {}
+    # --kv-transfer-config's kv_role (kv_producer, kv_consumer, kv_both), None without KV
+    # transfer: P/D serving sends prefills to producers and decodes to consumers.
+    kv_role: str | None = None
 
 
 class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True, gc=False):

@@ -27,6 +27,8 @@ _COUNTERS = (
     "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
 )
 _KV_USAGE = "kv_cache_usage_perc"
 # Engine-side phase histograms (seconds): the report shows the run's mean of each.
@@ -158,6 +160,10 @@ def server_delta(before: dict[str, float], after: dict[str, float], peak_kv_usag
         "server_peak_kv_cache_usage": peak,
         **phase_means,
         **spec_decode_figures(delta),
+        "server_external_prefix_cache_hit_rate": delta("external_prefix_cache_hits")
+        / delta("external_prefix_cache_queries")
+        if delta("external_prefix_cache_queries") > 0
+        else None,
     }
 
 
@@ -191,6 +197,9 @@ def format_server_report(figures: dict) -> str:
         mean = figures.get(f"server_mean_{phase}_time_ms")
         if mean is not None:
             lines.append(f"{f'Mean {phase} time (ms):':<40} {mean:<10.2f}")
+    external = figures.get("server_external_prefix_cache_hit_rate")
+    if external is not None:
+        lines.append(f"{'External prefix cache hit rate (%):':<40} {external * 100:<10.2f}")
     if figures.get("server_spec_acceptance_rate") is not None:
         rate = figures["server_spec_acceptance_rate"] * 100
         length = figures["server_spec_mean_acceptance_length"]

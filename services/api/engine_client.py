@@ -59,6 +59,10 @@ class StatsTotals:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_bytes_loaded: int = 0
+    kv_bytes_saved: int = 0
 
     def add(self, stats: SchedulerStats) -> None:
         self.num_preemptions += stats.num_preemptions
@@ -66,6 +70,10 @@ class StatsTotals:
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.grammar_cache_queries += stats.grammar_cache_queries
         self.grammar_cache_hits += stats.grammar_cache_hits
+        self.external_prefix_cache_queries += stats.external_prefix_cache_queries
+        self.external_prefix_cache_hits += stats.external_prefix_cache_hits
+        self.kv_bytes_loaded += stats.kv_bytes_loaded
+        self.kv_bytes_saved += stats.kv_bytes_saved
         if stats.spec_num_drafts:
             self.spec_num_drafts += stats.spec_num_drafts
             self.spec_num_draft_tokens += stats.spec_num_draft_tokens

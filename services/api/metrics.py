@@ -130,6 +130,10 @@ def _request_series(max_model_len: int) -> dict[str, tuple[str, list | None]]:
             "Histogram of the time to compile a request's grammar (JSON schema, regex, ...).",
             _COMPILE_BUCKETS,
         ),
+        "kv_transfer_seconds": (
+            "Histogram of the time of one batch of KV blocks moved to or from the KV store.",
+            _COMPILE_BUCKETS,
+        ),
     }
 
 
@@ -153,6 +157,27 @@ _GAUGES = (
         "kvserve:num_requests_waiting_for_grammar",
         "Number of requests waiting for their grammar to compile (also counted as waiting).",
         lambda stats: stats.num_waiting_for_grammar,
+    ),
+    (
+        "kvserve:kv_store_up",
+        "1 while the KV connector's store answers, 0 while the engine recomputes instead "
+        "(absent without a connector: -1).",
+        lambda stats: -1 if stats.kv_store_up is None else int(stats.kv_store_up),
+    ),
+    (
+        "kvserve:kv_store_usage_perc",
+        "Fraction of the KV store's --size in use, as this engine last read it.",
+        lambda stats: stats.kv_store_usage,
+    ),
+    (
+        "kvserve:kv_store_hits",
+        "Blocks the KV store served to lookups and gets since it started (all engines).",
+        lambda stats: stats.kv_store_hits,
+    ),
+    (
+        "kvserve:kv_store_misses",
+        "Blocks asked of the KV store that it did not hold, since it started (all engines).",
+        lambda stats: stats.kv_store_misses,
     ),
 )
 _COUNTERS = (
@@ -180,6 +205,28 @@ _COUNTERS = (
         "kvserve:structured_output_cache_hits",
         "Of those, requests whose grammar was cached (compiled or compiling).",
         lambda totals: totals.grammar_cache_hits,
+    ),
+    (
+        "kvserve:external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, in "
+        "terms of number of queried tokens.",
+        lambda totals: totals.external_prefix_cache_queries,
+    ),
+    (
+        "kvserve:external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in "
+        "terms of number of cached tokens.",
+        lambda totals: totals.external_prefix_cache_hits,
+    ),
+    (
+        "kvserve:kv_transfer_bytes_loaded",
+        "Bytes of KV blocks this engine loaded from the KV store.",
+        lambda totals: totals.kv_bytes_loaded,
+    ),
+    (
+        "kvserve:kv_transfer_bytes_saved",
+        "Bytes of KV blocks this engine saved to the KV store.",
+        lambda totals: totals.kv_bytes_saved,
     ),
     (
         "kvserve:spec_decode_num_drafts",
@@ -369,6 +416,8 @@ class ApiMetrics:
                 s.iteration_tokens_total.observe(scheduler_stats.num_scheduled_tokens)
             for seconds in scheduler_stats.grammar_compile_times:
                 s.structured_output_compile_time_seconds.observe(seconds)
+            for seconds in scheduler_stats.kv_transfer_seconds:
+                s.kv_transfer_seconds.observe(seconds)
         s.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         s.generation_tokens.inc(iteration_stats.num_generation_tokens)
         for ttft in iteration_stats.time_to_first_tokens:

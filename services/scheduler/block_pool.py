@@ -163,6 +163,9 @@ class BlockPool:
         # same time leave duplicates; only then is the value a {block_id: block} dict.
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self.num_cached_block_evictions = 0
+        # (hash, block id) of each cached block evicted for reuse, while a KV connector's
+        # offload tier collects them (None: not collected).
+        self.evicted: list[tuple[bytes, int]] | None = None
 
     # ------------------------------------------------------------------ allocation
 
@@ -175,6 +178,8 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0, f"{block} was in the free queue while held"
+            if self.evicted is not None and block.block_hash is not None:
+                self.evicted.append((block.block_hash, block.block_id))
             self._evict_cached_block(block)
             block.ref_cnt = 1
         return blocks

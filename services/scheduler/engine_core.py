@@ -100,6 +100,7 @@ class EngineCore:
             lora_config=config.lora,
             speculative_config=config.speculative_config,
             step_costs=self.executor.step_costs,
+            kv_connector=self._make_kv_connector(config),
         )
         self.vocab_size = model_vocab_size(model_dir)
         self.bound_waiting = bound_waiting
@@ -119,6 +120,7 @@ class EngineCore:
             max_waiting_requests=config.scheduler.max_waiting_requests,
             cache_config_info=cache_config_info(config.cache, num_blocks),
             gemm_plan=self.executor.gemm_plan,
+            kv_role=config.kv_transfer_config.kv_role if config.kv_transfer_config else None,
         )
         logger.info(
             "engine core ready in %.1f s: %d KV blocks, max_model_len %d",
@@ -126,6 +128,21 @@ class EngineCore:
             num_blocks,
             self.ready.max_model_len,
         )
+
+    def _make_kv_connector(self, config: EngineConfig):
+        if config.kv_transfer_config is None:
+            return None
+        from kvserve.services.kv_store.connector import SchedulerConnector
+
+        fingerprint = self.executor.kv_fingerprint
+        assert fingerprint is not None, "workers report their layout with a KV connector"
+        logger.info(
+            "KV connector %s (%s) for layout %s",
+            config.kv_transfer_config.kv_connector,
+            config.kv_transfer_config.kv_role,
+            fingerprint,
+        )
+        return SchedulerConnector(config.kv_transfer_config, fingerprint, config.cache.block_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request, or refuse it with an ERROR output (in the next step's outputs):
@@ -187,3 +204,5 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput
+from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput
 
 
 class Executor:
@@ -25,6 +25,11 @@ class Executor:
     def step_costs(self) -> list[tuple[int, float]]:
         """The driver's forward times by query tokens (adaptive speculation; else empty)."""
         return []
+
+    @property
+    def kv_fingerprint(self) -> KvFingerprint | None:
+        """TP rank 0's KV block layout (with a KV connector; else None)."""
+        return None
 
     def determine_num_blocks(self) -> int:
         raise NotImplementedError
@@ -52,6 +57,10 @@ class UniExecutor(Executor):
     @property
     def step_costs(self) -> list[tuple[int, float]]:
         return self._step_costs
+
+    @property
+    def kv_fingerprint(self) -> KvFingerprint | None:
+        return self.worker.kv_fingerprint
 
     @property
     def gemm_plan(self) -> dict[str, str]:

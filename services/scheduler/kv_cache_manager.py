@@ -91,6 +91,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        cache_new_blocks: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Give a request blocks for `num_new_tokens` more tokens, or fail without side effects.
 
@@ -108,6 +109,9 @@ class KVCacheManager:
             new_computed_blocks: the hit blocks from `get_computed_blocks`.
             num_lookahead_tokens: slots past the new tokens that a draft model writes after
                 the step (speculative decoding); never part of the prefix cache.
+            cache_new_blocks: register the full new blocks in the prefix cache now; False
+                for blocks a KV connector still has to load (`cache_blocks` registers them
+                once they hold their data).
 
         Returns:
             The newly allocated blocks (possibly empty), or None if the pool lacks blocks.
@@ -147,9 +151,15 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
         held_blocks.extend(new_blocks)
 
-        if self.enable_caching:
+        if self.enable_caching and cache_new_blocks:
             self._cache_full_blocks(request, held_blocks, num_tokens_with_slots)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks up to `num_tokens` in the prefix cache (blocks
+        loaded by a KV connector, now that they hold their data)."""
+        if self.enable_caching and request.req_id in self.req_to_blocks:
+            self._cache_full_blocks(request, self.req_to_blocks[request.req_id], num_tokens)
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens_with_slots: int

@@ -32,7 +32,13 @@ from kvserve.services.worker import worker_proc
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.shared.config import EngineConfig, WorkerOptions
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
+from kvserve.shared.messages import (
+    KvFingerprint,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerFailure,
+    WorkerReady,
+)
 from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
 from kvserve.shared.transport import make_socket
 
@@ -103,6 +109,7 @@ class MpExecutor(Executor):
         self.max_model_len = min(r.max_model_len for r in readies)
         self._gemm_plan = readies[0].gemm_plan
         self._step_costs = [(int(n), float(t)) for n, t in readies[0].step_costs]
+        self._kv_fingerprint = readies[0].kv_fingerprint
         self._num_blocks = min(r.num_blocks for r in readies)
 
     # ------------------------------------------------------------------ Executor API
@@ -114,6 +121,10 @@ class MpExecutor(Executor):
     @property
     def step_costs(self) -> list[tuple[int, float]]:
         return self._step_costs
+
+    @property
+    def kv_fingerprint(self) -> KvFingerprint | None:
+        return self._kv_fingerprint
 
     @property
     def worker_pids(self) -> list[int]:

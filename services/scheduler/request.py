@@ -26,19 +26,21 @@ BlockHasher = Callable[["Request"], list[bytes]]
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle: [WAITING_FOR_GRAMMAR ->] WAITING -> RUNNING (<-> PREEMPTED -> RUNNING) ->
-    one FINISHED_* state. A structured-output request waits for its grammar to compile
-    before it may be scheduled."""
+    """Lifecycle: [WAITING_FOR_GRAMMAR ->] WAITING [-> WAITING_FOR_REMOTE_KVS -> WAITING]
+    -> RUNNING (<-> PREEMPTED -> RUNNING) -> one FINISHED_* state. A structured-output
+    request waits for its grammar to compile before it may be scheduled; a request whose
+    prefix the KV connector's store holds waits one step for those blocks to load."""
 
     WAITING_FOR_GRAMMAR = 0
     WAITING = 1
-    RUNNING = 2
-    PREEMPTED = 3
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    PREEMPTED = 4
     # Every status after PREEMPTED is final; `is_finished` relies on this order.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -124,6 +126,11 @@ class Request:
         self.structured_output: StructuredOutputState | None = None
         # Speculative decoding: drafts and acceptance (None when the engine has none).
         self.spec: SpecRequestState | None = None
+        # KV connector: external blocks being loaded (WAITING_FOR_REMOTE_KVS), whether the
+        # current tokens came partly from the store, and full blocks already saved.
+        self.num_external_blocks = 0
+        self.kv_loaded = False
+        self.num_saved_blocks = 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose K/V is in the cache or being written by the step in flight.

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from kvserve.services.kv_store.connector import SchedulerConnector
 from kvserve.services.scheduler.block_pool import KVCacheBlock
 from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.request import (
@@ -44,6 +45,7 @@ from kvserve.shared.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
+    KVBlockTransfer,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
@@ -76,6 +78,9 @@ class Scheduler:
             rejects are rolled back (num_computed_tokens and the KV slots they wrote).
         step_costs: (query tokens, seconds) of a forward, measured by the workers; the
             adaptive speculation rule (spec_decode.py) weighs drafts against them.
+        kv_connector: the KV connector's scheduler half (services/kv_store/connector.py):
+            external prefix hits load before their request computes, a producer saves
+            the full blocks it computes, the offload tier saves evicted prefix blocks.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class Scheduler:
         lora_config: LoRAConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
         step_costs: list[tuple[int, float]] | None = None,
+        kv_connector: SchedulerConnector | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config
@@ -119,11 +125,17 @@ class Scheduler:
             hash_fn = get_hash_fn(cache_config.prefix_caching_hash_algo)
             self.block_hasher = make_block_hasher(block_size, hash_fn)
 
+        self.kv_connector = kv_connector
+        self._kv_stats = _KVStats()
+        if kv_connector is not None and kv_connector.saves_evicted:
+            self.kv_cache_manager.block_pool.evicted = []
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
         # Structured-output requests whose grammar is compiling, in arrival order.
         self.waiting_for_grammar: dict[str, Request] = {}
+        # Requests whose external prefix blocks load in the step in flight.
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
         self._num_live_grammars = 0  # requests holding a matcher (bitmask work to do)
         # Finished or aborted since the last schedule(): the workers drop their state.
         self.finished_req_ids: set[str] = set()
@@ -248,6 +260,7 @@ class Scheduler:
         )
         for req_id in requests:
             self.waiting_for_grammar.pop(req_id, None)
+            self.waiting_for_remote_kvs.pop(req_id, None)
         for request in requests.values():
             request.status = status
             self._free_request(request)
@@ -274,6 +287,8 @@ class Scheduler:
             self._schedule_waiting(plan)
         if self.spec_policy is not None:
             self._plan_proposals(plan)
+        if self.kv_connector is not None:
+            self._plan_kv_saves(plan)
         scheduler_output = self._make_scheduler_output(plan)
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -385,11 +400,19 @@ class Scheduler:
         lora_ids = self._running_lora_ids()
         while self.waiting and plan.token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.kv_loaded and request.num_computed_tokens > 0:
+                if not self._admit_loaded(request, plan, lora_ids):
+                    break
+                continue
             assert request.num_computed_tokens == 0, f"{request} waits with computed tokens"
             if self._lora_blocked(request, lora_ids):
                 skipped.append(self.waiting.pop_request())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if self.kv_connector is not None and self._start_kv_load(
+                request, hit_blocks, num_hit_tokens, plan
+            ):
+                continue
             if (
                 not config.enable_chunked_prefill
                 and request.num_tokens - num_hit_tokens > plan.token_budget
@@ -407,6 +430,9 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
+            request.num_saved_blocks = max(
+                request.num_saved_blocks, num_hit_tokens // self.cache_config.block_size
+            )
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             plan.add(request, num_new_tokens, new_blocks)
@@ -469,6 +495,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.kv_loaded = False
         if request.spec is not None:
             request.spec.draft_token_ids = []
         request.num_preemptions += 1
@@ -517,6 +544,9 @@ class Scheduler:
             grammar_req_ids=grammar_req_ids,
             grammar_bitmask=grammar_bitmask,
             scheduled_spec_decode_tokens=plan.spec_token_ids,
+            kv_saves_before=plan.kv_saves_before,
+            kv_loads=plan.kv_loads,
+            kv_saves=plan.kv_saves,
             num_spec_tokens_to_propose={
                 req_id: n
                 for req_id, n in plan.num_spec_tokens_to_propose.items()
@@ -542,6 +572,130 @@ class Scheduler:
             return [], b""
         assert self.structured_output_manager is not None, "grammars come from the manager"
         return req_ids, self.structured_output_manager.grammar_bitmask(grammars)
+
+    # ------------------------------------------------------------------ KV connector
+
+    def _start_kv_load(
+        self, request: Request, hit_blocks: list[KVCacheBlock], num_hit_tokens: int, plan: StepPlan
+    ) -> bool:
+        """Ask the store for the request's full blocks past its local hits; when it holds
+        some, give the request their slots (not yet in the prefix cache), list the load in
+        this step and park the request until its blocks arrive. True when parked."""
+        connector = self.kv_connector
+        assert connector is not None
+        if request.skip_reading_prefix_cache or request.kv_loaded:
+            return False
+        block_size = self.cache_config.block_size
+        max_blocks = (request.num_tokens - 1) // block_size
+        num_local = len(hit_blocks)
+        if self.log_stats and connector.loads_external:
+            self._kv_stats.queries += request.num_tokens
+        num_external = connector.num_external_blocks(request.block_hashes[:max_blocks], num_local)
+        if num_external <= 0:
+            return False
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request,
+            num_external * block_size,
+            num_hit_tokens,
+            hit_blocks,
+            cache_new_blocks=False,
+        )
+        if new_blocks is None:
+            return False  # no room to load into: compute it as usual
+        self.waiting.pop_request()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit_tokens
+        request.num_external_blocks = num_external
+        self.waiting_for_remote_kvs[request.req_id] = request
+        block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+        plan.kv_loads.append(
+            KVBlockTransfer(
+                request.req_id,
+                request.block_hashes[num_local : num_local + num_external],
+                block_ids[num_local : num_local + num_external],
+            )
+        )
+        return True
+
+    def _finish_kv_loads(self, kv_loaded: dict[str, int]) -> None:
+        """Loaded blocks count as computed (and enter the prefix cache); what did not load is
+        recomputed. The request goes back to the head of the queue, holding its blocks."""
+        block_size = self.cache_config.block_size
+        for req_id, num_loaded in kv_loaded.items():
+            request = self.waiting_for_remote_kvs.pop(req_id, None)
+            if request is None:
+                continue  # aborted while loading
+            num_loaded = min(num_loaded, request.num_external_blocks)
+            if num_loaded < request.num_external_blocks:
+                logger.warning(
+                    "request %s: %d of %d external blocks loaded; recomputing the rest",
+                    req_id,
+                    num_loaded,
+                    request.num_external_blocks,
+                )
+            request.num_computed_tokens += num_loaded * block_size
+            request.num_saved_blocks = request.num_computed_tokens // block_size
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            request.kv_loaded = True
+            request.status = RequestStatus.WAITING
+            if self.log_stats:
+                self._kv_stats.hits += num_loaded * block_size
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            self.waiting.prepend_request(request)
+
+    def _admit_loaded(self, request: Request, plan: StepPlan, lora_ids: set[int]) -> bool:
+        """Schedule a request whose prefix loaded: it holds its blocks already. False when it
+        cannot run in this step (it stays at the head of the queue)."""
+        if self._lora_blocked(request, lora_ids):
+            return False
+        num_new_tokens = self._num_tokens_to_schedule(
+            request, request.num_computed_tokens, plan.token_budget
+        )
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+        if new_blocks is None:
+            return False
+        self.waiting.pop_request()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        plan.add(request, num_new_tokens, new_blocks)
+        plan.scheduled_new.append(request)
+        if request.lora_int_id:
+            lora_ids.add(request.lora_int_id)
+        return True
+
+    def _plan_kv_saves(self, plan: StepPlan) -> None:
+        """What the workers copy to the store: the offload tier's evicted prefix blocks
+        (before the forward rewrites them), and a producer's full blocks that this step
+        completes (after the forward, once each)."""
+        connector = self.kv_connector
+        assert connector is not None
+        pool = self.kv_cache_manager.block_pool
+        if pool.evicted:
+            hashes, block_ids = zip(*pool.evicted)
+            plan.kv_saves_before.append(KVBlockTransfer("", list(hashes), list(block_ids)))
+            pool.evicted.clear()
+        if not connector.saves_computed:
+            return
+        block_size = self.cache_config.block_size
+        for request in (*plan.scheduled_running, *plan.scheduled_new):
+            num_scheduled = plan.num_scheduled_tokens[request.req_id]
+            num_full = min(
+                (request.num_computed_tokens + num_scheduled) // block_size,
+                len(request.block_hashes),
+            )
+            if num_full <= request.num_saved_blocks:
+                continue
+            block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+            first = request.num_saved_blocks
+            plan.kv_saves.append(
+                KVBlockTransfer(
+                    request.req_id,
+                    request.block_hashes[first:num_full],
+                    block_ids[first:num_full],
+                )
+            )
+            request.num_saved_blocks = num_full
 
     # ------------------------------------------------------------------ speculative decoding
 
@@ -631,6 +785,13 @@ class Scheduler:
             the error outputs of requests rejected since the last call.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.kv_connector is not None:
+            self._kv_stats.add_step(model_runner_output)
+            if model_runner_output.kv_loaded or scheduler_output.kv_loads:
+                # Every listed load is answered; a missing answer means nothing loaded.
+                loaded = {t.req_id: 0 for t in scheduler_output.kv_loads}
+                loaded.update(model_runner_output.kv_loaded)
+                self._finish_kv_loads(loaded)
         row_of = {req_id: row for row, req_id in enumerate(model_runner_output.req_ids)}
         stopped = []
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -739,7 +900,12 @@ class Scheduler:
     # ------------------------------------------------------------------ state and stats
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting_for_grammar) + len(self.waiting) + len(self.running)
+        return (
+            len(self.waiting_for_grammar)
+            + len(self.waiting_for_remote_kvs)
+            + len(self.waiting)
+            + len(self.running)
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -784,6 +950,7 @@ class Scheduler:
             running_lora_adapters=_count_adapters(self.running) if self.lora_config else {},
             waiting_lora_adapters=_count_adapters(self.waiting) if self.lora_config else {},
             **self._spec_stats.take(),
+            **(self._kv_stats.take(self.kv_connector) if self.kv_connector is not None else {}),
         )
 
 
@@ -836,4 +1003,40 @@ class _SpecStats:
             "spec_accepted_per_pos": self.accepted_per_pos,
         }
         self._reset()
+        return fields
+
+
+class _KVStats:
+    """KV-connector figures since the last SchedulerStats."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+        self.hits = 0
+        self.store_ok = True
+        self.seconds: list[float] = []
+        self.bytes_loaded = 0
+        self.bytes_saved = 0
+
+    def add_step(self, output: ModelRunnerOutput) -> None:
+        self.store_ok = output.kv_store_ok
+        self.seconds.extend(output.kv_transfer_seconds)
+        self.bytes_loaded += output.kv_bytes_loaded
+        self.bytes_saved += output.kv_bytes_saved
+
+    def take(self, connector: SchedulerConnector) -> dict:
+        store = connector.store_stats()
+        fields = {
+            "external_prefix_cache_queries": self.queries,
+            "external_prefix_cache_hits": self.hits,
+            "kv_store_up": connector.store_up and self.store_ok,
+            "kv_transfer_seconds": self.seconds,
+            "kv_bytes_loaded": self.bytes_loaded,
+            "kv_bytes_saved": self.bytes_saved,
+        }
+        if store is not None:
+            fields["kv_store_usage"] = store.used_bytes / max(store.capacity_bytes, 1)
+            fields["kv_store_hits"] = store.hits
+            fields["kv_store_misses"] = store.misses
+        self.queries = self.hits = self.bytes_loaded = self.bytes_saved = 0
+        self.seconds = []
         return fields

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvserve.services.scheduler.block_pool import KVCacheBlock
 from kvserve.services.scheduler.request import Request
+from kvserve.shared.messages import KVBlockTransfer
 
 
 @dataclass
@@ -23,6 +24,10 @@ class StepPlan:
     # after the step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens_to_propose: dict[str, int] = field(default_factory=dict)
+    # KV connector transfers (SchedulerOutput.kv_saves_before / kv_loads / kv_saves).
+    kv_saves_before: list[KVBlockTransfer] = field(default_factory=list)
+    kv_loads: list[KVBlockTransfer] = field(default_factory=list)
+    kv_saves: list[KVBlockTransfer] = field(default_factory=list)
 
     def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]) -> None:
         self.num_scheduled_tokens[request.req_id] = num_tokens

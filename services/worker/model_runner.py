@@ -26,6 +26,9 @@ from kvserve.services.worker.logits_processors import LogitsProcessorBatch
 from kvserve.services.worker.models import load_model
 from kvserve.services.worker.parallel_state import (
     broadcast_from_driver,
+    get_tp_group,
+    get_tp_rank,
+    get_tp_size,
     is_driver,
     is_first_pp_rank,
     is_last_pp_rank,
@@ -39,7 +42,7 @@ from kvserve.services.worker.spec_decode.ngram import NgramProposer
 from kvserve.services.worker.spec_decode.rejection_sampler import verify
 from kvserve.shared.config import EngineConfig, SpeculativeConfig
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+from kvserve.shared.messages import KvFingerprint, Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = init_logger(__name__)
 
@@ -90,6 +93,11 @@ class ModelRunner:
             self._init_proposer(self.spec_config)
         self.input_batch: InputBatch | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_connector = None  # a WorkerConnector, with --kv-transfer-config
+        if config.kv_transfer_config is not None and not (
+            self.is_first_stage and self.is_last_stage
+        ):
+            raise ValueError("KV transfer (--kv-transfer-config) does not run with PP > 1")
 
     # ------------------------------------------------------------------ GEMM paths
 
@@ -152,6 +160,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache
 
+    def kv_fingerprint(self) -> KvFingerprint:
+        """This rank's block layout, as the KV connector's store keys it."""
+        layer = self.attention_layers[0]
+        return KvFingerprint(
+            model=self.config.model.served_name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.block_size,
+            num_layers=len(self.attention_layers),
+            num_kv_heads=layer.num_kv_heads,
+            head_size=layer.head_size,
+            tp_rank=get_tp_rank(),
+        )
+
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block over every layer (a draft model's own layers too)."""
         layer = self.attention_layers[0]
@@ -182,6 +203,12 @@ class ModelRunner:
             self.kv_caches.append(cache)
         if self.draft is not None:
             self.draft.initialize_kv_cache(num_blocks)
+        if self.config.kv_transfer_config is not None:
+            from kvserve.services.kv_store.connector import WorkerConnector
+
+            self.kv_connector = WorkerConnector(
+                self.config.kv_transfer_config, self.kv_fingerprint(), self.kv_caches
+            )
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
             self.config.scheduler.max_num_seqs,
@@ -297,8 +324,49 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        kv_loaded = self._kv_before_forward(so) if self.kv_connector is not None else {}
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
+            return self._kv_after_forward(so, ModelRunnerOutput(), kv_loaded)
+        output = self._execute(so)
+        if self.kv_connector is not None:
+            output = self._kv_after_forward(so, output, kv_loaded)
+        return output
+
+    def _kv_before_forward(self, so: SchedulerOutput) -> dict[str, int]:
+        """Copy out the evicted blocks (their slots are rewritten by this step), then load
+        the external hits; every TP rank keeps the smallest count any rank loaded."""
+        connector = self.kv_connector
+        assert connector is not None
+        if so.kv_saves_before:
+            connector.save(so.kv_saves_before)
+        if not so.kv_loads:
+            return {}
+        loaded = connector.load(so.kv_loads)
+        if get_tp_size() > 1:
+            counts = torch.tensor([loaded[t.req_id] for t in so.kv_loads], dtype=torch.int64)
+            torch.distributed.all_reduce(
+                counts, op=torch.distributed.ReduceOp.MIN, group=get_tp_group()
+            )
+            loaded = {t.req_id: int(n) for t, n in zip(so.kv_loads, counts)}
+        return loaded
+
+    def _kv_after_forward(
+        self, so: SchedulerOutput, output: ModelRunnerOutput, kv_loaded: dict[str, int]
+    ) -> ModelRunnerOutput:
+        connector = self.kv_connector
+        if connector is None:
+            return output
+        if so.kv_saves:
+            connector.save(so.kv_saves)
+        seconds, bytes_loaded, bytes_saved = connector.take_stats()
+        output.kv_loaded = kv_loaded
+        output.kv_store_ok = connector.store_up
+        output.kv_transfer_seconds = seconds
+        output.kv_bytes_loaded = bytes_loaded
+        output.kv_bytes_saved = bytes_saved
+        return output
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
         states = [batch.requests[r] for r in req_ids]

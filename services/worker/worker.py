@@ -14,7 +14,7 @@ from kvserve.services.worker.parallel_state import (
 )
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput
+from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput
 
 logger = init_logger(__name__)
 
@@ -88,6 +88,13 @@ class Worker:
         """This rank's CPU GEMM path per layer shape ({} off CPU)."""
         plan = self.runner.gemm_plan
         return plan.summary() if plan is not None else {}
+
+    @property
+    def kv_fingerprint(self) -> KvFingerprint | None:
+        """This rank's KV block layout when a KV connector is configured, else None."""
+        if self.config.kv_transfer_config is None:
+            return None
+        return self.runner.kv_fingerprint()
 
     def measure_step_costs(self) -> list[tuple[int, float]]:
         """Forward times by query tokens, for adaptive speculation (see ModelRunner)."""

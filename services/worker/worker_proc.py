@@ -183,6 +183,7 @@ class WorkerProc:
             worker.determine_num_blocks(),
             worker.gemm_plan,
             worker.measure_step_costs(),
+            worker.kv_fingerprint,
         )
         sock.send_multipart([READY, self.encoder.encode(ready)])
         scheduler_output_decoder = msgspec.msgpack.Decoder(SchedulerOutput)

@@ -103,6 +103,8 @@ def test_parses_the_api_servers_own_exposition():
         spec_num_draft_tokens=9,
         spec_num_accepted_tokens=5,
         spec_accepted_per_pos=[3, 2, 0],
+        external_prefix_cache_queries=64,
+        external_prefix_cache_hits=32,
     )
     asyncio.run(client._handle_outputs(EngineCoreOutputs(scheduler_stats=stats)))
     values = parse_engine_metrics(metrics.render()[0].decode())
@@ -114,6 +116,8 @@ def test_parses_the_api_servers_own_exposition():
         "spec_decode_num_drafts": 3.0,
         "spec_decode_num_draft_tokens": 9.0,
         "spec_decode_num_accepted_tokens": 5.0,
+        "external_prefix_cache_queries": 64.0,
+        "external_prefix_cache_hits": 32.0,
         **{
             f"request_{phase}_time_seconds_{part}": 0.0
             for phase in ("queue", "prefill", "decode")
@@ -157,4 +161,14 @@ def test_spec_decode_figures_from_the_counters():
     assert "Draft acceptance rate (%):" in report and "62.50" in report
     idle = server_delta(after, after, 0.0)
     assert idle["server_spec_acceptance_rate"] is None
+    assert idle["server_external_prefix_cache_hit_rate"] is None
     assert "acceptance" not in format_server_report(idle)
+
+
+def test_external_prefix_cache_hit_rate():
+    before = {"external_prefix_cache_queries": 100.0, "external_prefix_cache_hits": 10.0}
+    after = {"external_prefix_cache_queries": 300.0, "external_prefix_cache_hits": 160.0}
+    figures = server_delta(before, after, 0.0)
+    assert figures["server_external_prefix_cache_hit_rate"] == 0.75
+    assert "External prefix cache hit rate (%):" in format_server_report(figures)
+    assert "75.00" in format_server_report(figures)
