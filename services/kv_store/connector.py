@@ -170,8 +170,9 @@ class SchedulerConnector:
         """
         if not self.loads_external or len(block_hashes) <= num_local_blocks:
             return 0
-        held = self.store.call(0, "lookup", block_hashes)
-        return max(0, held - num_local_blocks)
+        # From the first block the engine lacks: each hash names its whole prefix, and the
+        # offload tier holds only the blocks the engine evicted (a chain's tail first).
+        return self.store.call(0, "lookup", block_hashes[num_local_blocks:])
 
     @property
     def store_up(self) -> bool:

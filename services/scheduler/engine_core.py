@@ -81,6 +81,9 @@ class EngineCore:
         bound_waiting: bool = False,
     ):
         start = time.perf_counter()
+        self._offload_store = None
+        if config.cache.kv_offloading_size is not None:
+            config = self._start_offload_tier(config)
         self.config = config
         self.executor = make_executor(config, model_dir)
         num_blocks = self.executor.determine_num_blocks()
@@ -128,6 +131,17 @@ class EngineCore:
             num_blocks,
             self.ready.max_model_len,
         )
+
+    def _start_offload_tier(self, config: EngineConfig) -> EngineConfig:
+        """--kv-offloading-size: start this engine's own store and connect through the
+        OffloadingConnector."""
+        from kvserve.services.kv_store.offload import start_offload_store
+
+        if config.kv_transfer_config is not None:
+            raise ValueError("use --kv-offloading-size or --kv-transfer-config, not both")
+        size = int(config.cache.kv_offloading_size * 2**30)
+        self._offload_store, transfer = start_offload_store(size)
+        return msgspec.structs.replace(config, kv_transfer_config=transfer)
 
     def _make_kv_connector(self, config: EngineConfig):
         if config.kv_transfer_config is None:
@@ -206,3 +220,7 @@ class EngineCore:
         self.executor.shutdown()
         if self.scheduler.kv_connector is not None:
             self.scheduler.kv_connector.close()
+        if self._offload_store is not None:
+            from kvserve.services.kv_store.offload import stop_offload_store
+
+            stop_offload_store(self._offload_store)

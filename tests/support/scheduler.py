@@ -42,6 +42,7 @@ def create_scheduler(
     log_stats: bool = True,
     speculative_config: SpeculativeConfig | None = None,
     step_costs: list[tuple[int, float]] | None = None,
+    kv_connector=None,
 ) -> Scheduler:
     """A Scheduler over `num_blocks` KV blocks (block 0 is the null block); the knobs are the
     config fields of the same names."""
@@ -65,6 +66,7 @@ def create_scheduler(
         log_stats,
         speculative_config=speculative_config,
         step_costs=step_costs,
+        kv_connector=kv_connector,
     )
 
 
