@@ -2,7 +2,8 @@
 one server and their supervision.
 
     kvserve serve (this process: api + uvicorn, no torch)
-      ├── DPCoordinator (spawned, only with --data-parallel-size > 1; no torch)
+      ├── DPCoordinator (spawned, only with more than one engine core; no torch)
+      ├── KvStore (spawned, only with --prefill-size/--decode-size; no torch)
       └── EngineCore_0 .. EngineCore_{L-1} (spawned; run_engine_core; torch)
             └── workers (the `mp` executor, when TP x PP > 1)
 
@@ -16,6 +17,12 @@ seconds, stop the engines (which stop their workers) and the coordinator, exit 0
 Multi-node (`--data-parallel-size-local L0 < N`): the front end binds its sockets on
 --data-parallel-address (tcp, ports the OS picks) and answers the registration of headless
 nodes on --data-parallel-rpc-port; `kvserve serve --headless` nodes run engines only.
+
+P/D disaggregation (`--prefill-size N --decode-size M`): a KV store on an ipc:// address in a
+fresh temporary folder, engines 0..N-1 with kv_role kv_producer and N..N+M-1 with kv_consumer,
+each a KvStoreConnector to that store. The api sends each request to a prefill engine first
+(max_tokens 1), then to a decode engine (see services/api/mp_client.py). The store stops
+after the engines, and takes its shared memory with it.
 """
 
 from __future__ import annotations
@@ -24,10 +31,15 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import multiprocessing.connection
+import os
+import shutil
 import signal
+import tempfile
 import threading
+import time
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import psutil
 
 from kvserve.services.api.engine_client import EngineDeadError
@@ -44,8 +56,11 @@ from kvserve.shared.config import (
     EngineOptions,
     FrontendConfig,
     HTTPConfig,
+    KvStoreOptions,
+    KVTransferConfig,
     LoRAConfig,
     ModelConfig,
+    PDConfig,
     ServeOptions,
 )
 from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
@@ -164,6 +179,88 @@ def stop_engine_process(
         process.pid,
         _describe_exit(process.exitcode),
     )
+
+
+class KvStoreProcess:
+    """The P/D KV store: a spawned `kvserve kv-store` on an ipc:// socket in a folder of its own.
+
+    Args:
+        size: bytes of KV blocks it holds at most (--kv-store-size).
+    """
+
+    START_TIMEOUT_S = 60.0
+
+    def __init__(self, size: int):
+        self.folder = tempfile.mkdtemp(prefix="kvserve-pd-")
+        self.socket_path = os.path.join(self.folder, "kv-store")
+        self.address = f"ipc://{self.socket_path}"
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=_kv_store_main,
+            name="KvStore",
+            args=(KvStoreOptions(address=self.address, size=size), os.getpid()),
+        )
+        self.process.start()
+        logger.info(
+            "started KV store process %s (pid %d) on %s",
+            self.process.name,
+            self.process.pid,
+            self.address,
+        )
+
+    def wait_listening(self) -> None:
+        """Until its socket exists (it binds before it serves); RuntimeError if it exits."""
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while not os.path.exists(self.socket_path):
+            if not self.process.is_alive():
+                raise RuntimeError(
+                    f"KV store process (pid {self.process.pid}) exited with "
+                    f"{_describe_exit(self.process.exitcode)} before it listened"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"KV store not listening on {self.address} in time")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM (it unlinks its shared memory), SIGKILL after ENGINE_STOP_TIMEOUT_S."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(ENGINE_STOP_TIMEOUT_S)
+            if self.process.is_alive():
+                logger.error("KV store ignored SIGTERM; killing it")
+                self.process.kill()
+        self.process.join()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        logger.info("KV store process exited with %s", _describe_exit(self.process.exitcode))
+
+
+def _kv_store_main(options: KvStoreOptions, parent_pid: int) -> None:
+    from kvserve.services.kv_store.server import run_kv_store
+
+    # Ctrl-C reaches the whole process group: the launcher stops the store after the
+    # engines, which may still be saving blocks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_stop_when_orphaned, args=(parent_pid,), daemon=True).start()
+    raise SystemExit(run_kv_store(options))
+
+
+def _stop_when_orphaned(parent_pid: int) -> None:
+    """SIGTERM this process once the launcher is gone (killed), so the store still unlinks
+    its shared memory."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def pd_engine_config(
+    config: EngineConfig, pd: PDConfig, engine_index: int, store_address: str
+) -> EngineConfig:
+    """Engine `engine_index`'s config: a KvStoreConnector to the store, in its P/D role."""
+    transfer = KVTransferConfig(
+        kv_connector="KvStoreConnector",
+        kv_role=pd.kv_role(engine_index),
+        kv_connector_extra_config={"store_address": store_address},
+    )
+    return msgspec.structs.replace(config, kv_transfer_config=transfer)
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -299,9 +396,14 @@ async def _run_api_server(
     load_table_addr: str | None = None,
     routing: DPRouting = "load",
     lora: LoRAConfig | None = None,
+    kv_store_address: str | None = None,
 ) -> int:
     """Load the tokenizer, wait for READY from every engine, serve; always close the channel
-    and stop the engine processes that are ours."""
+    and stop the engine processes that are ours.
+
+    Args:
+        kv_store_address: the P/D KV store this launcher runs (shown in /health), or None.
+    """
     engine_processes = engine_processes or {}
     client = None
     try:
@@ -318,6 +420,7 @@ async def _run_api_server(
                 engine_processes=engine_processes,
                 routing=routing,
                 load_table_addr=load_table_addr,
+                kv_store_address=kv_store_address,
             ),
             stop,
         )
@@ -351,14 +454,30 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
     if dp.headless:
         return run_headless(config, model_dir, layout)
 
+    pd = options.pd
+    num_engines = pd.num_engines if pd.enabled else layout.size
+    num_local_engines = pd.num_engines if pd.enabled else layout.size_local
+
     async def main() -> int:
         stop = _install_stop_handlers()  # before the engines start: never orphan them
         host = layout.address if layout.multi_node else None
         channel = EngineChannel(EngineAddresses.tcp(host) if host else EngineAddresses.local())
-        coordinator = registration = None
+        coordinator = registration = kv_store = None
         try:
+            engine_configs = dict.fromkeys(range(num_local_engines), config)
+            if pd.enabled:
+                kv_store = KvStoreProcess(pd.kv_store_size)
+                try:
+                    await asyncio.to_thread(kv_store.wait_listening)
+                except RuntimeError as exc:
+                    logger.error("exiting with code 1: %s", exc)
+                    return 1
+                engine_configs = {
+                    index: pd_engine_config(config, pd, index, kv_store.address)
+                    for index in engine_configs
+                }
             stats_addr = load_table_addr = None
-            if layout.size > 1:
+            if num_engines > 1:
                 coordinator, coordinator_addrs = await asyncio.to_thread(
                     start_coordinator_process,
                     CoordinatorAddresses.tcp(host) if host else CoordinatorAddresses.local(),
@@ -381,9 +500,14 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
                 )
             engine_processes = {
                 index: start_engine_process(
-                    config, model_dir, channel.addresses, index, stats_addr, layout.size_local
+                    engine_config,
+                    model_dir,
+                    channel.addresses,
+                    index,
+                    stats_addr,
+                    num_local_engines,
                 )
-                for index in range(layout.size_local)
+                for index, engine_config in engine_configs.items()
             }
             return await _run_api_server(
                 config.model,
@@ -394,10 +518,11 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
                 config.model.tokenizer or model_dir,
                 build_app,
                 engine_processes,
-                layout.size,
+                num_engines,
                 load_table_addr,
                 dp.dp_routing,
                 lora=config.lora,
+                kv_store_address=kv_store.address if kv_store else None,
             )
         finally:
             if registration is not None:
@@ -405,6 +530,8 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
                 await asyncio.gather(registration, return_exceptions=True)
             if coordinator is not None:
                 await asyncio.to_thread(_stop_coordinator, coordinator)
+            if kv_store is not None:  # after the engines: they may be saving blocks
+                await asyncio.to_thread(kv_store.stop)
 
     return asyncio.run(main())
 

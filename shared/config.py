@@ -131,10 +131,22 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_gpu_blocks_override: Annotated[
         int | None, _doc("force the number of KV blocks (testing)")
     ] = None
+    kv_offloading_size: Annotated[
+        float | None,
+        _doc(
+            "GiB of CPU memory for a KV offload tier: evicted prefix blocks go to a KV store "
+            "of this size and load back on a later hit (the engine starts the store)"
+        ),
+    ] = None
+    kv_offloading_backend: Annotated[
+        Literal["native"], _doc("the offload tier's store: native (kvserve's kv-store)")
+    ] = "native"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError(f"kv_offloading_size must be positive, got {self.kv_offloading_size}")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -939,12 +951,10 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
     epochs: Annotated[
         int | None, _doc("passes over the training data (default: medusa 2, eagle 3)")
     ] = None
-    lr: Annotated[float | None, _doc("AdamW learning rate (default: medusa 1e-3, eagle 3e-4)")] = (
-        None
-    )
+    lr: Annotated[float | None, _doc("AdamW learning rate (default 1e-3)")] = None
     batch_size: Annotated[
         int | None,
-        _doc("per training step: medusa positions (default 64), eagle sequences (default 4)"),
+        _doc("per training step: medusa positions (default 64), eagle sequences (default 2)"),
     ] = None
     seed: Annotated[int, _doc("seed of the prompt shuffle, the split and the training")] = 0
 
@@ -964,13 +974,13 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def learning_rate(self) -> float:
-        return self.lr if self.lr is not None else {"medusa": 1e-3, "eagle": 3e-4}[self.method]
+        return self.lr if self.lr is not None else 1e-3
 
     @property
     def train_batch_size(self) -> int:
         if self.batch_size is not None:
             return self.batch_size
-        return {"medusa": 64, "eagle": 4}[self.method]
+        return {"medusa": 64, "eagle": 2}[self.method]
 
 
 # ---------------------------------------------------------------------- vLLM flags refused

@@ -7,6 +7,18 @@
 With data parallelism (N > 1 engine cores on the same two sockets) each request goes to the
 engine the DPRouter picks, and every engine is watched on its own.
 
+P/D disaggregation, on when the engines' READY report both kv_producer and other roles:
+
+    generate ─▶ prefill copy ("{child id}-prefill", max_tokens 1) ─▶ a kv_producer engine
+             ◀─ its finish (output dropped; its KV blocks are in the store now)
+             ─▶ the request itself ─▶ a consumer (kv_consumer, kv_both or no role) ─▶ stream
+
+Each stage picks the least loaded engine of its pool (the DPRouter, restricted to the pool).
+A client that goes away during the prefill aborts it on the prefill engine (the decode is
+never sent); during the decode, on the decode engine. A prefill engine that dies is retried
+once on another live one; with none left the request fails (EngineDeadError, a 503). Once a
+pool has no live engine the client is dead, as when no engine at all is left.
+
 Liveness, each of which drops one engine and fails the requests it holds with
 EngineDeadError naming it:
   - a watched process (the engine core, its workers, when on this host) is gone;
@@ -24,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -50,6 +64,7 @@ from kvserve.shared.hashing import get_hash_fn, make_extra_keys
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import lora_extra_key
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.transport import MessageDecoder, MessageEncoder, make_socket
 from kvserve.shared.wire import (
     EngineHeartbeat,
@@ -75,6 +90,29 @@ class EngineStalledError(EngineDeadError):
     """The engine process is alive but its loop has made no progress with work queued."""
 
 
+PREFILL_SUFFIX = "-prefill"  # a prefill copy's engine-core id: the child's id + this
+MAX_PREFILL_ATTEMPTS = 2  # a prefill whose engine died is retried once on another
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """A prefill copy in flight: its engine, and a future set when it ends (None when it
+    finished, the reason when its engine died)."""
+
+    engine_index: int
+    done: asyncio.Future
+
+
+def prefill_request(request: EngineCoreRequest) -> EngineCoreRequest:
+    """The prefill copy of one child: its prompt (and adapter, cache salt, priority) with one
+    greedy token to make, no stop strings, logprobs or constraints."""
+    return msgspec.structs.replace(
+        request,
+        request_id=request.request_id + PREFILL_SUFFIX,
+        sampling_params=SamplingParams(max_tokens=1, temperature=0.0, seed=None),
+    )
+
+
 class MPEngineClient(EngineClient):
     """
     Args:
@@ -84,6 +122,7 @@ class MPEngineClient(EngineClient):
         engines: one EngineConnection per engine core.
         routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
         load_table_addr: the DP coordinator's PUB address (None: no coordinator).
+        kv_store_address: the P/D KV store's address, for /health (None: not known here).
     """
 
     def __init__(
@@ -94,6 +133,7 @@ class MPEngineClient(EngineClient):
         engines: list[EngineConnection],
         routing: DPRouting = "load",
         load_table_addr: str | None = None,
+        kv_store_address: str | None = None,
     ):
         assert engines, "a client needs at least one engine core"
         first = engines[0].handshake
@@ -117,6 +157,15 @@ class MPEngineClient(EngineClient):
         self._child_engine: dict[str, int] = {}  # engine-core request id -> engine index
         self._num_in_flight = {index: 0 for index in self.engines}  # children per engine
         self._dead_event = asyncio.Event()
+        self.kv_store_address = kv_store_address
+        self.prefill_ids, self.decode_ids = _pd_pools(engines)
+        self._prefills: dict[str, _Prefill] = {}  # prefill copy id -> where it runs
+        if self.prefill_ids:
+            logger.info(
+                "P/D disaggregation: prefill engine cores %s, decode engine cores %s",
+                sorted(self.prefill_ids),
+                sorted(self.decode_ids),
+            )
         self._tasks = [
             asyncio.create_task(self._process_outputs(), name="engine-outputs"),
             asyncio.create_task(self._watch_liveness(), name="engine-liveness"),
@@ -141,6 +190,7 @@ class MPEngineClient(EngineClient):
         engine_processes: dict[int, Any] | None = None,
         routing: DPRouting = "load",
         load_table_addr: str | None = None,
+        kv_store_address: str | None = None,
     ) -> MPEngineClient:
         """Wait for READY from engines 0..num_engines-1 on `channel`; return a running client.
 
@@ -157,15 +207,24 @@ class MPEngineClient(EngineClient):
         for engine_index in sorted(ready):
             identity, handshake = ready[engine_index]
             logger.info(
-                "engine core %d ready (pid %d on %s): %d KV blocks, max_model_len %d",
+                "engine core %d ready (pid %d on %s): %d KV blocks, max_model_len %d%s",
                 engine_index,
                 handshake.pid,
                 handshake.hostname,
                 handshake.num_blocks,
                 handshake.max_model_len,
+                f", {handshake.kv_role}" if handshake.kv_role else "",
             )
             engines.append(EngineConnection(identity, handshake, processes.get(engine_index)))
-        return cls(tokenizer_info, model_name, channel, engines, routing, load_table_addr)
+        return cls(
+            tokenizer_info,
+            model_name,
+            channel,
+            engines,
+            routing,
+            load_table_addr,
+            kv_store_address,
+        )
 
     # ------------------------------------------------------------------ health
 
@@ -186,7 +245,11 @@ class MPEngineClient(EngineClient):
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_reason is None and bool(self._serving_engines())
+        """Some engine serves (with P/D: some prefill engine and some decode engine)."""
+        serving = {engine.engine_index for engine in self._serving_engines()}
+        if self.prefill_ids:
+            serving = serving & self.prefill_ids and serving & self.decode_ids
+        return self.dead_reason is None and bool(serving)
 
     @property
     def stall_reason(self) -> str | None:
@@ -200,14 +263,22 @@ class MPEngineClient(EngineClient):
         )
 
     def health_report(self) -> dict:
-        engines = [
-            engine.describe(self.stall_timeout_s) for _, engine in sorted(self.engines.items())
-        ]
+        engines = []
+        for _, engine in sorted(self.engines.items()):
+            entry = engine.describe(self.stall_timeout_s)
+            if engine.handshake.kv_role is not None:
+                entry["kv_role"] = engine.handshake.kv_role
+            engines.append(entry)
         num_serving = sum(entry["state"] == "serving" for entry in engines)
         status = (
             "healthy" if num_serving == len(engines) else "degraded" if num_serving else "unhealthy"
         )
-        return {"status": status, "engines": engines}
+        if self.prefill_ids and not self.is_healthy:
+            status = "unhealthy"  # one of the two stages has no engine
+        report: dict[str, Any] = {"status": status, "engines": engines}
+        if self.kv_store_address is not None:
+            report["kv_store"] = self.kv_store_address
+        return report
 
     def per_engine_stats(self) -> list[tuple[int, SchedulerStats | None, StatsTotals]]:
         return [
@@ -250,11 +321,18 @@ class MPEngineClient(EngineClient):
         for engine_index, future in list(self._utility_futures.values()):
             if engine_index == engine.engine_index and not future.done():
                 future.set_exception(EngineDeadError(reason))
+        for prefill_id, prefill in list(self._prefills.items()):
+            if prefill.engine_index == engine.engine_index:
+                self._end_prefill(prefill_id, reason)  # retried elsewhere, or fails
         self._fail_requests(list(engine.request_ids), reason)
         if num_alive == 0:
             if len(self.engines) > 1:
                 reason = f"all {len(self.engines)} engine cores are dead (the last: {reason})"
             self._fail_all(reason)
+        elif self.prefill_ids:
+            for stage, pool in (("prefill", self.prefill_ids), ("decode", self.decode_ids)):
+                if not self._live_ids(pool):
+                    self._fail_all(f"no {stage} engine core is left (the last: {reason})")
 
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -341,32 +419,64 @@ class MPEngineClient(EngineClient):
             engine = min(serving, key=self._num_waiting)
             raise overloaded(self._num_waiting(engine), engine.handshake.max_waiting_requests)
 
-    async def _send_requests(self, requests: list[EngineCoreRequest]) -> None:
-        # The n children of one request share its prompt: one engine gets them all.
+    def _live_ids(self, pool: Collection[int]) -> list[int]:
+        return [index for index in pool if self.engines[index].is_alive]
+
+    def _choose_engine(
+        self, requests: list[EngineCoreRequest], pool: Collection[int] | None
+    ) -> EngineConnection:
+        """The least loaded engine of `pool` (None: every engine) for these requests."""
         first = requests[0]
+        # Engines with room first; when none has (a race with check_capacity), the
+        # engine refuses past its bound itself.
+        candidates = self._engines_with_room(len(requests)) or self._serving_engines()
+        candidate_ids = [e.engine_index for e in candidates]
+        if pool is not None:
+            candidate_ids = [i for i in candidate_ids if i in pool] or self._live_ids(pool)
+            if not candidate_ids:
+                raise EngineDeadError("no engine core of this stage is left")
+        return self.engines[
+            self.router.choose(
+                first.prompt_token_ids,
+                make_extra_keys(first.cache_salt, lora_extra_key(first.lora_request)),
+                candidate_ids=candidate_ids or None,
+            )
+        ]
+
+    async def _route_and_send(
+        self,
+        requests: list[EngineCoreRequest],
+        pool: Collection[int] | None = None,
+        before_send: Callable[[EngineConnection], None] | None = None,
+    ) -> EngineConnection:
+        """Send the requests to one engine of `pool` (None: any); returns it.
+
+        Args:
+            before_send: called with the chosen engine before the first request goes out.
+        """
         while True:
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
-            # Engines with room first; when none has (a race with check_capacity), the
-            # engine refuses past its bound itself.
-            candidates = self._engines_with_room(len(requests)) or self._serving_engines()
-            serving = [e.engine_index for e in candidates]
-            engine = self.engines[
-                self.router.choose(
-                    first.prompt_token_ids,
-                    make_extra_keys(first.cache_salt, lora_extra_key(first.lora_request)),
-                    candidate_ids=serving or None,
-                )
-            ]
+            engine = self._choose_engine(requests, pool)
+            if before_send is not None:
+                before_send(engine)
             try:
                 for request in requests:
                     await self._send(engine, MsgType.ADD, request)
-                break
+                return engine
             except EngineDeadError:
-                if not any(e.is_alive for e in self.engines.values()):
+                if not self._live_ids(self.engines if pool is None else pool):
                     raise
                 # Unreachable before its heartbeats lapsed: try another engine.
-        parent = self.output_processor.child_to_parent.get(first.request_id)
+
+    async def _send_requests(self, requests: list[EngineCoreRequest]) -> None:
+        # The n children of one request share its prompt: one engine gets them all.
+        decode_pool = None
+        if self.prefill_ids:
+            await self._prefill(requests)
+            decode_pool = self.decode_ids
+        engine = await self._route_and_send(requests, decode_pool)
+        parent = self.output_processor.child_to_parent.get(requests[0].request_id)
         if parent is not None:
             engine.request_ids.add(parent.request_id)
             if len(self.engines) > 1:
@@ -374,6 +484,84 @@ class MPEngineClient(EngineClient):
         for request in requests:
             self._child_engine[request.request_id] = engine.engine_index
         self._num_in_flight[engine.engine_index] += len(requests)
+
+    # ------------------------------------------------------------------ P/D prefill
+
+    async def _prefill(self, requests: list[EngineCoreRequest]) -> None:
+        """Run the children's prompts on a prefill engine (one token each, dropped) and wait
+        until they finish, so that the decode engine finds their KV blocks in the store.
+
+        A cancelled wait (the client went away) aborts them there.
+
+        Raises:
+            EngineDeadError: the prefill engine died, and so did the retry's (or no other
+                prefill engine is left).
+        """
+        copies = [prefill_request(request) for request in requests]
+        loop = asyncio.get_running_loop()
+        failures: list[str] = []
+        prefills: dict[str, _Prefill] = {}
+
+        def track(engine: EngineConnection) -> None:
+            # Before the first ADD: its finish may come back before the last one is sent.
+            self._drop_prefills(prefills)
+            for copy in copies:
+                prefills[copy.request_id] = _Prefill(engine.engine_index, loop.create_future())
+            self._prefills.update(prefills)
+            self._num_in_flight[engine.engine_index] += len(copies)
+
+        try:
+            for _ in range(MAX_PREFILL_ATTEMPTS):
+                engine = await self._route_and_send(copies, self.prefill_ids, track)
+                logger.debug(
+                    "prefill %s -> engine core %d", copies[0].request_id, engine.engine_index
+                )
+                reasons = await asyncio.gather(*(p.done for p in prefills.values()))
+                reason = next((r for r in reasons if r is not None), None)
+                if reason is None:
+                    return
+                failures.append(reason)
+                if self.dead_reason is not None or not self._live_ids(self.prefill_ids):
+                    break
+                logger.warning(
+                    "prefill of %s failed (%s); retrying on another prefill engine core",
+                    requests[0].request_id,
+                    reason,
+                )
+        finally:
+            await self._abort_prefills(prefills)
+        left = "the retry failed too" if len(failures) > 1 else "no prefill engine core is left"
+        raise EngineDeadError(
+            f"the prefill of request {requests[0].request_id} failed: {failures[0]}; {left}"
+        )
+
+    def _end_prefill(self, prefill_id: str, dead_reason: str | None) -> None:
+        prefill = self._prefills.pop(prefill_id, None)
+        if prefill is None:
+            return
+        self._num_in_flight[prefill.engine_index] -= 1
+        if not prefill.done.done():
+            prefill.done.set_result(dead_reason)
+
+    def _drop_prefills(self, prefills: dict[str, _Prefill]) -> None:
+        for prefill_id in prefills:
+            self._end_prefill(prefill_id, None)
+        prefills.clear()
+
+    async def _abort_prefills(self, prefills: dict[str, _Prefill]) -> None:
+        """Abort the copies still running (the wait for them was cancelled)."""
+        running = [pid for pid, p in prefills.items() if self._prefills.get(pid) is p]
+        by_engine: dict[int, list[str]] = {}
+        for prefill_id in running:
+            by_engine.setdefault(prefills[prefill_id].engine_index, []).append(prefill_id)
+        self._drop_prefills(prefills)
+        for engine_index, prefill_ids in by_engine.items():
+            engine = self.engines[engine_index]
+            if engine.is_alive and self.dead_reason is None:
+                try:
+                    await self._send(engine, MsgType.ABORT, prefill_ids)
+                except EngineDeadError:
+                    pass  # a dead engine holds nothing to abort
 
     def _forget_request(self, request_id: str, child_ids: list[str]) -> None:
         for child_id in child_ids:
@@ -407,6 +595,19 @@ class MPEngineClient(EngineClient):
         engine = self.engines.get(outputs.engine_index)
         if engine is not None and outputs.scheduler_stats is not None:
             engine.on_stats(outputs.scheduler_stats)
+        if self._prefills:
+            # Prefill copies end here; the OutputProcessor does not know their ids and
+            # drops their outputs.
+            for output in outputs.outputs:
+                if output.finished and output.request_id in self._prefills:
+                    if output.error is not None:
+                        logger.warning(
+                            "prefill %s failed in the engine (%s); the decode engine "
+                            "computes the prompt itself",
+                            output.request_id,
+                            output.error,
+                        )
+                    self._end_prefill(output.request_id, None)
         await super()._handle_outputs(outputs)
 
     async def _process_outputs(self) -> None:
@@ -501,6 +702,17 @@ class MPEngineClient(EngineClient):
         elif self.dead_reason is None:
             self.dead_reason = reason
         self.channel.close()
+
+
+def _pd_pools(engines: list[EngineConnection]) -> tuple[frozenset[int], frozenset[int]]:
+    """(prefill engine indices, decode engine indices) by the roles the engines reported:
+    kv_producers prefill, every other engine decodes. Both empty unless there are some
+    of each (no P/D)."""
+    prefill = frozenset(e.engine_index for e in engines if e.handshake.kv_role == "kv_producer")
+    decode = frozenset(e.engine_index for e in engines) - prefill
+    if not prefill or not decode:
+        return frozenset(), frozenset()
+    return prefill, decode
 
 
 def _make_router(engines: list[EngineConnection], routing: DPRouting) -> DPRouter:

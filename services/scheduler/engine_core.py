@@ -7,6 +7,7 @@ serves the offline `LLM`; the engine-core process wraps the same object with IO 
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import msgspec
@@ -81,7 +82,7 @@ class EngineCore:
         bound_waiting: bool = False,
     ):
         start = time.perf_counter()
-        self._offload_store = None
+        self._offload_store: subprocess.Popen | None = None
         if config.cache.kv_offloading_size is not None:
             config = self._start_offload_tier(config)
         self.config = config
@@ -139,6 +140,7 @@ class EngineCore:
 
         if config.kv_transfer_config is not None:
             raise ValueError("use --kv-offloading-size or --kv-transfer-config, not both")
+        assert config.cache.kv_offloading_size is not None
         size = int(config.cache.kv_offloading_size * 2**30)
         self._offload_store, transfer = start_offload_store(size)
         return msgspec.structs.replace(config, kv_transfer_config=transfer)

@@ -672,8 +672,11 @@ class Scheduler:
         assert connector is not None
         pool = self.kv_cache_manager.block_pool
         if pool.evicted:
-            hashes, block_ids = zip(*pool.evicted)
-            plan.kv_saves_before.append(KVBlockTransfer("", list(hashes), list(block_ids)))
+            plan.kv_saves_before.append(
+                KVBlockTransfer(
+                    "", [h for h, _ in pool.evicted], [block_id for _, block_id in pool.evicted]
+                )
+            )
             pool.evicted.clear()
         if not connector.saves_computed:
             return

@@ -111,3 +111,33 @@ def test_gpu_profile_reserves_gpus_for_the_cuda_image():
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert service["image"] == "kvserve:cuda"
     assert service["build"]["args"]["TORCH_INDEX_URL"] == "https://pypi.org/simple"
+
+
+def test_pd_profile_runs_a_store_a_prefill_and_a_decode_engine():
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        pytest.skip("Debian's docker-compose is not installed (`make test` installs it)")
+    out = subprocess.run(
+        [tool, "-f", str(REPO_ROOT / "compose.yaml"), "--profile", "pd", "config"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    services = yaml.safe_load(out.stdout)["services"]
+    names = ("kv-store", "api-pd", "engine-prefill", "engine-decode")
+    assert all(services[name]["profiles"] == ["pd"] for name in names)
+    kinds = {name: _parse(services[name]["command"]) for name in names}
+    store, api = kinds["kv-store"][1], kinds["api-pd"][1]
+    assert kinds["kv-store"][0] == "kv-store" and kinds["api-pd"][0] == "api"
+    engines = [kinds[name][1] for name in ("engine-prefill", "engine-decode")]
+    assert api.data_parallel_size == len(engines)
+    assert [e.engine_index for e in engines] == [0, 1]
+    assert [e.engine.kv_transfer_config.kv_role for e in engines] == ["kv_producer", "kv_consumer"]
+    (store_port,) = {addr.rsplit(":", 1)[1] for addr in store.addresses}
+    for engine in engines:
+        extra = engine.engine.kv_transfer_config.kv_connector_extra_config
+        assert extra["store_address"] == f"tcp://kv-store:{store_port}"
+        assert engine.sockets.input_addr == f"tcp://api-pd:{_port(api.sockets.input_addr)}"
+        assert engine.sockets.output_addr == f"tcp://api-pd:{_port(api.sockets.output_addr)}"
