@@ -89,6 +89,7 @@ class ModelRunner:
         self.ngram: NgramProposer | None = None
         self.draft: DraftModelProposer | None = None
         self.medusa = None
+        self.eagle = None
         if self.spec_config is not None:
             self._init_proposer(self.spec_config)
         self.input_batch: InputBatch | None = None
@@ -145,6 +146,10 @@ class ModelRunner:
             self.draft = DraftModelProposer(
                 spec, self.model, self.dtype, self.device, self.block_size
             )
+        elif spec.method == "eagle":
+            from kvserve.services.worker.spec_decode.eagle_proposer import EagleProposer
+
+            self.eagle = EagleProposer(spec, self.model, self.dtype, self.device, self.block_size)
         else:
             from kvserve.services.worker.spec_decode.medusa import MedusaProposer
 
@@ -185,7 +190,8 @@ class ModelRunner:
             * element_size
             * len(self.attention_layers)
         )
-        return target + (self.draft.kv_cache_bytes_per_block() if self.draft else 0)
+        proposer = self.draft or self.eagle
+        return target + (proposer.kv_cache_bytes_per_block() if proposer else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate [2, num_blocks, block_size, Hkv, D] per layer and bind it to the layer."""
@@ -203,6 +209,8 @@ class ModelRunner:
             self.kv_caches.append(cache)
         if self.draft is not None:
             self.draft.initialize_kv_cache(num_blocks)
+        if self.eagle is not None:
+            self.eagle.initialize_kv_cache(num_blocks)
         if self.config.kv_transfer_config is not None:
             from kvserve.services.kv_store.connector import WorkerConnector
 
@@ -462,7 +470,12 @@ class ModelRunner:
                 states, hidden, query_start_loc, num_computed, num_scheduled
             )
         spec_token_ids = {}
-        if so.num_spec_tokens_to_propose and len(sample_idx):
+        if self.eagle is not None:
+            spec_token_ids = self._eagle_step(
+                so, states, rows, num_computed, num_scheduled, num_drafts, query_start_loc, hidden,
+                sampled,
+            )  # fmt: skip
+        elif so.num_spec_tokens_to_propose and len(sample_idx):
             spec_token_ids = self._propose(so, states, rows, sample_idx, hidden, last_rows)
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, spec_token_ids)
 
@@ -534,6 +547,37 @@ class ModelRunner:
                 )
             start += int(counts[j])
         return emitted, out
+
+    def _eagle_step(
+        self, so, states, rows, num_computed, num_scheduled, num_drafts, query_start_loc, hidden,
+        sampled,
+    ) -> dict[str, list[int]]:  # fmt: skip
+        """The EAGLE head's catch-up on every verified position of the step, then its
+        guesses for the requests asked for drafts (every rank runs it)."""
+        assert self.eagle is not None
+        batch = self.input_batch
+        emitted = np.fromiter((len(t) for t in sampled), np.int64, len(sampled))
+        # A request that sampled verified its last token's position and its accepted drafts
+        # (emitted - 1); a prompt chunk, all of its positions.
+        num_verified = np.where(
+            emitted > 0, num_scheduled - num_drafts - 1 + emitted, num_scheduled
+        )
+        offsets = np.arange(int(num_verified.sum())) - np.repeat(
+            np.cumsum(num_verified) - num_verified, num_verified
+        )
+        hidden_rows = np.repeat(query_start_loc[:-1].astype(np.int64), num_verified) + offsets
+        wanted = so.num_spec_tokens_to_propose
+        num_wanted = np.fromiter(
+            (wanted.get(s.req_id, 0) if n else 0 for s, n in zip(states, emitted)),
+            np.int64,
+            len(states),
+        )
+        num_wanted = np.minimum(num_wanted, self.max_model_len - batch.num_tokens[rows])
+        guesses = self.eagle.step(
+            rows, batch.token_ids, batch.block_table, batch.num_blocks, num_computed,
+            num_verified, hidden_rows, hidden, np.maximum(num_wanted, 0),
+        )  # fmt: skip
+        return {s.req_id: g for s, g in zip(states, guesses) if g}
 
     def _propose(self, so, states, rows, sample_idx, hidden, last_rows) -> dict[str, list[int]]:
         """The next step's drafts of the requests that sampled (only the driver's reach

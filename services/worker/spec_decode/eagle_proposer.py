@@ -1,0 +1,175 @@
+"""The EAGLE-1 proposer: the runner's glue around `EagleHead` (eagle.py).
+
+Every target step, the head first catches up on the step's verified positions: for each
+request, the pairs (f_p, x_{p+1}) of the positions whose next token is known now (a prompt
+chunk's positions; for a request that sampled, its last token's position and the accepted
+drafts', each paired with the token that follows it). Their K/V go into the head's own
+paged cache under the target's block ids (its rejected positions are rewritten later, as
+the target's are). Then, for the requests asked for drafts, the head's output at their last
+pair gives the first guess, and each further guess is one single-token step whose input is
+(the head's own previous output, the previous guess). The scheduler reserved lookahead slots
+for those steps (SpeculativeConfig.uses_lookahead_slots). Guesses are greedy.
+
+One approximation: a block reused from the prefix cache holds, at its last slot, the pair
+built with the token that followed it in the request that computed it; a request that
+diverges right at the block boundary reads that pair. It only changes guesses, never output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.services.worker.layers.attention import AttentionMetadata
+from kvserve.services.worker.parallel_state import broadcast_from_driver, get_pp_size
+from kvserve.services.worker.spec_decode.eagle import load_eagle
+from kvserve.shared.config import SpeculativeConfig
+from kvserve.shared.logging import init_logger
+
+logger = init_logger(__name__)
+
+
+class EagleProposer:
+    """
+    Args:
+        config: the speculative config (method eagle, `model` the head's folder).
+        target_model: the target; the head reads its embedding and LM head.
+        dtype, device: the target's.
+        block_size: the KV cache's block size.
+    """
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target_model: torch.nn.Module,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+    ):
+        if get_pp_size() > 1:
+            raise ValueError("eagle speculation does not run with pipeline parallelism")
+        assert config.model is not None, "SpeculativeConfig checks eagle has a model"
+        self.head = load_eagle(config.model, target_model, dtype, device)
+        self.target = target_model
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.attention_layers = self.head.attention_layers
+        logger.info("EAGLE head from %s", config.model)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_size * element_size
+            for layer in self.attention_layers
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        for layer in self.attention_layers:
+            layer.kv_cache = torch.zeros(
+                2,
+                num_blocks,
+                self.block_size,
+                layer.num_kv_heads,
+                layer.head_size,
+                dtype=self.dtype,
+                device=self.device,
+            )
+
+    def _metadata(self, query_lens, seq_lens, slot_mapping, block_table) -> AttentionMetadata:
+        dev = self.device
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        max_seq_len = int(seq_lens.max())
+        num_blocks = -(-max_seq_len // self.block_size)
+        return AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(block_table[:, :num_blocks])).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=max_seq_len,
+        )
+
+    @torch.inference_mode()
+    def step(
+        self,
+        rows: np.ndarray,
+        token_ids: np.ndarray,
+        block_table: np.ndarray,
+        num_blocks: np.ndarray,
+        num_computed: np.ndarray,
+        num_verified: np.ndarray,
+        hidden_rows: np.ndarray,
+        hidden: torch.Tensor,
+        num_drafts: np.ndarray,
+    ) -> list[list[int]]:
+        """Catch up on this step's verified pairs, then guess (every TP rank runs it).
+
+        Args:
+            rows: [B] the step's requests' rows of the arrays below.
+            token_ids: [R, L] each row's tokens (this step's emitted ones appended).
+            block_table: [R, W] each row's block ids.
+            num_blocks: [R] blocks each row holds (bounds the guesses' slots).
+            num_computed: [B] each request's computed tokens before the step.
+            num_verified: [B] positions from num_computed whose next token is known now.
+            hidden_rows: [sum(num_verified)] the target's hidden row of each such position.
+            hidden: the target's final hidden states of the step.
+            num_drafts: [B] guesses wanted (0: catch up only).
+        """
+        bs = self.block_size
+        num_reqs = len(num_computed)
+        active = np.flatnonzero(num_verified > 0)
+        out = np.zeros((num_reqs, int(num_drafts.max(initial=0))), dtype=np.int64)
+        if not len(active):
+            return [[] for _ in range(num_reqs)]
+        lens = num_verified[active]
+        req_of = np.repeat(active, lens)
+        offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        positions = num_computed[req_of] + offsets
+        row_of = rows[req_of]
+        input_ids = token_ids[row_of, positions + 1]
+        slot_mapping = block_table[row_of, positions // bs].astype(np.int64) * bs + positions % bs
+        metadata = self._metadata(
+            lens, num_computed[active] + lens, slot_mapping, block_table[rows[active]]
+        )
+        dev = self.device
+        features = hidden[torch.from_numpy(hidden_rows).to(dev)]
+        h = self.head(
+            torch.from_numpy(input_ids).to(dev),
+            features,
+            torch.from_numpy(positions).to(dev),
+            metadata,
+        )
+        # Guesses, from each asking request's last pair on.
+        ends = np.cumsum(lens) - 1
+        asking = [(j, int(i)) for j, i in enumerate(active) if num_drafts[i] > 0]
+        if not asking:
+            return [[] for _ in range(num_reqs)]
+        reqs = np.array([i for _, i in asking])
+        last_rows = torch.from_numpy(ends[[j for j, _ in asking]]).to(dev)
+        feature = h[last_rows]
+        pos = num_computed[reqs] + num_verified[reqs] - 1  # the last pair's position
+        # Never past the slots a request holds (the lookahead slots included): guess s + 1
+        # writes its pair at position pos + s.
+        wanted = np.minimum(num_drafts[reqs], num_blocks[rows[reqs]] * bs - pos)
+        limit = np.zeros(num_reqs, dtype=np.int64)
+        limit[reqs] = np.maximum(wanted, 0)
+        for step in range(out.shape[1]):
+            guesses = broadcast_from_driver(self.target.compute_logits(feature).argmax(-1))
+            out[reqs, step] = guesses.cpu().numpy()
+            keep = np.flatnonzero(wanted > step + 1)
+            if not len(keep):
+                break
+            reqs, pos, wanted = reqs[keep], pos[keep] + 1, wanted[keep]
+            ids = torch.from_numpy(out[reqs, step]).to(dev)
+            table = block_table[rows[reqs]]
+            slots = table[np.arange(len(reqs)), pos // bs].astype(np.int64) * bs + pos % bs
+            metadata = self._metadata(np.ones(len(reqs), np.int64), pos + 1, slots, table)
+            feature = self.head(
+                ids,
+                feature[torch.from_numpy(keep).to(dev)],
+                torch.from_numpy(pos).to(dev),
+                metadata,
+            )
+        return [out[i, : int(limit[i])].tolist() for i in range(num_reqs)]
