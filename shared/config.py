@@ -246,7 +246,7 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("reasoning parsers are not built yet (reasoning_parser must be '')")
 
 
-SpecMethod = Literal["ngram", "draft_model", "medusa"]
+SpecMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -255,7 +255,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     Args:
         method: ngram (prompt lookup over the request's own tokens), draft_model (a smaller
             model with the target's vocabulary, or the target's first num_draft_layers
-            layers as a self-draft) or medusa (residual heads over the last hidden state).
+            layers as a self-draft), eagle (EAGLE-1: one decoder layer over the target's
+            hidden state and the next token) or medusa (residual heads over the last hidden
+            state).
         num_speculative_tokens: drafts per step at most (k).
         prompt_lookup_min, prompt_lookup_max: ngram: the n-gram lengths matched, longest
             first.
@@ -303,8 +305,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
         elif self.num_draft_layers is not None:
             raise ValueError("num_draft_layers applies to the draft_model method only")
-        if self.method == "medusa" and self.model is None:
-            raise ValueError("medusa needs `model`: the folder of the Medusa heads")
+        if self.method in ("medusa", "eagle") and self.model is None:
+            raise ValueError(f"{self.method} needs `model`: the folder of the draft head")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("the ngram method takes no model")
 
@@ -320,7 +322,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     def uses_lookahead_slots(self) -> bool:
         """The proposer writes K/V past the verified tokens (a draft model's own steps), so
         the scheduler reserves num_speculative_tokens more slots per request."""
-        return self.method == "draft_model"
+        return self.method in ("draft_model", "eagle")
 
 
 KVConnectorName = Literal["KvStoreConnector", "SharedStorageConnector", "OffloadingConnector"]
@@ -949,7 +951,7 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
     )
     max_tokens: Annotated[int, _doc("tokens per generation at most")] = 96
     epochs: Annotated[
-        int | None, _doc("passes over the training data (default: medusa 2, eagle 3)")
+        int | None, _doc("passes over the training data (default: medusa 2, eagle 6)")
     ] = None
     lr: Annotated[float | None, _doc("AdamW learning rate (default 1e-3)")] = None
     batch_size: Annotated[
@@ -970,7 +972,7 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def train_epochs(self) -> int:
-        return self.epochs if self.epochs is not None else {"medusa": 2, "eagle": 3}[self.method]
+        return self.epochs if self.epochs is not None else {"medusa": 2, "eagle": 6}[self.method]
 
     @property
     def learning_rate(self) -> float:

@@ -26,6 +26,7 @@ import torch
 
 from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
 from kvserve.services.worker.parallel_state import broadcast_from_driver, get_pp_size
+from kvserve.services.worker.spec_decode.draft_head import DraftLMHead
 from kvserve.shared.config import SpeculativeConfig
 from kvserve.shared.logging import init_logger
 
@@ -79,6 +80,7 @@ class DraftModelProposer:
             else []
         )
         self.dtype = dtype
+        self.lm_head = DraftLMHead(self.model)
         logger.info(
             "draft model: %s, %d layers, %s KV cache",
             config.model or "the target's first layers",
@@ -174,8 +176,7 @@ class DraftModelProposer:
             hidden = self._forward(
                 torch.from_numpy(token_ids[active]).to(dev), torch.from_numpy(pos).to(dev), metadata
             )
-            logits = self.model.compute_logits(hidden)
-            guesses = broadcast_from_driver(logits.argmax(dim=-1)).cpu().numpy()
+            guesses = broadcast_from_driver(self.lm_head.argmax(hidden)).cpu().numpy()
             out[active, step] = guesses
             token_ids[active] = guesses
         return [out[i, : int(num_drafts[i])].tolist() for i in range(num_reqs)]

@@ -22,6 +22,7 @@ import torch
 
 from kvserve.services.worker.layers.attention import AttentionMetadata
 from kvserve.services.worker.parallel_state import broadcast_from_driver, get_pp_size
+from kvserve.services.worker.spec_decode.draft_head import DraftLMHead
 from kvserve.services.worker.spec_decode.eagle import load_eagle
 from kvserve.shared.config import SpeculativeConfig
 from kvserve.shared.logging import init_logger
@@ -51,6 +52,7 @@ class EagleProposer:
         assert config.model is not None, "SpeculativeConfig checks eagle has a model"
         self.head = load_eagle(config.model, target_model, dtype, device)
         self.target = target_model
+        self.lm_head = DraftLMHead(target_model)
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
@@ -156,7 +158,7 @@ class EagleProposer:
         limit = np.zeros(num_reqs, dtype=np.int64)
         limit[reqs] = np.maximum(wanted, 0)
         for step in range(out.shape[1]):
-            guesses = broadcast_from_driver(self.target.compute_logits(feature).argmax(-1))
+            guesses = broadcast_from_driver(self.lm_head.argmax(feature))
             out[reqs, step] = guesses.cpu().numpy()
             keep = np.flatnonzero(wanted > step + 1)
             if not len(keep):

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.services.worker.spec_decode.draft_head import DraftLMHead
+
 LMHeadKind = Literal["per_head", "single", "target"]
 _VLLM_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -172,6 +174,7 @@ class MedusaProposer:
         check_target(heads.config, target_model.config)
         self.heads = heads.eval()
         self.target_model = target_model
+        self.lm_head = DraftLMHead(target_model)
 
     @classmethod
     def load(
@@ -195,7 +198,7 @@ class MedusaProposer:
         argmax of heads 0 .. num_spec - 1."""
         assert 0 < num_spec <= self.num_heads, (num_spec, self.num_heads)
         head_states = self.heads(hidden_states, num_spec)
-        logits = self.heads.compute_logits(head_states, self.target_model.compute_logits)
+        logits = self.heads.compute_logits(head_states, self.lm_head.logits)
         draft_ids = logits.argmax(dim=-1)
         if self.heads.token_map is not None:
             draft_ids = self.heads.token_map[draft_ids]

@@ -1,4 +1,5 @@
-"""`kvserve train-draft`: Medusa heads trained by self-distillation on one machine.
+"""`kvserve train-draft`: Medusa heads trained by self-distillation on one machine (an EAGLE-1
+head with `--method eagle`: train_eagle.py, on the same data).
 
 1. kvserve's own engine generates greedy continuations of the prompts (float32).
 2. One no-grad HF transformers forward per sequence gives the final hidden states (after the
@@ -209,16 +210,16 @@ def train_heads(
 ) -> None:
     """AdamW on cross-entropy to the model's own future tokens, cosine-decayed learning rate."""
     generator = torch.Generator().manual_seed(options.seed)
-    num_batches = math.ceil(data.num_positions / options.batch_size)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=options.lr, weight_decay=0.0)
+    num_batches = math.ceil(data.num_positions / options.train_batch_size)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=options.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, T_max=num_batches * options.epochs
+        optimizer, T_max=num_batches * options.train_epochs
     )
     heads.train()
-    bar = tqdm(total=num_batches * options.epochs, desc="Training heads", dynamic_ncols=True)
-    for _ in range(options.epochs):
+    bar = tqdm(total=num_batches * options.train_epochs, desc="Training heads", dynamic_ncols=True)
+    for _ in range(options.train_epochs):
         order = torch.randperm(data.num_positions, generator=generator)
-        for batch in order.split(options.batch_size):
+        for batch in order.split(options.train_batch_size):
             head_states = heads(data.hidden_states[batch])
             logits = heads.compute_logits(head_states, target_logits)
             loss = F.cross_entropy(
@@ -290,7 +291,8 @@ def train_draft(options: TrainDraftOptions, **engine_kwargs) -> DraftRun:
 
 
 def run_train_draft(options: TrainDraftOptions) -> int:
-    """The command: train, write, print the held-out scores."""
+    """The command for Medusa heads: train, write, print the held-out scores (EAGLE:
+    train_eagle.run_train_eagle)."""
     start = time.perf_counter()
     run = train_draft(options)
     elapsed = time.perf_counter() - start
