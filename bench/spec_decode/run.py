@@ -34,8 +34,8 @@ KVSERVE = [sys.executable, "-m", "kvserve.cli"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
 # Requests per run at each concurrency (enough for a few waves at 8 and 32).
-NUM_PROMPTS = {1: 8, 8: 24, 32: 64}
-CHAT_OUTPUT_LEN = 128
+NUM_PROMPTS = {1: 6, 8: 16, 32: 32}
+CHAT_OUTPUT_LEN = 96
 
 
 def spec_config(mode: str) -> dict | None:

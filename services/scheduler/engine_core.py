@@ -202,12 +202,14 @@ class EngineCore:
             self.structured_output_manager.wait_any(
                 self.scheduler.pending_grammar_futures(), _GRAMMAR_WAIT_S
             )
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             runner_output = ModelRunnerOutput()  # nothing for the workers to do or drop
         else:
             runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
         if self._refused:
             outputs, self._refused = self._refused + outputs, []
         return EngineCoreOutputs(

@@ -702,6 +702,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ speculative decoding
 
+    def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """How long a step took from schedule to outputs (the adaptive speculation rule
+        compares it with its cost model)."""
+        if self.spec_policy is not None:
+            self.spec_policy.record_step(
+                scheduler_output.total_num_scheduled_tokens,
+                seconds,
+                bool(scheduler_output.scheduled_spec_decode_tokens),
+            )
+
     def _plan_proposals(self, plan: StepPlan) -> None:
         """How many drafts each request that samples in this step proposes after it (the
         adaptive rule of spec_decode.py, over this step's batch); for a draft model, the

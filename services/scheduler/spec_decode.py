@@ -11,7 +11,11 @@ second, with two measured inputs:
 - `acceptance`: each request's EWMA of the fraction of its drafts accepted (alpha). Under the
   usual independence assumption its j-th draft is accepted with probability alpha ** j.
 - `step_seconds(n)`: the forward's time for n query tokens, measured by the workers at
-  start-up (ModelRunner.measure_step_costs) and interpolated.
+  start-up (ModelRunner.measure_step_costs) and interpolated, then scaled by what the
+  engine's real steps take: an EWMA of measured / modelled step time, one for steps that
+  verify drafts (their sampler and proposer work included) and one for steps that do not.
+  So when drafts cost more than the forward model says (large batches: the verifying path
+  over every draft row, the proposer's own steps), speculation turns down by itself.
 
 A step with B decoding requests emits B tokens at least. Candidate drafts are taken in
 order of falling alpha_r ** j, and each is kept while it raises
@@ -19,7 +23,7 @@ order of falling alpha_r ** j, and each is kept while it raises
 speculating (its alpha ** 1 does not pay for the extra token), and a large batch stops
 altogether (the step time grows with every token). A request whose drafts were turned off
 retries one draft every `_PROBE_INTERVAL` steps, so a change of text can turn them back on,
-unless even a sure draft would not pay in the batch.
+unless a draft of a fresh request's acceptance would not pay in the batch.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ _EWMA_WEIGHT = 0.3
 _INITIAL_ACCEPTANCE = 0.6
 # A request with speculation turned off proposes one draft every this many steps.
 _PROBE_INTERVAL = 16
+# EWMA weight of the newest step's measured / modelled time, and how fast the drafting
+# steps' ratio drifts back to the plain one while no step drafts.
+_STEP_RATIO_WEIGHT = 0.2
+_STALE_DRIFT = 0.02
 
 
 class SpecRequestState:
@@ -89,7 +97,28 @@ class SpecDecodePolicy:
     def __init__(self, config: SpeculativeConfig, step_costs: list[tuple[int, float]]):
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.step_seconds = StepCostModel(step_costs)
+        self.step_cost_model = StepCostModel(step_costs)
+        # Measured / modelled step time, of steps without drafts and with them.
+        self.plain_ratio = 1.0
+        self.spec_ratio = 1.0
+
+    def record_step(self, num_tokens: int, seconds: float, verified_drafts: bool) -> None:
+        """One engine step's real time (schedule to outputs), for the ratios."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        ratio = seconds / self.step_cost_model(num_tokens)
+        if verified_drafts:
+            self.spec_ratio += _STEP_RATIO_WEIGHT * (ratio - self.spec_ratio)
+        else:
+            self.plain_ratio += _STEP_RATIO_WEIGHT * (ratio - self.plain_ratio)
+            # Without drafts nothing is learned of their cost: the estimate drifts back to
+            # the plain one, so a batch that shrank gets to try speculation again.
+            self.spec_ratio += _STALE_DRIFT * (self.plain_ratio - self.spec_ratio)
+
+    def step_seconds(self, num_tokens: int, num_drafts: int = 0) -> float:
+        """The expected step time of num_tokens query tokens, num_drafts of them drafts."""
+        ratio = self.spec_ratio if num_drafts else self.plain_ratio
+        return self.step_cost_model(num_tokens) * ratio
 
     def num_to_propose(
         self, states: list[SpecRequestState], caps: list[int], num_running: int
@@ -120,7 +149,7 @@ class SpecDecodePolicy:
         while heap:
             neg_gain, i, j = heapq.heappop(heap)
             gain = -neg_gain
-            next_seconds = self.step_seconds(base + num_drafts + 1)
+            next_seconds = self.step_seconds(base + num_drafts + 1, num_drafts + 1)
             if (expected_tokens + gain) / next_seconds <= expected_tokens / seconds:
                 break  # the best remaining draft does not pay; the others pay less
             chosen[i] = j
@@ -129,8 +158,11 @@ class SpecDecodePolicy:
             num_drafts += 1
             if j < caps[i]:
                 heapq.heappush(heap, (neg_gain * states[i].acceptance, i, j + 1))
-        # A probe is worth it only while a sure draft would pay in this batch.
-        probe = (base + 1) / self.step_seconds(base + 1) > base / self.step_seconds(base)
+        # A probe is worth it only while a draft of a fresh request's acceptance would pay
+        # in this batch (in a large batch, a probe costs every request the verifying path).
+        probe = (base + _INITIAL_ACCEPTANCE) / self.step_seconds(
+            base + 1, 1
+        ) > base / self.step_seconds(base)
         for i, state in enumerate(states):
             if chosen[i]:
                 state.steps_off = 0

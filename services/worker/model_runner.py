@@ -19,7 +19,12 @@ import torch
 
 from kvserve.kernels import gemm
 from kvserve.services.worker.input_batch import InputBatch, RequestState
-from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
+from kvserve.services.worker.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    bind_kv_caches,
+    kv_cache_bytes_per_block,
+)
 from kvserve.services.worker.layers.embed_head import ParallelLMHead
 from kvserve.services.worker.layers.linear import LinearBase
 from kvserve.services.worker.logits_processors import LogitsProcessorBatch
@@ -180,33 +185,15 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block over every layer (a draft model's own layers too)."""
-        layer = self.attention_layers[0]
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        target = (
-            2
-            * self.block_size
-            * layer.num_kv_heads
-            * layer.head_size
-            * element_size
-            * len(self.attention_layers)
-        )
+        target = kv_cache_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
         proposer = self.draft or self.eagle
         return target + (proposer.kv_cache_bytes_per_block() if proposer else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate [2, num_blocks, block_size, Hkv, D] per layer and bind it to the layer."""
-        for layer in self.attention_layers:
-            cache = torch.zeros(
-                2,
-                num_blocks,
-                self.block_size,
-                layer.num_kv_heads,
-                layer.head_size,
-                dtype=self.dtype,
-                device=self.device,
-            )
-            layer.kv_cache = cache
-            self.kv_caches.append(cache)
+        self.kv_caches = bind_kv_caches(
+            self.attention_layers, num_blocks, self.block_size, self.dtype, self.device
+        )
         if self.draft is not None:
             self.draft.initialize_kv_cache(num_blocks)
         if self.eagle is not None:

@@ -14,7 +14,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.support.kv import assert_no_leaked_blocks
-from tests.support.models import make_tiny_hf_model
+from tests.support.models import save_tiny_parallel_llama
 from tests.support.processes import wait_gone
 
 NUM_TOKENS = 16
@@ -30,17 +30,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    model_dir = str(tmp_path_factory.mktemp("tiny-parallel-llama"))
-    model = make_tiny_hf_model(
-        "llama",
-        vocab_size=128,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    model.save_pretrained(model_dir, safe_serialization=True)
-    return model_dir
+    return save_tiny_parallel_llama(str(tmp_path_factory.mktemp("tiny-parallel-llama")))
 
 
 def _run(model: str, tokenizer: str | None, tp: int, pp: int, run) -> object:

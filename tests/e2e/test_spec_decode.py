@@ -209,21 +209,9 @@ def test_tensor_and_pipeline_parallel(tiny_llama_for_tp, default_model_dir):
 
 @pytest.fixture(scope="module")
 def tiny_llama_for_tp(tmp_path_factory) -> str:
-    """A tiny random Llama (4 layers, 4 heads, 2 KV heads); it borrows the default model's
-    tokenizer, whose first 128 ids are its vocabulary."""
-    from tests.support.models import make_tiny_hf_model
+    from tests.support.models import save_tiny_parallel_llama
 
-    model_dir = str(tmp_path_factory.mktemp("tiny-spec-llama"))
-    model = make_tiny_hf_model(
-        "llama",
-        vocab_size=128,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    model.save_pretrained(model_dir, safe_serialization=True)
-    return model_dir
+    return save_tiny_parallel_llama(str(tmp_path_factory.mktemp("tiny-spec-llama")))
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +238,27 @@ def test_medusa_heads(medusa_heads, prompts, greedy_reference):
     assert_no_leaked_blocks(llm.engine_core.scheduler)
     with pytest.raises(ValueError, match="exceeds the 3 Medusa heads"):
         LLM(dtype="float32", speculative_config={**spec, "num_speculative_tokens": 4})
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tmp_path_factory) -> str:
+    """An EAGLE-1 head for the default model from a short `train-draft --method eagle` run
+    (the real training path; few prompts, so its guesses are weak)."""
+    from kvserve.services.worker.spec_decode.train_eagle import train_eagle
+    from kvserve.shared.config import TrainDraftOptions
+
+    folder = str(tmp_path_factory.mktemp("eagle"))
+    options = TrainDraftOptions(
+        output=folder, method="eagle", num_prompts=12, max_tokens=48, epochs=1, batch_size=2
+    )
+    train_eagle(options)
+    return folder
+
+
+def test_eagle_head(eagle_head, prompts, greedy_reference):
+    spec = {"method": "eagle", "model": eagle_head, "num_speculative_tokens": 3,
+            "adaptive": False}  # fmt: skip
+    llm = LLM(dtype="float32", speculative_config=spec, max_num_batched_tokens=64)
+    _assert_equal(_greedy(llm, prompts), greedy_reference)  # chunked prompts too
+    _assert_accepted_and_rejected(llm)
+    assert_no_leaked_blocks(llm.engine_core.scheduler)

@@ -275,3 +275,19 @@ def write_llama_gguf(path: str, hf_model, quantize: bool) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def save_tiny_parallel_llama(model_dir: str) -> str:
+    """A tiny random Llama that splits over 2 TP ranks and 2 PP stages (4 layers, 4 heads,
+    2 KV heads, tied embeddings, 128-token vocabulary: it borrows the default model's
+    tokenizer, whose first 128 ids are its vocabulary), saved in model_dir."""
+    model = make_tiny_hf_model(
+        "llama",
+        vocab_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir

@@ -131,3 +131,30 @@ class Attention(nn.Module):
             self.sliding_window,
             self.logits_soft_cap,
         )
+
+
+def kv_cache_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over `layers`: K and V of block_size tokens per layer."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return sum(
+        2 * block_size * layer.num_kv_heads * layer.head_size * element_size for layer in layers
+    )
+
+
+def bind_kv_caches(
+    layers: list[Attention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """Allocate a [2, num_blocks, block_size, Hkv, D] paged cache per layer, bind each to its
+    layer (`layer.kv_cache`) and return them in order."""
+    caches = []
+    for layer in layers:
+        layer.kv_cache = torch.zeros(
+            2, num_blocks, block_size, layer.num_kv_heads, layer.head_size, dtype=dtype,
+            device=device,
+        )  # fmt: skip
+        caches.append(layer.kv_cache)
+    return caches

@@ -24,7 +24,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
+from kvserve.services.worker.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    bind_kv_caches,
+    kv_cache_bytes_per_block,
+)
 from kvserve.services.worker.parallel_state import broadcast_from_driver, get_pp_size
 from kvserve.services.worker.spec_decode.draft_head import DraftLMHead
 from kvserve.shared.config import SpeculativeConfig
@@ -91,25 +96,10 @@ class DraftModelProposer:
     # ------------------------------------------------------------------ KV cache
 
     def kv_cache_bytes_per_block(self) -> int:
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_size * element_size
-            for layer in self.attention_layers
-        )
+        return kv_cache_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        for layer in self.attention_layers:
-            layer.kv_cache = torch.zeros(
-                2,
-                num_blocks,
-                self.block_size,
-                layer.num_kv_heads,
-                layer.head_size,
-                dtype=self.dtype,
-                device=self.device,
-            )
-
-    # ------------------------------------------------------------------ one step
+        bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

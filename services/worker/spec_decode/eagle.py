@@ -38,6 +38,7 @@ from kvserve.services.worker.layers.rotary_embedding import rope_parameters_from
 from kvserve.services.worker.models import _default_dtype
 from kvserve.services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from kvserve.services.worker.parallel_state import get_tp_size
+from kvserve.services.worker.spec_decode.checkpoint import read_tensors
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -293,7 +294,7 @@ def load_eagle(
     """An EagleHead from a folder in the published EAGLE-1 layout, in dtype on device (its
     RoPE table stays float32)."""
     config = EagleConfig.from_folder(path)
-    tensors = _read_tensors(path)
+    tensors = read_tensors(path, _WEIGHT_FILES, "eagle")
     with _default_dtype(dtype), torch.device(device):
         head = EagleHead(config, target_model)
     try:
@@ -301,19 +302,6 @@ def load_eagle(
     except ValueError as exc:
         raise ValueError(f"eagle checkpoint {path}: {exc}") from None
     return head.eval()
-
-
-def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    for name in _WEIGHT_FILES:
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            continue
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            return load_file(file)
-        return torch.load(file, map_location="cpu", weights_only=True)
-    raise ValueError(f"eagle checkpoint {path}: none of {', '.join(_WEIGHT_FILES)} found")
 
 
 def save_eagle(

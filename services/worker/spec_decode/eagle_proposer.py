@@ -20,7 +20,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.services.worker.layers.attention import AttentionMetadata
+from kvserve.services.worker.layers.attention import (
+    AttentionMetadata,
+    bind_kv_caches,
+    kv_cache_bytes_per_block,
+)
 from kvserve.services.worker.parallel_state import broadcast_from_driver, get_pp_size
 from kvserve.services.worker.spec_decode.draft_head import DraftLMHead
 from kvserve.services.worker.spec_decode.eagle import load_eagle
@@ -60,23 +64,10 @@ class EagleProposer:
         logger.info("EAGLE head from %s", config.model)
 
     def kv_cache_bytes_per_block(self) -> int:
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_size * element_size
-            for layer in self.attention_layers
-        )
+        return kv_cache_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        for layer in self.attention_layers:
-            layer.kv_cache = torch.zeros(
-                2,
-                num_blocks,
-                self.block_size,
-                layer.num_kv_heads,
-                layer.head_size,
-                dtype=self.dtype,
-                device=self.device,
-            )
+        bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
 
     def _metadata(self, query_lens, seq_lens, slot_mapping, block_table) -> AttentionMetadata:
         dev = self.device

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.services.worker.spec_decode.checkpoint import read_tensors
 from kvserve.services.worker.spec_decode.draft_head import DraftLMHead
 
 LMHeadKind = Literal["per_head", "single", "target"]
@@ -249,28 +250,15 @@ def read_medusa_checkpoint(path: str) -> tuple[MedusaConfig, dict[str, torch.Ten
     with open(config_path) as f:
         raw = json.load(f)
     if raw.get("model_type") == "medusa" or "num_heads" in raw:
-        tensors = _read_tensors(path, _VLLM_WEIGHTS)
+        tensors = read_tensors(path, _VLLM_WEIGHTS, "medusa")
         tensors = {k.removeprefix("medusa_heads."): v for k, v in tensors.items()}
         return _vllm_config(raw, tensors), tensors
     if "medusa_num_heads" in raw:
-        return _from_medusa_layout(raw, _read_tensors(path, _MEDUSA_WEIGHTS))
+        return _from_medusa_layout(raw, read_tensors(path, _MEDUSA_WEIGHTS, "medusa"))
     raise ValueError(
         f"medusa checkpoint {path}: config.json names neither `medusa_num_heads` "
         "(FasterDecoding/Medusa) nor `model_type: medusa` (vLLM)"
     )
-
-
-def _read_tensors(path: str, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    for name in names:
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            continue
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            return load_file(file)
-        return torch.load(file, map_location="cpu", weights_only=True)
-    raise ValueError(f"medusa checkpoint {path}: none of {', '.join(names)} found")
 
 
 def _vllm_config(raw: dict, tensors: dict[str, torch.Tensor]) -> MedusaConfig:

@@ -225,3 +225,20 @@ def test_step_cost_model_interpolates_and_extrapolates():
     assert model(1) == 1.0 and model(2) == pytest.approx(1.1)
     assert model(16) == pytest.approx(2.1 + 0.2 * 8)
     assert StepCostModel([])(10) == pytest.approx(1.0 + 0.02 * 9)
+
+
+def test_drafts_that_cost_more_than_modelled_turn_themselves_off():
+    policy = SpecDecodePolicy(ADAPTIVE, BANDWIDTH_BOUND)
+    states = _states(*[0.8] * 4)
+    assert sum(policy.num_to_propose(states, [4] * 4, 4)) > 0
+    # The engine measures drafting steps at 3x what the forward model says.
+    for _ in range(20):
+        policy.record_step(12, 3 * policy.step_cost_model(12), verified_drafts=True)
+        policy.record_step(4, policy.step_cost_model(4), verified_drafts=False)
+    assert policy.spec_ratio > 2
+    assert policy.num_to_propose(states, [4] * 4, 4) == [0] * 4
+    # Steps without drafts bring the estimate back, and with it the drafts.
+    for _ in range(300):
+        policy.record_step(4, policy.step_cost_model(4), verified_drafts=False)
+    assert policy.spec_ratio < 1.05
+    assert sum(policy.num_to_propose(states, [4] * 4, 4)) > 0
