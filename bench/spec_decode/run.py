@@ -79,7 +79,10 @@ def start_server(mode: str, port: int, log_path: str, model: str | None) -> subp
         if spec is not None:
             args += ["--speculative-config", json.dumps(spec)]
     log = open(log_path, "w")
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    # vLLM runs outside the repository: run with `python -m` from here, its subprocesses
+    # would import this checkout's top-level folders (kernels/, ...) as packages.
+    cwd = tempfile.gettempdir() if mode.startswith("vllm-") else ROOT
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if process.poll() is not None:
