@@ -1,4 +1,4 @@
-"""The `kvserve` command line: serve, api, engine, coordinator, worker, generate, bench.
+"""The `kvserve` command line: serve, api, engine, coordinator, worker, generate, bench, keys.
 
 Each process kind's flags are generated from its options struct (shared/config.py); the
 command then runs with that typed struct, never with the argparse namespace.
@@ -173,6 +173,41 @@ def config_file_argv(path: str) -> list[str]:
     return argv
 
 
+def _run_keys_generate(args: argparse.Namespace) -> int:
+    from kvserve.shared.transport_security import generate_keys
+
+    try:
+        public_file, secret_file = generate_keys(args.dir, keep_existing=args.keep_existing)
+    except (FileExistsError, OSError) as exc:
+        print(f"kvserve keys generate: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"public key: {public_file}\nsecret key: {secret_file}")
+    print(
+        f"copy {args.dir} to every node of the deployment and pass --transport-keys "
+        f"{args.dir} (or set KVSERVE_TRANSPORT_KEYS) to each kvserve command"
+    )
+    return 0
+
+
+def _add_keys_parser(sub: Any) -> None:
+    keys = sub.add_parser("keys", help="keys of the tcp:// transport between processes (CURVE)")
+    actions = keys.add_subparsers(dest="keys_command", required=True)
+    generate = actions.add_parser(
+        "generate",
+        help="write a new deployment keypair into DIR (0700; files 0600)",
+        description="Write one CURVE keypair for the whole deployment, in ZeroMQ's "
+        "certificate format: DIR/kvserve.key (public) and DIR/kvserve.key_secret. Every node "
+        "gets a copy of DIR and runs with --transport-keys DIR.",
+    )
+    generate.add_argument("dir", metavar="DIR", help="the keys folder (made if missing)")
+    generate.add_argument(
+        "--keep-existing",
+        action="store_true",
+        help="if DIR holds a keypair already, keep it and succeed (default: refuse)",
+    )
+    generate.set_defaults(func=_run_keys_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks.tune import add_tune_parser
 
     add_tune_parser(sub)
+    _add_keys_parser(sub)
     return parser
 
 
@@ -222,9 +258,27 @@ def parse_options(argv: list[str] | None = None) -> tuple[str, Any]:
         parser.error(f"{args.command}: {exc}")
 
 
+def configure_command_transport(command: str, options: Any) -> None:
+    """Export the command's --transport-keys / --insecure-transport to the environment, where
+    every socket of this process and of the processes it spawns reads them, and refuse a
+    tcp:// address without keys now, before anything starts: a usage error (exit 2)."""
+    transport = getattr(options, "transport", None)
+    if transport is None:
+        return  # a command without tcp:// sockets of its own (worker, generate)
+    from kvserve.shared.transport_security import TransportSecurityError, configure_transport
+
+    try:
+        configure_transport(
+            transport.transport_keys, transport.insecure_transport, options.socket_addresses
+        )
+    except TransportSecurityError as exc:
+        build_parser().error(f"{command}: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     command, options = parse_options(argv)
     if command in COMMANDS:
+        configure_command_transport(command, options)
         return COMMANDS[command][1](options)
     return options.func(options)
 

@@ -11,12 +11,20 @@ The launcher binds the api's sockets, starts the engine cores, loads the tokeniz
 engines load the model, waits for READY from all N engines (the remote ones too), then serves
 HTTP. An engine process that dies fails its in-flight requests (503, or an error chunk naming
 it); the others serve on; when none is left the launcher exits 1, naming the dead process.
+With --restart-dead-engines the launcher restarts a dead engine core instead (its leftover
+workers killed first; 1 s to 30 s of back-off while it keeps dying young), the api readmits
+it once it says READY, and answers 503 while no engine core serves. The DP coordinator is
+always supervised: one that dies is restarted on the same addresses (engines and the api
+reconnect by themselves; routing runs on the api's own estimates meanwhile).
 SIGTERM / SIGINT: stop accepting, drain in-flight requests for up to --shutdown-timeout
 seconds, stop the engines (which stop their workers) and the coordinator, exit 0.
 
 Multi-node (`--data-parallel-size-local L0 < N`): the front end binds its sockets on
 --data-parallel-address (tcp, ports the OS picks) and answers the registration of headless
-nodes on --data-parallel-rpc-port; `kvserve serve --headless` nodes run engines only.
+nodes on --data-parallel-rpc-port for as long as it runs, so a node that restarts (or comes
+late) joins again; `kvserve serve --headless` nodes run engines only. A headless engine core
+shuts down after KVSERVE_FRONTEND_TIMEOUT_S without a word from the api, and its node then
+exits 0 (start it again to join the next front end).
 
 P/D disaggregation (`--prefill-size N --decode-size M`): a KV store on an ipc:// address in a
 fresh temporary folder, engines 0..N-1 with kv_role kv_producer and N..N+M-1 with kv_consumer,
@@ -29,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import glob
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -63,7 +73,7 @@ from kvserve.shared.config import (
     PDConfig,
     ServeOptions,
 )
-from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
+from kvserve.shared.env import ENGINE_READY_TIMEOUT_S, FRONTEND_TIMEOUT_S
 from kvserve.shared.logging import init_logger
 from kvserve.shared.transport import CoordinatorAddresses, EngineAddresses
 from kvserve.shared.wire import EngineAssignment, EngineRegistration, this_hostname
@@ -100,12 +110,15 @@ def start_engine_process(
     engine_index: int = 0,
     stats_addr: str | None = None,
     num_local_engines: int = 1,
+    frontend_timeout_s: float | None = None,
 ) -> multiprocessing.Process:
     """Spawn an engine core (not a daemon: its `mp` executor has children of its own).
 
     Args:
         stats_addr: the DP coordinator's load address (data parallelism), else None.
         num_local_engines: engine cores on this host (they share its CPU cores).
+        frontend_timeout_s: for engines of a headless node: exit after this long without
+            a message from the api (None: the api is this process, which they watch).
     """
     process = multiprocessing.get_context("spawn").Process(
         target=_engine_main,
@@ -118,6 +131,7 @@ def start_engine_process(
             engine_index,
             stats_addr,
             num_local_engines,
+            frontend_timeout_s,
         ),
     )
     process.start()
@@ -133,6 +147,7 @@ def _engine_main(
     engine_index: int,
     stats_addr: str | None,
     num_local_engines: int,
+    frontend_timeout_s: float | None,
 ) -> None:
     from kvserve.services.scheduler.engine_proc import run_engine_core
 
@@ -146,6 +161,7 @@ def _engine_main(
             watch_parent=True,
             stats_addr=stats_addr,
             num_local_engines=num_local_engines,
+            frontend_timeout_s=frontend_timeout_s,
         )
     )
 
@@ -181,8 +197,110 @@ def stop_engine_process(
     )
 
 
+# A process that dies sooner than this after its start is crash-looping: its next restart
+# waits (1 s, doubling up to MAX_RESTART_DELAY_S); one that lived longer restarts at once.
+RESTART_WINDOW_S = 60.0
+MAX_RESTART_DELAY_S = 30.0
+
+
+class ProcessSupervisor:
+    """Restarts the processes of a dict (engine cores by index, the coordinator) that exit.
+
+    `check()` runs every half second or so (it never waits on a process): a dead process's
+    descendants (an engine's workers, seen while it lived) are killed, and the process
+    starts again through `start(key)` once its back-off is over; the dict holds the new one.
+
+    Args:
+        processes: key -> process; entries are replaced on restart (callers share it).
+        start: starts the process of one key again (may raise: retried after the back-off).
+        name: how the log names the process of one key.
+    """
+
+    def __init__(
+        self,
+        processes: dict,
+        start: Callable[[object], multiprocessing.Process],
+        name: Callable[[object], str],
+    ):
+        self.processes = processes
+        self.start = start
+        self.name = name
+        self.num_restarts = 0
+        now = time.monotonic()
+        self._started_at = dict.fromkeys(processes, now)
+        self._quick_deaths = dict.fromkeys(processes, 0)
+        self._restart_at: dict = {}
+        self._descendants: dict[object, list[psutil.Process]] = {}
+
+    def check(self) -> None:
+        now = time.monotonic()
+        for key, process in list(self.processes.items()):
+            if key in self._restart_at:
+                if now >= self._restart_at[key]:
+                    self._restart(key, now)
+            elif process.is_alive():
+                self._descendants[key] = _descendants(process.pid)
+            else:
+                self._schedule_restart(key, process, now)
+
+    def _schedule_restart(self, key, process: multiprocessing.Process, now: float) -> None:
+        process.join()
+        for leftover in self._descendants.pop(key, []):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftover.kill()
+        lived_s = now - self._started_at[key]
+        self._quick_deaths[key] = self._quick_deaths[key] + 1 if lived_s < RESTART_WINDOW_S else 0
+        quick = self._quick_deaths[key]
+        delay_s = 0.0 if quick == 0 else min(MAX_RESTART_DELAY_S, 2.0 ** (quick - 1))
+        self._restart_at[key] = now + delay_s
+        logger.error(
+            "%s (pid %d) exited with %s after %.0f s; restarting it in %.0f s",
+            self.name(key),
+            process.pid,
+            _describe_exit(process.exitcode),
+            lived_s,
+            delay_s,
+        )
+
+    def _restart(self, key, now: float) -> None:
+        del self._restart_at[key]
+        self._started_at[key] = now
+        try:
+            self.processes[key] = self.start(key)
+        except Exception as exc:  # noqa: BLE001 - a failed start is retried after a back-off
+            logger.error("restarting %s failed: %s", self.name(key), exc)
+            self._quick_deaths[key] += 1
+            self._restart_at[key] = now + min(
+                MAX_RESTART_DELAY_S, 2.0 ** (self._quick_deaths[key] - 1)
+            )
+            return
+        self.num_restarts += 1
+        logger.info(
+            "restarted %s (pid %d; restart %d)",
+            self.name(key),
+            self.processes[key].pid,
+            self.num_restarts,
+        )
+
+    async def run(self, interval_s: float = 0.5) -> None:
+        """check() forever, off the event loop (a start may block for a while)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await asyncio.to_thread(self.check)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
 class KvStoreProcess:
     """The P/D KV store: a spawned `kvserve kv-store` on an ipc:// socket in a folder of its own.
+
+    Supervised like the coordinator: a store that dies is started again on the same address
+    (`respawn`), empty; the engines' clients connect to it afresh and recompute meanwhile.
 
     Args:
         size: bytes of KV blocks it holds at most (--kv-store-size).
@@ -194,18 +312,29 @@ class KvStoreProcess:
         self.folder = tempfile.mkdtemp(prefix="kvserve-pd-")
         self.socket_path = os.path.join(self.folder, "kv-store")
         self.address = f"ipc://{self.socket_path}"
-        self.process = multiprocessing.get_context("spawn").Process(
+        self.size = size
+        self.process = self._spawn()
+
+    def _spawn(self) -> multiprocessing.Process:
+        process = multiprocessing.get_context("spawn").Process(
             target=_kv_store_main,
             name="KvStore",
-            args=(KvStoreOptions(address=self.address, size=size), os.getpid()),
+            args=(KvStoreOptions(address=self.address, size=self.size), os.getpid()),
         )
-        self.process.start()
+        process.start()
         logger.info(
-            "started KV store process %s (pid %d) on %s",
-            self.process.name,
-            self.process.pid,
-            self.address,
+            "started KV store process %s (pid %d) on %s", process.name, process.pid, self.address
         )
+        return process
+
+    def respawn(self) -> multiprocessing.Process:
+        """A new store on the same address, once the old one died (whose shared-memory
+        segments, named after its pid, are unlinked: a killed store cannot)."""
+        for path in glob.glob(f"/dev/shm/kvserve-kv-*-{self.process.pid}"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.process = self._spawn()
+        return self.process
 
     def wait_listening(self) -> None:
         """Until its socket exists (it binds before it serves); RuntimeError if it exits."""
@@ -397,15 +526,21 @@ async def _run_api_server(
     routing: DPRouting = "load",
     lora: LoRAConfig | None = None,
     kv_store_address: str | None = None,
+    restart_engine: Callable[[int], multiprocessing.Process] | None = None,
+    wait_for_restarts: bool = False,
 ) -> int:
     """Load the tokenizer, wait for READY from every engine, serve; always close the channel
     and stop the engine processes that are ours.
 
     Args:
         kv_store_address: the P/D KV store this launcher runs (shown in /health), or None.
+        restart_engine: starts engine core `index` again (--restart-dead-engines), or None.
+        wait_for_restarts: with no engine core left, answer 503 rather than exit (engines
+            restart here, or on a headless node that may rejoin).
     """
-    engine_processes = engine_processes or {}
+    engine_processes = engine_processes if engine_processes is not None else {}
     client = None
+    supervisor = None
     try:
         # The tokenizer loads while the engines load the model.
         tokenizer_info = await asyncio.to_thread(
@@ -421,17 +556,28 @@ async def _run_api_server(
                 routing=routing,
                 load_table_addr=load_table_addr,
                 kv_store_address=kv_store_address,
+                wait_for_restarts=wait_for_restarts or restart_engine is not None,
             ),
             stop,
         )
         if client is None:
             logger.info("stopped before the engines were ready")
             return 0
+        if restart_engine is not None:
+            supervisor = asyncio.create_task(
+                ProcessSupervisor(
+                    engine_processes, restart_engine, lambda index: f"engine core {index}"
+                ).run(),
+                name="engine-supervisor",
+            )
         return await serve_http(client, http, frontend, build_app, stop, lora)
     except EngineDeadError as exc:
         logger.error("exiting with code 1: %s", exc)
         return 1
     finally:
+        if supervisor is not None:  # before the engines stop: none restarts then
+            supervisor.cancel()
+            await asyncio.gather(supervisor, return_exceptions=True)
         if client is not None:
             await client.shutdown()
         else:
@@ -452,7 +598,7 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
     layout = dp.layout(config.parallel.data_parallel_size)
     model_dir = resolve_model_dir(config.model.model)
     if dp.headless:
-        return run_headless(config, model_dir, layout)
+        return run_headless(config, model_dir, layout, dp.restart_dead_engines)
 
     pd = options.pd
     num_engines = pd.num_engines if pd.enabled else layout.size
@@ -462,7 +608,8 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
         stop = _install_stop_handlers()  # before the engines start: never orphan them
         host = layout.address if layout.multi_node else None
         channel = EngineChannel(EngineAddresses.tcp(host) if host else EngineAddresses.local())
-        coordinator = registration = kv_store = None
+        registration = kv_store = coordinator_supervisor = store_supervisor = None
+        coordinators: dict[str, multiprocessing.Process] = {}
         try:
             engine_configs = dict.fromkeys(range(num_local_engines), config)
             if pd.enabled:
@@ -476,6 +623,15 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
                     index: pd_engine_config(config, pd, index, kv_store.address)
                     for index in engine_configs
                 }
+                store = kv_store  # for the closures: the one store of this launch
+                store_supervisor = asyncio.create_task(
+                    ProcessSupervisor(
+                        {"kv_store": store.process},
+                        lambda _: store.respawn(),
+                        lambda _: "KV store",
+                    ).run(),
+                    name="kv-store-supervisor",
+                )
             stats_addr = load_table_addr = None
             if num_engines > 1:
                 coordinator, coordinator_addrs = await asyncio.to_thread(
@@ -485,6 +641,15 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
                 stats_addr, load_table_addr = (
                     coordinator_addrs.stats_addr,
                     coordinator_addrs.publish_addr,
+                )
+                coordinators["coordinator"] = coordinator
+                coordinator_supervisor = asyncio.create_task(
+                    ProcessSupervisor(
+                        coordinators,
+                        lambda _: start_coordinator_process(coordinator_addrs)[0],
+                        lambda _: "DP coordinator",
+                    ).run(),
+                    name="coordinator-supervisor",
                 )
             if layout.multi_node:
                 registration = asyncio.create_task(
@@ -498,17 +663,18 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
                         ),
                     ).serve()
                 )
-            engine_processes = {
-                index: start_engine_process(
-                    engine_config,
+
+            def start_engine(index: int) -> multiprocessing.Process:
+                return start_engine_process(
+                    engine_configs[index],
                     model_dir,
                     channel.addresses,
                     index,
                     stats_addr,
                     num_local_engines,
                 )
-                for index, engine_config in engine_configs.items()
-            }
+
+            engine_processes = {index: start_engine(index) for index in engine_configs}
             return await _run_api_server(
                 config.model,
                 options.http,
@@ -523,12 +689,15 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
                 dp.dp_routing,
                 lora=config.lora,
                 kv_store_address=kv_store.address if kv_store else None,
+                restart_engine=start_engine if dp.restart_dead_engines else None,
+                wait_for_restarts=layout.multi_node,
             )
         finally:
-            if registration is not None:
-                registration.cancel()
-                await asyncio.gather(registration, return_exceptions=True)
-            if coordinator is not None:
+            for task in (registration, coordinator_supervisor, store_supervisor):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            for coordinator in coordinators.values():
                 await asyncio.to_thread(_stop_coordinator, coordinator)
             if kv_store is not None:  # after the engines: they may be saving blocks
                 await asyncio.to_thread(kv_store.stop)
@@ -544,9 +713,13 @@ def _stop_coordinator(process: multiprocessing.Process) -> None:
         process.join()
 
 
-def run_headless(config: EngineConfig, model_dir: str, layout: DPLayout) -> int:
+def run_headless(
+    config: EngineConfig, model_dir: str, layout: DPLayout, restart_dead_engines: bool = False
+) -> int:
     """`kvserve serve --headless`: register this node's engines with the front end, run them
-    until SIGTERM/SIGINT (0) or until one of them exits (1, after stopping the others)."""
+    until SIGTERM/SIGINT (0), until one of them stops because the front end is gone (0), or
+    until one fails (1, after stopping the others; restarted instead with
+    `restart_dead_engines`)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -564,28 +737,52 @@ def run_headless(config: EngineConfig, model_dir: str, layout: DPLayout) -> int:
     if assignment is None:
         return 0  # stopped while registering
     addresses = EngineAddresses(assignment.input_addr, assignment.output_addr)
-    processes = [
-        start_engine_process(
-            config, model_dir, addresses, index, assignment.stats_addr, layout.size_local
+    frontend_timeout_s = FRONTEND_TIMEOUT_S.get()
+
+    def start_engine(index: int) -> multiprocessing.Process:
+        return start_engine_process(
+            config,
+            model_dir,
+            addresses,
+            index,
+            assignment.stats_addr,
+            layout.size_local,
+            frontend_timeout_s,
         )
-        for index in engine_indices
-    ]
+
+    processes = {index: start_engine(index) for index in engine_indices}
+    supervisor = ProcessSupervisor(processes, start_engine, lambda index: f"engine core {index}")
     exit_code = 0
     try:
-        sentinels = [process.sentinel for process in processes]
         while not stop.is_set():
-            if multiprocessing.connection.wait(sentinels, timeout=0.5):
-                exited = next(p for p in processes if not p.is_alive())
+            running = [p.sentinel for p in processes.values() if p.exitcode is None]
+            if running:
+                multiprocessing.connection.wait(running, timeout=0.5)
+            else:
+                time.sleep(0.5)  # all of them wait for a restart
+            exited = [p for p in processes.values() if p.exitcode is not None]
+            if any(p.exitcode == 0 for p in exited):
+                # The engine stopped itself: the api went silent (FRONTEND_TIMEOUT_S).
+                logger.error(
+                    "engine core process %s stopped: the front end at %s is gone; stopping "
+                    "this node",
+                    next(p.name for p in exited if p.exitcode == 0),
+                    assignment.input_addr,
+                )
+                break
+            if exited and not restart_dead_engines:
                 logger.error(
                     "engine core process %s (pid %d) exited with %s; stopping this node",
-                    exited.name,
-                    exited.pid,
-                    _describe_exit(exited.exitcode),
+                    exited[0].name,
+                    exited[0].pid,
+                    _describe_exit(exited[0].exitcode),
                 )
                 exit_code = 1
                 break
+            if restart_dead_engines:
+                supervisor.check()
     finally:
-        for process in processes:
+        for process in processes.values():
             stop_engine_process(process)
     return exit_code
 
@@ -629,6 +826,7 @@ def run_engine(options: EngineOptions) -> int:
         options.sockets.output_addr,
         options.engine_index,
         stats_addr=options.stats_addr,
+        frontend_timeout_s=FRONTEND_TIMEOUT_S.get(),
     )
 
 

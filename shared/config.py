@@ -4,9 +4,9 @@ options, one frozen struct per area.
 - Engine: ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig and
   StructuredOutputsConfig, composed into EngineConfig (what `LLM(**kwargs)` and every engine
   process take).
-- Launch: HTTPConfig, DataParallelConfig, EngineSockets, composed into one options struct per
-  process kind (ServeOptions, APIOptions, EngineOptions, CoordinatorOptions, WorkerOptions,
-  GenerateOptions).
+- Launch: HTTPConfig, DataParallelConfig, EngineSockets, TransportConfig, composed into one
+  options struct per process kind (ServeOptions, APIOptions, EngineOptions,
+  CoordinatorOptions, KvStoreOptions, WorkerOptions, GenerateOptions).
 
 Every field carries a description (msgspec.Meta) that shared/cli_args.py turns into the flag's
 --help text: each command's flags are generated from its options struct. Facts learned at
@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvserve.shared.cli_args import RefusedFlag
-from kvserve.shared.env import API_KEY, VLLM_API_KEY
+from kvserve.shared.env import API_KEY, INSECURE_TRANSPORT, TRANSPORT_KEYS, VLLM_API_KEY
 from kvserve.shared.lora import LoRAModulePath
 from kvserve.shared.shm_ring import ShmRingHandle
 
@@ -189,15 +189,27 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     pipeline_parallel_size: Annotated[int, _doc("pipeline-parallel stages", aliases=["-pp"])] = 1
     data_parallel_size: Annotated[int, _doc("data-parallel engine cores", aliases=["-dp"])] = 1
     distributed_executor_backend: Annotated[
-        Literal["uni", "mp"] | None,
+        Literal["uni", "mp", "ray"] | None,
         _doc(
-            "uni: worker in the engine process; mp: one process per rank "
-            "(default: uni when TP x PP = 1)",
+            "uni: worker in the engine process; mp: one process per rank; ray: one Ray actor "
+            "per rank on a running Ray cluster, across nodes (`pip install kvserve[ray]`, "
+            "`ray start`) (default: uni when TP x PP = 1, else mp)",
             aliases=["--executor"],
         ),
     ] = None
+    ray_placement_strategy: Annotated[
+        Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+        _doc(
+            "ray executor: how the placement group lays the ranks' bundles over the nodes "
+            "(PACK: as few nodes as fit; SPREAD: as many as possible)"
+        ),
+    ] = "PACK"
     master_addr: Annotated[
-        str, _doc("address the TP/PP worker ranks rendezvous at (torch.distributed TCP store)")
+        str,
+        _doc(
+            "address the TP/PP worker ranks rendezvous at (torch.distributed TCP store; the "
+            "ray executor uses the address of rank 0's node instead)"
+        ),
     ] = "127.0.0.1"
     master_port: Annotated[
         int | None, _doc("port of that rendezvous (default: a free port picked at start-up)")
@@ -354,6 +366,12 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 raise ValueError("SharedStorageConnector needs shared_storage_path")
         elif not extra.get("store_address"):
             raise ValueError(f"{self.kv_connector} needs store_address (the kv-store's address)")
+
+    @property
+    def store_address(self) -> str | None:
+        """The KV store's ipc:// or tcp:// address (None for SharedStorageConnector)."""
+        address = self.kv_connector_extra_config.get("store_address")
+        return None if address is None else str(address)
 
     @property
     def is_producer(self) -> bool:
@@ -663,6 +681,14 @@ class DataParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
         bool, _doc("run engine cores only, registering with the front-end node")
     ] = False
     dp_routing: DPRoutingOption = "load"
+    restart_dead_engines: Annotated[
+        bool,
+        _doc(
+            "restart an engine core process of this node that dies (backing off 1 s to 30 s "
+            "while it keeps dying young); the api readmits it once it is READY and answers "
+            "503 while no engine core serves"
+        ),
+    ] = False
 
     def layout(self, size: int) -> DPLayout:
         """The checked layout of `size` engine cores in all."""
@@ -801,6 +827,35 @@ class EngineSockets(msgspec.Struct, frozen=True, kw_only=True):
     ]
 
 
+class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Security of the tcp:// sockets between kvserve processes (ZeroMQ CURVE).
+
+    The command passes both to the processes it starts through the environment
+    (shared/transport_security.py)."""
+
+    transport_keys: Annotated[
+        str | None,
+        _doc(
+            "folder of the deployment's keypair (`kvserve keys generate DIR`, copied to every "
+            "node): every tcp:// socket is encrypted and admits only peers holding it "
+            f"(default: ${TRANSPORT_KEYS.name})"
+        ),
+    ] = None
+    insecure_transport: Annotated[
+        bool | None,
+        _doc(
+            "allow tcp:// sockets without keys: plain text, and anyone who reaches a port "
+            f"can send to it (default: ${INSECURE_TRANSPORT.name})"
+        ),
+    ] = None
+
+
+def _store_addresses(engine: EngineConfig) -> list[str]:
+    transfer = engine.kv_transfer_config
+    address = transfer.store_address if transfer is not None else None
+    return [] if address is None else [address]
+
+
 class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     """`kvserve serve`: the api in this process, the engine cores (and, with data
     parallelism, the DP coordinator) in child processes."""
@@ -810,11 +865,23 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     frontend: FrontendConfig = msgspec.field(default_factory=FrontendConfig)
     data_parallel: DataParallelConfig = msgspec.field(default_factory=DataParallelConfig)
     pd: PDConfig = msgspec.field(default_factory=PDConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
         self.data_parallel.layout(self.engine.parallel.data_parallel_size)  # checks it
         self.pd.validate(self.engine, self.data_parallel)
         _check_lora_modules(self.frontend, self.engine.lora)
+
+    @property
+    def socket_addresses(self) -> list[str]:
+        """The addresses given on the command line that this launch's sockets use (the
+        others are ipc://, or tcp:// exactly when these are)."""
+        dp = self.data_parallel
+        layout = dp.layout(self.engine.parallel.data_parallel_size)
+        addresses = _store_addresses(self.engine)
+        if layout.multi_node or dp.headless:
+            addresses.append(f"tcp://{layout.address}:{layout.rpc_port}")
+        return addresses
 
 
 def _check_lora_modules(frontend: FrontendConfig, lora: LoRAConfig) -> None:
@@ -837,11 +904,17 @@ class APIOptions(msgspec.Struct, frozen=True, kw_only=True):
         str | None, _doc("the DP coordinator's --publish-addr, e.g. tcp://coordinator:5558")
     ] = None
     dp_routing: DPRoutingOption = "load"
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
         # The engines need --enable-lora (and the same --max-loras) too: the api cannot
         # tell whether theirs match.
         _check_lora_modules(self.frontend, self.lora)
+
+    @property
+    def socket_addresses(self) -> list[str]:
+        addresses = [self.sockets.input_addr, self.sockets.output_addr]
+        return addresses + ([self.load_table_addr] if self.load_table_addr else [])
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -853,6 +926,13 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
     stats_addr: Annotated[
         str | None, _doc("the DP coordinator's --stats-addr, e.g. tcp://coordinator:5557")
     ] = None
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+
+    @property
+    def socket_addresses(self) -> list[str]:
+        addresses = [self.sockets.input_addr, self.sockets.output_addr]
+        addresses += [self.stats_addr] if self.stats_addr else []
+        return addresses + _store_addresses(self.engine)
 
 
 class CoordinatorOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -862,6 +942,11 @@ class CoordinatorOptions(msgspec.Struct, frozen=True, kw_only=True):
     publish_addr: Annotated[
         str, _doc("address to bind for publishing the load table to api servers")
     ] = "tcp://*:5558"
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+
+    @property
+    def socket_addresses(self) -> list[str]:
+        return [self.stats_addr, self.publish_addr]
 
 
 class KvStoreOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -885,6 +970,7 @@ class KvStoreOptions(msgspec.Struct, frozen=True, kw_only=True):
         Literal["cpu", "cuda"],
         _doc("where the blocks live: cpu (shared memory) or cuda (exported with CUDA IPC)"),
     ] = "cpu"
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
         if self.size <= 0 or self.lease_timeout_s <= 0:
@@ -896,6 +982,10 @@ class KvStoreOptions(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def addresses(self) -> list[str]:
         return [addr.strip() for addr in self.address.split(",") if addr.strip()]
+
+    @property
+    def socket_addresses(self) -> list[str]:
+        return self.addresses
 
 
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -48,6 +48,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _flag(text: str) -> bool:
+    value = text.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be 1/true/yes/on or 0/false/no/off")
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -79,6 +88,27 @@ ENGINE_READY_TIMEOUT_S = EnvVar(
     600.0,
     _positive_float,
     "seconds the api waits for an engine core's ready message (model load + KV profile)",
+)
+FRONTEND_TIMEOUT_S = EnvVar(
+    "KVSERVE_FRONTEND_TIMEOUT_S",
+    30.0,
+    _positive_float,
+    "seconds an engine core that is not the api's child (headless, `kvserve engine`) runs "
+    "on without a message from the api before it shuts down",
+)
+WORKER_HEARTBEAT_TIMEOUT_S = EnvVar(
+    "KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S",
+    10.0,
+    _positive_float,
+    "seconds a worker process may go without beating (frozen, e.g. SIGSTOP) before its "
+    "engine core fails",
+)
+RAY_ADDRESS = EnvVar(
+    "RAY_ADDRESS",
+    None,
+    str,
+    "the Ray cluster the ray executor joins, HOST:PORT of its head (Ray's own variable; "
+    "default: the cluster `ray start` last started on this node)",
 )
 OMP_NUM_THREADS = EnvVar(
     "OMP_NUM_THREADS",
@@ -124,4 +154,19 @@ HF_HOME = EnvVar(
     os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
     str,
     "Hugging Face's home folder; its hub/ is the hub cache unless HF_HUB_CACHE is set",
+)
+TRANSPORT_KEYS = EnvVar(
+    "KVSERVE_TRANSPORT_KEYS",
+    None,
+    str,
+    "folder of the deployment's CURVE keypair (`kvserve keys generate DIR`): every tcp:// "
+    "socket between kvserve processes is encrypted and admits only holders of it; "
+    "--transport-keys sets it for the processes a command starts",
+)
+INSECURE_TRANSPORT = EnvVar(
+    "KVSERVE_INSECURE_TRANSPORT",
+    False,
+    _flag,
+    "1 allows tcp:// sockets without keys (plain text, no authentication); "
+    "--insecure-transport sets it for the processes a command starts",
 )

@@ -10,8 +10,10 @@ With data parallelism every engine core connects to the same two api sockets, an
 coordinator (stats_addr: its PULL <- engine PUSH); the api subscribes to the coordinator's load
 table (publish_addr: its PUB -> api SUB).
 
-Same host: ipc:// in the temp folder; across hosts: tcp://. A message is a list of frames:
-the 1-byte `MsgType`, the msgpack payload, then one frame per numpy array too big to inline.
+Same host: ipc:// in a private (0700) folder of the temp folder, each socket file 0600;
+across hosts: tcp://, CURVE-encrypted and authenticated with the deployment's keys
+(shared/transport_security.py). A message is a list of frames: the 1-byte `MsgType`, the
+msgpack payload, then one frame per numpy array too big to inline.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import contextlib
 import os
 import tempfile
 import typing
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,11 +29,33 @@ import msgspec
 import numpy as np
 import zmq
 
+from kvserve.shared.transport_security import secure_tcp_socket
 from kvserve.shared.wire import PAYLOAD_TYPES, MsgType
 
 # Arrays smaller than this travel inside the msgpack payload: a frame costs more than a copy.
 INLINE_ARRAY_MAX_BYTES = 256
 _SCHEMES = ("ipc://", "tcp://", "inproc://")
+IPC_FOLDER_PREFIX = "kvserve-ipc-"
+
+
+def private_ipc_folder() -> str:
+    """A fresh folder of the temp folder that only this user may enter (0700), for ipc://
+    socket files: no other user can connect to what is bound in it."""
+    return tempfile.mkdtemp(prefix=IPC_FOLDER_PREFIX)
+
+
+def remove_ipc_file(addr: str) -> None:
+    """Unlink an ipc:// socket file, which libzmq leaves behind, and its private folder
+    (`private_ipc_folder`) once that is empty; for the side that bound it, once closed."""
+    if not addr.startswith("ipc://"):
+        return
+    path = addr.removeprefix("ipc://")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    folder = os.path.dirname(path)
+    if os.path.basename(folder).startswith(IPC_FOLDER_PREFIX):
+        with contextlib.suppress(OSError):  # not empty: another socket of it is still bound
+            os.rmdir(folder)
 
 
 class EngineAddresses(msgspec.Struct, frozen=True):
@@ -48,17 +71,16 @@ class EngineAddresses(msgspec.Struct, frozen=True):
 
     @classmethod
     def local(cls) -> EngineAddresses:
-        """Fresh ipc:// addresses, unique to this launch, for engines on this host."""
-        base = os.path.join(tempfile.gettempdir(), f"kvserve-{uuid.uuid4().hex[:12]}")
-        return cls(f"ipc://{base}-input", f"ipc://{base}-output")
+        """Fresh ipc:// addresses, unique to this launch, for engines on this host (in a
+        private folder: see `private_ipc_folder`)."""
+        folder = private_ipc_folder()
+        return cls(f"ipc://{folder}/input", f"ipc://{folder}/output")
 
     def remove_ipc_files(self) -> None:
-        """Unlink the ipc:// socket files, which libzmq leaves behind; for the side that
-        bound them, once its sockets are closed."""
+        """Unlink the ipc:// socket files and their private folder; for the side that bound
+        them, once its sockets are closed."""
         for addr in (self.input_addr, self.output_addr):
-            if addr.startswith("ipc://"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(addr.removeprefix("ipc://"))
+            remove_ipc_file(addr)
 
     @classmethod
     def tcp(cls, host: str) -> EngineAddresses:
@@ -80,8 +102,8 @@ class CoordinatorAddresses(msgspec.Struct, frozen=True):
 
     @classmethod
     def local(cls) -> CoordinatorAddresses:
-        base = os.path.join(tempfile.gettempdir(), f"kvserve-{uuid.uuid4().hex[:12]}")
-        return cls(f"ipc://{base}-stats", f"ipc://{base}-load")
+        folder = private_ipc_folder()
+        return cls(f"ipc://{folder}/stats", f"ipc://{folder}/load")
 
     @classmethod
     def tcp(cls, host: str) -> CoordinatorAddresses:
@@ -89,9 +111,7 @@ class CoordinatorAddresses(msgspec.Struct, frozen=True):
 
     def remove_ipc_files(self) -> None:
         for addr in (self.stats_addr, self.publish_addr):
-            if addr.startswith("ipc://"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(addr.removeprefix("ipc://"))
+            remove_ipc_file(addr)
 
 
 def bound_address(sock: zmq.Socket) -> str:
@@ -114,7 +134,10 @@ def make_socket(
     identity: bytes | None = None,
     linger_ms: int = 0,
 ) -> zmq.Socket:
-    """One socket of the engine channel, configured the same way on both ends.
+    """One socket of the engine channel, configured the same way on both ends. Every socket
+    of kvserve is made here, so one place applies the transport's security: a tcp:// socket
+    is a CURVE server (bind) or client with the deployment's keys (TransportSecurityError
+    without keys, unless --insecure-transport), and a bound ipc:// socket file is made 0600.
 
     Args:
         ctx: a zmq.Context or zmq.asyncio.Context (the socket is of the context's kind).
@@ -131,23 +154,40 @@ def make_socket(
             f"(ipc:// on one host, tcp://host:port across hosts)"
         )
     sock = ctx.socket(kind)
-    # No high-water mark: a full queue would drop (PUSH blocks, ROUTER drops) messages we
-    # cannot lose; the scheduler's max_num_seqs already bounds what is in flight.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, linger_ms)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    if kind == zmq.SUB:
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-    if kind == zmq.ROUTER:
-        # Sending to an engine that is not connected raises instead of dropping silently.
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if bind:
-        sock.bind(addr)
-    else:
-        sock.connect(addr)
+    try:
+        # No high-water mark: a full queue would drop (PUSH blocks, ROUTER drops) messages we
+        # cannot lose; the scheduler's max_num_seqs already bounds what is in flight.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if kind == zmq.ROUTER:
+            # Sending to an engine that is not connected raises instead of dropping silently.
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if addr.startswith("tcp://"):
+            secure_tcp_socket(ctx, sock, bind)  # before bind/connect: the handshake needs it
+        if bind:
+            sock.bind(addr)
+            if addr.startswith("ipc://"):
+                _restrict_ipc_file(sock)
+        else:
+            sock.connect(addr)
+    except BaseException:
+        sock.close(linger=0)  # an open socket would block the context's term()
+        raise
     return sock
+
+
+def _restrict_ipc_file(sock: zmq.Socket) -> None:
+    """Owner-only (0600) permissions on a bound ipc:// socket file: connecting needs write
+    permission on it. Folders from `private_ipc_folder` are private already; this covers
+    paths given on the command line (`kvserve kv-store --address ipc://...`)."""
+    path = bound_address(sock).removeprefix("ipc://")
+    if not path.startswith("@"):  # @name: Linux's abstract namespace, no file
+        os.chmod(path, 0o600)
 
 
 class MsgpackEncoder:

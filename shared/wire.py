@@ -27,6 +27,7 @@ class MsgType(enum.IntEnum):
     ADD = 0  # EngineCoreRequest
     ABORT = 1  # list of request ids
     UTILITY = 2  # UtilityCall
+    FRONTEND_HEARTBEAT = 3  # no payload: the api lives (engines not its children watch it)
     # engine core -> api
     READY = 10  # EngineReady, on the DEALER, once, before anything else
     OUTPUTS = 11  # EngineCoreOutputs, one per engine step
@@ -149,6 +150,7 @@ PAYLOAD_TYPES: dict[MsgType, type] = {
     MsgType.ADD: EngineCoreRequest,
     MsgType.ABORT: list[str],
     MsgType.UTILITY: UtilityCall,
+    MsgType.FRONTEND_HEARTBEAT: type(None),
     MsgType.READY: EngineReady,
     MsgType.OUTPUTS: EngineCoreOutputs,
     MsgType.UTILITY_OUTPUT: UtilityOutput,

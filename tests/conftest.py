@@ -16,6 +16,20 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A tcp:// socket needs the deployment's keys (shared/transport_security.py): one keypair for
+# the session, which the processes tests start inherit. Tests of the rules set their own.
+if not os.environ.get("KVSERVE_TRANSPORT_KEYS"):
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+
+    from kvserve.shared.transport_security import generate_keys  # noqa: E402
+
+    _transport_keys_dir = tempfile.mkdtemp(prefix="kvserve-test-keys-")
+    generate_keys(_transport_keys_dir)
+    os.environ["KVSERVE_TRANSPORT_KEYS"] = _transport_keys_dir
+    atexit.register(shutil.rmtree, _transport_keys_dir, True)
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:

@@ -12,6 +12,13 @@ The router hashes prompts exactly as the engines do (shared/hashing.py, their bl
 hash algorithm from the READY handshake) and keeps, per engine, the hashes it routed there:
 an LRU bounded by that engine's number of KV blocks, since the engine cannot cache more. It
 is an estimate (the engine may have evicted a block since), which costs at worst one miss.
+
+With a shared KV store (engines with a KV connector: `kv_role` from READY) the router also
+keeps the hashes that engines which save to the store (kv_producer, kv_both) were sent: the
+store's view, bounded by the engines' blocks together. An engine that loads from the store
+(kv_consumer, kv_both) holds, for routing, the longer of its own chain and the store's: when
+the store has the prefix every such engine does, so the least loaded one gets the request
+instead of the one that computed it first.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ class _EngineView:
     """The router's picture of one engine core."""
 
     num_blocks: int
+    saves_to_store: bool = False
+    loads_from_store: bool = False
     num_waiting: int = 0
     num_running: int = 0
     # Block hashes routed here, least recently used first (values unused).
@@ -89,15 +98,25 @@ class DPRouter:
         self.hash_fn = hash_fn
         self.prefix_slack = prefix_slack
         self._engines: dict[int, _EngineView] = {}
+        self._store = _EngineView(0)  # what engines saved to the shared KV store
         self._last_chosen = -1
 
     @property
     def engine_indices(self) -> list[int]:
         return sorted(self._engines)
 
-    def add_engine(self, engine_index: int, num_blocks: int) -> None:
+    def add_engine(self, engine_index: int, num_blocks: int, kv_role: str | None = None) -> None:
+        """
+        Args:
+            kv_role: the engine's --kv-transfer-config role (None: no KV connector).
+        """
         assert engine_index not in self._engines, engine_index
-        self._engines[engine_index] = _EngineView(num_blocks)
+        self._engines[engine_index] = _EngineView(
+            num_blocks,
+            saves_to_store=kv_role in ("kv_producer", "kv_both"),
+            loads_from_store=kv_role in ("kv_consumer", "kv_both"),
+        )
+        self._store.num_blocks = sum(view.num_blocks for view in self._engines.values())
 
     def remove_engine(self, engine_index: int) -> None:
         """A dead engine gets no more requests."""
@@ -150,7 +169,17 @@ class DPRouter:
         view = self._engines[chosen]
         view.num_waiting += 1
         view.remember(block_hashes)
+        if view.saves_to_store:
+            self._store.remember(block_hashes)
         return chosen
+
+    def num_matched_blocks(self, engine_index: int, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the chain that engine has or can load from the store."""
+        view = self._engines[engine_index]
+        matched = view.num_matched_blocks(block_hashes)
+        if view.loads_from_store and self._store.cached_hashes:
+            matched = max(matched, self._store.num_matched_blocks(block_hashes))
+        return matched
 
     def _prefer_prefix_holder(
         self, candidate_ids: list[int], least_loaded: int, block_hashes: list[bytes]
@@ -163,7 +192,7 @@ class DPRouter:
             view = self._engines[engine_index]
             if view.score > max_score:
                 continue
-            key = (view.num_matched_blocks(block_hashes), -view.score)
+            key = (self.num_matched_blocks(engine_index, block_hashes), -view.score)
             if key > best_key:
                 best, best_key = engine_index, key
         return best

@@ -8,6 +8,7 @@ holds, so that its death fails exactly those.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -16,9 +17,15 @@ import zmq
 import zmq.asyncio
 
 from kvserve.services.api.engine_client import EngineDeadError, StatsTotals
-from kvserve.shared.env import ENGINE_READY_TIMEOUT_S
+from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, ENGINE_READY_TIMEOUT_S
 from kvserve.shared.messages import SchedulerStats
-from kvserve.shared.transport import EngineAddresses, MessageDecoder, bound_address, make_socket
+from kvserve.shared.transport import (
+    EngineAddresses,
+    MessageDecoder,
+    MessageEncoder,
+    bound_address,
+    make_socket,
+)
 from kvserve.shared.wire import EngineHeartbeat, EngineReady, MsgType, this_hostname
 
 
@@ -34,6 +41,9 @@ class EngineChannel:
     def __init__(self, addresses: EngineAddresses):
         self.ctx = zmq.asyncio.Context()
         self.input_socket = make_socket(self.ctx, addresses.input_addr, zmq.ROUTER, bind=True)
+        # A restarted engine core connects with its predecessor's identity: the new
+        # connection takes the identity over (a frozen predecessor may still hold it).
+        self.input_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.output_socket = make_socket(self.ctx, addresses.output_addr, zmq.PULL, bind=True)
         self.addresses = EngineAddresses(
             bound_address(self.input_socket), bound_address(self.output_socket)
@@ -68,7 +78,17 @@ class EngineChannel:
         poller.register(self.output_socket, zmq.POLLIN)
         ready: dict[int, tuple[bytes, EngineReady]] = {}
         deadline = time.monotonic() + timeout_s
+        # The engines that are READY hear from us while the others load (headless ones
+        # stop after KVSERVE_FRONTEND_TIMEOUT_S of silence).
+        heartbeat = MessageEncoder().encode(MsgType.FRONTEND_HEARTBEAT, None)
+        interval_s = ENGINE_HEARTBEAT_INTERVAL_S.get()
+        next_heartbeat = time.monotonic() + interval_s
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_heartbeat:
+                next_heartbeat = time.monotonic() + interval_s
+                for identity, _ in ready.values():
+                    with contextlib.suppress(zmq.ZMQError):  # gone: its death shows below
+                        await self.input_socket.send_multipart([identity, *heartbeat])
             events = dict(await poller.poll(timeout=200))
             if self.input_socket in events:
                 identity, *frames = await self.input_socket.recv_multipart(copy=False)

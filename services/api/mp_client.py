@@ -25,7 +25,20 @@ EngineDeadError naming it:
   - the engine sent its DEAD sentinel;
   - nothing arrived from it for ENGINE_HEARTBEAT_TIMEOUT_S (its output thread beats every
     interval, whatever the busy loop does, so silence means the process is gone or frozen).
-New requests go to the engines left; once none is left the client is dead (`wait_dead`).
+New requests go to the engines left; once none is left the client is dead (`wait_dead`),
+unless it waits for restarts (`--restart-dead-engines`, headless nodes that may rejoin): then
+it answers 503 until an engine is back.
+
+Readmission: an engine core that says READY after start-up (restarted by the launcher or by
+compose, or a headless node that rejoined) takes its index back: the ROUTER hands its identity
+over to the new connection, a live predecessor is dropped first (its requests fail), and the
+new one gets requests as soon as it is admitted. A READY that does not fit (an index outside
+the deployment, another block size or hash, a shorter max_model_len, another KV role) is
+refused and logged.
+
+Engines that are not the api's children watch it in turn: it sends every engine a
+FRONTEND_HEARTBEAT every interval, and they shut down after KVSERVE_FRONTEND_TIMEOUT_S without
+a word from it.
 A loop that is alive but makes no progress while it has work (hung, or one step longer than
 ENGINE_STALL_TIMEOUT_S) gets no new requests while it lasts; /health turns 503 only when no
 engine is serving.
@@ -123,6 +136,10 @@ class MPEngineClient(EngineClient):
         routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
         load_table_addr: the DP coordinator's PUB address (None: no coordinator).
         kv_store_address: the P/D KV store's address, for /health (None: not known here).
+        engine_processes: engine index -> process, for the engines that are our children;
+            the launcher replaces an entry when it restarts that engine.
+        wait_for_restarts: with no engine left, answer 503 and wait for one to say READY
+            again rather than die.
     """
 
     def __init__(
@@ -134,6 +151,8 @@ class MPEngineClient(EngineClient):
         routing: DPRouting = "load",
         load_table_addr: str | None = None,
         kv_store_address: str | None = None,
+        engine_processes: dict[int, Any] | None = None,
+        wait_for_restarts: bool = False,
     ):
         assert engines, "a client needs at least one engine core"
         first = engines[0].handshake
@@ -158,6 +177,10 @@ class MPEngineClient(EngineClient):
         self._num_in_flight = {index: 0 for index in self.engines}  # children per engine
         self._dead_event = asyncio.Event()
         self.kv_store_address = kv_store_address
+        self.engine_processes = engine_processes if engine_processes is not None else {}
+        self.wait_for_restarts = wait_for_restarts
+        self.num_readmissions = 0
+        self._last_death: str | None = None  # the reason the last engine died
         self.prefill_ids, self.decode_ids = _pd_pools(engines)
         self._prefills: dict[str, _Prefill] = {}  # prefill copy id -> where it runs
         if self.prefill_ids:
@@ -169,6 +192,7 @@ class MPEngineClient(EngineClient):
         self._tasks = [
             asyncio.create_task(self._process_outputs(), name="engine-outputs"),
             asyncio.create_task(self._watch_liveness(), name="engine-liveness"),
+            asyncio.create_task(self._receive_readmissions(), name="engine-readmissions"),
         ]
         if load_table_addr is not None:
             self._tasks.append(
@@ -191,15 +215,18 @@ class MPEngineClient(EngineClient):
         routing: DPRouting = "load",
         load_table_addr: str | None = None,
         kv_store_address: str | None = None,
+        wait_for_restarts: bool = False,
     ) -> MPEngineClient:
         """Wait for READY from engines 0..num_engines-1 on `channel`; return a running client.
 
         Args:
             engine_process: engine 0's process (single-engine callers).
-            engine_processes: engine index -> process, for the engines that are our children.
+            engine_processes: engine index -> process, for the engines that are our children
+                (kept, not copied: the launcher updates it when it restarts an engine).
+            wait_for_restarts: see the class.
         """
         timeout_s = ready_timeout_s or ENGINE_READY_TIMEOUT_S.get()
-        processes = dict(engine_processes or {})
+        processes = engine_processes if engine_processes is not None else {}
         if engine_process is not None:
             processes[0] = engine_process
         ready = await channel.wait_all_ready(num_engines, timeout_s, processes)
@@ -224,6 +251,8 @@ class MPEngineClient(EngineClient):
             routing,
             load_table_addr,
             kv_store_address,
+            processes,
+            wait_for_restarts,
         )
 
     # ------------------------------------------------------------------ health
@@ -256,6 +285,8 @@ class MPEngineClient(EngineClient):
         """Why no engine takes requests while some live, or None while one serves."""
         if self.dead_reason is not None or self._serving_engines():
             return None
+        if not self._live_ids(self.engines):
+            return str(self._no_engine_error())
         return "; ".join(
             engine.stall_reason(self.stall_timeout_s)
             for engine in self.engines.values()
@@ -302,11 +333,16 @@ class MPEngineClient(EngineClient):
         await self._dead_event.wait()
         return self.dead_reason
 
-    def _engine_died(self, engine: EngineConnection, reason: str) -> None:
-        """Drop one engine: its requests and utility calls fail; the others serve on."""
+    def _engine_died(self, engine: EngineConnection, reason: str, replaced: bool = False) -> None:
+        """Drop one engine: its requests and utility calls fail; the others serve on.
+
+        Args:
+            replaced: a new process of the same index is being admitted in its place.
+        """
         if engine.dead_reason is not None or self.dead_reason is not None:
             return  # the first cause is the one worth reporting
         engine.dead_reason = reason
+        self._last_death = reason
         self.router.remove_engine(engine.engine_index)
         num_alive = sum(e.is_alive for e in self.engines.values())
         logger.error(
@@ -325,6 +361,22 @@ class MPEngineClient(EngineClient):
             if prefill.engine_index == engine.engine_index:
                 self._end_prefill(prefill_id, reason)  # retried elsewhere, or fails
         self._fail_requests(list(engine.request_ids), reason)
+        # Its children leave the books now, so that a successor of the same index starts
+        # from zero (their generators' own clean-up finds nothing to undo or abort).
+        for child_id, engine_index in list(self._child_engine.items()):
+            if engine_index == engine.engine_index:
+                del self._child_engine[child_id]
+        self._num_in_flight[engine.engine_index] = 0
+        if replaced:
+            return
+        if self.wait_for_restarts:
+            if num_alive == 0 or (self.prefill_ids and not self.is_healthy):
+                logger.error(
+                    "no engine core serves now (%s); answering 503 until a restarted one "
+                    "says READY",
+                    reason,
+                )
+            return
         if num_alive == 0:
             if len(self.engines) > 1:
                 reason = f"all {len(self.engines)} engine cores are dead (the last: {reason})"
@@ -333,6 +385,101 @@ class MPEngineClient(EngineClient):
             for stage, pool in (("prefill", self.prefill_ids), ("decode", self.decode_ids)):
                 if not self._live_ids(pool):
                     self._fail_all(f"no {stage} engine core is left (the last: {reason})")
+
+    def _no_engine_error(self) -> EngineDeadError:
+        return EngineDeadError(
+            f"no engine core is serving (the last one died: {self._last_death}); waiting for "
+            f"a restarted one"
+        )
+
+    async def _receive_readmissions(self) -> None:
+        """Admit every engine core that says READY on the input socket after start-up."""
+        decoder = MessageDecoder((MsgType.READY,))
+        socket = self.channel.input_socket
+        while True:
+            identity, *frames = await socket.recv_multipart(copy=False)
+            try:
+                _, handshake = decoder.decode(frames)
+            except (ValueError, msgspec.ValidationError) as exc:
+                logger.error("dropped a malformed message on the engine input socket: %s", exc)
+                continue
+            self._admit(identity.bytes, handshake)
+
+    def _admit(self, identity: bytes, handshake: EngineReady) -> None:
+        index = handshake.engine_index
+        refusal = self._admission_refusal(handshake)
+        if refusal is not None:
+            logger.error(
+                "refused engine core %d (pid %d on %s): %s",
+                index,
+                handshake.pid,
+                handshake.hostname,
+                refusal,
+            )
+            previous = self.engines.get(index)
+            if previous is not None and previous.is_alive:
+                # Its identity is the newcomer's now (ROUTER_HANDOVER): it is unreachable.
+                self._engine_died(
+                    previous,
+                    f"engine core {index} lost its connection to a process that was refused "
+                    f"(pid {handshake.pid} on {handshake.hostname}: {refusal})",
+                )
+            return
+        previous = self.engines[index]
+        if previous.is_alive:
+            self._engine_died(
+                previous,
+                f"engine core {index} was replaced by a new process (pid {handshake.pid} "
+                f"on {handshake.hostname})",
+                replaced=True,
+            )
+        self.engines[index] = EngineConnection(
+            identity, handshake, self.engine_processes.get(index)
+        )
+        self._num_in_flight[index] = 0
+        self.router.add_engine(index, handshake.num_blocks, handshake.kv_role)
+        self.num_readmissions += 1
+        logger.info(
+            "engine core %d readmitted (pid %d on %s): %d KV blocks; %d of %d engine cores serve",
+            index,
+            handshake.pid,
+            handshake.hostname,
+            handshake.num_blocks,
+            len(self._live_ids(self.engines)),
+            len(self.engines),
+        )
+
+    def _admission_refusal(self, handshake: EngineReady) -> str | None:
+        """Why a late READY cannot take its index back, or None."""
+        if self.dead_reason is not None:
+            return f"the api is shutting down ({self.dead_reason})"
+        previous = self.engines.get(handshake.engine_index)
+        if previous is None:
+            return f"this deployment has engine cores {sorted(self.engines)} only"
+        first = previous.handshake
+        if (
+            handshake.block_size,
+            handshake.enable_prefix_caching,
+            handshake.prefix_caching_hash_algo,
+        ) != (
+            first.block_size,
+            first.enable_prefix_caching,
+            first.prefix_caching_hash_algo,
+        ):
+            return (
+                f"it hashes blocks as (block size {handshake.block_size}, prefix caching "
+                f"{handshake.enable_prefix_caching}, {handshake.prefix_caching_hash_algo}); "
+                f"the deployment as ({first.block_size}, {first.enable_prefix_caching}, "
+                f"{first.prefix_caching_hash_algo})"
+            )
+        if handshake.max_model_len < self.max_model_len:
+            return (
+                f"its max_model_len {handshake.max_model_len} is below the "
+                f"{self.max_model_len} the api admits requests for"
+            )
+        if handshake.kv_role != first.kv_role:
+            return f"its KV role is {handshake.kv_role}, engine core's was {first.kv_role}"
+        return None
 
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -431,6 +578,8 @@ class MPEngineClient(EngineClient):
         # engine refuses past its bound itself.
         candidates = self._engines_with_room(len(requests)) or self._serving_engines()
         candidate_ids = [e.engine_index for e in candidates]
+        if not candidate_ids and not self._live_ids(self.engines):
+            raise self._no_engine_error()
         if pool is not None:
             candidate_ids = [i for i in candidate_ids if i in pool] or self._live_ids(pool)
             if not candidate_ids:
@@ -588,8 +737,14 @@ class MPEngineClient(EngineClient):
         try:
             await self.channel.input_socket.send_multipart(frames, copy=False)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the engine's DEALER is gone
-            self._engine_died(engine, f"engine core {engine.engine_index} is unreachable: {exc}")
-            raise EngineDeadError(engine.dead_reason) from exc
+            dead_process = engine.find_dead_process()
+            reason = (
+                f"{dead_process} died"
+                if dead_process is not None
+                else f"engine core {engine.engine_index} is unreachable: {exc}"
+            )
+            self._engine_died(engine, reason)
+            raise EngineDeadError(engine.dead_reason or reason) from exc
 
     async def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
         engine = self.engines.get(outputs.engine_index)
@@ -664,6 +819,10 @@ class MPEngineClient(EngineClient):
                 dead_process = engine.find_dead_process()
                 if dead_process is not None:
                     self._engine_died(engine, f"{dead_process} died")
+                    continue
+                try:  # engines that are not our children watch for these
+                    await self._send(engine, MsgType.FRONTEND_HEARTBEAT, None)
+                except EngineDeadError:
                     continue
                 silence_s = now - engine.last_message_time
                 if silence_s > self.heartbeat_timeout_s and not waiting:
@@ -740,5 +899,7 @@ def _make_router(engines: list[EngineConnection], routing: DPRouting) -> DPRoute
     )
     router = DPRouter(routing, first.block_size, hash_fn)
     for engine in engines:
-        router.add_engine(engine.engine_index, engine.handshake.num_blocks)
+        router.add_engine(
+            engine.engine_index, engine.handshake.num_blocks, engine.handshake.kv_role
+        )
     return router

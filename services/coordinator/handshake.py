@@ -5,9 +5,9 @@
            ◀─ EngineAssignment (api input/output, coordinator stats addresses) ─┘
     then each engine core connects to those addresses and says READY as a local one does.
 
-The front end answers until every remote rank has registered, then closes the socket: it
-serves once all N engines are READY, and takes no late node in (a node restarted after that
-gets no answer, and its registration times out: restart the front end too).
+The front end serves once all N engines are READY, and answers registrations for as long as
+it runs: a node that restarts (or one whose engines the front end dropped) registers again,
+and the api readmits its engines when they say READY.
 """
 
 from __future__ import annotations
@@ -48,17 +48,18 @@ class RegistrationServer:
         self.ctx = zmq.asyncio.Context()
         self.socket = make_socket(self.ctx, rpc_addr, zmq.ROUTER, bind=True)
         self.rpc_addr = rpc_addr
+        self.remote_indices = frozenset(remote_engine_indices)
         self.pending_indices = set(remote_engine_indices)
         self.assignment = assignment
         self._decoder = msgspec.msgpack.Decoder(EngineRegistration)
 
     async def serve(self) -> None:
-        """Answer registrations until every remote rank has one; then close."""
+        """Answer registrations until cancelled."""
         logger.info(
             "waiting on %s for headless engines %s", self.rpc_addr, sorted(self.pending_indices)
         )
         try:
-            while self.pending_indices:
+            while True:
                 peer, payload = await self.socket.recv_multipart()
                 reply = self._answer(payload)
                 await self.socket.send_multipart([peer, msgspec.msgpack.encode(reply)])
@@ -71,20 +72,22 @@ class RegistrationServer:
         except msgspec.DecodeError as exc:
             logger.error("dropped a malformed registration: %s", exc)
             return EngineAssignment(error=f"malformed registration: {exc}")
-        unexpected = set(registration.engine_indices) - self.pending_indices
+        unexpected = set(registration.engine_indices) - self.remote_indices
         if unexpected or not registration.engine_indices:
             error = (
-                f"engine ranks {sorted(unexpected)} are not expected here (waiting for "
-                f"{sorted(self.pending_indices)}): check --data-parallel-start-rank and "
+                f"engine ranks {sorted(unexpected)} are not expected here (other nodes run "
+                f"{sorted(self.remote_indices)}): check --data-parallel-start-rank and "
                 f"--data-parallel-size-local of node {registration.hostname}"
             )
             logger.error("refused a registration: %s", error)
             return EngineAssignment(error=error)
+        again = not set(registration.engine_indices) <= self.pending_indices
         self.pending_indices -= set(registration.engine_indices)
         logger.info(
-            "headless node %s registered engines %s",
+            "headless node %s registered engines %s%s",
             registration.hostname,
             registration.engine_indices,
+            " again (they replace the ones running now)" if again else "",
         )
         return self.assignment
 
@@ -121,7 +124,8 @@ def register_engines(
                 raise TimeoutError(
                     f"no answer from the front-end node at {rpc_addr} within {timeout_s:.0f} "
                     f"s: is `kvserve serve --data-parallel-address ... "
-                    f"--data-parallel-rpc-port ...` running there?"
+                    f"--data-parallel-rpc-port ...` running there, with the same "
+                    f"--transport-keys as this node?"
                 )
         assignment = msgspec.msgpack.decode(sock.recv(), type=EngineAssignment)
     finally:

@@ -13,12 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 
 from kvserve.shared.config import KVTransferConfig
 from kvserve.shared.logging import init_logger
+from kvserve.shared.transport import private_ipc_folder
 
 logger = init_logger(__name__)
 
@@ -34,8 +33,9 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 
 def start_offload_store(size_bytes: int) -> tuple[subprocess.Popen, KVTransferConfig]:
-    """Start the store on a fresh ipc:// path; returns it and the connector config."""
-    path = os.path.join(tempfile.gettempdir(), f"kvserve-offload-{uuid.uuid4().hex[:12]}")
+    """Start the store on a fresh ipc:// path in a private folder (the store removes both
+    when it stops); returns it and the connector config."""
+    path = os.path.join(private_ipc_folder(), "offload-store")
     address = f"ipc://{path}"
     command = [sys.executable, "-m", "kvserve.cli", "kv-store"]
     command += ["--address", address, "--size", str(size_bytes)]

@@ -51,7 +51,7 @@ from kvserve.shared.messages import (
     KvStatsReply,
     KvStoreRequest,
 )
-from kvserve.shared.transport import make_socket
+from kvserve.shared.transport import make_socket, remove_ipc_file
 
 logger = init_logger(__name__)
 
@@ -158,9 +158,7 @@ class KvStoreServer:
         self._in_flight.clear()
         self.store.close()
         for addr in self.options.addresses:
-            if addr.startswith("ipc://"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(addr.removeprefix("ipc://"))
+            remove_ipc_file(addr)
         logger.info("KV store stopped")
 
     def _on_signal(self, signum: int, frame: Any) -> None:

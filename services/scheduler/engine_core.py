@@ -52,7 +52,12 @@ def make_executor(config: EngineConfig, model_dir: str) -> Executor:
         from kvserve.services.scheduler.mp_executor import MpExecutor
 
         return MpExecutor(config, model_dir)
-    raise ValueError(f"unknown executor {kind!r}; use 'uni' or 'mp'")
+    if kind == "ray":
+        # Lazily: only an engine asked for ray imports it (an optional dependency).
+        from kvserve.services.scheduler.ray_executor import RayExecutor
+
+        return RayExecutor(config, model_dir)
+    raise ValueError(f"unknown executor {kind!r}; use 'uni', 'mp' or 'ray'")
 
 
 def cache_config_info(cache: CacheConfig, num_blocks: int) -> dict[str, str]:

@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, OMP_NUM_THREADS
+from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, FRONTEND_TIMEOUT_S, OMP_NUM_THREADS
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from kvserve.shared.transport import (
@@ -75,6 +75,9 @@ class EngineCoreProc:
         engine_index: this engine's index (its DEALER identity).
         parent_pid: shut down when this process is no longer our parent (None: never).
         stats_addr: the DP coordinator's load address (None: no coordinator).
+        frontend_timeout_s: shut down after this long without a message from the api
+            (which beats every heartbeat interval), for engines that are not its children
+            (None: never).
     """
 
     def __init__(
@@ -83,11 +86,13 @@ class EngineCoreProc:
         engine_index: int = 0,
         parent_pid: int | None = None,
         stats_addr: str | None = None,
+        frontend_timeout_s: float | None = None,
     ):
         self.addresses = addresses
         self.engine_index = engine_index
         self.parent_pid = parent_pid
         self.stats_addr = stats_addr
+        self.frontend_timeout_s = frontend_timeout_s
         self.engine_core: EngineCore | None = None  # start() builds it, once output IO runs
         self.input_queue: queue.Queue[tuple[MsgType | None, Any]] = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
@@ -164,7 +169,7 @@ class EngineCoreProc:
                 try:
                     item = self.input_queue.get(timeout=_IDLE_WAKEUP_S)
                 except queue.Empty:
-                    pass
+                    self._core.executor.check_health()  # an idle engine's workers, too
             self.idle = False
             self._handle_input(*item)
         while True:
@@ -243,7 +248,9 @@ class EngineCoreProc:
 
     def _process_input_socket(self, handshake: EngineReady) -> None:
         """Send READY, then decode every message into the input queue."""
-        decoder = MessageDecoder((MsgType.ADD, MsgType.ABORT, MsgType.UTILITY))
+        decoder = MessageDecoder(
+            (MsgType.ADD, MsgType.ABORT, MsgType.UTILITY, MsgType.FRONTEND_HEARTBEAT)
+        )
         sock = make_socket(
             self._ctx,
             self.addresses.input_addr,
@@ -253,15 +260,21 @@ class EngineCoreProc:
         )
         try:
             sock.send_multipart(MessageEncoder().encode(MsgType.READY, handshake))
+            last_frontend_time = time.monotonic()
             while not self._stop.is_set():
                 if not sock.poll(_INPUT_POLL_MS):
                     self._check_parent_alive()
+                    self._check_frontend_alive(time.monotonic() - last_frontend_time)
                     continue
+                last_frontend_time = time.monotonic()
                 frames = sock.recv_multipart(copy=False)
                 try:
-                    self.input_queue.put_nowait(decoder.decode(frames))
+                    msg_type, payload = decoder.decode(frames)
                 except (ValueError, msgspec.ValidationError) as exc:
                     self._reject_malformed(frames, exc)
+                    continue
+                if msg_type != MsgType.FRONTEND_HEARTBEAT:
+                    self.input_queue.put_nowait((msg_type, payload))
         except Exception as exc:  # noqa: BLE001 - a deaf engine must die loudly
             logger.exception("input thread failed")
             self.input_queue.put_nowait((None, f"input thread failed: {exc!r}"))
@@ -272,6 +285,20 @@ class EngineCoreProc:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             logger.error("parent process %d is gone; shutting down", self.parent_pid)
             self.parent_pid = None
+            os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler exits cleanly
+
+    def _check_frontend_alive(self, silence_s: float) -> None:
+        if self.frontend_timeout_s is not None and silence_s > self.frontend_timeout_s:
+            logger.error(
+                "engine core %d heard nothing from the api at %s for %.0f s (limit %g s, "
+                "%s); shutting down",
+                self.engine_index,
+                self.addresses.input_addr,
+                silence_s,
+                self.frontend_timeout_s,
+                FRONTEND_TIMEOUT_S.name,
+            )
+            self.frontend_timeout_s = None
             os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler exits cleanly
 
     def _reject_malformed(self, frames: list[zmq.Frame], exc: Exception) -> None:
@@ -382,6 +409,7 @@ def run_engine_core(
     watch_parent: bool = False,
     stats_addr: str | None = None,
     num_local_engines: int = 1,
+    frontend_timeout_s: float | None = None,
 ) -> int:
     """Run one engine core until SIGTERM (exit code 0) or a fatal error (DEAD sent, 1).
 
@@ -393,6 +421,8 @@ def run_engine_core(
         watch_parent: exit when the launching process dies (children of `kvserve serve`).
         stats_addr: the DP coordinator's load address (data parallelism), else None.
         num_local_engines: engine cores on this host, which share its CPU cores.
+        frontend_timeout_s: exit (code 0) after this long without a message from the api
+            (engines that are not the api's children), None: never.
     """
     _install_signal_handlers(ignore_sigint=watch_parent)
     _configure_torch_threads(num_local_engines)
@@ -401,6 +431,7 @@ def run_engine_core(
         engine_index,
         parent_pid=os.getppid() if watch_parent else None,
         stats_addr=stats_addr,
+        frontend_timeout_s=frontend_timeout_s,
     )
     exit_code = 0
     try:

@@ -1,4 +1,5 @@
-"""Executors run the workers for an engine core: `uni` in-process, `mp` one process per rank."""
+"""Executors run the workers for an engine core: `uni` in-process, `mp` one process per rank,
+`ray` one Ray actor per rank across nodes (ray_executor.py, imported only when asked)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class Executor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise RuntimeError when a worker is dead or frozen (called while idle too)."""
 
     def shutdown(self) -> None:
         pass

@@ -9,7 +9,9 @@ rendezvous the ranks meet at: --master-addr, and --master-port or a free port.
 
 Every wait here polls the result socket together with the workers' process sentinels, so a
 dead worker turns the next call into a RuntimeError naming its rank within a second or so,
-never a hang. Once a worker has died or failed, the executor stays dead: every later call
+never a hang; it also reads the workers' heartbeats (a shared array each rank writes every
+second), so a frozen worker does the same after KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S. Once
+a worker has died or failed, the executor stays dead: every later call
 raises the same error (the engine core then dies and the api answers 503).
 """
 
@@ -31,6 +33,7 @@ from kvserve.services.scheduler.executor import Executor
 from kvserve.services.worker import worker_proc
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.shared.config import EngineConfig, WorkerOptions
+from kvserve.shared.env import WORKER_HEARTBEAT_TIMEOUT_S
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
     KvFingerprint,
@@ -87,6 +90,9 @@ class MpExecutor(Executor):
         self._results = make_socket(self._zmq_ctx, result_addr, zmq.PULL, bind=True)
         self._ring = ShmRingBuffer.create(num_readers=self.world_size)
         self._procs: list[BaseProcess] = []
+        # Each rank's last heartbeat (time.monotonic(); 0 until its first).
+        self._beats = multiprocessing.get_context("spawn").Array("d", self.world_size, lock=False)
+        self._heartbeat_timeout_s = WORKER_HEARTBEAT_TIMEOUT_S.get()
         try:
             self._start_workers(config, model_dir, result_addr)
         except BaseException:
@@ -158,6 +164,10 @@ class MpExecutor(Executor):
         body = self._receive(worker_proc.OUTPUT, self.execute_timeout_s, "executing a step")
         return self._output_decoder.decode(body)
 
+    def check_health(self) -> None:
+        self._raise_if_dead()
+        self._check_workers()
+
     def shutdown(self) -> None:
         """Ask the workers to exit, then release processes, socket and shared memory."""
         self._finalizer()
@@ -180,7 +190,7 @@ class MpExecutor(Executor):
             )
             proc = mp_ctx.Process(
                 target=worker_proc.run_worker_process,
-                args=(options,),
+                args=(options, self._beats),
                 name=f"kvserve-worker-{rank}",
                 daemon=True,
             )
@@ -242,8 +252,16 @@ class MpExecutor(Executor):
     # ------------------------------------------------------------------ liveness
 
     def _check_workers(self) -> None:
-        """Raise RuntimeError naming the first dead rank, if any."""
+        """Raise RuntimeError naming the first dead (or frozen) rank, if any."""
+        now = time.monotonic()
         for rank, proc in enumerate(self._procs):
+            last_beat = self._beats[rank]
+            if proc.exitcode is None and last_beat and now - last_beat > self._heartbeat_timeout_s:
+                self._die(
+                    f"worker rank {rank} (pid {proc.pid}) has not beaten for "
+                    f"{now - last_beat:.0f} s (limit {self._heartbeat_timeout_s:g} s, "
+                    f"{WORKER_HEARTBEAT_TIMEOUT_S.name}): it is frozen (stopped?)"
+                )
             if proc.exitcode is None:
                 continue
             # It may have sent its traceback just before dying: prefer that message.

@@ -17,6 +17,7 @@ import fcntl
 import glob
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -55,6 +56,37 @@ def converted_dir_name(gguf_path: str) -> str:
     key = f"{os.path.basename(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}"
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     return f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+# Bytes read from each end of every weight file for `weights_identity`.
+_IDENTITY_SAMPLE_BYTES = 1 << 20
+
+
+def weights_identity(model_dir: str, quantization: str | None = None) -> str:
+    """A name for these weights that is the same on every node whatever the folder's path
+    or the served name, and differs between checkpoints of one architecture: the model type
+    and a digest of config.json, each weight file's name and size, and its first and last
+    MiB (a few MiB read, not the whole checkpoint), plus the quantization the weights are
+    held in. The KV store keys blocks by it (a block of other weights is never served)."""
+    digest = hashlib.sha256()
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        config = f.read()
+    digest.update(config)
+    digest.update(f"quantization={quantization}".encode())
+    names = sorted(
+        name for name in os.listdir(model_dir) if name.endswith((".safetensors", ".bin", ".pt"))
+    )
+    for name in names:
+        path = os.path.join(model_dir, name)
+        size = os.path.getsize(path)
+        digest.update(f"{name}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(_IDENTITY_SAMPLE_BYTES))
+            if size > 2 * _IDENTITY_SAMPLE_BYTES:
+                f.seek(-_IDENTITY_SAMPLE_BYTES, os.SEEK_END)
+                digest.update(f.read())
+    model_type = json.loads(config).get("model_type", "model")
+    return f"{model_type}-{digest.hexdigest()[:16]}"
 
 
 def resolve_model(model: str | None, cache_dir: str | None = None) -> str:

@@ -28,6 +28,7 @@ from kvserve.services.worker.layers.attention import (
 from kvserve.services.worker.layers.embed_head import ParallelLMHead
 from kvserve.services.worker.layers.linear import LinearBase
 from kvserve.services.worker.logits_processors import LogitsProcessorBatch
+from kvserve.services.worker.model_loader import weights_identity
 from kvserve.services.worker.models import load_model
 from kvserve.services.worker.parallel_state import (
     broadcast_from_driver,
@@ -72,6 +73,7 @@ class ModelRunner:
         self.model, self.hf_config = load_model(
             model_dir, self.dtype, device, config.model.quantization, config.model.model
         )
+        self.model_identity = weights_identity(model_dir, config.model.quantization)
         self.vocab_size = self.hf_config.vocab_size
         self.hidden_size = self.hf_config.hidden_size
         self.is_first_stage = is_first_pp_rank()
@@ -174,7 +176,7 @@ class ModelRunner:
         """This rank's block layout, as the KV connector's store keys it."""
         layer = self.attention_layers[0]
         return KvFingerprint(
-            model=self.config.model.served_name,
+            model=self.model_identity,  # not the served name: any node, any path
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=self.block_size,
             num_layers=len(self.attention_layers),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvserve.kernels.dispatch import describe
@@ -14,7 +16,7 @@ from kvserve.services.worker.parallel_state import (
 )
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput
+from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput, WorkerReady
 
 logger = init_logger(__name__)
 
@@ -139,6 +141,19 @@ class Worker:
             budget / 2**30,
         )
         return budget
+
+    def ready_message(self) -> WorkerReady:
+        """What this rank reports once its model is loaded (every executor's start-up answer;
+        it runs the step-cost measurement and the KV memory profile)."""
+        return WorkerReady(
+            self.rank,
+            os.getpid(),
+            self.max_model_len,
+            self.determine_num_blocks(),
+            self.gemm_plan,
+            self.measure_step_costs(),
+            self.kv_fingerprint,
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

@@ -18,6 +18,11 @@ the driver's sampled ids to every rank.
 Ring messages are one type byte and a msgpack body; result messages are two ZMQ frames,
 the type byte and the msgpack body. A worker whose engine process is gone exits by itself.
 
+Heartbeats: a daemon thread of every worker writes time.monotonic() (one clock for the whole
+host) into its slot of a shared array every HEARTBEAT_INTERVAL_S, whatever the rank is doing;
+the executor reads the slots while it waits, so a frozen worker (SIGSTOP, a stopped VM) is
+told from a slow step within KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S.
+
 `worker_main(WorkerOptions)` is both the multiprocessing target and the `kvserve worker` entry
 point.
 """
@@ -28,14 +33,17 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
+from collections.abc import MutableSequence
 
 import msgspec
 import zmq
 
 from kvserve.shared.config import EngineConfig, WorkerOptions
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerReady
+from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure
 from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
 from kvserve.shared.transport import make_socket
 
@@ -52,6 +60,9 @@ OUTPUT = b"O"
 FAILURE = b"F"
 
 
+HEARTBEAT_INTERVAL_S = 1.0
+
+
 class EngineGoneError(Exception):
     """The engine-core process that started this worker has exited."""
 
@@ -61,7 +72,7 @@ def worker_main(options: WorkerOptions) -> int:
     config = options.engine_config
     # Ctrl-C reaches the whole process group: the engine core decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _configure_torch_threads(config.parallel.world_size)
+    configure_torch_threads(config.parallel.world_size)
     proc = WorkerProc(
         config,
         options.model_dir,
@@ -73,7 +84,7 @@ def worker_main(options: WorkerOptions) -> int:
     return proc.run()
 
 
-def _configure_torch_threads(num_local_ranks: int) -> None:
+def configure_torch_threads(num_local_ranks: int) -> None:
     """Share the cores among the ranks on this host: max(1, cores // ranks) threads each.
 
     Cores are OMP_NUM_THREADS when set (the engine's budget), else the affinity mask. More
@@ -92,7 +103,18 @@ def _configure_torch_threads(num_local_ranks: int) -> None:
     )
 
 
-def run_worker_process(options: WorkerOptions) -> None:
+def start_heartbeat(beats: MutableSequence[float], rank: int) -> None:
+    """Beat into beats[rank] from a daemon thread, for as long as the process runs."""
+
+    def beat() -> None:
+        while True:
+            beats[rank] = time.monotonic()
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=beat, name="WorkerHeartbeat", daemon=True).start()
+
+
+def run_worker_process(options: WorkerOptions, beats: MutableSequence[float] | None = None) -> None:
     """multiprocessing target: worker_main, with its result as the process's exit code.
 
     Exits with os._exit, skipping interpreter finalization: after torch.distributed was
@@ -100,6 +122,8 @@ def run_worker_process(options: WorkerOptions) -> None:
     CPU), until the executor killed the process. Everything the worker owns (sockets, the
     ring, the process groups) is already closed by then; only the logs need a flush.
     """
+    if beats is not None:
+        start_heartbeat(beats, options.rank)
     exit_code = worker_main(options)
     logging.shutdown()
     sys.stdout.flush()
@@ -176,15 +200,7 @@ class WorkerProc:
         logger.info("worker rank %d shut down", self.rank)
 
     def _serve_steps(self, worker, ring: ShmRingBuffer, sock: zmq.Socket) -> None:
-        ready = WorkerReady(
-            self.rank,
-            os.getpid(),
-            worker.max_model_len,
-            worker.determine_num_blocks(),
-            worker.gemm_plan,
-            worker.measure_step_costs(),
-            worker.kv_fingerprint,
-        )
+        ready = worker.ready_message()
         sock.send_multipart([READY, self.encoder.encode(ready)])
         scheduler_output_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         int_decoder = msgspec.msgpack.Decoder(int)

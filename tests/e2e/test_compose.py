@@ -35,13 +35,15 @@ def _parse(command: list[str]):
 
 
 ENGINES = ("engine-0", "engine-1")
+KEYS_DONE = {"keys": {"condition": "service_completed_successfully"}}
 
 
 def test_every_service_command_parses(compose_config):
     services = compose_config["services"]
-    assert {"api", "coordinator", *ENGINES} <= set(services)
+    assert {"keys", "api", "coordinator", *ENGINES} <= set(services)
     kinds = {name: _parse(service["command"])[0] for name, service in services.items()}
     assert kinds["api"] == "api" and kinds["coordinator"] == "coordinator"
+    assert kinds["keys"] == "keys"
     assert all(kinds[name] == "engine" for name in ENGINES)
 
 
@@ -83,14 +85,58 @@ def test_start_up_order_health_checks_and_restarts(compose_config):
     for name in ("api", "coordinator", *ENGINES):
         assert services[name]["healthcheck"]["test"][0] == "CMD", name
         assert services[name]["restart"] == "unless-stopped", name
-    assert services["api"]["depends_on"] == {"coordinator": {"condition": "service_healthy"}}
+    assert services["api"]["depends_on"] == {
+        "coordinator": {"condition": "service_healthy"},
+        **KEYS_DONE,
+    }
+    assert services["coordinator"]["depends_on"] == KEYS_DONE
     for name in ENGINES:
         # The api turns healthy only once every engine is READY: engines wait for it started.
         assert services[name]["depends_on"] == {
             "api": {"condition": "service_started"},
             "coordinator": {"condition": "service_healthy"},
+            **KEYS_DONE,
         }
         assert services[name]["shm_size"] not in (None, 0), "the shared-memory ring needs it"
+
+
+def _mounts(service: dict) -> dict[str, tuple[str, bool]]:
+    """target -> (volume, read-only), from compose v1's "src:dst:mode" or v2's mappings."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target, *mode = volume.split(":")
+            mounts[target] = (source, mode == ["ro"])
+        else:
+            mounts[volume["target"]] = (volume["source"], bool(volume.get("read_only")))
+    return mounts
+
+
+def _config(*profile: str) -> dict:
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        pytest.skip("Debian's docker-compose is not installed (`make test` installs it)")
+    args = [tool, "-f", str(REPO_ROOT / "compose.yaml"), *profile, "config"]
+    out = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+def test_tcp_sockets_use_the_keys_made_once_by_the_keys_service():
+    services = _config("--profile", "pd")["services"]
+    keys = services["keys"]
+    assert keys["command"][1:] == ["keys", "generate", "/keys", "--keep-existing"]
+    assert str(keys["restart"]) == "no", "a one-shot service must not restart"
+    assert _mounts(keys)["/keys"] == ("kvserve-keys", False)
+    tcp_services = ("api", "coordinator", *ENGINES)
+    tcp_services += ("kv-store", "api-pd", "engine-prefill", "engine-decode")
+    for name in tcp_services:
+        options = _parse(services[name]["command"])[1]
+        assert any(addr.startswith("tcp://") for addr in options.socket_addresses), name
+        assert options.transport.transport_keys == "/keys", name
+        assert not options.transport.insecure_transport, name
+        assert _mounts(services[name])["/keys"] == ("kvserve-keys", True), name
+        assert services[name]["depends_on"]["keys"] == KEYS_DONE["keys"], name
 
 
 def test_gpu_profile_reserves_gpus_for_the_cuda_image():

@@ -1,5 +1,6 @@
 """Two-node data parallelism on loopback: a front end with one engine, a headless node with
-the other, registering over the front end's rpc port (real processes, real sockets)."""
+the other, registering over the front end's rpc port (real processes, real sockets), every
+tcp:// socket between them CURVE-encrypted with keys from `kvserve keys generate`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import signal
 
 import pytest
 
+from kvserve.cli import main as kvserve_main
+from kvserve.shared.env import TRANSPORT_KEYS
 from tests.support.models import TINY_KV_CACHE_MEMORY
 from tests.support.ports import free_port
 from tests.support.server import NUM_DP_ENGINES, ServeProcess, start_dp_front_end
@@ -16,7 +19,13 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.slow
 
 
-def test_two_nodes_serve_together_and_the_front_end_outlives_the_other(tiny_llama_dir, tmp_path):
+def test_two_nodes_serve_together_and_the_front_end_outlives_the_other(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    keys_dir = str(tmp_path / "keys")
+    assert kvserve_main(["keys", "generate", keys_dir]) == 0
+    # Only the flag carries the keys: the engines each node spawns must inherit them from it.
+    monkeypatch.delenv(TRANSPORT_KEYS.name, raising=False)
     rpc_port = free_port()
     dp_flags = [
         "--data-parallel-size",
@@ -27,6 +36,8 @@ def test_two_nodes_serve_together_and_the_front_end_outlives_the_other(tiny_llam
         "127.0.0.1",
         "--data-parallel-rpc-port",
         str(rpc_port),
+        "--transport-keys",
+        keys_dir,
     ]
     # The headless node first: it waits for the front end to answer its registration.
     node_b = ServeProcess(

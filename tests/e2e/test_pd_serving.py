@@ -14,6 +14,7 @@ import concurrent.futures
 import hashlib
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -210,6 +211,48 @@ def test_aborts_at_every_stage_free_every_cache_and_pin(pd_server):
             )
         )
     assert wait_until(lambda: _all_idle(pd_server), timeout_s=45), metrics_text(url)
+    status, body = pd_server.health()
+    assert status == 200 and body["status"] == "healthy", body
+
+
+def test_a_killed_store_is_restarted_and_requests_only_recompute(pd_server):
+    """SIGKILL of the KV store under load: every request completes (the decode engine
+    computes the prompt itself), the launcher starts an empty store on the same address,
+    unlinks the dead one's shared memory, and KV moves through the new one."""
+    (pid,) = map(
+        int, re.findall(r"started KV store process KvStore \(pid (\d+)\)", pd_server.log())
+    )
+    store_address = pd_server.health()[1]["kv_store"]
+    client = _openai(pd_server)
+
+    def complete(index: int) -> str:
+        reply = client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"{index}: {LONG_PROMPT[:400]}",
+            max_tokens=4,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.choices[0].finish_reason == "length"
+        return reply.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(complete, i) for i in range(8)]
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        assert all(future.result(timeout=120) for future in futures)
+    assert wait_until(
+        lambda: len(re.findall(r"started KV store process KvStore", pd_server.log())) == 2,
+        timeout_s=20,
+    ), pd_server.log()
+    assert not [name for name in _shm_segments(store_address) if name.endswith(f"-{pid}")]
+    loaded = pd_server.metric("kvserve:kv_transfer_bytes_loaded_total", 1)
+    assert complete(100)  # a fresh prompt, prefilled into the new store and loaded from it
+    assert wait_until(
+        lambda: pd_server.metric("kvserve:kv_transfer_bytes_loaded_total", 1) > loaded,
+        timeout_s=20,
+    )
+    assert wait_until(lambda: _all_idle(pd_server), timeout_s=30)
     status, body = pd_server.health()
     assert status == 200 and body["status"] == "healthy", body
 

@@ -63,14 +63,18 @@ class ScriptedEngine:
     busy-loop iteration; `idle` is what the loop claims to be doing.
     """
 
-    def __init__(self, addresses: EngineAddresses):
+    def __init__(self, addresses: EngineAddresses, pid: int = 1, block_size: int = 16):
+        self.pid, self.block_size = pid, block_size
         self.ctx = zmq.asyncio.Context()
         self.dealer = make_socket(
             self.ctx, addresses.input_addr, zmq.DEALER, bind=False, identity=engine_identity(0)
         )
         self.push = make_socket(self.ctx, addresses.output_addr, zmq.PUSH, bind=False)
         self.encoder = MessageEncoder()
-        self.decoder = MessageDecoder((MsgType.ADD, MsgType.ABORT, MsgType.UTILITY))
+        self.decoder = MessageDecoder(
+            (MsgType.ADD, MsgType.ABORT, MsgType.UTILITY, MsgType.FRONTEND_HEARTBEAT)
+        )
+        self.num_frontend_heartbeats = 0
         self.beating, self.advancing, self.idle = True, True, False
         self.num_iterations = 0
         self.heartbeat_task: asyncio.Task | None = None
@@ -80,9 +84,9 @@ class ScriptedEngine:
             engine_index=0,
             num_blocks=64,
             max_model_len=128,
-            block_size=16,
+            block_size=self.block_size,
             hostname="scripted-host",
-            pid=1,
+            pid=self.pid,
         )
         await self.dealer.send_multipart(self.encoder.encode(MsgType.READY, handshake))
         self.heartbeat_task = asyncio.create_task(self._beat())
@@ -100,8 +104,14 @@ class ScriptedEngine:
     async def send(self, msg_type: MsgType, payload) -> None:
         await self.push.send_multipart(self.encoder.encode(msg_type, payload))
 
-    async def recv(self):
-        return self.decoder.decode(await asyncio.wait_for(self.dealer.recv_multipart(), 5))
+    async def recv(self, timeout_s: float = 5.0):
+        """The next message from the api that is not one of its heartbeats."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                msg_type, payload = self.decoder.decode(await self.dealer.recv_multipart())
+                if msg_type != MsgType.FRONTEND_HEARTBEAT:
+                    return msg_type, payload
+                self.num_frontend_heartbeats += 1
 
     def close(self) -> None:
         if self.heartbeat_task is not None:
@@ -242,3 +252,66 @@ def test_wait_ready_reports_a_failed_start_and_a_timeout():
             channel.close()
 
     asyncio.run(main())
+
+
+def test_the_api_beats_to_its_engines(tokenizer_info):
+    """Engines that are not the api's children (headless) stop when these stop coming."""
+
+    async def body(client, engine):
+        with pytest.raises(TimeoutError):
+            await engine.recv(timeout_s=10 * HEARTBEAT_INTERVAL_S)
+        assert engine.num_frontend_heartbeats >= 5
+
+    _scenario(tokenizer_info, body)
+
+
+def test_a_restarted_engine_is_readmitted_in_place_of_its_predecessor(tokenizer_info):
+    async def body(client, engine):
+        task = asyncio.create_task(_collect(client, "r1"))
+        assert (await engine.recv())[0] == MsgType.ADD
+        successor = ScriptedEngine(client.channel.addresses, pid=2)
+        try:
+            await successor.start()  # READY again, from a new process of index 0
+            with pytest.raises(EngineDeadError, match=r"replaced by a new process \(pid 2"):
+                await asyncio.wait_for(task, 5)
+            await wait_until_async(lambda: client.engines[0].handshake.pid == 2, timeout_s=5)
+            assert client.is_healthy and client.num_readmissions == 1
+            task = asyncio.create_task(_collect(client, "r2"))
+            msg_type, request = await successor.recv()  # the route is the successor's
+            assert msg_type == MsgType.ADD and request.request_id.startswith("r2")
+            await successor.send(
+                MsgType.OUTPUTS,
+                EngineCoreOutputs(
+                    outputs=[
+                        EngineCoreOutput(
+                            request.request_id, [65], finish_reason=FinishReason.LENGTH
+                        )
+                    ]
+                ),
+            )
+            outputs = await asyncio.wait_for(task, 5)
+            assert outputs[-1].finished
+        finally:
+            successor.close()
+
+    _scenario(tokenizer_info, body)
+
+
+def test_a_ready_that_does_not_fit_is_refused(tokenizer_info):
+    async def body(client, engine):
+        stranger = ScriptedEngine(client.channel.addresses, pid=3, block_size=32)
+        try:
+            await stranger.start()
+            # It took the identity's route, so the engine it tried to replace is unreachable
+            # and dropped, naming why; the stranger is never admitted.
+            await wait_until_async(lambda: not client.engines[0].is_alive, timeout_s=5)
+            reason = client.engines[0].dead_reason
+            assert "was refused (pid 3" in reason and "block size 32" in reason, reason
+            assert client.engines[0].handshake.pid == 1 and client.num_readmissions == 0
+            with pytest.raises(TimeoutError):
+                await stranger.recv(timeout_s=5 * HEARTBEAT_INTERVAL_S)
+            assert stranger.num_frontend_heartbeats == 0
+        finally:
+            stranger.close()
+
+    _scenario(tokenizer_info, body)

@@ -59,7 +59,10 @@ class RoleEngine:
         )
         self.push = make_socket(self.ctx, addresses.output_addr, zmq.PUSH, bind=False)
         self.encoder = MessageEncoder()
-        self.decoder = MessageDecoder((MsgType.ADD, MsgType.ABORT, MsgType.UTILITY))
+        self.decoder = MessageDecoder(
+            (MsgType.ADD, MsgType.ABORT, MsgType.UTILITY, MsgType.FRONTEND_HEARTBEAT)
+        )
+        self.num_frontend_heartbeats = 0
         self.beat_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -94,7 +97,13 @@ class RoleEngine:
         self.close()
 
     async def recv(self, timeout_s: float = 5.0):
-        return self.decoder.decode(await asyncio.wait_for(self.dealer.recv_multipart(), timeout_s))
+        """The next message from the api that is not one of its heartbeats."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                msg_type, payload = self.decoder.decode(await self.dealer.recv_multipart())
+                if msg_type != MsgType.FRONTEND_HEARTBEAT:
+                    return msg_type, payload
+                self.num_frontend_heartbeats += 1
 
     async def assert_silent(self, timeout_s: float = 0.3) -> None:
         with pytest.raises(TimeoutError):

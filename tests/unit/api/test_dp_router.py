@@ -121,3 +121,36 @@ def test_remembered_hashes_are_bounded_by_the_engine_blocks():
 def test_unknown_routing_is_rejected():
     with pytest.raises(ValueError, match="use 'load' or 'prefix'"):
         DPRouter("random", BLOCK_SIZE, None)
+
+
+def test_a_prefix_in_the_shared_store_goes_to_the_least_loaded_engine():
+    """Engines that share a KV store (kv_both) can each load what another saved: the store's
+    chain counts for all of them, so the load decides; without the store the holder wins."""
+    prompt = list(range(100, 124))
+    for kv_role, expected in (("kv_both", "least loaded"), (None, "holder")):
+        router = DPRouter("prefix", BLOCK_SIZE, get_hash_fn("sha256"))
+        for engine_index in range(2):
+            router.add_engine(engine_index, 64, kv_role)
+        holder = router.choose(prompt)
+        other = 1 - holder
+        router.update_loads([EngineLoad(holder, 0, 3), EngineLoad(other, 0, 0)])
+        assert router.num_matched_blocks(other, router.block_hashes(prompt)) == (
+            6 if kv_role else 0
+        )
+        assert router.choose(prompt) == (other if expected == "least loaded" else holder)
+
+
+def test_only_savers_fill_the_store_and_only_loaders_read_it():
+    """P/D: a prefill engine (kv_producer) saves, a decode engine (kv_consumer) loads; a
+    consumer's own sends never put blocks in the store."""
+    prompt = list(range(300, 316))
+    router = DPRouter("prefix", BLOCK_SIZE, get_hash_fn("sha256"))
+    router.add_engine(0, 64, "kv_producer")
+    router.add_engine(1, 64, "kv_consumer")
+    router.add_engine(2, 64, "kv_consumer")
+    hashes = router.block_hashes(prompt)
+    router.choose(prompt, candidate_ids=[1])  # a consumer computed it: nothing saved
+    assert router.num_matched_blocks(2, hashes) == 0
+    router.choose(prompt, candidate_ids=[0])  # the producer saved it
+    assert router.num_matched_blocks(2, hashes) == len(hashes) == 4
+    assert router.num_matched_blocks(0, hashes) == 4  # its own cache, not the store

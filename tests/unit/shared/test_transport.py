@@ -217,4 +217,9 @@ def test_local_addresses_are_unique_ipc_paths_removed_after_use():
     assert all(os.path.exists(path) for path in paths)
     ctx.destroy(linger=0)
     a.remove_ipc_files()
+    b.remove_ipc_files()  # never bound: its private folder goes all the same
     assert not any(os.path.exists(path) for path in paths)
+    folders = {
+        os.path.dirname(addr.removeprefix("ipc://")) for addr in (a.input_addr, b.input_addr)
+    }
+    assert not any(os.path.exists(folder) for folder in folders)
