@@ -239,8 +239,17 @@ class EngineClient:
                 await self.abort(request_id)
             self._forget_request(request_id, child_ids)
 
+    def _engine_index_of(self, engine_request_id: str) -> int:
+        """The engine an engine request went to (one engine here)."""
+        return 0
+
     async def abort(self, request_id: str) -> None:
         child_ids = self.output_processor.abort_request(request_id)
+        if child_ids and self.stat_loggers:
+            now = time.monotonic()
+            aborted = IterationStats(now, now, num_aborted=len(child_ids))
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(self._engine_index_of(child_ids[0]), None, aborted)
         if child_ids and self.dead_reason is None:
             logger.info("request %s aborted", request_id)
             await self._send_abort(child_ids)

@@ -429,6 +429,8 @@ class ApiMetrics:
             s.request_params_n.observe(n)
         for num_tokens in iteration_stats.max_num_generation_tokens:
             s.request_max_num_generation_tokens.observe(num_tokens)
+        if iteration_stats.num_aborted:
+            s.request_success[str(FinishReason.ABORT)].inc(iteration_stats.num_aborted)
         for finished in iteration_stats.finished_requests:
             s.request_success[finished.finish_reason].inc()
             s.e2e_request_latency_seconds.observe(finished.e2e_latency)

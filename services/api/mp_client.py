@@ -712,6 +712,9 @@ class MPEngineClient(EngineClient):
                 except EngineDeadError:
                     pass  # a dead engine holds nothing to abort
 
+    def _engine_index_of(self, engine_request_id: str) -> int:
+        return self._child_engine.get(engine_request_id, 0)
+
     def _forget_request(self, request_id: str, child_ids: list[str]) -> None:
         for child_id in child_ids:
             engine_index = self._child_engine.pop(child_id, None)

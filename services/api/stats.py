@@ -97,6 +97,8 @@ class IterationStats:
     # One entry per finished api request (all its n children done): its longest child.
     max_num_generation_tokens: list[int] = field(default_factory=list)
     n_params: list[int] = field(default_factory=list)
+    # Engine requests whose client went away (request_success{finished_reason="abort"}).
+    num_aborted: int = 0
 
     def observe_output(
         self, times: RequestTimes, output: EngineCoreOutput, num_prompt_tokens: int
