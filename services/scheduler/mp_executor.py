@@ -17,6 +17,7 @@ raises the same error (the engine core then dies and the api answers 503).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import shutil
 import signal
@@ -27,6 +28,7 @@ import weakref
 from multiprocessing.process import BaseProcess
 
 import msgspec
+import psutil
 import zmq
 
 from kvserve.services.scheduler.executor import Executor
@@ -320,6 +322,11 @@ def _release(
         ring.enqueue(worker_proc.SHUTDOWN, timeout=0.5)
     except (RuntimeError, TimeoutError):
         pass  # the ring is out of step or full: the workers get terminated below
+    for proc in procs:  # a frozen (stopped) rank would only eat the polite wait below
+        with contextlib.suppress(psutil.NoSuchProcess, ValueError):
+            if proc.pid is not None and psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED:
+                logger.warning("worker %s is stopped (frozen); killing it", proc.name)
+                proc.kill()
     deadline = time.monotonic() + 5.0
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))

@@ -189,17 +189,17 @@ def test_tls_with_a_self_signed_pair(tiny_llama_dir, tmp_path):
                 pass
             assert time.monotonic() < deadline, read_log(log)
             time.sleep(0.5)
-        client = openai.OpenAI(
+        with openai.OpenAI(
             base_url=f"{url}/v1",
             api_key="unused",
             http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert)),
-        )
-        done = client.completions.create(
-            model=client.models.list().data[0].id,
-            prompt="hi",
-            max_tokens=3,
-            extra_body={"ignore_eos": True},
-        )
+        ) as client:
+            done = client.completions.create(
+                model=client.models.list().data[0].id,
+                prompt="hi",
+                max_tokens=3,
+                extra_body={"ignore_eos": True},
+            )
         assert done.usage.completion_tokens == 3
         with pytest.raises(httpx.TransportError):  # plain http is not served
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
