@@ -6,7 +6,9 @@
 Each kind runs the deployment a user would run (`kvserve serve ...` processes, in sessions of
 their own), keeps --concurrency streaming completions going, and --repeats times SIGKILLs the
 victim, then waits until the deployment serves again (a killed headless node is started
-again by this script, as its own supervisor would):
+again by this script, as its own supervisor would). Each kill comes --settle-s (11 s) after
+the last recovery: longer than the supervisor's crash-loop window (10 s), so each is a fault
+of a process that was serving, which restarts at once, not a crash loop, which backs off:
 
 | kind        | deployment                                         | victim                    |
 |-------------|----------------------------------------------------|---------------------------|
@@ -418,16 +420,22 @@ def summarize(kind: str, kills: list[dict], outcomes: list[Outcome], orphans: li
         hit = [o for o in in_flight if o.kind != "completed"]
         k["in_flight"], k["hit"] = len(in_flight), len(hit)
         k["error_after_s"] = round(max((o.end - k["kill_time"] for o in hit), default=0.0), 2)
+    hit_ids = {
+        id(o)
+        for o in outcomes
+        if o.kind != "completed" and any(o.start < k["kill_time"] <= o.end for k in kills)
+    }
     refused = [
         o
         for o in outcomes
         if o.kind in ("error", "broken")
+        and id(o) not in hit_ids
         and any(k["kill_time"] < o.start <= k["recovered_time"] for k in kills)
     ]
     counts = {
         k: sum(o.kind == k for o in outcomes) for k in ("completed", "error", "broken", "lost")
     }
-    counts["hit_by_a_kill"] = sum(k["hit"] for k in kills)
+    counts["hit_by_a_kill"] = len(hit_ids)
     counts["refused_while_recovering"] = len(refused)
     counts["other_errors"] = (
         counts["error"] + counts["broken"] - len(refused) - counts["hit_by_a_kill"]
@@ -477,7 +485,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--model", default=None, help="default: the embedded default model")
-    parser.add_argument("--settle-s", type=float, default=2.0)
+    # Longer than the supervisor's RESTART_WINDOW_S (10 s): each kill is then a fault of a
+    # process that was serving, not a crash loop (which backs off, 1 s doubling to 30 s).
+    parser.add_argument("--settle-s", type=float, default=11.0)
     parser.add_argument("--recovery-timeout-s", type=float, default=180.0)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()

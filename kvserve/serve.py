@@ -197,9 +197,11 @@ def stop_engine_process(
     )
 
 
-# A process that dies sooner than this after its start is crash-looping: its next restart
-# waits (1 s, doubling up to MAX_RESTART_DELAY_S); one that lived longer restarts at once.
-RESTART_WINDOW_S = 60.0
+# A process that dies sooner than this after its start is crash-looping (a bad flag, a
+# missing file: it dies while starting): its next restart waits (1 s, doubling up to
+# MAX_RESTART_DELAY_S); one that lived longer restarts at once. A model load that fails late
+# is rate-limited by its own length.
+RESTART_WINDOW_S = 10.0
 MAX_RESTART_DELAY_S = 30.0
 
 

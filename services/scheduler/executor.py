@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput
+from kvserve.shared.messages import (
+    KvFingerprint,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerReady,
+)
 
 
 class Executor:
@@ -46,6 +51,35 @@ class Executor:
 
     def shutdown(self) -> None:
         pass
+
+
+class RankedExecutor(Executor):
+    """An executor of worker ranks in other processes (`mp`, `ray`), each of which reports a
+    WorkerReady at start-up: what the engine needs is taken from those reports."""
+
+    def _take_readies(self, readies: list[WorkerReady]) -> None:
+        """The ranks' start-up reports, by rank (the driver's GEMM plan and step costs)."""
+        self.max_model_len = min(r.max_model_len for r in readies)
+        self._gemm_plan = readies[0].gemm_plan
+        self._step_costs = [(int(n), float(t)) for n, t in readies[0].step_costs]
+        self._kv_fingerprint = readies[0].kv_fingerprint
+        self._num_blocks = min(r.num_blocks for r in readies)
+
+    @property
+    def gemm_plan(self) -> dict[str, str]:
+        return self._gemm_plan
+
+    @property
+    def step_costs(self) -> list[tuple[int, float]]:
+        return self._step_costs
+
+    @property
+    def kv_fingerprint(self) -> KvFingerprint | None:
+        return self._kv_fingerprint
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit every rank: the smallest of their start-up reports."""
+        return self._num_blocks
 
 
 class UniExecutor(Executor):

@@ -31,14 +31,13 @@ import msgspec
 import psutil
 import zmq
 
-from kvserve.services.scheduler.executor import Executor
+from kvserve.services.scheduler.executor import RankedExecutor
 from kvserve.services.worker import worker_proc
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.shared.config import EngineConfig, WorkerOptions
 from kvserve.shared.env import WORKER_HEARTBEAT_TIMEOUT_S
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
-    KvFingerprint,
     ModelRunnerOutput,
     SchedulerOutput,
     WorkerFailure,
@@ -52,7 +51,7 @@ logger = init_logger(__name__)
 _POLL_INTERVAL_S = 1.0  # the longest a wait goes without looking at the deadline
 
 
-class MpExecutor(Executor):
+class MpExecutor(RankedExecutor):
     """
     Args:
         config: the engine config; world_size = TP x PP worker processes are started.
@@ -114,25 +113,9 @@ class MpExecutor(Executor):
         except BaseException:
             self._finalizer()
             raise
-        self.max_model_len = min(r.max_model_len for r in readies)
-        self._gemm_plan = readies[0].gemm_plan
-        self._step_costs = [(int(n), float(t)) for n, t in readies[0].step_costs]
-        self._kv_fingerprint = readies[0].kv_fingerprint
-        self._num_blocks = min(r.num_blocks for r in readies)
+        self._take_readies(readies)
 
     # ------------------------------------------------------------------ Executor API
-
-    @property
-    def gemm_plan(self) -> dict[str, str]:
-        return self._gemm_plan
-
-    @property
-    def step_costs(self) -> list[tuple[int, float]]:
-        return self._step_costs
-
-    @property
-    def kv_fingerprint(self) -> KvFingerprint | None:
-        return self._kv_fingerprint
 
     @property
     def worker_pids(self) -> list[int]:
@@ -147,10 +130,6 @@ class MpExecutor(Executor):
     def ring_handle(self) -> ShmRingHandle:
         """The shared-memory ring the workers read (its segment name, for inspection)."""
         return self._ring.handle
-
-    def determine_num_blocks(self) -> int:
-        """KV blocks that fit every rank: the smallest of their start-up reports."""
-        return self._num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Have every rank allocate its KV cache; returns once all have."""

@@ -39,14 +39,14 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvserve.services.scheduler.executor import Executor
+from kvserve.services.scheduler.executor import RankedExecutor
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.services.worker.parallel_state import driver_rank
 from kvserve.services.worker.ray_worker import RayActorPlacement, RayWorker
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.env import RAY_ADDRESS, WORKER_HEARTBEAT_TIMEOUT_S
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput, WorkerReady
+from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerReady
 
 logger = init_logger(__name__)
 
@@ -56,7 +56,7 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 _WORKER_ACTOR: Any = RayWorker  # an actor class (@ray.remote); mypy sees the plain class
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankedExecutor):
     """
     Args:
         config: the engine config; world_size = TP x PP actors are started.
@@ -108,25 +108,9 @@ class RayExecutor(Executor):
         except BaseException:
             self._finalizer()
             raise
-        self.max_model_len = min(r.max_model_len for r in readies)
-        self._gemm_plan = readies[0].gemm_plan
-        self._step_costs = [(int(n), float(t)) for n, t in readies[0].step_costs]
-        self._kv_fingerprint = readies[0].kv_fingerprint
-        self._num_blocks = min(r.num_blocks for r in readies)
+        self._take_readies(readies)
 
     # ------------------------------------------------------------------ Executor API
-
-    @property
-    def gemm_plan(self) -> dict[str, str]:
-        return self._gemm_plan
-
-    @property
-    def step_costs(self) -> list[tuple[int, float]]:
-        return self._step_costs
-
-    @property
-    def kv_fingerprint(self) -> KvFingerprint | None:
-        return self._kv_fingerprint
 
     @property
     def worker_pids(self) -> list[int]:
@@ -134,10 +118,6 @@ class RayExecutor(Executor):
         actor's death to this executor at once, which names its rank (`placements` has
         every rank's node and pid)."""
         return []
-
-    def determine_num_blocks(self) -> int:
-        """KV blocks that fit every rank: the smallest of their start-up reports."""
-        return self._num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Have every rank allocate its KV cache; returns once all have."""
