@@ -14,6 +14,11 @@ Two options, off by default (the fast paths): a sliding window W limits query po
 keys p - W < t <= p (Mistral, Gemma); a logits soft cap c squashes every score s = scale q.k to
 c * tanh(s / c) before the softmax (Gemma 2). The cache keeps every block: keys older than the
 window are masked, not freed.
+
+The Triton path may be captured in a CUDA graph (services/worker/cuda_graphs.py): it reads
+the request bounds on the device and takes from the host only shapes and max_query_len (which
+picks the tile), so a decode step of fixed size launches the same grid every time. The torch
+paths (CPU) read the bounds on the host (`.tolist()`, `nonzero`) and are never captured.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ _FUNCTIONS = [
     f"{op}_{suffix}"
     for op in ("decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
     for suffix in ("f32", "bf16")
-]
+] + ["bind_omp_threads"]
 DTYPES = (torch.float32, torch.bfloat16)
 
 _c_int64_p = ctypes.POINTER(ctypes.c_int64)
@@ -178,6 +178,35 @@ def status() -> str:
     if _load() is None:
         return _LIBRARY.error or "not loaded"
     return f"C CPU kernels {_LIBRARY.path} for float32 and bfloat16"
+
+
+def bind_threads(cpus: Sequence[int]) -> bool:
+    """Pin torch's OpenMP threads one per CPU in cpus (thread 0, the caller, to cpus[0]); the
+    team is len(cpus) threads. False where the library is missing or a pin failed."""
+    lib = _load()
+    if lib is None or not cpus:
+        return False
+    n = len(cpus)
+    ok = (ctypes.c_int * n)()
+    lib.bind_omp_threads((ctypes.c_int * n)(*cpus), ctypes.c_int(n), ok)
+    return all(ok)
+
+
+def bind_threads_to_share(share_index: int, num_shares: int) -> list[int] | None:
+    """Pin this process's torch threads to its share of the CPUs it may run on: share
+    share_index of num_shares equal runs of torch.get_num_threads() cores. Call it from the
+    computing thread once the process's other threads are started (a thread inherits its
+    creator's mask). The pinned CPUs, or None where they do not fit or the pin failed."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = torch.get_num_threads()
+    chosen = cpus[share_index * per : (share_index + 1) * per]
+    if len(chosen) < per or num_shares * per > len(cpus) or not bind_threads(chosen):
+        logger.info(
+            "torch threads not pinned: %d x %d threads on %d cores", num_shares, per, len(cpus)
+        )
+        return None
+    logger.info("torch threads pinned to cores %s", ",".join(map(str, chosen)))
+    return chosen
 
 
 def available(dtype: torch.dtype) -> bool:

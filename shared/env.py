@@ -116,6 +116,13 @@ OMP_NUM_THREADS = EnvVar(
     _positive_int,
     "torch CPU threads of the engine process (default: every core the process may use)",
 )
+CPU_THREADS_BIND = EnvVar(
+    "KVSERVE_CPU_THREADS_BIND",
+    False,
+    _flag,
+    "pin each torch OpenMP thread of a computing process (the uni engine, each mp worker) to "
+    "one core of its share of the host, as vLLM's VLLM_CPU_OMP_THREADS_BIND does (default off)",
+)
 API_KEY = EnvVar(
     "KVSERVE_API_KEY",
     None,

@@ -7,7 +7,10 @@
 // math in float32, every value the reference rounds to the activation dtype rounded here too.
 //
 // Built with decode_attention.c by kernels/cpu.py (`cc -O3 -march=native -fopenmp`).
+#define _GNU_SOURCE
 #include <math.h>
+#include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -115,3 +118,18 @@ void NAME(T *q_out, T *k_out, const T *query, int64_t q_stride, const T *key,   
 
 DEFINE_ROTARY(rotary_embedding_f32, float, rope_row_f32)
 DEFINE_ROTARY(rotary_embedding_bf16, uint16_t, rope_row_bf16)
+
+// Pins OpenMP thread t of an n-thread team to cpus[t] (the calling thread is thread 0), as
+// vLLM's CPU worker does: a pinned team keeps its caches and is not migrated by the
+// scheduler. The OpenMP runtime is torch's (one libgomp per process), so torch's own
+// parallel regions run on the same pinned threads. ok[t] is 1 where the pin held.
+void bind_omp_threads(const int *cpus, int n, int *ok) {
+    _Pragma("omp parallel num_threads(n)")
+    {
+        int t = omp_get_thread_num();
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpus[t], &set);
+        ok[t] = sched_setaffinity(0, sizeof(set), &set) == 0;
+    }
+}

@@ -23,7 +23,12 @@ import msgspec
 import zmq
 
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, FRONTEND_TIMEOUT_S, OMP_NUM_THREADS
+from kvserve.shared.env import (
+    CPU_THREADS_BIND,
+    ENGINE_HEARTBEAT_INTERVAL_S,
+    FRONTEND_TIMEOUT_S,
+    OMP_NUM_THREADS,
+)
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from kvserve.shared.transport import (
@@ -436,6 +441,10 @@ def run_engine_core(
     exit_code = 0
     try:
         proc.start(config, model_dir)
+        if config.parallel.executor == "uni" and CPU_THREADS_BIND.get():
+            from kvserve.kernels.cpu import bind_threads_to_share
+
+            bind_threads_to_share(engine_index % num_local_engines, num_local_engines)
         proc.run_busy_loop()
     except SystemExit:
         logger.info("engine core %d shutting down", engine_index)

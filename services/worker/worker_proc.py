@@ -42,6 +42,7 @@ import msgspec
 import zmq
 
 from kvserve.shared.config import EngineConfig, WorkerOptions
+from kvserve.shared.env import CPU_THREADS_BIND
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure
 from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
@@ -193,6 +194,10 @@ class WorkerProc:
         from kvserve.services.worker.worker import Worker
 
         worker = Worker(self.config, self.model_dir, self.rank, self.distributed_init_method)
+        if worker.device.type == "cpu" and CPU_THREADS_BIND.get():
+            from kvserve.kernels.cpu import bind_threads_to_share
+
+            bind_threads_to_share(self.rank, self.config.parallel.world_size)
         self._serve_steps(worker, ring, sock)
         # Only on SHUTDOWN: after a failure, a peer may sit in a collective with us, and
         # leaving the group could wait on it; process exit frees everything anyway.
