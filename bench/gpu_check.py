@@ -1,15 +1,19 @@
-"""The GPU checks of bench/gpu_check.sh: greedy equality with HF, and decode attention timed
+"""The GPU checks of bench/gpu_check.sh: greedy equality with HF, CUDA graphs against
+--enforce-eager (same greedy tokens, decode step times of both), and decode attention timed
 against the device's memory bandwidth. One JSON line per check on stdout.
 
     python bench/gpu_check.py greedy [--model DIR_OR_GGUF] [--max-tokens 32]
+    python bench/gpu_check.py cuda_graphs [--model DIR_OR_GGUF] [--batch-sizes 1 16 64]
     python bench/gpu_check.py attention [--peak-gbps 4800]
 
-Both also run on a CPU (small sizes, to check the script itself: tests/unit/bench).
+All also run on a CPU (small sizes, to check the script itself: tests/unit/bench); there the
+cuda_graphs check compares two eager runs, as a CPU captures no graphs.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -65,6 +69,97 @@ def check_greedy(model: str | None, max_tokens: int, kv_cache_memory: int | None
         "prompts": len(PROMPTS),
         "equal": equal,
         "ok": equal == len(PROMPTS),
+    }
+
+
+def _greedy_tokens(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from kvserve import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+def decode_step_ms(llm, num_seqs: int, num_steps: int) -> float:
+    """Milliseconds of one decode step of num_seqs requests: a run of num_steps + 1 tokens
+    less a run of 1 token (the same prefill, from the prefix cache), over num_steps; the
+    best of three."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_seqs)]
+    _greedy_tokens(llm, prompts, num_steps + 1)  # warm-up, and fills the prefix cache
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        _greedy_tokens(llm, prompts, 1)
+        middle = time.perf_counter()
+        _greedy_tokens(llm, prompts, num_steps + 1)
+        end = time.perf_counter()
+        best = min(best, ((end - middle) - (middle - start)) / num_steps)
+    return best * 1e3
+
+
+def check_cuda_graphs(
+    model: str | None,
+    max_tokens: int,
+    kv_cache_memory: int | None,
+    batch_sizes: list[int],
+    num_steps: int,
+    dtype: str,
+) -> dict:
+    """Greedy tokens with CUDA graphs equal to --enforce-eager's, and the decode step time
+    of each at batch_sizes requests. On a GPU the graphs must be captured and replayed."""
+    from kvserve import LLM
+
+    device = _device()
+    if kv_cache_memory is None and device.type == "cuda":
+        kv_cache_memory = 2 << 30  # both engines fit at once, no memory profile
+    extra = {} if kv_cache_memory is None else {"kv_cache_memory": kv_cache_memory}
+    tokens, step_ms, graph_info = {}, {}, {}
+    for mode in ("eager", "graphs"):
+        llm = LLM(
+            model=model,
+            dtype=dtype,
+            max_model_len=512,
+            max_num_seqs=max(batch_sizes),
+            enforce_eager=mode == "eager",
+            **extra,
+        )
+        tokens[mode] = _greedy_tokens(llm, PROMPTS, max_tokens)
+        step_ms[mode] = {str(n): round(decode_step_ms(llm, n, num_steps), 3) for n in batch_sizes}
+        graphs = llm.engine_core.executor.worker.runner.cuda_graphs
+        if mode == "graphs":
+            graph_info = {
+                "captured": [] if graphs is None else graphs.sizes,
+                "replays": 0 if graphs is None else graphs.num_replays,
+            }
+        del llm, graphs
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    equal = sum(a == b for a, b in zip(tokens["graphs"], tokens["eager"]))
+    used = bool(graph_info["captured"]) and graph_info["replays"] > 0
+    ok = equal == len(PROMPTS) and (used or device.type != "cuda")
+    steps = ", ".join(
+        f"{n} seqs {step_ms['eager'][n]} -> {step_ms['graphs'][n]} ms" for n in step_ms["eager"]
+    )
+    return {
+        "check": "cuda_graphs",
+        "device": str(device),
+        "dtype": dtype,
+        "prompts": len(PROMPTS),
+        "equal": equal,
+        **graph_info,
+        "decode_step_ms": step_ms,
+        "speedup": {
+            n: round(step_ms["eager"][n] / step_ms["graphs"][n], 2)
+            if step_ms["graphs"][n] > 0
+            else None
+            for n in step_ms["eager"]
+        },
+        "ok": ok,
+        "summary": (
+            f"{'ok' if ok else 'FAILED'}: greedy equal {equal}/{len(PROMPTS)}, "
+            f"{len(graph_info['captured'])} sizes captured, {graph_info['replays']} replays; "
+            f"decode step eager -> graphs ({dtype}): {steps}"
+        ),
     }
 
 
@@ -157,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", default=None)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: kvserve's)")
+    c = sub.add_parser("cuda_graphs")
+    c.add_argument("--model", default=None)
+    c.add_argument("--max-tokens", type=int, default=32)
+    c.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (GPU: 2 GiB)")
+    c.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    c.add_argument("--num-steps", type=int, default=64, help="decode steps timed per run")
+    c.add_argument("--dtype", default="float32", help="float32: greedy ties cannot flip")
     a = sub.add_parser("attention")
     a.add_argument(
         "--peak-gbps",
@@ -168,6 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.check == "greedy":
         results = [check_greedy(args.model, args.max_tokens, args.kv_cache_memory)]
+    elif args.check == "cuda_graphs":
+        results = [
+            check_cuda_graphs(
+                args.model,
+                args.max_tokens,
+                args.kv_cache_memory,
+                args.batch_sizes,
+                args.num_steps,
+                args.dtype,
+            )
+        ]
     else:
         results = check_attention(args.peak_gbps, args.target)
     for result in results:

@@ -102,6 +102,8 @@ def _flag_kwargs(field: _Field) -> dict[str, Any]:
         return {"choices": list(typing.get_args(annotation))}
     if annotation in (int, float, str):
         return {"type": annotation}
+    if annotation == list[int]:  # vLLM's list flags: --cuda-graph-sizes 1 2 4
+        return {"type": int, "nargs": "*", "metavar": "N"}
     raise TypeError(f"field {field.name!r}: no flag type for {field.annotation!r}")
 
 

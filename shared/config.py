@@ -64,8 +64,19 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = 20
     enforce_eager: Annotated[
         bool,
-        _doc("accepted for vLLM's scripts: kvserve captures no CUDA graphs, every step is eager"),
+        _doc(
+            "capture no CUDA graphs: every step runs eagerly (on a GPU, pure-decode steps "
+            "otherwise replay a graph captured at start-up; a CPU always runs eagerly)"
+        ),
     ] = False
+    cuda_graph_sizes: Annotated[
+        list[int] | None,
+        _doc(
+            "decode batch sizes to capture a CUDA graph for, e.g. 1 2 4 8 (a decode step is "
+            "padded to the nearest captured size); default: 1 2 4 and every multiple of 8 up "
+            "to 256, capped at max_num_seqs; an empty list captures none"
+        ),
+    ] = None
     cpu_gemm: Annotated[
         Literal["auto", "torch", "onednn"],
         _doc(
@@ -92,6 +103,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.cuda_graph_sizes is not None and any(n < 1 for n in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
 
     @property
     def dtype_name(self) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvserve.kernels import gemm
+from kvserve.services.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvserve.services.worker.input_batch import InputBatch, RequestState
 from kvserve.services.worker.layers.attention import (
     Attention,
@@ -102,6 +103,7 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connector = None  # a WorkerConnector, with --kv-transfer-config
+        self.cuda_graphs: DecodeGraphs | None = None  # captured after the KV cache
         if config.kv_transfer_config is not None and not (
             self.is_first_stage and self.is_last_stage
         ):
@@ -218,6 +220,15 @@ class ModelRunner:
             num_blocks,
             self.block_size,
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+        )
+        self.cuda_graphs = self.capture_cuda_graphs(max_blocks_per_req)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_blocks_per_req: int) -> DecodeGraphs | None:
+        """The decode forward captured per batch size (services/worker/cuda_graphs.py); None
+        where every step runs eagerly."""
+        return capture_decode_graphs(
+            self.config, self._run_stage, self.device, max_blocks_per_req, self.max_model_len
         )
 
     @torch.inference_mode()
@@ -419,7 +430,11 @@ class ModelRunner:
         )
         input_ids_t = torch.from_numpy(input_ids).to(dev)
         positions_t = torch.from_numpy(positions).to(dev)
-        hidden = self._run_stage(input_ids_t, positions_t, metadata)
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(len(rows), total, metadata.max_query_len):
+            hidden = graphs.run(input_ids_t, positions_t, metadata)  # padded to a graph's size
+        else:
+            hidden = self._run_stage(input_ids_t, positions_t, metadata)
         if self.draft is not None:
             self.draft.catch_up(input_ids_t, positions_t, metadata)
 

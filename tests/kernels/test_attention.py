@@ -205,3 +205,33 @@ def test_paged_attention_triton_window_and_soft_cap_match_ref(sliding_window, so
     out = _run(attention.paged_attention, batch, 0.3, sliding_window, soft_cap)
     expected = _run(attention.paged_attention_ref, batch, 0.3, sliding_window, soft_cap)
     assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+def test_paged_attention_triton_padded_decode_as_a_cuda_graph_runs_it():
+    # services/worker/cuda_graphs.py: a decode batch padded to a captured size, with padding
+    # rows of seq_len 1 over block 0, a block table of fixed width and a max_seq_len bound
+    # for that width; the real rows come out as without the padding.
+    batch = _to_device(make_paged_batch(DECODES, 9, 3, 64, BLOCK_SIZE, torch.float32))
+    num_reqs, num_padding, width = len(DECODES), 3, 8
+    size = num_reqs + num_padding
+    block_table = torch.zeros(size, width, dtype=torch.int32, device=DEVICE)
+    block_table[:num_reqs, : batch.block_table.shape[1]] = batch.block_table[:num_reqs]
+    padding = torch.randn(num_padding, *batch.query.shape[1:], device=DEVICE)
+    padded = dataclasses.replace(
+        batch,
+        query=torch.cat((batch.query, padding)),
+        block_table=block_table,
+        query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.cat(
+            (batch.seq_lens, torch.ones(num_padding, dtype=torch.int32, device=DEVICE))
+        ),
+        query_lens=[1] * size,
+    )
+    out = attention.paged_attention(
+        padded.query, padded.key_cache, padded.value_cache, padded.block_table,
+        padded.query_start_loc, padded.seq_lens, 0.125, 1, width * BLOCK_SIZE,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        out[:num_reqs], _run(attention.paged_attention, batch, 0.125), rtol=0, atol=0
+    )

@@ -60,7 +60,11 @@ def fused_experts(
     num_experts = w13.shape[0]
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # rows of expert 0 first, then 1, ...
-    group_ends = torch.bincount(flat_ids, minlength=num_experts).cumsum(0).to(torch.int32)
+    # Rows per expert by scatter_add, not bincount: bincount reads its input's max on the
+    # host, a sync a CUDA graph capture cannot hold (services/worker/cuda_graphs.py).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    group_ends = counts.cumsum(0).to(torch.int32)
     rows = x.index_select(0, order // top_k)  # [T*k, H], sorted by expert
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=group_ends)
     act = kernels.silu_and_mul(gate_up)

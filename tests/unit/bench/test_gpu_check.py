@@ -40,3 +40,16 @@ def test_greedy_check_compares_with_hf(gpu_check, tiny_llama_dir, capsys):
         "equal": len(gpu_check.PROMPTS),
         "ok": True,
     }
+
+
+def test_cuda_graphs_check_compares_with_enforce_eager(gpu_check, tiny_llama_dir, capsys):
+    argv = ["cuda_graphs", "--model", tiny_llama_dir, "--max-tokens", "4"]
+    argv += ["--batch-sizes", "1", "2", "--num-steps", "2"]
+    assert gpu_check.main([*argv, "--kv-cache-memory", str(TINY_KV_CACHE_MEMORY)]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["check"] == "cuda_graphs" and result["ok"]
+    assert result["equal"] == result["prompts"] == len(gpu_check.PROMPTS)
+    assert (result["captured"], result["replays"]) == ([], 0)  # a CPU captures none
+    assert set(result["decode_step_ms"]) == {"eager", "graphs"}
+    assert list(result["decode_step_ms"]["eager"]) == list(result["speedup"]) == ["1", "2"]
+    assert result["summary"].startswith("ok: greedy equal 4/4, 0 sizes captured")

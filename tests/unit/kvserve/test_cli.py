@@ -34,6 +34,8 @@ CASES = [
     (["--kv-cache-memory", "512M"], lambda o: o.engine.cache.kv_cache_memory_bytes, 512 << 20),
     (["--max-logprobs", "5"], lambda o: o.engine.model.max_logprobs, 5),
     (["--enforce-eager"], lambda o: o.engine.model.enforce_eager, True),
+    (["--cuda-graph-sizes", "1", "2", "4"], lambda o: o.engine.model.cuda_graph_sizes, [1, 2, 4]),
+    (["--cuda-graph-sizes"], lambda o: o.engine.model.cuda_graph_sizes, []),
     (["--trust-remote-code"], lambda o: o.engine.model.trust_remote_code, True),
     (["--disable-custom-all-reduce"], lambda o: o.engine.parallel.disable_custom_all_reduce, True),
     (["--chat-template", "{{ messages }}"], lambda o: o.frontend.chat_template, "{{ messages }}"),
