@@ -10,10 +10,13 @@ The order follows vLLM V1:
                                        -> softmax -> inverse-CDF draw    (random rows)
 
 Every step works on the whole [R, V] batch at once; the only Python loops run over the rows
-that need per-row data (building the output-token tensor, min_tokens ids, seeded draws).
+that need per-row data (min_tokens ids, seeded draws). Greedy rows stop at the argmax, and
+no filter sorts a full row unless top-p meets a row too flat for its candidates.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import torch
@@ -75,18 +78,24 @@ class Sampler(torch.nn.Module):
         return raw_logprobs
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Greedy argmax and/or random sampling of the processed logits; returns [R] int64."""
-        greedy_token_ids = None
-        if not metadata.all_random:
-            greedy_token_ids = logits.argmax(dim=-1)
-            if metadata.all_greedy:
-                return greedy_token_ids
-        probs = self._random_probs(logits, metadata)
-        random_token_ids = inverse_cdf_sample(probs, metadata.generators)
-        if greedy_token_ids is None:
-            return random_token_ids
+        """Greedy argmax and/or random sampling of the processed logits; returns [R] int64.
+
+        Greedy rows take the argmax only: in a mixed batch, temperature, filters, softmax and
+        the draw run on the random rows alone."""
+        if metadata.all_random:
+            probs = self._random_probs(logits, metadata)
+            return inverse_cdf_sample(probs, metadata.generators)
+        greedy_token_ids = logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy_token_ids
         assert metadata.temperature is not None
-        return torch.where(metadata.temperature < _SAMPLING_EPS, greedy_token_ids, random_token_ids)
+        random_rows = (metadata.temperature >= _SAMPLING_EPS).nonzero().squeeze(1)
+        if random_rows.numel() == 0:
+            return greedy_token_ids
+        random_metadata = _select_rows(metadata, random_rows)
+        probs = self._random_probs(logits[random_rows], random_metadata)
+        random_token_ids = inverse_cdf_sample(probs, random_metadata.generators)
+        return greedy_token_ids.index_copy_(0, random_rows, random_token_ids)
 
     @staticmethod
     def _random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -102,6 +111,32 @@ class Sampler(torch.nn.Module):
         if metadata.min_p is not None:
             apply_min_p(probs, metadata.min_p)
         return probs
+
+
+def _select_rows(metadata: SamplingMetadata, rows: torch.Tensor) -> SamplingMetadata:
+    """The draw-time fields (temperature, filters, generators) of `rows`, renumbered 0..n-1."""
+
+    def select(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor[rows]
+
+    assert metadata.temperature is not None
+    generators = {}
+    if metadata.generators:
+        new_row = {row: i for i, row in enumerate(rows.tolist())}
+        generators = {
+            new_row[row]: generator
+            for row, generator in metadata.generators.items()
+            if row in new_row
+        }
+    return SamplingMetadata(
+        temperature=metadata.temperature[rows],
+        all_greedy=False,
+        all_random=True,
+        top_p=select(metadata.top_p),
+        top_k=select(metadata.top_k),
+        min_p=select(metadata.min_p),
+        generators=generators,
+    )
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[int]]]) -> None:
@@ -149,10 +184,16 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
 
 def _pad_token_ids(token_ids_per_row: list[list[int]], vocab_size: int) -> torch.Tensor:
     """Packs ragged per-row token lists into [R, max_len] int64, padded with vocab_size."""
-    max_len = max((len(ids) for ids in token_ids_per_row), default=0)
+    lengths = np.fromiter(map(len, token_ids_per_row), dtype=np.int64, count=len(token_ids_per_row))
+    num_tokens = int(lengths.sum())
+    max_len = int(lengths.max(initial=0))
     padded_np = np.full((len(token_ids_per_row), max_len), vocab_size, dtype=np.int64)
-    for row, ids in enumerate(token_ids_per_row):
-        padded_np[row, : len(ids)] = ids
+    if num_tokens:
+        # One scatter of the concatenated lists instead of a slice assignment per row.
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids_per_row), np.int64, num_tokens)
+        row_ids = np.repeat(np.arange(len(token_ids_per_row)), lengths)
+        starts = np.cumsum(lengths) - lengths
+        padded_np[row_ids, np.arange(num_tokens) - np.repeat(starts, lengths)] = flat
     return torch.from_numpy(padded_np)
 
 
@@ -180,9 +221,12 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """Sets the logits outside each row's top-k and nucleus (top-p) to -inf, in place.
 
-    Both filters keep the tokens at or above a per-row threshold logit, found on a sorted
-    copy of the values; only values are sorted (no indices to scatter back), which on CPU is
-    20x faster than torch.sort with indices. Ties at the threshold are all kept.
+    Both filters keep the tokens at or above a per-row threshold logit; ties at the
+    threshold are all kept. The threshold is found among each row's largest values
+    (torch.topk), not on a sorted copy of the row: the k-th largest for top-k, and for
+    top-p the first candidate whose own and less likely tokens' mass exceeds 1 - p. A row
+    whose candidates hold less than p (a very flat distribution) falls back to a sort.
+    A row with p = 1 and no top-k is left alone.
 
     Args:
         logits: [R, V] temperature-scaled logits.
@@ -191,19 +235,106 @@ def apply_top_k_top_p(
     """
     if top_k is None and top_p is None:
         return logits
+    num_reqs, vocab_size = logits.shape
+    k = torch.full((num_reqs,), vocab_size, dtype=torch.int64, device=logits.device)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size).long()
+    filtered = k < vocab_size
+    if top_p is not None:
+        filtered |= top_p < 1.0
+    rows = filtered.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return logits
+    all_rows = rows.numel() == num_reqs
+    row_logits = logits if all_rows else logits[rows]
+    row_top_p = None
+    if top_p is not None:
+        row_top_p = top_p if all_rows else top_p[rows]
+    row_thresholds = _thresholds(row_logits, k if all_rows else k[rows], row_top_p)
+    if all_rows:
+        thresholds = row_thresholds
+    else:
+        thresholds = torch.full((num_reqs, 1), float("-inf"), device=logits.device)
+        thresholds[rows] = row_thresholds
+    return logits.masked_fill_(logits < thresholds, float("-inf"))
+
+
+# Top-p looks for its threshold among this many largest logits of a row before sorting the
+# whole row; next-token distributions put p = 0.9 of their mass in far fewer tokens.
+_NUM_TOP_P_CANDIDATES = 256
+# Above this many candidates a full sort is cheaper than torch.topk on CPU.
+_MAX_TOPK_CANDIDATES = 4096
+
+
+def _thresholds(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """[N, 1] threshold logit of each row; k is [N] int64 (vocab_size = off)."""
+    vocab_size = logits.shape[1]
+    has_k = k < vocab_size
+    num_candidates = int(k[has_k].max()) if bool(has_k.any()) else 1
+    if top_p is not None:
+        num_candidates = max(num_candidates, _NUM_TOP_P_CANDIDATES)
+    num_candidates = min(num_candidates, vocab_size)
+    if num_candidates > _MAX_TOPK_CANDIDATES:
+        return _sorted_thresholds(logits, k, top_p)
+    # Descending: column t holds the (t + 1)-th largest logit.
+    candidates = logits.topk(num_candidates, dim=-1, sorted=True).values
+    kth_col = (k.clamp(max=num_candidates) - 1).unsqueeze(1)
+    if top_p is None:
+        return candidates.gather(1, kth_col)
+    # The nucleus is taken over the top-k distribution, as in vLLM: tokens below the k-th
+    # largest logit hold no mass.
+    kth_largest = torch.where(has_k.unsqueeze(1), candidates.gather(1, kth_col), float("-inf"))
+    max_logit = candidates[:, :1]
+    last_candidate = candidates[:, -1:]
+    candidate_exp = (candidates - max_logit).exp_().masked_fill_(candidates < kth_largest, 0.0)
+    # The mass of the tokens that are not candidates. Clamped at the last candidate, every
+    # candidate weighs as much as the last one, which the subtraction takes back; no
+    # [R, V] mask is needed.
+    last_exp = candidate_exp[:, -1:].double()
+    clamped_exp = logits.clamp(max=last_candidate).sub_(max_logit).exp_()
+    rest = clamped_exp.sum(dim=-1, keepdim=True).double() - num_candidates * last_exp
+    if bool(has_k.any()):
+        # Under a top-k only the k-th largest's ties that topk left out hold mass there.
+        rest.masked_fill_(has_k.unsqueeze(1), 0.0)
+        ties_left_out = has_k & (last_candidate == kth_largest).squeeze(1)
+        if bool(ties_left_out.any()):
+            rows = ties_left_out.nonzero().squeeze(1)
+            num_ties = (logits[rows] == kth_largest[rows]).sum(dim=-1, keepdim=True)
+            num_tied_candidates = (candidates[rows] == kth_largest[rows]).sum(-1, keepdim=True)
+            rest[rows] = (num_ties - num_tied_candidates) * last_exp[rows]
+    rest.clamp_(min=0.0)
+    # mass_below[t]: the share of candidate t and every less likely token, summed from the
+    # least likely up as the sorted cumsum does, so a tail share near 1 - p keeps its
+    # precision. A candidate is outside the nucleus when that share is at most 1 - p; the
+    # shares fall with t, so the candidates inside form a prefix whose last one is the
+    # threshold.
+    mass_below = rest + candidate_exp.double().flip(-1).cumsum(dim=-1).flip(-1)
+    mass_below = (mass_below / mass_below[:, :1]).float()
+    mass_outside = (1.0 - top_p).to(mass_below.dtype).unsqueeze(1)
+    num_inside = (mass_below > mass_outside).sum(dim=-1, keepdim=True)
+    threshold_col = torch.minimum(num_inside - 1, kth_col).clamp_(min=0)
+    thresholds = candidates.gather(1, threshold_col)
+    # Every candidate is inside, so the threshold lies further down: only a top-k or the
+    # end of the row stops it there.
+    uncovered = (num_inside.squeeze(1) == num_candidates) & ~has_k
+    if num_candidates < vocab_size and bool(uncovered.any()):
+        rows = uncovered.nonzero().squeeze(1)
+        thresholds[rows] = _sorted_thresholds(logits[rows], k[rows], top_p[rows])
+    return thresholds
+
+
+def _sorted_thresholds(
+    logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """_thresholds on a sorted copy of each row: for large k and flat top-p rows."""
     vocab_size = logits.shape[1]
     # Ascending: the most likely token is in the last column.
     sorted_logits = _sort_values(logits)
     # Column index of each row's threshold in sorted_logits; 0 keeps every token.
-    threshold_idx = torch.zeros(logits.shape[0], 1, dtype=torch.int64, device=logits.device)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size).long()
-        threshold_idx = (vocab_size - k).unsqueeze(1)
+    threshold_idx = (vocab_size - k).unsqueeze(1)
     if top_p is not None:
-        if top_k is not None:
-            # The nucleus is taken over the top-k distribution, as in vLLM.
-            kth_largest = sorted_logits.gather(1, threshold_idx)
-            sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+        kth_largest = sorted_logits.gather(1, threshold_idx)
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
         probs_cumsum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # A token is outside the nucleus when it and every less likely token together hold
         # at most 1 - p: the tokens above it already cover p. The cumsum is sorted, so these
@@ -213,8 +344,7 @@ def apply_top_k_top_p(
         num_outside = torch.searchsorted(probs_cumsum, mass_outside, right=True)
         num_outside.clamp_(max=vocab_size - 1)
         threshold_idx = torch.maximum(threshold_idx, num_outside)
-    thresholds = sorted_logits.gather(1, threshold_idx)
-    return logits.masked_fill_(logits < thresholds, float("-inf"))
+    return sorted_logits.gather(1, threshold_idx)
 
 
 def _sort_values(logits: torch.Tensor) -> torch.Tensor:

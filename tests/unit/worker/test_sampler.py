@@ -9,6 +9,7 @@ import torch
 
 from kvserve.services.worker.sampler import (
     Sampler,
+    _pad_token_ids,
     apply_penalties,
     apply_top_k_top_p,
     compute_topk_logprobs,
@@ -279,3 +280,9 @@ def test_top_p_matches_sorted_reference(top_p: float):
         num_needed = next(i + 1 for i in range(len(probs)) if math.fsum(probs[: i + 1]) >= top_p)
         assert int(kept.sum()) == num_needed
         assert kept[row.argmax()]
+
+
+def test_pad_token_ids_packs_ragged_rows():
+    padded = _pad_token_ids([[3, 1], [], [2, 2, 0]], vocab_size=9)
+    assert padded.tolist() == [[3, 1, 9], [9, 9, 9], [2, 2, 0]]
+    assert _pad_token_ids([[], []], vocab_size=9).shape == (2, 0)
