@@ -13,7 +13,11 @@ MKL may win small row counts). So nothing is assumed: `tune` times both paths fo
 (dtype, N, K) of the model over a ladder of row counts, interleaved, and keeps per rung the
 faster one by its fastest call (torch unless oneDNN wins by a margin). The plan is cached
 per machine (CPU model and flags, torch version, threads) in $KVSERVE_CACHE_DIR/gemm/, so
-a second start reuses it.
+a second start reuses it, unless other work held the cores while it was measured: a plan
+measured while tasks waited for a core more than CONTENDED_SHARE of the time (Linux's
+/proc/pressure/cpu) serves that start only, and the next start measures again. (A plan
+measured under load once picked MKL for half the bfloat16 shapes that oneDNN runs 1.3x
+faster on a quiet machine, and kept it.)
 
 A layer holds a `LinearWeights` (its packed copy and the plan for its shape); `linear`
 picks the rung of the call's row count.
@@ -44,6 +48,12 @@ PATHS = ("torch", "onednn")
 ROW_LADDER = (1, 4, 16, 64, 256, 1024)
 # oneDNN must beat torch by this factor to be chosen: a tie keeps PyTorch's own path.
 WIN_MARGIN = 1.05
+# A measurement during which some task waited for a CPU more than this share of the time
+# was contended: it is used, not cached.
+CONTENDED_SHARE = 0.05
+# The cache file's format and measuring method; a new one re-measures every machine.
+CACHE_VERSION = 2
+_PSI_CPU = "/proc/pressure/cpu"
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -114,6 +124,7 @@ class GemmPlan:
     shapes: dict[str, ShapePlan] = field(default_factory=dict)
     source: str = "measured"  # measured | cached | forced
     seconds: float = 0.0
+    stalled_share: float | None = None  # of the measuring time some task waited for a CPU
 
     @staticmethod
     def key(dtype: torch.dtype, n: int, k: int) -> str:
@@ -171,7 +182,20 @@ def machine_key(num_threads: int) -> str:
 
 
 def _cache_path(num_threads: int) -> str:
-    return os.path.join(CACHE_DIR.get(), "gemm", f"plan-{machine_key(num_threads)}.json")
+    name = f"plan-v{CACHE_VERSION}-{machine_key(num_threads)}.json"
+    return os.path.join(CACHE_DIR.get(), "gemm", name)
+
+
+def cpu_stall_us() -> int | None:
+    """Microseconds, since boot, during which some task waited for a CPU (the "some" line of
+    Linux's pressure stall information), or None where the kernel has no PSI."""
+    try:
+        with open(_PSI_CPU) as f:
+            some = f.readline().split()
+    except OSError:
+        return None
+    fields = dict(item.split("=", 1) for item in some[1:] if "=" in item)
+    return int(fields["total"]) if "total" in fields else None
 
 
 def tune(
@@ -201,18 +225,30 @@ def tune(
     path = _cache_path(torch.get_num_threads())
     cached = _read_cache(path) if use_cache else {}
     plan = GemmPlan(source="cached")
-    start = time.perf_counter()
+    measured: dict[str, ShapePlan] = {}
+    start, stall_start = time.perf_counter(), cpu_stall_us()
     for dtype, n, k, max_rows in shapes:
         key = GemmPlan.key(dtype, n, k)
         cache_key = f"{key}:{max_rows}"
         if cache_key in cached:
             plan.shapes[key] = cached[cache_key]
             continue
-        plan.shapes[key] = cached[cache_key] = measure(dtype, n, k, max_rows)
+        plan.shapes[key] = measured[cache_key] = measure(dtype, n, k, max_rows)
         plan.source = "measured"
     plan.seconds = time.perf_counter() - start
-    if use_cache and plan.source == "measured":
-        _write_cache(path, cached)
+    stall_end = cpu_stall_us()
+    if measured and stall_start is not None and stall_end is not None and plan.seconds > 0:
+        plan.stalled_share = min(1.0, (stall_end - stall_start) / 1e6 / plan.seconds)
+    if not (use_cache and measured):
+        return plan
+    if plan.stalled_share is not None and plan.stalled_share > CONTENDED_SHARE:
+        logger.warning(
+            "CPU GEMM plan measured while other work held the cores (a task waited for a CPU "
+            "%.0f%% of the time): used for this start, not cached",
+            100 * plan.stalled_share,
+        )
+        return plan
+    _write_cache(path, {**cached, **measured})
     return plan
 
 

@@ -139,7 +139,11 @@ class ModelRunner:
             if key not in packed:
                 packed[key] = gemm.pack_onednn(module.weight)
             module.gemm = gemm.LinearWeights(shape_plan, packed[key])
-        how = f"measured in {plan.seconds:.1f} s" if plan.source == "measured" else plan.source
+        how = plan.source
+        if plan.source == "measured":
+            how = f"measured in {plan.seconds:.1f} s"
+            if plan.stalled_share is not None:
+                how += f", tasks waited for a CPU {100 * plan.stalled_share:.0f}% of it"
         logger.info(
             "CPU GEMM plan (%s, %d threads): %s",
             how,

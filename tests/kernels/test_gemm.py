@@ -57,6 +57,7 @@ def test_non_contiguous_input_takes_the_onednn_path_correctly():
 
 def test_tune_measures_once_then_reuses_the_machines_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm, "cpu_stall_us", lambda: 0)  # quiet cores, whatever else runs
     measured = []
 
     def fake_measure(dtype, n, k, max_rows):
@@ -90,3 +91,47 @@ def test_measure_shape_returns_a_path_per_rung():
     assert len(plan.paths) == len(gemm.ROW_LADDER) and set(plan.paths) <= set(gemm.PATHS)
     # Rungs above max_rows copy the last measured one.
     assert plan.paths[3:] == (plan.paths[2],) * 3
+
+
+def test_a_plan_measured_on_contended_cores_serves_but_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    measured = []
+
+    def fake_measure(dtype, n, k, max_rows):
+        measured.append((n, k))
+        stall_us[0] += stall_per_shape_us  # other work waiting for the cores meanwhile
+        return gemm.ShapePlan(("onednn",) * 6)
+
+    stall_us = [0]
+    monkeypatch.setattr(gemm, "cpu_stall_us", lambda: stall_us[0])
+    shapes = [(torch.float32, 960, 576, 2048)]
+    stall_per_shape_us = 10**9  # every measuring second stalled: contended
+    first = gemm.tune(shapes, measure=fake_measure)
+    assert first.source == "measured" and first.stalled_share == 1.0
+    assert first.summary() == {"float32:960x576": "onednn"}  # used for this start
+    assert gemm.tune(shapes, measure=fake_measure).source == "measured"  # not cached
+    assert len(measured) == 2
+    stall_per_shape_us = 0  # a quiet machine: the plan is kept
+    assert gemm.tune(shapes, measure=fake_measure).stalled_share == 0.0
+    assert gemm.tune(shapes, measure=fake_measure).source == "cached"
+    assert len(measured) == 3
+
+
+def test_without_pressure_stall_information_plans_are_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm, "_PSI_CPU", str(tmp_path / "no-psi"))
+    assert gemm.cpu_stall_us() is None
+    shapes = [(torch.float32, 64, 576, 2048)]
+    plan = gemm.tune(shapes, measure=lambda *a: gemm.ShapePlan(("torch",) * 6))
+    assert plan.stalled_share is None
+    assert gemm.tune(shapes, measure=lambda *a: 1 / 0).source == "cached"
+
+
+def test_cpu_stall_us_reads_the_some_line(tmp_path, monkeypatch):
+    psi = tmp_path / "cpu"
+    psi.write_text(
+        "some avg10=0.04 avg60=3.92 avg300=5.19 total=10102771845\n"
+        "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    )
+    monkeypatch.setattr(gemm, "_PSI_CPU", str(psi))
+    assert gemm.cpu_stall_us() == 10102771845
