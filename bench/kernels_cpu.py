@@ -3,7 +3,9 @@
 Shapes are SmolLM2-135M's: hidden 576, 9 query heads, 3 KV heads, head_dim 64, intermediate
 1536, block_size 16. Prints the best and median milliseconds per call over several timed
 rounds (best is the stable number on a shared machine), for float32 and bfloat16, plus the
-old per-request-loop attention as a baseline.
+old per-request-loop attention as a baseline, and the CPU fast path the engine runs
+(`paged_attention_cpu`: decodes in the C kernel, prefill chunks through torch's CPU flash
+attention) on the prefill step of the concurrency-32 workload, with its GFLOP/s.
 
     .venv/bin/python bench/kernels_cpu.py [--threads N] [--rounds N] [--dtype float32]
 """
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.activation import silu_and_mul_ref
-from kvserve.kernels.attention import paged_attention_ref
+from kvserve.kernels.attention import paged_attention_cpu, paged_attention_ref
 from kvserve.kernels.cache import write_kv_cache_ref
 from kvserve.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kvserve.kernels.rotary import rotary_embedding_ref
@@ -127,6 +129,24 @@ def bench_attention(dtype: torch.dtype, rounds: int) -> None:
         )
 
 
+def bench_attention_cpu(dtype: torch.dtype, rounds: int) -> None:
+    cases = {
+        "8 prefills of 256 (a 2048-token step)": [(256, 256)] * 8,
+        "1 prefill of 1024": [(1024, 1024)],
+        "32 decodes @ ctx 300": [(1, 300)] * 32,
+        "32 decodes @ 300 + 7 prefills of 256": [(1, 300)] * 32 + [(256, 256)] * 7,
+    }
+    for name, layout in cases.items():
+        args = attention_inputs(layout, dtype)
+        best, median = time_ms(partial(paged_attention_cpu, *args), rounds)
+        # QK and PV, causal half of the new tokens' square plus their full context
+        flop = sum(
+            4 * q * (s - q + (q + 1) / 2) * HEAD_SIZE * NUM_HEADS for q, s in layout if q > 1
+        )
+        rate = f"   prefill part {flop / best / 1e6:5.0f} GFLOP/s if it were all" if flop else ""
+        print(f"  paged_attention_cpu  {name:42s} {best:8.3f} ms (median {median:7.3f}){rate}")
+
+
 def bench_elementwise(dtype: torch.dtype, rounds: int) -> None:
     cos_sin_cache = torch.randn(MAX_POSITION, HEAD_SIZE)
     q_size, kv_size = NUM_HEADS * HEAD_SIZE, NUM_KV_HEADS * HEAD_SIZE
@@ -176,6 +196,7 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         print(f"[{dtype_name}]")
         bench_attention(dtype, args.rounds)
+        bench_attention_cpu(dtype, args.rounds)
         bench_elementwise(dtype, args.rounds)
 
 

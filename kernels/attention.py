@@ -23,8 +23,6 @@ paths (CPU) read the bounds on the host (`.tolist()`, `nonzero`) and are never c
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -549,6 +547,48 @@ def _prefill_attention_cpu(
     return out[0].transpose(0, 1)
 
 
+def _prefill_in_decode_kernel(dtype: torch.dtype, query_len: int, seq_len: int) -> bool:
+    """Whether a prefill chunk runs faster through the decode kernel than through flash.
+
+    The decode kernel takes each token of the chunk as a query of its own (its context ends at
+    the token: causal), reading K/V in place with AVX-512 dot products; torch's CPU flash
+    attention runs small GEMM tiles and pays for them on short chunks. Measured with
+    `bench/kernels_cpu.py` (2 threads, 9 q / 3 kv heads, D 64, AMD Zen 5, bench/RESULTS.md):
+    bfloat16 1.2-3.3x faster up to 1024 keys, 0.95-1.2x beyond (flash kept there); float32
+    1.15-2.4x faster for a first chunk of up to 512 tokens, 0.6-0.8x slower behind a context
+    (the flash call over the context is one dense GEMM)."""
+    if dtype == torch.bfloat16:
+        return seq_len <= 1024
+    return query_len == seq_len and seq_len <= 512
+
+
+def _prefill_as_decodes(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    start: int,
+    end: int,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> None:
+    """out[start:end] for one prefill chunk through the decode kernel: token i of the chunk is
+    one query over keys [0, context_len + i], every token sharing the chunk's block-table row
+    (a stride-0 view, no copy)."""
+    from kvserve.kernels import cpu
+
+    query_len = end - start
+    table = block_ids.unsqueeze(0).expand(query_len, -1)
+    lens = torch.arange(seq_len - query_len + 1, seq_len + 1, dtype=torch.int32)
+    rows = torch.arange(start, end, dtype=torch.int64)
+    cpu.decode_attention(
+        out, query, key_cache, value_cache, table, lens, rows, scale, sliding_window, soft_cap
+    )
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -562,9 +602,10 @@ def paged_attention_cpu(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """The CPU fast path: decodes in the native kernel (K/V read in place, no gather),
-    prefill chunks through SDPA as in the reference (the reference's own prefill when a window
-    or soft cap is set). Same contract as `paged_attention`; the caller (kernels.dispatch)
+    """The CPU fast path: decodes in the native kernel (K/V read in place, no gather);
+    prefill chunks in the same kernel, a query per token, where that is faster
+    (`_prefill_in_decode_kernel`) and whenever a window or soft cap is set, else through two
+    flash SDPA calls. Same contract as `paged_attention`; the caller (kernels.dispatch)
     checks that the native kernel is built for the dtype."""
     from kvserve.kernels import cpu
 
@@ -579,17 +620,49 @@ def paged_attention_cpu(
     else:
         bounds = torch.cat((query_start_loc, seq_lens)).tolist()
         starts, lens = bounds[: num_reqs + 1], bounds[num_reqs + 1 :]
-        prefill = _prefill_attention_cpu
-        if sliding_window or logits_soft_cap:
-            prefill = functools.partial(
-                _prefill_attention_ref,
-                sliding_window=sliding_window,
-                soft_cap=logits_soft_cap,
-            )
+        # A window or a soft cap sends every chunk to the decode kernel: the other choice is
+        # the reference's masked math path.
+        windowed = bool(sliding_window or logits_soft_cap)
+        # The decode kernel reads K and V through one set of strides, each slot's [Hkv, D]
+        # contiguous: true of the paged caches, not of the memory-profile pass's K/V views.
+        in_place = (
+            key_cache.stride() == value_cache.stride()
+            and key_cache.stride(3) == 1
+            and key_cache.stride(2) == key_cache.shape[3]
+        )
         for req in range(num_reqs):
             start, end = starts[req], starts[req + 1]
-            if end - start > 1:
-                out[start:end] = prefill(
+            if end - start <= 1:
+                continue
+            if in_place and (
+                windowed or _prefill_in_decode_kernel(query.dtype, end - start, lens[req])
+            ):
+                _prefill_as_decodes(
+                    out,
+                    query,
+                    key_cache,
+                    value_cache,
+                    block_table[req],
+                    start,
+                    end,
+                    lens[req],
+                    scale,
+                    sliding_window,
+                    logits_soft_cap,
+                )
+            elif windowed:
+                out[start:end] = _prefill_attention_ref(
+                    query[start:end],
+                    key_cache,
+                    value_cache,
+                    block_table[req],
+                    lens[req],
+                    scale,
+                    sliding_window=sliding_window,
+                    soft_cap=logits_soft_cap,
+                )
+            else:
+                out[start:end] = _prefill_attention_cpu(
                     query[start:end], key_cache, value_cache, block_table[req], lens[req], scale
                 )
         decode_reqs = (query_lens == 1).nonzero().squeeze(1)

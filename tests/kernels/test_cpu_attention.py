@@ -93,3 +93,56 @@ def test_cpu_path_window_and_soft_cap_match_reference(
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
     plain = paged_attention_ref(*args[:-2])
     assert not torch.allclose(got.float(), plain.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "dtype, atol, query_len, seq_len, through_flash",
+    [
+        (torch.float32, 1e-5, 300, 300, False),  # a first chunk: the decode kernel
+        (torch.float32, 1e-5, 100, 300, True),  # behind a context: flash
+        (torch.float32, 1e-5, 600, 600, True),  # a long first chunk: flash
+        (torch.bfloat16, 2e-2, 100, 300, False),
+        (torch.bfloat16, 2e-2, 600, 600, False),
+        (torch.bfloat16, 2e-2, 200, 1100, True),  # over 1024 keys: flash
+    ],
+)
+def test_prefill_chunk_takes_its_route_and_matches_reference(
+    monkeypatch, dtype, atol, query_len, seq_len, through_flash
+):
+    if not cpu.available(dtype):
+        pytest.skip("no C compiler here: the CPU path is the torch reference itself")
+    from kvserve.kernels import attention
+
+    flash_calls = []
+    real_flash = attention._flash
+
+    def counting_flash(*args, **kwargs):
+        flash_calls.append(1)
+        return real_flash(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_flash", counting_flash)
+    torch.manual_seed(1)
+    block_size, num_kv_heads, num_heads, head_size = 16, 3, 9, 64
+    query_lens, seq_lens = [1, query_len, 1], [50, seq_len, 70]
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * max_blocks + 1
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    block_table = torch.randperm(num_blocks - 1).view(len(seq_lens), max_blocks).int() + 1
+    query_start_loc = torch.tensor([0] + query_lens).cumsum(0).int()
+    qkv = torch.randn(sum(query_lens), num_heads + 2 * num_kv_heads, head_size, dtype=dtype)
+    args = (
+        qkv[:, :num_heads],
+        key_cache,
+        value_cache,
+        block_table,
+        query_start_loc,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        head_size**-0.5,
+        query_len,
+        max(seq_lens),
+    )
+    expected = paged_attention_ref(*args)
+    got = paged_attention_cpu(*args)
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
+    assert bool(flash_calls) == through_flash
