@@ -4,8 +4,9 @@ Shapes are SmolLM2-135M's: hidden 576, 9 query heads, 3 KV heads, head_dim 64, i
 1536, block_size 16. Prints the best and median milliseconds per call over several timed
 rounds (best is the stable number on a shared machine), for float32 and bfloat16, plus the
 old per-request-loop attention as a baseline, and the CPU fast path the engine runs
-(`paged_attention_cpu`: decodes in the C kernel, prefill chunks through torch's CPU flash
-attention) on the prefill step of the concurrency-32 workload, with its GFLOP/s.
+(`paged_attention_cpu`: decodes in the C kernel, prefill chunks in it too or through torch's
+CPU flash attention, kernels.attention._prefill_in_decode_kernel) on the prefill step of the
+concurrency-32 workload and others, with the prefill's GFLOP/s.
 
     .venv/bin/python bench/kernels_cpu.py [--threads N] [--rounds N] [--dtype float32]
 """
@@ -21,6 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import attention
 from kvserve.kernels.activation import silu_and_mul_ref
 from kvserve.kernels.attention import paged_attention_cpu, paged_attention_ref
 from kvserve.kernels.cache import write_kv_cache_ref
@@ -129,22 +131,62 @@ def bench_attention(dtype: torch.dtype, rounds: int) -> None:
         )
 
 
+def prefill_routes(args) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The two ways paged_attention_cpu can run the prefill chunks of `args`: flash, decode."""
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale = args[:7]
+    chunks = [
+        (req, int(start), int(end), int(seq_len))
+        for req, (start, end, seq_len) in enumerate(
+            zip(query_start_loc[:-1], query_start_loc[1:], seq_lens)
+        )
+        if end - start > 1
+    ]
+    out = torch.empty_like(query)
+
+    def flash() -> None:
+        for req, start, end, seq_len in chunks:
+            out[start:end] = attention._prefill_attention_cpu(
+                query[start:end], key_cache, value_cache, block_table[req], seq_len, scale
+            )
+
+    def decode_kernel() -> None:
+        for req, start, end, seq_len in chunks:
+            attention._prefill_as_decodes(
+                out, query, key_cache, value_cache, block_table[req], start, end, seq_len, scale
+            )
+
+    return flash, decode_kernel
+
+
 def bench_attention_cpu(dtype: torch.dtype, rounds: int) -> None:
     cases = {
         "8 prefills of 256 (a 2048-token step)": [(256, 256)] * 8,
-        "1 prefill of 1024": [(1024, 1024)],
-        "32 decodes @ ctx 300": [(1, 300)] * 32,
         "32 decodes @ 300 + 7 prefills of 256": [(1, 300)] * 32 + [(256, 256)] * 7,
+        "32 decodes @ ctx 300": [(1, 300)] * 32,
+        "32 prefills of 64": [(64, 64)] * 32,
+        "4 prefills of 512": [(512, 512)] * 4,
+        "1 prefill of 1024": [(1024, 1024)],
+        "1 prefill of 2048": [(2048, 2048)],
+        "4 chunks 256 @ ctx 256": [(256, 512)] * 4,
+        "2 chunks 256 @ ctx 768": [(256, 1024)] * 2,
+        "1 chunk 256 @ ctx 1792": [(256, 2048)],
     }
     for name, layout in cases.items():
         args = attention_inputs(layout, dtype)
         best, median = time_ms(partial(paged_attention_cpu, *args), rounds)
-        # QK and PV, causal half of the new tokens' square plus their full context
-        flop = sum(
-            4 * q * (s - q + (q + 1) / 2) * HEAD_SIZE * NUM_HEADS for q, s in layout if q > 1
-        )
-        rate = f"   prefill part {flop / best / 1e6:5.0f} GFLOP/s if it were all" if flop else ""
-        print(f"  paged_attention_cpu  {name:42s} {best:8.3f} ms (median {median:7.3f}){rate}")
+        line = f"  paged_attention_cpu  {name:38s} {best:8.3f} ms (median {median:7.3f})"
+        if any(q > 1 for q, _ in layout):
+            # QK and PV: the causal half of each chunk's square plus its whole context
+            flop = sum(4 * q * (s - q + (q + 1) / 2) * HEAD_SIZE * NUM_HEADS for q, s in layout)
+            flash, decode_kernel = prefill_routes(args)
+            flash_ms, _ = time_ms(flash, rounds)
+            decode_ms, _ = time_ms(decode_kernel, rounds)
+            line += (
+                f"   prefill: flash {flash_ms:7.3f} ms ({flop / flash_ms / 1e6:4.0f} GFLOP/s),"
+                f" decode kernel {decode_ms:7.3f} ms ({flop / decode_ms / 1e6:4.0f} GFLOP/s),"
+                f" flash / decode {flash_ms / decode_ms:4.2f}"
+            )
+        print(line)
 
 
 def bench_elementwise(dtype: torch.dtype, rounds: int) -> None:
