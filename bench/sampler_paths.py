@@ -16,16 +16,21 @@ of every position of a paragraph of text instead.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from unittest import mock
 
-import numpy as np
 import torch
 
-from kvserve.services.worker import sampler as sampler_module
-from kvserve.services.worker.sampler import Sampler, inverse_cdf_sample
-from kvserve.services.worker.sampling_metadata import SamplingMetadata
+if __package__ in (None, ""):  # run as a script: the repository root on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvserve.services.worker import sampler as sampler_module  # noqa: E402
+from kvserve.services.worker.sampler import Sampler, inverse_cdf_sample  # noqa: E402
+from kvserve.services.worker.sampling_metadata import SamplingMetadata  # noqa: E402
+from tests.support.sampling import reference_top_k_top_p  # noqa: E402
 
 VOCAB_SIZE = 49152
 MODES = {
@@ -44,29 +49,6 @@ TEXT = (
 )
 
 
-def sort_top_k_top_p(logits, top_k, top_p):
-    """The sort-based filter the Sampler used before performance round two."""
-    if top_k is None and top_p is None:
-        return logits
-    vocab_size = logits.shape[1]
-    sorted_logits = torch.from_numpy(np.sort(logits.numpy(), axis=-1))
-    threshold_idx = torch.zeros(logits.shape[0], 1, dtype=torch.int64)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size).long()
-        threshold_idx = (vocab_size - k).unsqueeze(1)
-    if top_p is not None:
-        if top_k is not None:
-            kth_largest = sorted_logits.gather(1, threshold_idx)
-            sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-        probs_cumsum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        mass_outside = (1.0 - top_p).to(probs_cumsum.dtype).unsqueeze(1)
-        num_outside = torch.searchsorted(probs_cumsum, mass_outside, right=True)
-        num_outside.clamp_(max=vocab_size - 1)
-        threshold_idx = torch.maximum(threshold_idx, num_outside)
-    thresholds = sorted_logits.gather(1, threshold_idx)
-    return logits.masked_fill_(logits < thresholds, float("-inf"))
-
-
 class OldSampler(Sampler):
     """The Sampler before: sort-based filter, and a mixed batch draws on every row."""
 
@@ -76,7 +58,7 @@ class OldSampler(Sampler):
             greedy_token_ids = logits.argmax(dim=-1)
             if metadata.all_greedy:
                 return greedy_token_ids
-        with mock.patch.object(sampler_module, "apply_top_k_top_p", sort_top_k_top_p):
+        with mock.patch.object(sampler_module, "apply_top_k_top_p", reference_top_k_top_p):
             probs = self._random_probs(logits, metadata)
         random_token_ids = inverse_cdf_sample(probs, metadata.generators)
         if greedy_token_ids is None:
