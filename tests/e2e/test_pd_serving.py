@@ -270,7 +270,7 @@ def _kill_prefill_mid_flight(server: ServeProcess, num_requests: int) -> list[ob
         try:
             chunks = _openai(server).completions.create(
                 model=MODEL_NAME,
-                prompt=f"{index}: {LONG_PROMPT[: 600 + 40 * index]}",
+                prompt=f"{index}: {LONG_PROMPT[: 5000 + 40 * index]}",
                 max_tokens=4,
                 temperature=0.0,
                 stream=True,
@@ -283,8 +283,10 @@ def _kill_prefill_mid_flight(server: ServeProcess, num_requests: int) -> list[ob
     with concurrent.futures.ThreadPoolExecutor(num_requests) as pool:
         futures = [pool.submit(run, i) for i in range(num_requests)]
         started.set()
-        # The prefills take seconds of one engine step (whose stats come only at its end):
-        # half a second in, the copies are on the prefill engines, mid-step.
+        # Together the prompts are over one step's 2,048-token budget, so their prefill
+        # takes two engine steps of about a second each (stats come only at a step's end):
+        # half a second in, the copies are on the prefill engines, mid-step. (Prompts of one
+        # short step raced the kill once prefill attention got faster.)
         time.sleep(0.5)
         os.kill(victim["pid"], signal.SIGKILL)
         return [future.result(timeout=60) for future in futures]
