@@ -623,13 +623,8 @@ def paged_attention_cpu(
         # A window or a soft cap sends every chunk to the decode kernel: the other choice is
         # the reference's masked math path.
         windowed = bool(sliding_window or logits_soft_cap)
-        # The decode kernel reads K and V through one set of strides, each slot's [Hkv, D]
-        # contiguous: true of the paged caches, not of the memory-profile pass's K/V views.
-        in_place = (
-            key_cache.stride() == value_cache.stride()
-            and key_cache.stride(3) == 1
-            and key_cache.stride(2) == key_cache.shape[3]
-        )
+        # Not true of the memory-profile pass's K/V views.
+        in_place = cpu.kv_readable_in_place(key_cache, value_cache)
         for req in range(num_reqs):
             start, end = starts[req], starts[req + 1]
             if end - start <= 1:

@@ -214,6 +214,16 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and _load() is not None
 
 
+def kv_readable_in_place(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether decode_attention can read these caches: one set of strides for K and V, each
+    slot's [Hkv, D] contiguous (true of the paged caches)."""
+    return (
+        key_cache.stride(3) == 1
+        and key_cache.stride(2) == key_cache.shape[3]
+        and key_cache.stride() == value_cache.stride()
+    )
+
+
 def decode_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -241,8 +251,7 @@ def decode_attention(
     lib = _load()
     assert lib is not None
     assert query.stride(2) == 1 and out.is_contiguous()
-    assert key_cache.stride(3) == 1 and key_cache.stride(2) == key_cache.shape[3]
-    assert key_cache.stride() == value_cache.stride()
+    assert kv_readable_in_place(key_cache, value_cache)
     assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
     seq_lens = seq_lens.to(torch.int32).contiguous()
     token_rows = token_rows.to(torch.int64).contiguous()
