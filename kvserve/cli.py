@@ -40,10 +40,10 @@ def _run_generate(options: GenerateOptions) -> int:
 
 def _run_train_draft(options: TrainDraftOptions) -> int:
     if options.method == "eagle":
-        from kvserve.services.worker.spec_decode.train_eagle import run_train_eagle
+        from kvserve.training.train_eagle import run_train_eagle
 
         return run_train_eagle(options)
-    from kvserve.services.worker.spec_decode.train_draft import run_train_draft
+    from kvserve.training.train_draft import run_train_draft
 
     return run_train_draft(options)
 

@@ -50,7 +50,7 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig, generation_config: str) -> None:
-        from kvserve.services.scheduler.engine_core import EngineCore
+        from kvserve.services.scheduler.engine.engine_core import EngineCore
         from kvserve.services.worker.model_loader import resolve_model
 
         self.config = config

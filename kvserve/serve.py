@@ -149,7 +149,7 @@ def _engine_main(
     num_local_engines: int,
     frontend_timeout_s: float | None,
 ) -> None:
-    from kvserve.services.scheduler.engine_proc import run_engine_core
+    from kvserve.services.scheduler.engine.engine_proc import run_engine_core
 
     raise SystemExit(
         run_engine_core(
@@ -817,7 +817,7 @@ def run_api(options: APIOptions) -> int:
 
 def run_engine(options: EngineOptions) -> int:
     """`kvserve engine [MODEL]`: one engine core, connecting to an api elsewhere."""
-    from kvserve.services.scheduler.engine_proc import run_engine_core
+    from kvserve.services.scheduler.engine.engine_proc import run_engine_core
     from kvserve.services.worker.model_loader import resolve_model
 
     config = options.engine

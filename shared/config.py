@@ -295,7 +295,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             requests (vLLM's key); None: no such cap.
         adaptive: each request's k follows its measured acceptance, and speculation turns
             itself off when a batch is large enough that extra tokens are not free (the rule
-            is in services/scheduler/spec_decode.py).
+            is in services/scheduler/core/spec_decode.py).
     """
 
     method: SpecMethod

@@ -4,7 +4,8 @@
 arrives in a request body (`structured_outputs`) or offline in
 `SamplingParams(structured_outputs=...)`. The checks here are the ones any process can make
 (exactly one constraint, JSON that parses); the engine core compiles the constraint with
-xgrammar and rejects what the backend cannot honour (services/scheduler/grammar.py).
+xgrammar and rejects what the backend cannot honour (services/scheduler/structured_output/
+grammar.py).
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ the prefix caches are kvserve's shipped code, not copies of it:
 
     load, prefix    kvserve.services.api.dp_router.DPRouter, fed load tables every
                     `refresh_s` and each prompt's token ids (it hashes them itself)
-    KV cache        kvserve.services.scheduler.kv_cache_manager.KVCacheManager over
-                    kvserve.services.scheduler.block_pool.BlockPool, one per engine, with
+    KV cache        kvserve.services.scheduler.core.kv_cache_manager.KVCacheManager over
+                    kvserve.services.scheduler.core.block_pool.BlockPool, one per engine, with
                     block hashes from the engine's block hasher (kvserve.shared.hashing)
 
 What is simulated: the model (step durations from a model fitted to measured kvserve steps,
 bench/step_times.json from bench/measure_step_times.py; pre-drawn output tokens), the
-scheduler's loop (engine.py, after services/scheduler/scheduler.py), the coordinator's
+scheduler's loop (engine.py, after services/scheduler/core/scheduler.py), the coordinator's
 load-table period, and the round-robin baseline. Modules:
 
     workload.py     tenants, requests and their token ids

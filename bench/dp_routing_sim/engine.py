@@ -5,7 +5,7 @@ The KV cache is kvserve's own: prefix lookup, allocation, caching of full blocks
 freeing are `KVCacheManager` calls, and block hashes come from the engine's own block
 hasher (`make_block_hasher` over shared/hashing.py). What is simulated is only the model
 (step durations, pre-drawn output tokens) and the scheduling loop, which follows
-services/scheduler/scheduler.py with the fcfs policy: each step has a token budget and a
+services/scheduler/core/scheduler.py with the fcfs policy: each step has a token budget and a
 sequence cap; running requests go first (a prompt chunk or one decode token), preempting
 from the tail when blocks run out; then, unless the step preempted, waiting requests are
 admitted in order after a prefix-cache lookup, their prompts chunked to the budget.
@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from bench.dp_routing_sim.workload import SimRequest
-from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
-from kvserve.services.scheduler.request import make_block_hasher
+from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
+from kvserve.services.scheduler.core.request import make_block_hasher
 from kvserve.shared.hashing import HashFn
 
 

@@ -271,7 +271,7 @@ class ModelRunner:
     def measure_step_costs(self) -> list[tuple[int, float]]:
         """Seconds of a forward (with logits for every token, as a verifying step needs) for
         1, 2, 4, ... query tokens: what the adaptive speculation rule weighs drafts against
-        (services/scheduler/spec_decode.py). Empty unless adaptive speculation is on; every
+        (services/scheduler/core/spec_decode.py). Empty unless adaptive speculation is on; every
         rank runs it (collectives), the driver's figures are used."""
         import time
 

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.services.scheduler.mp_executor import MpExecutor
+from kvserve.services.scheduler.executors.mp_executor import MpExecutor
 from kvserve.shared.config import EngineConfig, ParallelConfig
 from kvserve.shared.messages import CachedRequestData, SchedulerOutput
 from tests.support import REPO_ROOT
@@ -118,7 +118,7 @@ def test_worker_exception_comes_back_with_its_traceback(default_model_dir):
 _ENGINE_THAT_DIES = """
 import time
 from kvserve.shared.config import EngineConfig, CacheConfig, ParallelConfig
-from kvserve.services.scheduler.mp_executor import MpExecutor
+from kvserve.services.scheduler.executors.mp_executor import MpExecutor
 from kvserve.services.worker.model_loader import resolve_model
 config = EngineConfig(cache=CacheConfig(num_gpu_blocks_override=16),
                       parallel=ParallelConfig(distributed_executor_backend="mp"))

@@ -86,7 +86,7 @@ def test_ranks_on_two_nodes_give_the_single_rank_tokens(
 ):
     import ray
 
-    from kvserve.services.scheduler.ray_executor import RayExecutor
+    from kvserve.services.scheduler.executors.ray_executor import RayExecutor
 
     llm = _llm(tiny_llama, default_model_dir, tp, pp, distributed_executor_backend="ray")
     executor = llm.engine_core.executor
@@ -171,7 +171,7 @@ def test_killed_actor_fails_the_running_request_and_the_engine(
 _ENGINE_THAT_DIES = """
 import sys, time
 from kvserve.shared.config import CacheConfig, EngineConfig, ParallelConfig
-from kvserve.services.scheduler.ray_executor import RayExecutor
+from kvserve.services.scheduler.executors.ray_executor import RayExecutor
 parallel = ParallelConfig(distributed_executor_backend="ray", tensor_parallel_size=2)
 config = EngineConfig(cache=CacheConfig(num_gpu_blocks_override=16), parallel=parallel)
 executor = RayExecutor(config, sys.argv[1])
@@ -204,7 +204,7 @@ def test_actors_exit_when_the_engine_process_dies(ray_cluster, tiny_llama):
 
 _NO_RAY_ON_IMPORT = """
 import sys
-import kvserve.services.scheduler.engine_core
+import kvserve.services.scheduler.engine.engine_core
 import kvserve.cli
 assert "ray" not in sys.modules, "ray imported without --distributed-executor-backend ray"
 """
@@ -218,7 +218,7 @@ def test_without_a_cluster_the_error_says_how_to_start_one(tiny_llama, monkeypat
     require_ray()
     import ray
 
-    from kvserve.services.scheduler.ray_executor import RayExecutor
+    from kvserve.services.scheduler.executors.ray_executor import RayExecutor
     from kvserve.shared.config import EngineConfig
 
     assert not ray.is_initialized()

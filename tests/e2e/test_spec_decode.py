@@ -218,8 +218,8 @@ def tiny_llama_for_tp(tmp_path_factory) -> str:
 def medusa_heads(tmp_path_factory) -> str:
     """Medusa heads for the default model from a short `train-draft` run (the real
     training path; a few prompts, so the heads are weak: some drafts pass, most do not)."""
-    from kvserve.services.worker.spec_decode.train_draft import train_draft
     from kvserve.shared.config import TrainDraftOptions
+    from kvserve.training.train_draft import train_draft
 
     folder = str(tmp_path_factory.mktemp("medusa"))
     options = TrainDraftOptions(
@@ -244,8 +244,8 @@ def test_medusa_heads(medusa_heads, prompts, greedy_reference):
 def eagle_head(tmp_path_factory) -> str:
     """An EAGLE-1 head for the default model from a short `train-draft --method eagle` run
     (the real training path; few prompts, so its guesses are weak)."""
-    from kvserve.services.worker.spec_decode.train_eagle import train_eagle
     from kvserve.shared.config import TrainDraftOptions
+    from kvserve.training.train_eagle import train_eagle
 
     folder = str(tmp_path_factory.mktemp("eagle"))
     options = TrainDraftOptions(

@@ -38,7 +38,7 @@ class InprocEngineClient(EngineClient):
     """
 
     def __init__(self, config: EngineConfig | None = None, model_dir: str | None = None):
-        from kvserve.services.scheduler.engine_core import EngineCore  # torch: only here
+        from kvserve.services.scheduler.engine.engine_core import EngineCore  # torch: only here
         from kvserve.services.worker.model_loader import resolve_model
 
         config = config if config is not None else EngineConfig()

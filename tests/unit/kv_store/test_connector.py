@@ -11,7 +11,7 @@ from kvserve.services.kv_store.connector import (
     SharedStorageBackend,
     WorkerConnector,
 )
-from kvserve.services.scheduler.request import RequestStatus
+from kvserve.services.scheduler.core.request import RequestStatus
 from kvserve.shared.config import KVTransferConfig
 from kvserve.shared.messages import KVBlockTransfer
 from tests.support.kv import assert_no_leaked_blocks
@@ -108,7 +108,7 @@ def test_a_partial_load_recomputes_the_missing_blocks(tmp_path):
 
 
 def _hashed(scheduler, engine_request):
-    from kvserve.services.scheduler.request import Request
+    from kvserve.services.scheduler.core.request import Request
 
     return Request.from_engine_core_request(engine_request, scheduler.block_hasher)
 

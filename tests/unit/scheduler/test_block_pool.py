@@ -6,7 +6,11 @@ from functools import partial
 
 import pytest
 
-from kvserve.services.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from kvserve.services.scheduler.core.block_pool import (
+    BlockPool,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+)
 from tests.support.scheduler import make_hashed_request
 
 BLOCK_SIZE = 4

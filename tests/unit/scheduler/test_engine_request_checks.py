@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.services.scheduler.engine_core import EngineCore
+from kvserve.services.scheduler.engine.engine_core import EngineCore
 from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.shared.messages import EngineCoreRequest, FinishReason
 from kvserve.shared.sampling_params import SamplingParams

@@ -12,8 +12,11 @@ import json
 import pytest
 import xgrammar as xgr
 
-from kvserve.services.scheduler.grammar import XgrammarBackend, checked_json_schema
-from kvserve.services.scheduler.json_schema_support import (
+from kvserve.services.scheduler.structured_output.grammar import (
+    XgrammarBackend,
+    checked_json_schema,
+)
+from kvserve.services.scheduler.structured_output.json_schema_support import (
     unsupported_features,
     with_length_patterns,
 )
@@ -127,7 +130,7 @@ def test_choices_match_exactly_whatever_their_characters(backend):
 def test_length_bounded_strings_take_the_fast_fix(backend, monkeypatch):
     """The printed grammar is patched; the slow pattern rewrite is never needed (if this
     fails, xgrammar prints its string rule differently now: update grammar.py's patch)."""
-    import kvserve.services.scheduler.grammar as grammar
+    import kvserve.services.scheduler.structured_output.grammar as grammar
 
     def not_expected(schema):
         raise AssertionError("the fallback ran")

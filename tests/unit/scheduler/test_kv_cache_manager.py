@@ -6,8 +6,8 @@ from functools import partial
 
 import pytest
 
-from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
-from kvserve.services.scheduler.request import Request
+from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
+from kvserve.services.scheduler.core.request import Request
 from tests.support.kv import assert_all_blocks_free
 from tests.support.scheduler import make_hashed_request
 

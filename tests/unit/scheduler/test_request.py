@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.services.scheduler.request import Request, RequestStatus, make_block_hasher
-from kvserve.services.scheduler.request_queue import create_request_queue
+from kvserve.services.scheduler.core.request import Request, RequestStatus, make_block_hasher
+from kvserve.services.scheduler.core.request_queue import create_request_queue
 from kvserve.shared.hashing import get_hash_fn, hash_new_full_blocks, make_extra_keys
 from kvserve.shared.messages import EngineCoreRequest, FinishReason
 from kvserve.shared.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvserve.services.scheduler.engine_core import cache_config_info
+from kvserve.services.scheduler.engine.engine_core import cache_config_info
 from kvserve.shared.config import CacheConfig
 from kvserve.shared.messages import (
     EngineCoreEvent,

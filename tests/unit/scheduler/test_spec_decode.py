@@ -1,13 +1,13 @@
 """Speculative decoding in the scheduler: drafts as extra query tokens, rollback of the
 rejected ones, the caps on drafts, lookahead slots, no hashing of unverified tokens, no
-leaks, and the adaptive rule (services/scheduler/spec_decode.py)."""
+leaks, and the adaptive rule (services/scheduler/core/spec_decode.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvserve.services.scheduler.request import RequestStatus
-from kvserve.services.scheduler.spec_decode import (
+from kvserve.services.scheduler.core.request import RequestStatus
+from kvserve.services.scheduler.core.spec_decode import (
     SpecDecodePolicy,
     SpecRequestState,
     StepCostModel,

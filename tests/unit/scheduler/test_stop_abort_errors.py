@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.services.scheduler.request import RequestStatus
+from kvserve.services.scheduler.core.request import RequestStatus
 from kvserve.shared.messages import FinishReason
 from tests.support.kv import assert_no_leaked_blocks
 from tests.support.scheduler import (

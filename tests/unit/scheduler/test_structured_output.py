@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvserve.services.scheduler.request import RequestStatus
-from kvserve.services.scheduler.step_plan import StepPlan
-from kvserve.services.scheduler.structured_output import StructuredOutputManager
+from kvserve.services.scheduler.core.request import RequestStatus
+from kvserve.services.scheduler.core.step_plan import StepPlan
+from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
 from kvserve.shared.config import StructuredOutputsConfig
 from kvserve.shared.messages import FinishReason
 from kvserve.shared.structured_outputs import StructuredOutputsParams

@@ -11,7 +11,7 @@ import torch
 
 from kvserve.services.worker.models import load_model
 from kvserve.services.worker.spec_decode.eagle import EagleConfig, load_eagle, save_eagle
-from kvserve.services.worker.spec_decode.train_eagle import (
+from kvserve.training.train_eagle import (
     EagleSequence,
     EagleTrainModel,
     draft_chains,
@@ -176,9 +176,9 @@ def test_mismatched_target_or_checkpoint_is_refused(tmp_path, target):
 
 
 def test_train_draft_eagle_beats_an_untrained_head(tmp_path):
-    from kvserve.services.worker.spec_decode.train_draft import HFTarget
-    from kvserve.services.worker.spec_decode.train_eagle import eagle_loss, make_eagle, train_eagle
     from kvserve.shared.config import TrainDraftOptions
+    from kvserve.training.train_draft import HFTarget
+    from kvserve.training.train_eagle import eagle_loss, make_eagle, train_eagle
 
     model_dir = build_tiny_llama(str(tmp_path / "model"))
     options = TrainDraftOptions(

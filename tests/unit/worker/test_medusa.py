@@ -214,8 +214,8 @@ def test_unknown_or_inconsistent_checkpoint_is_refused(tmp_path):
 
 
 def test_train_draft_beats_a_random_head(tmp_path):
-    from kvserve.services.worker.spec_decode.train_draft import score_heads, train_draft
     from kvserve.shared.config import TrainDraftOptions
+    from kvserve.training.train_draft import score_heads, train_draft
 
     model_dir = build_tiny_llama(str(tmp_path / "model"))
     options = TrainDraftOptions(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvserve.services.scheduler.request import Request
+    from kvserve.services.scheduler.core.request import Request
 
 
 @dataclass(slots=True, eq=False)

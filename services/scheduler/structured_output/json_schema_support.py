@@ -5,7 +5,7 @@ xgrammar compiles most of JSON Schema into its grammar. A few keywords it accept
 not enforce (checked against xgrammar 0.2: a violating document still matches); a schema
 using one is reported here with its path. The regexes of `pattern` keywords are listed too:
 xgrammar ignores a pattern its regex parser cannot read, so the backend parses each one
-first (services/scheduler/grammar.py).
+first (services/scheduler/structured_output/grammar.py).
 
 One gap has a fix instead: xgrammar's rule for a string with minLength / maxLength lets raw
 control characters through (invalid JSON). The backend patches that rule in the grammar

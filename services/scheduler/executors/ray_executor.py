@@ -39,7 +39,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvserve.services.scheduler.executor import RankedExecutor
+from kvserve.services.scheduler.executors.executor import RankedExecutor
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.services.worker.parallel_state import driver_rank
 from kvserve.services.worker.ray_worker import RayActorPlacement, RayWorker

@@ -22,19 +22,19 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvserve.services.kv_store.connector import SchedulerConnector
-from kvserve.services.scheduler.block_pool import KVCacheBlock
-from kvserve.services.scheduler.kv_cache_manager import KVCacheManager
-from kvserve.services.scheduler.request import (
+from kvserve.services.scheduler.core.block_pool import KVCacheBlock
+from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
+from kvserve.services.scheduler.core.request import (
     Request,
     RequestStatus,
     StructuredOutputState,
     make_block_hasher,
 )
-from kvserve.services.scheduler.request_queue import create_request_queue
-from kvserve.services.scheduler.spec_decode import SpecDecodePolicy, SpecRequestState
-from kvserve.services.scheduler.step_plan import StepPlan
-from kvserve.services.scheduler.stop_check import check_stop
-from kvserve.services.scheduler.structured_output import StructuredOutputManager
+from kvserve.services.scheduler.core.request_queue import create_request_queue
+from kvserve.services.scheduler.core.spec_decode import SpecDecodePolicy, SpecRequestState
+from kvserve.services.scheduler.core.step_plan import StepPlan
+from kvserve.services.scheduler.core.stop_check import check_stop
+from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.hashing import get_hash_fn
 from kvserve.shared.logging import init_logger

@@ -5,7 +5,7 @@ Stop strings need text, so the api checks them and aborts the request in the cor
 
 from __future__ import annotations
 
-from kvserve.services.scheduler.request import Request, RequestStatus
+from kvserve.services.scheduler.core.request import Request, RequestStatus
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

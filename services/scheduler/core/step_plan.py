@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.services.scheduler.block_pool import KVCacheBlock
-from kvserve.services.scheduler.request import Request
+from kvserve.services.scheduler.core.block_pool import KVCacheBlock
+from kvserve.services.scheduler.core.request import Request
 from kvserve.shared.messages import KVBlockTransfer
 
 

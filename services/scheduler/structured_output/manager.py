@@ -31,7 +31,7 @@ from kvserve.shared.logging import init_logger
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from kvserve.services.scheduler.grammar import Grammar, XgrammarBackend
+    from kvserve.services.scheduler.structured_output.grammar import Grammar, XgrammarBackend
 
 logger = init_logger(__name__)
 
@@ -108,7 +108,7 @@ class StructuredOutputManager:
         with self._backend_lock:
             if self._backend is None:
                 start = time.perf_counter()
-                from kvserve.services.scheduler.grammar import XgrammarBackend
+                from kvserve.services.scheduler.structured_output.grammar import XgrammarBackend
 
                 self._backend = XgrammarBackend(self.model_dir, self.tokenizer_dir)
                 logger.info(

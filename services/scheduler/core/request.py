@@ -18,8 +18,8 @@ from kvserve.shared.messages import (
 from kvserve.shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvserve.services.scheduler.grammar import Grammar
-    from kvserve.services.scheduler.spec_decode import SpecRequestState
+    from kvserve.services.scheduler.core.spec_decode import SpecRequestState
+    from kvserve.services.scheduler.structured_output.grammar import Grammar
 
 # Returns the hashes of the request's full blocks that request.block_hashes lacks.
 BlockHasher = Callable[["Request"], list[bytes]]

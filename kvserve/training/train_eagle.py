@@ -39,13 +39,13 @@ from kvserve.services.worker.layers.rotary_embedding import (
     rope_parameters_from_config,
 )
 from kvserve.services.worker.spec_decode.eagle import EagleConfig, save_eagle
-from kvserve.services.worker.spec_decode.train_draft import (
+from kvserve.shared.config import TrainDraftOptions
+from kvserve.training.train_draft import (
     DraftScore,
     HFTarget,
     generate_sequences,
     load_prompts,
 )
-from kvserve.shared.config import TrainDraftOptions
 
 # The classification loss's weight beside the feature regression (EAGLE-1 used 0.1; 1.0
 # measured better acceptance on SmolLM2 with our few thousand sequences).

@@ -12,14 +12,14 @@ import time
 
 import msgspec
 
-from kvserve.services.scheduler.executor import Executor, UniExecutor
-from kvserve.services.scheduler.request_checks import (
+from kvserve.services.scheduler.core.scheduler import Scheduler
+from kvserve.services.scheduler.engine.request_checks import (
     check_engine_request,
     model_vocab_size,
     queue_full_error,
 )
-from kvserve.services.scheduler.scheduler import Scheduler
-from kvserve.services.scheduler.structured_output import StructuredOutputManager
+from kvserve.services.scheduler.executors.executor import Executor, UniExecutor
+from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
@@ -49,12 +49,12 @@ def make_executor(config: EngineConfig, model_dir: str) -> Executor:
             )
         return UniExecutor(config, model_dir)
     if kind == "mp":
-        from kvserve.services.scheduler.mp_executor import MpExecutor
+        from kvserve.services.scheduler.executors.mp_executor import MpExecutor
 
         return MpExecutor(config, model_dir)
     if kind == "ray":
         # Lazily: only an engine asked for ray imports it (an optional dependency).
-        from kvserve.services.scheduler.ray_executor import RayExecutor
+        from kvserve.services.scheduler.executors.ray_executor import RayExecutor
 
         return RayExecutor(config, model_dir)
     raise ValueError(f"unknown executor {kind!r}; use 'uni', 'mp' or 'ray'")
@@ -193,7 +193,7 @@ class EngineCore:
         return len(self.scheduler.waiting) + len(self.scheduler.waiting_for_grammar)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        from kvserve.services.scheduler.request import RequestStatus
+        from kvserve.services.scheduler.core.request import RequestStatus
 
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 

@@ -54,7 +54,9 @@ from kvserve.shared.wire import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.services.scheduler.engine_core import EngineCore  # torch: imported in start()
+    from kvserve.services.scheduler.engine.engine_core import (
+        EngineCore,  # torch: imported in start()
+    )
 
 logger = init_logger(__name__)
 
@@ -119,7 +121,7 @@ class EngineCoreProc:
 
     def start(self, config: EngineConfig, model_dir: str) -> None:
         """Build the EngineCore (model load, KV profile), then say READY to the api."""
-        from kvserve.services.scheduler.engine_core import EngineCore
+        from kvserve.services.scheduler.engine.engine_core import EngineCore
 
         self.engine_core = EngineCore(config, model_dir, self.engine_index, bound_waiting=True)
         handshake = self.engine_core.ready

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from kvserve.services.scheduler.request import Request
+from kvserve.services.scheduler.core.request import Request
 
 
 class RequestQueue(ABC):

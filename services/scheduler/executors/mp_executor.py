@@ -31,7 +31,7 @@ import msgspec
 import psutil
 import zmq
 
-from kvserve.services.scheduler.executor import RankedExecutor
+from kvserve.services.scheduler.executors.executor import RankedExecutor
 from kvserve.services.worker import worker_proc
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.shared.config import EngineConfig, WorkerOptions
