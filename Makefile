@@ -27,16 +27,18 @@ compose-tool:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; } || \
 		echo "warning: could not install docker-compose; the compose test will be skipped"
 
-# Gates that run before the tests: lint and format (ruff), types (mypy on the packages
-# pyproject.toml lists), and the import graph (no cycles, no layering breaks).
+# Gates that run before the tests: lint and format (ruff), types (mypy on every shipped
+# module, .ci/typecheck.py), and the import graph (no cycles, no layering breaks).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python .ci/typecheck.py
 	$(BIN)/python .ci/check_imports.py
 
+# --durations=10: every run ends with its ten slowest tests (the suite's budget is 15 minutes
+# on a two-core machine; bench/suite_profile.py measures a whole run's time and memory).
 test: $(STAMP) compose-tool lint
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=10
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -q -m 'not slow'

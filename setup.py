@@ -1,30 +1,24 @@
-"""Packaging: the repository's top-level folders install under the `kvserve.` namespace.
+"""Packaging: the packages under each folder of pyproject.toml's [tool.setuptools.package-dir].
 
-The layout keeps shared/, services/ and kernels/ at the top of the repository, but generic
-top-level import names would collide with other packages (Hugging Face's `kernels`, for one),
-so each folder is mapped under `kvserve.`: services/api/ is imported as kvserve.services.api.
+setuptools reads that mapping itself (shared/ installs as kvserve.shared, ...); what it cannot
+express is "every package below each folder, under the mapped name", so this lists them.
 """
+
+import tomllib
+from pathlib import Path
 
 from setuptools import find_packages, setup
 
-PACKAGE_DIRS = {
-    "kvserve": "kvserve",
-    "kvserve.shared": "shared",
-    "kvserve.services": "services",
-    "kvserve.kernels": "kernels",
-}
+ROOT = Path(__file__).resolve().parent
 
 
 def _packages() -> list[str]:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package_dirs = pyproject["tool"]["setuptools"]["package-dir"]
     packages = []
-    for name, folder in PACKAGE_DIRS.items():
-        packages.append(name)
-        packages += [
-            f"{name}.{sub}"
-            for sub in find_packages(folder)
-            if not sub.startswith(("shared", "services", "kernels"))
-        ]
+    for name, folder in package_dirs.items():
+        packages += [name, *(f"{name}.{sub}" for sub in find_packages(ROOT / folder))]
     return packages
 
 
-setup(package_dir=PACKAGE_DIRS, packages=_packages())
+setup(packages=_packages())

@@ -2,8 +2,9 @@
 
     python .ci/check_imports.py [REPO_ROOT]
 
-Every .py file under kvserve/, shared/, services/ and kernels/ (in packages, as setup.py ships
-them) becomes a module kvserve.*, kvserve.shared.*, kvserve.services.*, kvserve.kernels.*.
+Every .py file under the folders of pyproject.toml's [tool.setuptools.package-dir] (in packages,
+as setup.py ships them) becomes a module under the package its folder installs as: kvserve.*,
+kvserve.shared.* (shared/), kvserve.services.* (services/), kvserve.kernels.* (kernels/).
 Every `import` statement counts as an edge, wherever it sits: module level, inside functions,
 in try/except, and under `if TYPE_CHECKING:`. TYPE_CHECKING imports never run, but they
 still tie the modules together, so they count for cycles and layering like any other; the
@@ -31,20 +32,26 @@ from __future__ import annotations
 
 import ast
 import sys
+import tomllib
 from collections import deque
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
-# Repository folder -> package it installs as (setup.py's package_dir).
-PACKAGE_DIRS = {
-    "kvserve": "kvserve",
-    "kvserve.shared": "shared",
-    "kvserve.services": "services",
-    "kvserve.kernels": "kernels",
-}
-OLD_TOP_LEVEL_NAMES = ("shared", "services", "kernels")
-CORE_PACKAGES = ("kvserve.shared", "kvserve.services", "kvserve.kernels")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def read_package_dirs(root: Path = REPO_ROOT) -> dict[str, str]:
+    """Package -> the folder it installs from: pyproject.toml's [tool.setuptools.package-dir]."""
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    return pyproject["tool"]["setuptools"]["package-dir"]
+
+
+PACKAGE_DIRS = read_package_dirs()
+# The packages that install from a folder of another name (kvserve.shared from shared/, ...),
+# and those folder names, which were top-level import names before the move under kvserve.
+CORE_PACKAGES = tuple(name for name in PACKAGE_DIRS if name != "kvserve")
+OLD_TOP_LEVEL_NAMES = tuple(PACKAGE_DIRS[name] for name in CORE_PACKAGES)
 
 # (importing package, forbidden packages, why). A package covers its __init__ and everything
 # below it; "kvserve facade" stands for kvserve.* outside CORE_PACKAGES (kvserve, llm, cli, ...).
@@ -63,6 +70,22 @@ LAYERS = [
         ("kvserve.services.api",),
         "the engine core knows nothing of the API",
     ),
+    (
+        "kvserve.services.scheduler.core",
+        (
+            "kvserve.services.worker",
+            "kvserve.services.scheduler.executors",
+            "kvserve.services.scheduler.engine",
+            "torch",
+        ),
+        "the scheduler plans steps from bookkeeping alone: no model, no process around it",
+    ),
+    (
+        "kvserve.services.scheduler.structured_output",
+        ("kvserve.services.scheduler.core", "kvserve.services.scheduler.engine"),
+        "grammars are a service the engine core calls, beside the scheduler",
+    ),
+    ("kvserve.services", ("kvserve.training",), "draft training is offline code"),
 ]
 CLI_MODULE = "kvserve.cli"
 CLI_IMPORTERS = ("kvserve.__main__",)
@@ -327,7 +350,7 @@ def check(root: Path, package_dirs: dict[str, str] = PACKAGE_DIRS) -> Report:
 
 
 def main(argv: list[str]) -> int:
-    root = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[1]
+    root = Path(argv[1]) if len(argv) > 1 else REPO_ROOT
     report = check(root)
     for line in report.failures():
         print(line)

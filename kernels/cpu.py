@@ -22,6 +22,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import overload
 
 import torch
 
@@ -297,6 +298,18 @@ def _check_rows(x: torch.Tensor) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, "rows must be 2-D with a contiguous last dim"
 
 
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None
+) -> torch.Tensor: ...
+
+
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -323,7 +336,9 @@ def rms_norm(
         ctypes.c_int(hidden_size),
         ctypes.c_float(eps),
     )
-    return out if residual is None else (out, residual_out)
+    if residual_out is None:
+        return out
+    return out, residual_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ picks the rung of the call's row count.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -143,7 +144,7 @@ def _time_calls(fn: Callable[[], object], min_seconds: float, max_calls: int) ->
     process on the cores (a loaded machine at start-up) only ever adds time, and a plan is
     measured once and then cached."""
     fn()
-    samples = []
+    samples: list[float] = []
     deadline = time.perf_counter() + min_seconds
     while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < max_calls):
         start = time.perf_counter()
@@ -158,7 +159,7 @@ def measure_shape(
     """Time both paths at each rung up to max_rows, interleaved (A B A B) against drift."""
     weight = torch.randn(n, k, dtype=dtype) / k**0.5
     packed = pack_onednn(weight)
-    paths = []
+    paths: list[str] = []
     for rows in ROW_LADDER:
         if rows > max_rows and paths:
             paths.append(paths[-1])
@@ -166,10 +167,10 @@ def measure_shape(
         x = torch.randn(rows, k, dtype=dtype)
         torch_s, onednn_s = [], []
         for _ in range(3):
-            torch_s.append(_time_calls(lambda x=x: F.linear(x, weight), seconds_per_rung / 6, 50))
-            onednn_s.append(
-                _time_calls(lambda x=x: onednn_linear(x, packed, None), seconds_per_rung / 6, 50)
-            )
+            torch_call = functools.partial(F.linear, x, weight)
+            onednn_call = functools.partial(onednn_linear, x, packed, None)
+            torch_s.append(_time_calls(torch_call, seconds_per_rung / 6, 50))
+            onednn_s.append(_time_calls(onednn_call, seconds_per_rung / 6, 50))
         faster = min(torch_s) > WIN_MARGIN * min(onednn_s)
         paths.append("onednn" if faster else "torch")
     return ShapePlan(tuple(paths))

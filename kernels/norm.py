@@ -92,6 +92,7 @@ def fused_add_rms_norm(
     """Triton residual add + RMSNorm; returns (normed, x + residual), inputs untouched."""
     require_triton("fused_add_rms_norm")
     out, residual_out = _launch_rms_norm(x, residual, weight, eps)
+    assert residual_out is not None  # a residual in is a residual out
     return out, residual_out
 
 

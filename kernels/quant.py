@@ -159,7 +159,12 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     assert all(p.qtype == qtype and p.shape[1] == k for p in parts), "mixed types or K"
     n = sum(p.shape[0] for p in parts)
     data = torch.cat([p.data for p in parts])
-    scales = torch.cat([p.scales for p in parts]) if parts[0].scales is not None else None
+    # One qtype: every part has scales (I8) or none has.
+    scales = (
+        torch.cat([p.scales for p in parts if p.scales is not None])
+        if parts[0].scales is not None
+        else None
+    )
     return QuantizedTensor(qtype, (n, k), data, scales)
 
 
@@ -171,7 +176,8 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     w = weight.detach().float()
     scales = w.abs().amax(dim=1).clamp_min(1e-30) / 127.0
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return QuantizedTensor("I8", tuple(w.shape), q.view(torch.uint8).contiguous(), scales)
+    n, k = w.shape
+    return QuantizedTensor("I8", (n, k), q.view(torch.uint8).contiguous(), scales)
 
 
 # ---------------------------------------------------------------------- torch reference
@@ -191,6 +197,7 @@ def dequantize_ref(qt: QuantizedTensor) -> torch.Tensor:
     """The float32 weight from torch ops only (the fallback where no C compiler exists)."""
     n, k = qt.shape
     if qt.qtype == "I8":
+        assert qt.scales is not None  # I8 always carries its per-row scales
         return qt.data.view(torch.int8).float() * qt.scales[:, None]
     _, elems, bpb = QTYPES[qt.qtype]
     blocks = qt.data.reshape(n, k // elems, bpb)

@@ -12,8 +12,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from kvserve.shared.cli_args import add_refused_flags, add_struct_args, struct_from_args
-from kvserve.shared.config import (
-    UNSUPPORTED_VLLM_FLAGS,
+from kvserve.shared.launch_options import (
     APIOptions,
     CoordinatorOptions,
     EngineOptions,
@@ -23,6 +22,7 @@ from kvserve.shared.config import (
     TrainDraftOptions,
     WorkerOptions,
 )
+from kvserve.shared.refused_flags import UNSUPPORTED_VLLM_FLAGS
 
 
 def _run_generate(options: GenerateOptions) -> int:
@@ -49,25 +49,25 @@ def _run_train_draft(options: TrainDraftOptions) -> int:
 
 
 def _run_serve(options: ServeOptions) -> int:
-    from kvserve.serve import run_serve
+    from kvserve.launch.serve import run_serve
 
     return run_serve(options)
 
 
 def _run_api(options: APIOptions) -> int:
-    from kvserve.serve import run_api
+    from kvserve.launch.api_server import run_api
 
     return run_api(options)
 
 
 def _run_engine(options: EngineOptions) -> int:
-    from kvserve.serve import run_engine
+    from kvserve.launch.serve import run_engine
 
     return run_engine(options)
 
 
 def _run_coordinator(options: CoordinatorOptions) -> int:
-    from kvserve.serve import run_coordinator_cmd
+    from kvserve.launch.serve import run_coordinator_cmd
 
     return run_coordinator_cmd(options)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -104,7 +104,11 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # One conversation is a list of dicts; a list of them, a list of lists.
+        conversations = cast(
+            list[list[dict]],
+            [messages] if messages and isinstance(messages[0], dict) else messages,
+        )
         inputs = []
         for conversation in conversations:
             ids = self.tokenizer_info.apply_chat_template(
@@ -131,7 +135,7 @@ class LLM:
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer_info.encode(prompt)
-        return None, list(prompt)
+        return None, list(cast(list[int], prompt))  # token ids (a dict's "prompt" may be too)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -240,4 +244,4 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return results
+        return cast(list[RequestOutput], results)  # remaining == 0: every slot is filled

@@ -1,4 +1,5 @@
-"""Command-line flags generated from the typed option structs of shared/config.py.
+"""Command-line flags generated from the typed option structs (shared/config.py,
+shared/api_config.py, shared/launch_options.py).
 
 Each field of a struct becomes one flag named after it (`max_num_seqs` -> `--max-num-seqs`),
 its help text is the field's description, and its type, choices and required-ness follow the
@@ -48,6 +49,11 @@ def parse_size(text: str) -> int:
     if t and t[-1] in _SIZE_SUFFIXES:
         return int(float(t[:-1]) * _SIZE_SUFFIXES[t[-1]])
     return int(t)
+
+
+def flag_doc(text: str, **extra: Any) -> msgspec.Meta:
+    """A field's description (its --help text); `extra` holds flag details (see above)."""
+    return msgspec.Meta(description=text, extra=extra or None)
 
 
 class _Field(msgspec.Struct, frozen=True):

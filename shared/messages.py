@@ -7,6 +7,7 @@ Hot structs are `array_like` (encoded as arrays, not maps), `omit_defaults` and 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -166,13 +167,16 @@ class CachedRequestData(msgspec.Struct, **_HOT):
     num_computed_tokens: list[int] = []
 
 
-class KVBlockTransfer(msgspec.Struct, **_HOT):
-    """Blocks one request moves between its paged KV cache and the KV connector's store:
-    block_ids[i] holds (or will hold) the block of hash block_hashes[i]."""
+class SpecDecodeMetadata(msgspec.Struct, **_HOT):
+    """Speculative decoding's part of one step (services/scheduler/core/spec_scheduler.py).
 
-    req_id: str
-    block_hashes: list[bytes]
-    block_ids: list[int]
+    draft_token_ids: the drafts each request verifies in this step (they follow its known
+    tokens and are counted in num_scheduled_tokens). num_to_propose: how many drafts each
+    request's proposer makes after the step (absent: none).
+    """
+
+    draft_token_ids: dict[str, list[int]] = {}
+    num_to_propose: dict[str, int] = {}
 
 
 class SchedulerOutput(msgspec.Struct, **_HOT):
@@ -190,28 +194,20 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     # ring message compact (a numpy view on the worker side, no per-token Python objects).
     grammar_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
-    # Speculative decoding: the draft tokens each request verifies in this step (they follow
-    # its known tokens and are counted in num_scheduled_tokens), and how many drafts each
-    # request's proposer makes after the step (absent: none).
-    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-    num_spec_tokens_to_propose: dict[str, int] = {}
-    # KV connector: blocks to copy out before the forward (prefix blocks this step's
-    # allocation evicts: the offload tier), to load before it (external prefix hits of
-    # requests waiting for them), and to save after it (full blocks the step computes).
-    kv_saves_before: list[KVBlockTransfer] = []
-    kv_loads: list[KVBlockTransfer] = []
-    kv_saves: list[KVBlockTransfer] = []
+    # Speculative decoding: the drafts verified in this step and the drafts to propose.
+    spec_decode: SpecDecodeMetadata = msgspec.field(default_factory=SpecDecodeMetadata)
+    # KV connector: opaque to the core, built by the scheduler-side connector and read by
+    # the worker-side one (services/kv_store/connector.py); empty: nothing to move.
+    kv_connector_metadata: bytes = b""
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to compute and nothing for the workers to drop."""
+        """Nothing to compute and nothing for the workers to drop or move."""
         return not (
             self.total_num_scheduled_tokens
             or self.finished_req_ids
             or self.preempted_req_ids
-            or self.kv_loads
-            or self.kv_saves_before
-            or self.kv_saves
+            or self.kv_connector_metadata
         )
 
 
@@ -225,30 +221,42 @@ class ModelRunnerOutput(msgspec.Struct, **_HOT):
     prompt_logprobs: dict[str, Logprobs] = {}
     # Speculative decoding: each request's drafts for its next step (absent: none).
     spec_token_ids: dict[str, list[int]] = {}
-    # KV connector: blocks loaded per SchedulerOutput.kv_loads entry (fewer than asked:
-    # the rest is recomputed), whether the store answered, and the transfers' figures.
-    kv_loaded: dict[str, int] = {}
-    kv_store_ok: bool = True
-    kv_transfer_seconds: list[float] = []
-    kv_bytes_loaded: int = 0
-    kv_bytes_saved: int = 0
+    # KV connector: the worker-side connector's answer to kv_connector_metadata (opaque).
+    kv_connector_output: bytes = b""
 
 
 # --------------------------------------------------------------------------- worker -> executor
 
 
 class WorkerReady(msgspec.Struct, frozen=True):
-    """What a worker learned at start-up (never patched into the config)."""
+    """What the executor itself needs of a rank once its model is loaded. Every other fact
+    the worker learns at start-up (GEMM plan, step costs, KV layout) the engine core asks for
+    by name, through Executor.collective_rpc (a WorkerCall)."""
 
     rank: int
     pid: int
     max_model_len: int
     num_blocks: int  # KV blocks that fit this rank's memory budget
-    gemm_plan: dict[str, str] = {}  # 'float32:NxK' -> its CPU GEMM path (kernels/gemm.py)
-    # (query tokens, seconds) of a forward, for adaptive speculation (empty without it).
-    step_costs: list[tuple[int, float]] = []
-    # The rank's KV block layout, for the KV connector's store (None without one).
-    kv_fingerprint: KvFingerprint | None = None
+
+
+class WorkerCall(msgspec.Struct, frozen=True, array_like=True):
+    """Run the public Worker method `method` on the ranks listed (Executor.collective_rpc).
+
+    The arguments travel as plain msgpack values; the worker converts each to its
+    parameter's annotated type (Worker.call)."""
+
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    ranks: list[int]  # global ranks that run it and answer, in the caller's order
+
+
+class WorkerCallResult(msgspec.Struct, frozen=True, array_like=True):
+    """One rank's answer to a WorkerCall: the method's return value, msgpack-encoded, which
+    the caller decodes as the type it expects."""
+
+    rank: int
+    result: msgspec.Raw
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):

@@ -23,7 +23,7 @@ import os
 import tempfile
 import typing
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -125,15 +125,19 @@ def engine_identity(engine_index: int) -> bytes:
     return engine_index.to_bytes(2, "little")
 
 
+# A zmq.Socket, or a zmq.asyncio.Socket (whose calls are awaited) from a zmq.asyncio.Context.
+_SocketT = TypeVar("_SocketT", bound=zmq.Socket)
+
+
 def make_socket(
-    ctx: zmq.Context,
+    ctx: zmq.Context[_SocketT],
     addr: str,
     kind: int,
     bind: bool,
     *,
     identity: bytes | None = None,
     linger_ms: int = 0,
-) -> zmq.Socket:
+) -> _SocketT:
     """One socket of the engine channel, configured the same way on both ends. Every socket
     of kvserve is made here, so one place applies the transport's security: a tcp:// socket
     is a CURVE server (bind) or client with the deployment's keys (TransportSecurityError

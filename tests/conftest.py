@@ -30,6 +30,16 @@ if not os.environ.get("KVSERVE_TRANSPORT_KEYS"):
     os.environ["KVSERVE_TRANSPORT_KEYS"] = _transport_keys_dir
     atexit.register(shutil.rmtree, _transport_keys_dir, True)
 
+# The session's cache folder (tests/support/cache_dir.py): the user's models and kernels, a
+# private copy of their GEMM plans. Set once, inherited by every process the tests start
+# (and by pytest-xdist's workers, which see the marker and keep it).
+if not os.environ.get("KVSERVE_TEST_SESSION_CACHE"):
+    from kvserve.shared.env import CACHE_DIR  # noqa: E402
+    from tests.support.cache_dir import make_session_cache_dir  # noqa: E402
+
+    os.environ["KVSERVE_CACHE_DIR"] = make_session_cache_dir(CACHE_DIR.get())
+    os.environ["KVSERVE_TEST_SESSION_CACHE"] = os.environ["KVSERVE_CACHE_DIR"]
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:

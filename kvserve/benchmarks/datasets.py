@@ -11,6 +11,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -76,6 +77,7 @@ def load_tokenizer(name_or_path: str | None):
 
         name_or_path = resolve_model(None)
     # The fast class reads tokenizer.json without importing torch (AutoTokenizer imports it).
+    tokenizer_cls: Any  # either class; both load with from_pretrained
     if os.path.exists(os.path.join(name_or_path, "tokenizer.json")):
         from transformers import PreTrainedTokenizerFast as tokenizer_cls
     else:

@@ -94,7 +94,7 @@ def meets_slos(
 ) -> bool:
     """Whether one request met every SLO given (a request without a TPOT meets that one)."""
     values = {"ttft": ttft_ms, "tpot": tpot_ms, "e2el": e2el_ms}
-    return all(values[name] is None or values[name] <= slo for name, slo in slos.items())
+    return all((value := values[name]) is None or value <= slo for name, slo in slos.items())
 
 
 def _summarize(name: str, values_ms: list[float], percentiles: list[float]) -> dict:

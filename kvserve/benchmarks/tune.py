@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 from kvserve.benchmarks.serve import add_dataset_args
 from kvserve.benchmarks.serve import add_parser as add_bench_serve_parser
@@ -254,7 +255,12 @@ def run_config(
     command = serve_command(args, config)
     log_path = os.path.join(args.output_dir, f"server-{index}.log")
     logger.info("tune: configuration %d: %s", index, shlex.join(command))
-    entry = {"config": config, "command": shlex.join(command), "runs": [], "error": None}
+    entry: dict[str, Any] = {
+        "config": config,
+        "command": shlex.join(command),
+        "runs": [],
+        "error": None,
+    }
     argv = [sys.executable, "-m", "kvserve.cli", *command[1:], "--port", str(port)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)

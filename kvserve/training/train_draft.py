@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvserve.services.worker.spec_decode.medusa import MedusaConfig, MedusaHeads, save_medusa
-from kvserve.shared.config import TrainDraftOptions
+from kvserve.shared.launch_options import TrainDraftOptions
 
 IGNORE_ID = -100
 _DEFAULT_PROMPTS = os.path.join(
-    os.path.dirname(__file__), "..", "..", "..", "bench", "spec_decode", "train_prompts.jsonl"
+    os.path.dirname(__file__), "..", "..", "bench", "spec_decode", "train_prompts.jsonl"
 )
 
 
@@ -198,7 +198,7 @@ def make_heads(options: TrainDraftOptions, target: HFTarget) -> MedusaHeads:
     heads = MedusaHeads(config)
     with torch.no_grad():
         for lm in heads.lm_heads:
-            lm.weight.copy_(weight)
+            lm.get_parameter("weight").copy_(weight)
     return heads
 
 

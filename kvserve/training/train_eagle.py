@@ -28,6 +28,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ from kvserve.services.worker.layers.rotary_embedding import (
     rope_parameters_from_config,
 )
 from kvserve.services.worker.spec_decode.eagle import EagleConfig, save_eagle
-from kvserve.shared.config import TrainDraftOptions
+from kvserve.shared.launch_options import TrainDraftOptions
 from kvserve.training.train_draft import (
     DraftScore,
     HFTarget,
@@ -133,6 +134,14 @@ class EagleTrainModel(nn.Module):
         ).cos_sin_cache
         self.register_buffer("cos_sin", table, persistent=False)
 
+    embed_weight: torch.Tensor  # buffers, registered above
+    cos_sin: torch.Tensor
+
+    @property
+    def _layer(self) -> _DecoderLayer:
+        """The one decoder layer (in a ModuleList for its published parameter names)."""
+        return cast(_DecoderLayer, self.layers[0])
+
     def pair_inputs(self, next_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """z = fc([embed(x_{p+1}) | f_p]), [..., H]."""
         return self.fc(torch.cat([F.embedding(next_ids, self.embed_weight), features], dim=-1))
@@ -140,7 +149,7 @@ class EagleTrainModel(nn.Module):
     def qkv(self, z: torch.Tensor, positions: torch.Tensor):
         """z [..., N, H], positions [..., N] (or [N]) -> q [..., Hq, N, D], k and v
         [..., Hkv, N, D]."""
-        attn = self.layers[0].self_attn
+        attn = self._layer.self_attn
 
         def heads(x: torch.Tensor, num: int) -> torch.Tensor:
             return x.unflatten(-1, (num, attn.head_dim)).transpose(-2, -3)
@@ -153,7 +162,7 @@ class EagleTrainModel(nn.Module):
 
     def attend(self, q, k, v, mask=None, causal: bool = False) -> torch.Tensor:
         """Attention of q over k/v (KV heads repeated for GQA); [..., N, Hq * D]."""
-        attn = self.layers[0].self_attn
+        attn = self._layer.self_attn
         repeat = attn.num_heads // attn.num_kv_heads
         k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
         out = F.scaled_dot_product_attention(
@@ -163,7 +172,7 @@ class EagleTrainModel(nn.Module):
 
     def finish(self, z: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """h = r + mlp(norm(r)), r = z + o(attn): the layer's output sum."""
-        layer = self.layers[0]
+        layer = self._layer
         residual = z + layer.self_attn.o_proj(attn_out)
         return residual + layer.mlp(layer.post_attention_layernorm(residual))
 

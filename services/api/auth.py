@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.request_logger import API_KEY_NAME
-from kvserve.shared.config import HTTPConfig
+from kvserve.shared.api_config import HTTPConfig
 
 DEFAULT_KEY_NAME = "default"
 

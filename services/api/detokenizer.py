@@ -37,7 +37,7 @@ from kvserve.shared.logging import init_logger
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers < 0.21
-    DecodeStream = None
+    DecodeStream = None  # type: ignore[misc, assignment]  # the optional-import idiom
 
 __all__ = [
     "Detokenizer",

@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from kvserve.services.api.engine_client import EngineDeadError, StatsTotals
 from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, ENGINE_READY_TIMEOUT_S
+from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import SchedulerStats
 from kvserve.shared.transport import (
     EngineAddresses,
@@ -27,6 +28,8 @@ from kvserve.shared.transport import (
     make_socket,
 )
 from kvserve.shared.wire import EngineHeartbeat, EngineReady, MsgType, this_hostname
+
+logger = init_logger(__name__)
 
 
 class EngineChannel:
@@ -86,9 +89,9 @@ class EngineChannel:
         while time.monotonic() < deadline:
             if time.monotonic() >= next_heartbeat:
                 next_heartbeat = time.monotonic() + interval_s
-                for identity, _ in ready.values():
+                for peer, _ in ready.values():
                     with contextlib.suppress(zmq.ZMQError):  # gone: its death shows below
-                        await self.input_socket.send_multipart([identity, *heartbeat])
+                        await self.input_socket.send_multipart([peer, *heartbeat])
             events = dict(await poller.poll(timeout=200))
             if self.input_socket in events:
                 identity, *frames = await self.input_socket.recv_multipart(copy=False)
@@ -116,6 +119,28 @@ class EngineChannel:
             f"no READY from engine cores {missing} within {timeout_s:.0f} s "
             f"(raise {ENGINE_READY_TIMEOUT_S.name} for a slow model load)"
         )
+
+    async def connect_engines(
+        self, num_engines: int, timeout_s: float, engine_processes: dict[int, Any]
+    ) -> list[EngineConnection]:
+        """One EngineConnection per engine 0..num_engines-1, by index, once each said READY
+        (see wait_all_ready)."""
+        ready = await self.wait_all_ready(num_engines, timeout_s, engine_processes)
+        engines = []
+        for engine_index in sorted(ready):
+            identity, handshake = ready[engine_index]
+            logger.info(
+                "engine core %d ready (pid %d on %s): %d KV blocks, max_model_len %d%s",
+                engine_index,
+                handshake.pid,
+                handshake.hostname,
+                handshake.num_blocks,
+                handshake.max_model_len,
+                f", {handshake.kv_role}" if handshake.kv_role else "",
+            )
+            process = engine_processes.get(engine_index)
+            engines.append(EngineConnection(identity, handshake, process))
+        return engines
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

@@ -62,7 +62,8 @@ _N_BUCKETS = [1, 2, 5, 10, 20]
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
-    buckets, scale = [], 1
+    buckets: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > max_value:
@@ -263,19 +264,19 @@ class _EngineStatsCollector:
                 family.add_metric(self._labels(engine_index), read(stats) if stats else 0)
             yield family
         for name, doc, read in _COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=LABELS)
+            counter = CounterMetricFamily(name, doc, labels=LABELS)
             for engine_index, _, totals in per_engine:
-                family.add_metric(self._labels(engine_index), read(totals))
-            yield family
-        family = CounterMetricFamily(
+                counter.add_metric(self._labels(engine_index), read(totals))
+            yield counter
+        counter = CounterMetricFamily(
             "kvserve:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",
             labels=[*LABELS, "position"],
         )
         for engine_index, _, totals in per_engine:
             for pos, count in enumerate(totals.spec_accepted_per_pos):
-                family.add_metric([*self._labels(engine_index), str(pos)], count)
-        yield family
+                counter.add_metric([*self._labels(engine_index), str(pos)], count)
+        yield counter
         states = {
             entry["engine"]: entry["state"]
             for entry in self.engine_client.health_report()["engines"]
@@ -365,6 +366,7 @@ class ApiMetrics:
         # Parent series by name without the prefix; `_engine_series` holds their children.
         self._series: dict[str, Counter | Histogram] = {}
         for name, (doc, buckets) in _request_series(engine_client.max_model_len).items():
+            series: Counter | Histogram
             if buckets is None:
                 series = Counter(f"kvserve:{name}", doc, LABELS, registry=self.registry)
             else:

@@ -154,6 +154,7 @@ class OutputProcessor:
                 self.child_to_parent.pop(out.request_id, None)
                 parent.num_unfinished -= 1
                 if iteration_stats is not None:
+                    assert child.completion.finish_reason is not None  # finished() says so
                     iteration_stats.observe_finished(
                         child.times,
                         child.completion.finish_reason,
@@ -182,11 +183,13 @@ class OutputProcessor:
         # vLLM's final output shows (the hit of the last child to finish).
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.new_prompt_logprobs is not None and comp.index == 0:
+            assert parent.prompt_logprobs is not None  # sent only when the request asks
             parent.prompt_logprobs.extend(self._to_logprob_dicts(out.new_prompt_logprobs))
         comp.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             if comp.logprobs is None:
                 comp.logprobs, comp.cumulative_logprob = [], 0.0
+            assert comp.cumulative_logprob is not None  # set together with logprobs
             for row in out.new_logprobs.logprobs:
                 comp.cumulative_logprob += row[0]
             comp.logprobs.extend(self._to_logprob_dicts(out.new_logprobs))
@@ -199,6 +202,7 @@ class OutputProcessor:
         comp.text = child.detokenizer.output_text
         if not (params.stop and new_text):
             return False
+        assert not isinstance(params.stop, str)  # SamplingParams.__post_init__ lists it
         hit = check_stop_strings(
             comp.text, len(new_text), params.stop, params.include_stop_str_in_output
         )

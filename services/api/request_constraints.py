@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from kvserve.services.api.protocol import APIError, ResponseFormat
+from kvserve.services.api.validation import check_token_id_range
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 
 
@@ -75,19 +76,14 @@ def logits_processor_kwargs(request, tokenizer) -> dict[str, Any]:
             raise APIError(
                 400, "logit_bias keys must be token ids (as strings)", param="logit_bias"
             ) from None
-        _check_ids(bias, vocab_size, "logit_bias")
+        check_token_id_range(bias, vocab_size, "logit_bias")
         kwargs["logit_bias"] = bias
     for field in ("allowed_token_ids", "stop_token_ids"):
         if getattr(request, field) is not None:
-            _check_ids(getattr(request, field), vocab_size, field)
+            check_token_id_range(getattr(request, field), vocab_size, field)
     if request.bad_words:
         kwargs["bad_words_token_ids"] = bad_words_token_ids(tokenizer, request.bad_words)
     return kwargs
-
-
-def _check_ids(token_ids, vocab_size: int, param: str) -> None:
-    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
-        raise APIError(400, f"{param} token ids must be in [0, {vocab_size})", param=param)
 
 
 def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:

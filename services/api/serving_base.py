@@ -1,6 +1,6 @@
 """What the completions and chat handlers share: checks, sampling params, fan-out, SSE.
 
-handler ──check_model / make_sampling_params──▶ generate(prompts)
+handler ──check_model / check_request / make_sampling_params──▶ generate(prompts)
                                                  │ one EngineClient.generate per prompt
                                                  │ (timed for /metrics in its OutputProcessor)
                                                  ▼
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -26,10 +26,8 @@ from kvserve.services.api.engine_client import (
     EngineDeadError,
     EngineOverloadedError,
 )
-from kvserve.services.api.limits import check_request_limits
 from kvserve.services.api.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvserve.services.api.protocol import (
-    SAMPLING_FIELDS,
     APIError,
     PromptLogprob,
     PromptLogprobsBody,
@@ -38,9 +36,15 @@ from kvserve.services.api.protocol import (
 from kvserve.services.api.request_constraints import logits_processor_kwargs
 from kvserve.services.api.request_logger import RequestLogger
 from kvserve.services.api.serving_models import ServingModels
-from kvserve.shared.config import FrontendConfig
+from kvserve.services.api.validation import (
+    check_prompt_tokens,
+    check_request,
+    check_sampling_params,
+    resolve_max_tokens,
+)
+from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.lora import LoRARequest
-from kvserve.shared.sampling_params import SamplingParams, logprobs_over_limit
+from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import QUEUE_FULL_ERROR
 
 T = TypeVar("T")
@@ -130,15 +134,6 @@ class OpenAIServing:
             return response_id, response_id
         return response_id, f"{response_id}-{secrets.token_hex(4)}"
 
-    def check_prompt_logprobs(self, request) -> None:
-        """vLLM's rule: prompt logprobs come whole, so never in a stream."""
-        if request.stream and request.prompt_logprobs:
-            raise APIError(
-                400,
-                "`prompt_logprobs` are not available when `stream=True`.",
-                param="prompt_logprobs",
-            )
-
     def usage(self, final_outputs: list[RequestOutput | None]) -> UsageInfo:
         """Token counts over prompts and their n choices; with --enable-prompt-tokens-details
         also the prompt tokens the prefix cache served (summed over the prompts)."""
@@ -159,10 +154,10 @@ class OpenAIServing:
         """The adapter the request's `model` names (None: the base model); 404 for others."""
         return self.models.lora_request(model)
 
-    def check_limits(self, request) -> None:
-        """The request's bounds (n, prompt characters, stop strings, ...: limits.py), before
-        anything is tokenized."""
-        check_request_limits(request, self.frontend.limits, self.engine_client.max_model_len)
+    def check_request(self, request) -> None:
+        """Everything about the decoded request the api can check before tokenizing it
+        (validation.check_request)."""
+        check_request(request, self.frontend.limits, self.engine_client.max_model_len)
 
     def check_engine(self, num_requests: int = 1) -> None:
         """Fail before a stream starts (a stream's status is sent before its first chunk):
@@ -177,12 +172,9 @@ class OpenAIServing:
             raise EngineDeadError(reason)
         self.engine_client.check_capacity(num_requests)
 
-    def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        if not token_ids:
-            raise APIError(400, "the prompt is empty; send at least one token", param=param)
-        vocab_size = len(self.tokenizer)
-        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param=param)
+    def check_prompt_tokens(self, token_ids: list[int], param: str) -> None:
+        """A prompt's token ids: not empty, within the tokenizer's vocabulary."""
+        check_prompt_tokens(token_ids, len(self.tokenizer), param)
 
     def make_sampling_params(
         self,
@@ -192,7 +184,7 @@ class OpenAIServing:
         prompt_param: str,
         **overrides: Any,
     ) -> SamplingParams:
-        """SamplingParams for one prompt; limits are checked as vLLM words them.
+        """SamplingParams for one prompt; lengths and limits are checked (validation.py).
 
         Args:
             request: a CompletionRequest or ChatCompletionRequest.
@@ -201,44 +193,19 @@ class OpenAIServing:
             prompt_param: the field to blame for a too long prompt ("prompt" or "messages").
             **overrides: SamplingParams fields set by the handler (logprobs, ...).
         """
-        max_model_len = self.engine_client.max_model_len
         defaults = dict(self.generation_defaults)
-        default_max_tokens = defaults.pop("max_tokens", None)
-        if num_prompt_tokens >= max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_model_len} "
-                f"tokens. However, your request has {num_prompt_tokens} input "
-                f"tokens. Please reduce the length of the input.",
-                param=prompt_param,
-            )
-        if max_tokens is None:
-            max_tokens = max_model_len - num_prompt_tokens
-            if default_max_tokens is not None:
-                max_tokens = min(max_tokens, default_max_tokens)
-        elif max_tokens >= 1 and num_prompt_tokens + max_tokens > max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_model_len} "
-                f"tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} "
-                f"in the input, {max_tokens} in the completion). Please reduce "
-                f"the length of the input or of the completion.",
-                param="max_tokens",
-            )
+        max_tokens = resolve_max_tokens(
+            num_prompt_tokens,
+            max_tokens,
+            self.engine_client.max_model_len,
+            defaults.pop("max_tokens", None),
+            prompt_param,
+        )
         constraints = logits_processor_kwargs(request, self.tokenizer)
         kwargs = defaults | request.sampling_kwargs() | constraints | overrides
-        try:
-            params = SamplingParams(max_tokens=max_tokens, **kwargs)
-        except ValueError as exc:
-            # SamplingParams' messages start with the field name.
-            field = str(exc).split(" ", 1)[0]
-            known = field in SAMPLING_FIELDS or field in overrides or field == "max_tokens"
-            raise APIError(400, str(exc), param=field if known else None) from None
-        over_limit = logprobs_over_limit(params, self.engine_client.max_logprobs)
-        if over_limit is not None:
-            raise APIError(400, over_limit[1], param=over_limit[0])
-        return params
+        return check_sampling_params(
+            {"max_tokens": max_tokens, **kwargs}, self.engine_client.max_logprobs, overrides
+        )
 
     def generate(
         self,
@@ -268,7 +235,7 @@ class OpenAIServing:
 
 
 async def merge_async_iterators(
-    iterators: list[AsyncIterator[T]],
+    iterators: Sequence[AsyncGenerator[T, None]],
 ) -> AsyncGenerator[tuple[int, T], None]:
     """Interleave several async iterators as items arrive; yields (iterator index, item).
 
@@ -279,7 +246,7 @@ async def merge_async_iterators(
     done = object()
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def drain(index: int, iterator: AsyncIterator[T]) -> None:
+    async def drain(index: int, iterator: AsyncGenerator[T, None]) -> None:
         try:
             async for item in iterator:
                 queue.put_nowait((index, item))
@@ -389,8 +356,8 @@ def count_usage(final_outputs: list[RequestOutput | None]) -> tuple[int, int]:
 
 
 async def first_output_checked(
-    results: AsyncGenerator[tuple[int, T], None],
-) -> AsyncGenerator[tuple[int, T], None]:
+    results: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """`results` again, once its first output has arrived and is not an error.
 
     A stream's HTTP status goes out before its first chunk, so a request the engine may

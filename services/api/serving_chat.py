@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import Any
 
 import jinja2
 import msgspec
@@ -30,6 +31,7 @@ from kvserve.services.api.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     TopLogprob,
+    UsageInfo,
     now_seconds,
 )
 from kvserve.services.api.request_constraints import structured_outputs_of
@@ -72,8 +74,8 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
                     "only text content parts are supported ({'type': 'text', 'text': ...})",
                     param="messages",
                 )
-            content = "\n".join(part.text for part in content)
-        entry = {"role": message.role, "content": content or ""}
+            content = "\n".join(part.text or "" for part in content)  # no None: checked above
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_call_id is not None:
@@ -134,10 +136,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         """Validate, template, submit, and answer with JSON or an SSE stream."""
         self.check_model(request.model)
-        self.check_limits(request)
-        if request.top_logprobs is not None and not request.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        self.check_prompt_logprobs(request)
+        self.check_request(request)
         tool_choice = resolve_tool_choice(request, self.frontend)
         structured_outputs = structured_outputs_of(request)
         constraint = tool_constraint(request, tool_choice)
@@ -158,7 +157,7 @@ class OpenAIServingChat(OpenAIServing):
             template_kwargs,
             tools_for_template(request, tool_choice, self.frontend),
         )
-        self.check_token_ids(prompt_token_ids, "messages")
+        self.check_prompt_tokens(prompt_token_ids, "messages")
         max_tokens = (
             request.max_completion_tokens
             if request.max_completion_tokens is not None
@@ -255,7 +254,7 @@ class OpenAIServingChat(OpenAIServing):
         results: AsyncGenerator[tuple[int, RequestOutput], None],
     ):
         created = now_seconds()
-        usage = None if request.include_usage else UNSET
+        usage: UsageInfo | msgspec.UnsetType | None = None if request.include_usage else UNSET
 
         def chunk(choices: list[ChatStreamChoice]) -> bytes:
             return sse_event(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 
 import msgspec
@@ -48,8 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Validate, submit every prompt, and answer with JSON or an SSE stream."""
         self.check_model(request.model)
-        self.check_limits(request)
-        self.check_prompt_logprobs(request)
+        self.check_request(request)
         prompts = self._prompt_inputs(request.prompt)
         # echo + logprobs also reports the prompt's logprobs, as OpenAI's API did.
         prompt_logprobs = request.prompt_logprobs
@@ -96,7 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 "ids or a list of token-id lists, not empty and not mixed",
                 param="prompt",
             )
-        inputs = []
+        inputs: list[PromptInput] = []
         for item in items:
             if isinstance(item, str):
                 token_ids = self.engine_client.tokenizer_info.encode(item)
@@ -104,7 +103,7 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 token_ids = list(item)
                 inputs.append((None, token_ids))
-            self.check_token_ids(token_ids, "prompt")
+            self.check_prompt_tokens(token_ids, "prompt")
         return inputs
 
     def _prompt_text(self, prompt: PromptInput) -> str:
@@ -128,8 +127,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 engine_id, prompts, params_list, request.priority, self.lora_request(request.model)
             )
         ) as results:
-            async for prompt_index, output in results:
-                final[prompt_index] = output
+            async for prompt_index, streamed in results:
+                final[prompt_index] = streamed
         choices = []
         for prompt_index, output in enumerate(final):
             assert output is not None and output.finished, "a prompt's stream ended early"
@@ -267,7 +266,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self,
         out: CompletionLogprobs,
         token_ids: list[int],
-        logprobs: list[dict[int, Logprob] | None] | None,
+        logprobs: Sequence[dict[int, Logprob] | None] | None,
         text_offset: int,
         as_ids: bool = False,
     ) -> None:

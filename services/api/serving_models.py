@@ -14,13 +14,8 @@ the engines drop its weights when their caches need the room.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Awaitable, Callable
 
-import msgspec
-from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
-
-from kvserve.services.api.protocol import APIError, ModelCard, decode_request
+from kvserve.services.api.protocol import APIError, ModelCard
 from kvserve.shared.config import LoRAConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import LoRAModulePath, LoRARequest, read_adapter_config
@@ -137,38 +132,3 @@ class ServingModels:
                 )
             )
         return cards
-
-
-# ---------------------------------------------------------------------- the two routes
-
-
-class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
-    """POST /v1/load_lora_adapter's body (vLLM's)."""
-
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
-    """POST /v1/unload_lora_adapter's body (vLLM's; lora_int_id is accepted and unused)."""
-
-    lora_name: str
-    lora_int_id: int | None = None
-
-
-def lora_adapter_endpoints(
-    models: ServingModels, max_depth: int | None = None
-) -> dict[str, Callable[[Request], Awaitable[Response]]]:
-    """path -> endpoint of vLLM's runtime adapter routes; success is vLLM's text answer."""
-
-    async def load(request: Request) -> Response:
-        body = decode_request(await request.body(), LoadLoRAAdapterRequest, max_depth)
-        models.load_lora_adapter(body.lora_name, body.lora_path)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
-
-    async def unload(request: Request) -> Response:
-        body = decode_request(await request.body(), UnloadLoRAAdapterRequest, max_depth)
-        models.unload_lora_adapter(body.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-    return {"/v1/load_lora_adapter": load, "/v1/unload_lora_adapter": unload}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from functools import cached_property
+from typing import Any
 
 from kvserve.shared.logging import init_logger
 
@@ -23,6 +24,7 @@ class TokenizerInfo:
     def __init__(self, model_dir: str, chat_template: str | None = None):
         # The fast tokenizer class loads tokenizer.json without importing torch (transformers'
         # AutoTokenizer does import it): the api process holds no model and no torch.
+        tokenizer_cls: Any  # either class; both load with from_pretrained
         if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
             from transformers import PreTrainedTokenizerFast as tokenizer_cls
         else:

@@ -30,7 +30,7 @@ from kvserve.services.api.protocol import (
     ToolCall,
 )
 from kvserve.services.api.tool_parsers import TOOL_PARSERS, ToolParser
-from kvserve.shared.config import FrontendConfig
+from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -112,8 +112,8 @@ def required_calls_schema(tools: list[ChatTool], parallel: bool) -> dict[str, An
     for tool in tools:
         parameters = dict(tool.function.parameters or _NO_PARAMETERS)
         for key in ("$defs", "definitions"):
-            for name, schema in parameters.pop(key, {}).items():
-                if defs.setdefault(key, {}).setdefault(name, schema) != schema:
+            for name, definition in parameters.pop(key, {}).items():
+                if defs.setdefault(key, {}).setdefault(name, definition) != definition:
                     raise APIError(
                         400, f"tools define {key} {name!r} twice, differently", param="tools"
                     )
@@ -203,8 +203,8 @@ class ToolCallOutput:
         if self.choice == "none":
             return text, []
         if self.choice == "required":
-            calls = [self._required_call(e) for e in _ArrayScanner().feed(text)]
-            return None, [c for c in calls if c is not None]
+            parsed = [self._required_call(e) for e in _ArrayScanner().feed(text)]
+            return None, [c for c in parsed if c is not None]
         if self.parser is None:  # a named function: the text is its arguments
             return None, [
                 ToolCall(

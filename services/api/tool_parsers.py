@@ -36,7 +36,7 @@ def _call_of(obj, arguments_keys: tuple[str, ...]) -> tuple[str, str]:
     """(name, arguments JSON) of one {"name": ..., "arguments"|"parameters": ...} object."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError("a tool call needs a name")
-    arguments = next((obj[k] for k in arguments_keys if k in obj), {})
+    arguments: object = next((obj[k] for k in arguments_keys if k in obj), {})
     if isinstance(arguments, str):
         json.loads(arguments)  # must already be JSON text
         return obj["name"], arguments

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import time
+from multiprocessing.process import BaseProcess
 
 import msgspec
 import zmq
@@ -145,7 +146,7 @@ def run_coordinator(
 
 def start_coordinator_process(
     addresses: CoordinatorAddresses,
-) -> tuple[multiprocessing.Process, CoordinatorAddresses]:
+) -> tuple[BaseProcess, CoordinatorAddresses]:
     """Spawn the coordinator (no torch in it); returns it and the addresses it bound."""
     spawn = multiprocessing.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe(duplex=False)

@@ -28,7 +28,7 @@ _MAX_RUNS = 4
 
 def slots_view(buffer: object, fingerprint: KvFingerprint, dtype: torch.dtype) -> torch.Tensor:
     """A host arena (or any buffer of whole slots) as [num_slots, num_layers, 2, E]."""
-    flat = torch.frombuffer(buffer, dtype=dtype)  # type: ignore[call-overload]
+    flat = torch.frombuffer(buffer, dtype=dtype)
     return flat.view(-1, fingerprint.num_layers, 2, fingerprint.block_elements)
 
 

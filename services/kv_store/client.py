@@ -95,7 +95,7 @@ class KvStoreClient:
             transport == "auto" and address.startswith("ipc://")
         )
         self.dtype = getattr(torch, fingerprint.dtype)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(KvStoreReply)
         self._call_ids = itertools.count(1)

@@ -29,7 +29,7 @@ import zmq
 
 from kvserve.services.kv_store.arena import CudaArena, HostArena, arena_shm_name, slot_runs
 from kvserve.services.kv_store.store import KvBlockStore, Pool
-from kvserve.shared.config import KvStoreOptions
+from kvserve.shared.launch_options import KvStoreOptions
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
     KvCommit,
@@ -209,8 +209,10 @@ class KvStoreServer:
         try:
             reply = self._handlers[type(request)](request, data)
         except _Refused as exc:
+            assert not isinstance(request, KvRelease)  # a release never fails (it has no reply)
             reply = _Reply(KvError(request.call_id, exc.code, str(exc)))
         except ValueError as exc:
+            assert not isinstance(request, KvRelease)
             reply = _Reply(KvError(request.call_id, KvErrorCode.BAD_REQUEST, str(exc)))
         if reply is not None:
             self._send(sock, identity, reply)
@@ -222,6 +224,7 @@ class KvStoreServer:
                 sock.send_multipart(frames, copy=False)
                 return
             tracker = sock.send_multipart(frames, copy=False, track=True)
+            assert tracker is not None  # track=True returns one
             self._in_flight.append((tracker, reply.lease_id))
         except zmq.ZMQError as exc:  # the client is gone (ROUTER_MANDATORY)
             logger.debug("KV store: reply to a gone client dropped (%s)", exc)

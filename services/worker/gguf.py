@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -85,6 +85,18 @@ def _field(reader: Any, key: str) -> Any:
     if field is None:
         raise ValueError(f"GGUF metadata lacks {key!r}")
     return field.contents()
+
+
+@overload
+def iterate_gguf_tensors(
+    gguf_path: str, keep_quantized: Literal[False] = False
+) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+@overload
+def iterate_gguf_tensors(
+    gguf_path: str, keep_quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]: ...
 
 
 def iterate_gguf_tensors(

@@ -140,7 +140,8 @@ class LogitsProcessorBatch:
     ) -> LogitsProcessorBatch:
         """Args: states: (logits row, the request's state, its output token ids) per row
         that has processors."""
-        allowed_rows, allowed_index, allowed_ids = [], [], []
+        allowed_rows: list[int] = []
+        allowed_index, allowed_ids = [], []
         banned_rows, banned_ids = [], []
         bias_rows, bias_ids, bias_values = [], [], []
         for row, state, output_token_ids in states:
@@ -153,6 +154,7 @@ class LogitsProcessorBatch:
                 banned_rows.extend([row] * len(banned))
                 banned_ids.extend(banned)
             if state.bias_token_ids is not None:
+                assert state.bias_values is not None  # set together with bias_token_ids
                 bias_rows.append(np.full(len(state.bias_token_ids), row))
                 bias_ids.append(state.bias_token_ids)
                 bias_values.append(state.bias_values)

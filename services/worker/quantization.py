@@ -31,7 +31,7 @@ from torch import nn
 
 from kvserve.kernels.quant import QuantizedTensor, quant_embedding, quant_linear
 from kvserve.services.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from kvserve.services.worker.layers.linear import LinearBase
+from kvserve.services.worker.layers.linear import LinearBase, set_weight_loader
 from kvserve.services.worker.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
@@ -99,7 +99,7 @@ class QuantizedVocabEmbedding(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         self.store: dict[str, QuantizedTensor | torch.Tensor] = {}  # shared with a tied head
         self.params_dtype = torch.get_default_dtype()  # the model's dtype (set while built)
 
@@ -160,6 +160,8 @@ def _swap_embeddings(model: nn.Module) -> None:
     swapped: dict[int, QuantizedVocabEmbedding] = {}  # id(old weight) -> its new embedding
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
+            if not isinstance(child, VocabParallelEmbedding):
+                continue
             cls = {VocabParallelEmbedding: QuantizedVocabEmbedding, ParallelLMHead: QuantizedLMHead}
             new_cls = cls.get(type(child))
             if new_cls is None:

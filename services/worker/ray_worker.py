@@ -8,7 +8,7 @@ transport differs: every call is a Ray remote call, and the hot bodies are msgsp
     placement()                 ---------------->  (node id, node ip, hostname, pid)
     free_port()                 ---------------->  a free TCP port on its node (rank 0 only)
     start(config, rank, ...)    ---------------->  Worker(...): WorkerReady bytes
-    initialize_kv_cache(n)      ---------------->  None, once its cache is allocated
+    rpc(WorkerCall bytes)       ---------------->  the named Worker method's answer, bytes
     execute_model(step bytes)   ---------------->  ModelRunnerOutput bytes (driver), else None
     ping()                      ---------------->  None: liveness, answered mid-step too
 
@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import TYPE_CHECKING
 
 import msgspec
 import ray
 
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.messages import SchedulerOutput
+from kvserve.shared.messages import SchedulerOutput, WorkerCall
+
+if TYPE_CHECKING:
+    from kvserve.services.worker.worker import Worker
 
 HEALTH_GROUP = "health"
 
@@ -42,16 +46,17 @@ class RayActorPlacement(msgspec.Struct, frozen=True):
     pid: int
 
 
-@ray.remote(concurrency_groups={HEALTH_GROUP: 1})
+@ray.remote(concurrency_groups={HEALTH_GROUP: 1})  # type: ignore[call-overload]  # Ray's stubs lack it
 class RayWorker:
     """A worker rank inside a Ray actor. The constructor only records the process: the
     model is loaded by start(), once the executor knows every actor's node."""
 
     def __init__(self) -> None:
-        self.worker = None
+        self.worker: Worker | None = None
         self.is_driver = False
         self.encoder = msgspec.msgpack.Encoder()
         self.step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        self.call_decoder = msgspec.msgpack.Decoder(WorkerCall)
 
     def placement(self) -> bytes:
         context = ray.get_runtime_context()
@@ -98,9 +103,12 @@ class RayWorker:
         self.worker = Worker(config, model_dir, rank, distributed_init_method)
         return self.encoder.encode(self.worker.ready_message())
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def rpc(self, call: bytes) -> bytes:
+        """Run a msgpack-encoded WorkerCall (RayExecutor.collective_rpc); the msgpack-encoded
+        answer of the Worker method it names."""
         assert self.worker is not None, "start() comes first"
-        self.worker.initialize_kv_cache(num_blocks)
+        request = self.call_decoder.decode(call)
+        return self.encoder.encode(self.worker.call(request.method, request.args, request.kwargs))
 
     def execute_model(self, step: bytes) -> bytes | None:
         """Run one msgpack-encoded SchedulerOutput; the driver rank returns its output."""

@@ -51,6 +51,7 @@ class Sampler(torch.nn.Module):
         sampled_token_ids = self.sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:
+            assert metadata.max_num_logprobs is not None  # raw logprobs only when asked for
             logprobs = compute_topk_logprobs(
                 raw_logprobs, sampled_token_ids, metadata.max_num_logprobs
             )

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import msgspec
 import torch
 
 from kvserve.kernels.dispatch import describe
@@ -19,6 +24,8 @@ from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput, WorkerReady
 
 logger = init_logger(__name__)
+
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
 class Worker:
@@ -85,13 +92,35 @@ class Worker:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
-    @property
+    def call(
+        self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
+        """Run this worker's public method `method`: the far end of Executor.collective_rpc.
+
+        Arguments arrive as plain msgpack values (lists, dicts); each is converted to its
+        parameter's annotated type (a Struct, a tuple), so a method sees the same values
+        in-process and in a worker process. A method that raises fails this rank, as a
+        failed step does.
+        """
+        function = getattr(self, method, None) if not method.startswith("_") else None
+        if not callable(function):
+            raise AttributeError(f"Worker has no public method {method!r}")
+        signature = inspect.signature(function)
+        parameters = signature.parameters
+        bound = signature.bind(*args, **(kwargs or {}))
+        hints = typing.get_type_hints(function)
+        for name, value in bound.arguments.items():
+            if name in hints and parameters[name].kind not in _VARIADIC:
+                bound.arguments[name] = msgspec.convert(value, hints[name])
+        return function(*bound.args, **bound.kwargs)
+
+    # ---------------------------------------------------- start-up facts (collective_rpc)
+
     def gemm_plan(self) -> dict[str, str]:
         """This rank's CPU GEMM path per layer shape ({} off CPU)."""
         plan = self.runner.gemm_plan
         return plan.summary() if plan is not None else {}
 
-    @property
     def kv_fingerprint(self) -> KvFingerprint | None:
         """This rank's KV block layout when a KV connector is configured, else None."""
         if self.config.kv_transfer_config is None:
@@ -99,7 +128,8 @@ class Worker:
         return self.runner.kv_fingerprint()
 
     def measure_step_costs(self) -> list[tuple[int, float]]:
-        """Forward times by query tokens, for adaptive speculation (see ModelRunner)."""
+        """Forward times by query tokens, for adaptive speculation (see ModelRunner); every
+        rank must run it (its forwards run collectives), before the KV cache exists."""
         return self.runner.measure_step_costs()
 
     def determine_num_blocks(self) -> int:
@@ -143,17 +173,9 @@ class Worker:
         return budget
 
     def ready_message(self) -> WorkerReady:
-        """What this rank reports once its model is loaded (every executor's start-up answer;
-        it runs the step-cost measurement and the KV memory profile)."""
-        return WorkerReady(
-            self.rank,
-            os.getpid(),
-            self.max_model_len,
-            self.determine_num_blocks(),
-            self.gemm_plan,
-            self.measure_step_costs(),
-            self.kv_fingerprint,
-        )
+        """What this rank reports once its model is loaded (the mp and ray executors'
+        start-up answer; it runs the KV memory profile)."""
+        return WorkerReady(self.rank, os.getpid(), self.max_model_len, self.determine_num_blocks())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

@@ -3,8 +3,8 @@
     engine core (MpExecutor)                       worker rank r (this module)
     ------------------------                       ---------------------------
     PULL bind    <-- READY  WorkerReady ---------   PUSH connect       every rank, once
-    ring writer  --- INIT_KV_CACHE num_blocks -->   ring reader r
-    PULL         <-- KV_CACHE_READY rank -------                       every rank
+    ring writer  --- CALL WorkerCall ----------->   ring reader r  ->  Worker.call
+    PULL         <-- REPLY WorkerCallResult ----                       each rank called
     ring writer  --- EXECUTE SchedulerOutput --->   ring reader r  ->  Worker.execute_model
     PULL         <-- OUTPUT ModelRunnerOutput --                       driver rank only
     ring writer  --- SHUTDOWN ------------------>                      exit 0
@@ -14,6 +14,9 @@ The driver rank is TP rank 0 of the last pipeline stage (rank 0 without PP). The
 talk among themselves through torch.distributed (gloo on CPU, nccl on CUDA), rendezvousing
 at --distributed-init-method: all-reduces within a stage, hidden states between stages, and
 the driver's sampled ids to every rank.
+
+CALL is MpExecutor.collective_rpc (the KV cache allocation, the start-up facts): every rank
+reads it, the ranks it lists run the named Worker method and answer.
 
 Ring messages are one type byte and a msgpack body; result messages are two ZMQ frames,
 the type byte and the msgpack body. A worker whose engine process is gone exits by itself.
@@ -41,10 +44,17 @@ from collections.abc import MutableSequence
 import msgspec
 import zmq
 
-from kvserve.shared.config import EngineConfig, WorkerOptions
+from kvserve.shared.config import EngineConfig
 from kvserve.shared.env import CPU_THREADS_BIND
+from kvserve.shared.launch_options import WorkerOptions
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerFailure
+from kvserve.shared.messages import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerCall,
+    WorkerCallResult,
+    WorkerFailure,
+)
 from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
 from kvserve.shared.transport import make_socket
 
@@ -52,11 +62,11 @@ logger = init_logger(__name__)
 
 # Ring message types (engine core -> every rank).
 EXECUTE = b"E"
-INIT_KV_CACHE = b"I"
+CALL = b"C"
 SHUTDOWN = b"S"
 # Result message types (a rank -> engine core).
 READY = b"R"
-KV_CACHE_READY = b"K"
+REPLY = b"A"
 OUTPUT = b"O"
 FAILURE = b"F"
 
@@ -68,8 +78,11 @@ class EngineGoneError(Exception):
     """The engine-core process that started this worker has exited."""
 
 
-def worker_main(options: WorkerOptions) -> int:
-    """Run one worker rank until SHUTDOWN, an error, or the engine's exit; the exit code."""
+def worker_main(options: WorkerOptions, worker_cls: type | None = None) -> int:
+    """Run one worker rank until SHUTDOWN, an error, or the engine's exit; the exit code.
+
+    worker_cls: the Worker class to run (services/worker/worker.py's by default).
+    """
     config = options.engine_config
     # Ctrl-C reaches the whole process group: the engine core decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -81,6 +94,7 @@ def worker_main(options: WorkerOptions) -> int:
         options.ring_handle,
         options.result_addr,
         options.distributed_init_method,
+        worker_cls,
     )
     return proc.run()
 
@@ -115,7 +129,11 @@ def start_heartbeat(beats: MutableSequence[float], rank: int) -> None:
     threading.Thread(target=beat, name="WorkerHeartbeat", daemon=True).start()
 
 
-def run_worker_process(options: WorkerOptions, beats: MutableSequence[float] | None = None) -> None:
+def run_worker_process(
+    options: WorkerOptions,
+    beats: MutableSequence[float] | None = None,
+    worker_cls: type | None = None,
+) -> None:
     """multiprocessing target: worker_main, with its result as the process's exit code.
 
     Exits with os._exit, skipping interpreter finalization: after torch.distributed was
@@ -125,7 +143,7 @@ def run_worker_process(options: WorkerOptions, beats: MutableSequence[float] | N
     """
     if beats is not None:
         start_heartbeat(beats, options.rank)
-    exit_code = worker_main(options)
+    exit_code = worker_main(options, worker_cls)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -142,6 +160,7 @@ class WorkerProc:
         ring_handle: the engine core's broadcast ring.
         result_addr: where to PUSH ready messages, outputs and failures.
         distributed_init_method: the torch.distributed rendezvous (TP x PP > 1).
+        worker_cls: the Worker class to run (services/worker/worker.py's by default).
     """
 
     def __init__(
@@ -152,6 +171,7 @@ class WorkerProc:
         ring_handle: ShmRingHandle,
         result_addr: str,
         distributed_init_method: str | None = None,
+        worker_cls: type | None = None,
     ):
         from kvserve.services.worker.parallel_state import driver_rank  # torch: worker side only
 
@@ -165,6 +185,7 @@ class WorkerProc:
         self.rank = rank
         self.ring_handle = ring_handle
         self.result_addr = result_addr
+        self.worker_cls = worker_cls
         # Reparenting is how a process learns, without help, that its parent died.
         self.parent_pid = os.getppid()
         self.encoder = msgspec.msgpack.Encoder()
@@ -193,7 +214,8 @@ class WorkerProc:
     def _serve(self, ring: ShmRingBuffer, sock: zmq.Socket) -> None:
         from kvserve.services.worker.worker import Worker
 
-        worker = Worker(self.config, self.model_dir, self.rank, self.distributed_init_method)
+        worker_cls = self.worker_cls or Worker
+        worker = worker_cls(self.config, self.model_dir, self.rank, self.distributed_init_method)
         if worker.device.type == "cpu" and CPU_THREADS_BIND.get():
             from kvserve.kernels.cpu import bind_threads_to_share
 
@@ -208,7 +230,7 @@ class WorkerProc:
         ready = worker.ready_message()
         sock.send_multipart([READY, self.encoder.encode(ready)])
         scheduler_output_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-        int_decoder = msgspec.msgpack.Decoder(int)
+        call_decoder = msgspec.msgpack.Decoder(WorkerCall)
         while True:
             message = ring.dequeue(check_alive=self._check_engine_alive)
             kind, body = message[:1], memoryview(message)[1:]
@@ -218,13 +240,20 @@ class WorkerProc:
                 )
                 if self.is_driver:
                     sock.send_multipart([OUTPUT, self.encoder.encode(output)], copy=False)
-            elif kind == INIT_KV_CACHE:
-                worker.initialize_kv_cache(int_decoder.decode(body))
-                sock.send_multipart([KV_CACHE_READY, self.encoder.encode(self.rank)])
+            elif kind == CALL:
+                self._answer_call(worker, call_decoder.decode(body), sock)
             elif kind == SHUTDOWN:
                 return
             else:
                 raise ValueError(f"unknown ring message type {kind!r}")
+
+    def _answer_call(self, worker, call: WorkerCall, sock: zmq.Socket) -> None:
+        """Run the call if it names this rank, and send the answer back."""
+        if self.rank not in call.ranks:
+            return
+        result = worker.call(call.method, call.args, call.kwargs)
+        reply = WorkerCallResult(self.rank, msgspec.Raw(self.encoder.encode(result)))
+        sock.send_multipart([REPLY, self.encoder.encode(reply)])
 
     def _check_engine_alive(self) -> None:
         if os.getppid() != self.parent_pid:

@@ -12,8 +12,10 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.services.kv_store.client import KvStoreClient
+from kvserve.shared.messages import KvFingerprint
 from tests.support.kv import assert_no_leaked_blocks
 from tests.support.kv_store import StoreProcess
+from tests.support.models import DEFAULT_MODEL_KV_CACHE_MEMORY
 
 pytestmark = pytest.mark.slow
 
@@ -58,18 +60,28 @@ def _generate(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
 
 
 def _store_stats(store: StoreProcess, llm: LLM):
-    fingerprint = llm.engine_core.executor.kv_fingerprint
+    (fingerprint,) = llm.engine_core.executor.collective_rpc(
+        "kv_fingerprint", ranks=[0], result_type=KvFingerprint
+    )
     with KvStoreClient(store.ipc, fingerprint, timeout_s=2.0) as client:
         return client.stats()
 
 
 def test_a_prefix_computed_by_one_engine_is_an_external_hit_for_another(store):
-    reference = _generate(LLM(dtype="float32"))
-    first = LLM(dtype="float32", kv_transfer_config=_transfer(store.ipc, "kv_producer"))
+    reference = _generate(LLM(dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY))
+    first = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        kv_transfer_config=_transfer(store.ipc, "kv_producer"),
+    )
     assert _generate(first) == reference
     assert first.stats_totals.kv_bytes_saved > 0
     assert first.stats_totals.external_prefix_cache_hits == 0  # a producer never loads
-    second = LLM(dtype="float32", kv_transfer_config=_transfer(store.ipc, "kv_consumer"))
+    second = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        kv_transfer_config=_transfer(store.ipc, "kv_consumer"),
+    )
     assert _generate(second) == reference
     totals = second.stats_totals
     assert totals.external_prefix_cache_hits >= 0.8 * sum(len(p) // 4 for p in PROMPTS)
@@ -80,10 +92,18 @@ def test_a_prefix_computed_by_one_engine_is_an_external_hit_for_another(store):
 
 
 def test_a_restarted_engine_gets_its_prefix_back(store):
-    llm = LLM(dtype="float32", kv_transfer_config=_transfer(store.ipc))
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        kv_transfer_config=_transfer(store.ipc),
+    )
     reference = _generate(llm)
     llm.engine_core.shutdown()
-    restarted = LLM(dtype="float32", kv_transfer_config=_transfer(store.ipc))
+    restarted = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        kv_transfer_config=_transfer(store.ipc),
+    )
     assert _generate(restarted) == reference
     assert restarted.stats_totals.external_prefix_cache_hits > 0
     assert_no_leaked_blocks(restarted.engine_core.scheduler)
@@ -92,19 +112,29 @@ def test_a_restarted_engine_gets_its_prefix_back(store):
 def test_the_shared_storage_connector_round_trips(tmp_path):
     config = {"kv_connector": "SharedStorageConnector",
               "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}  # fmt: skip
-    writer = LLM(dtype="float32", kv_transfer_config=config)
+    writer = LLM(
+        dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, kv_transfer_config=config
+    )
     reference = _generate(writer)
     assert list(tmp_path.rglob("*.kv")), "no block files written"
-    reader = LLM(dtype="float32", kv_transfer_config=config)
+    reader = LLM(
+        dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, kv_transfer_config=config
+    )
     assert _generate(reader) == reference
     assert reader.stats_totals.external_prefix_cache_hits > 0
 
 
 def test_a_different_layout_never_hits(store):
-    LLM(dtype="float32", kv_transfer_config=_transfer(store.ipc)).generate(
-        PROMPTS, PARAMS, use_tqdm=False
+    LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        kv_transfer_config=_transfer(store.ipc),
+    ).generate(PROMPTS, PARAMS, use_tqdm=False)
+    other = LLM(
+        dtype="bfloat16",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        kv_transfer_config=_transfer(store.ipc),
     )
-    other = LLM(dtype="bfloat16", kv_transfer_config=_transfer(store.ipc))
     _generate(other)
     assert other.stats_totals.external_prefix_cache_hits == 0
     assert other.stats_totals.external_prefix_cache_queries > 0
@@ -125,7 +155,11 @@ def test_the_offload_tier_brings_evicted_blocks_back():
 
 
 def test_a_store_killed_under_load_only_costs_recompute(store):
-    llm = LLM(dtype="float32", kv_transfer_config=_transfer(store.ipc))
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        kv_transfer_config=_transfer(store.ipc),
+    )
     reference = _generate(llm)
     core = llm.engine_core
     many = [p + f" Request {i}." for i in range(6) for p in PROMPTS]
@@ -149,9 +183,17 @@ def test_a_store_killed_under_load_only_costs_recompute(store):
 
 
 def test_an_abort_storm_leaves_nothing_pinned(store):
-    warm = LLM(dtype="float32", kv_transfer_config=_transfer(store.ipc))
+    warm = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        kv_transfer_config=_transfer(store.ipc),
+    )
     _generate(warm)
-    llm = LLM(dtype="float32", kv_transfer_config=_transfer(store.ipc))
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        kv_transfer_config=_transfer(store.ipc),
+    )
     core = llm.engine_core
     ids = []
     for i in range(20):

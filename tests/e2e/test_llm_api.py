@@ -9,6 +9,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from tests.support.kv import assert_no_leaked_blocks
+from tests.support.models import DEFAULT_MODEL_KV_CACHE_MEMORY
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32", seed=0)
+    return LLM(dtype="float32", seed=0, kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
 
 
 @pytest.fixture(autouse=True)
@@ -225,7 +226,12 @@ def test_unknown_engine_argument_is_a_value_error():
 
 
 def test_priority_policy_serves_all(llm):
-    pri = LLM(dtype="float32", scheduling_policy="priority", max_num_seqs=2)
+    pri = LLM(
+        dtype="float32",
+        scheduling_policy="priority",
+        max_num_seqs=2,
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+    )
     outs = pri.generate(["a", "b", "c", "d"], GREEDY, use_tqdm=False, priority=[3, 2, 1, 0])
     assert all(o.finished for o in outs)
     assert_no_leaked_blocks(pri.engine_core.scheduler)

@@ -11,6 +11,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from tests.support.kv import assert_no_leaked_blocks
+from tests.support.models import DEFAULT_MODEL_KV_CACHE_MEMORY
 from tests.support.prompts import MAX_TOKENS, QUESTIONS, chat_prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,7 @@ def _assert_equal(ours: list[list[int]], theirs: list[list[int]]) -> None:
     ],
 )
 def test_greedy_equals_hf(knobs, chat_prompts, hf_greedy):
-    llm = LLM(dtype="float32", **knobs)
+    llm = LLM(dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, **knobs)
     _assert_equal(_run(llm, chat_prompts), hf_greedy)
     assert_no_leaked_blocks(llm.engine_core.scheduler)
 

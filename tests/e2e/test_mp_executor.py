@@ -21,6 +21,7 @@ from kvserve.shared.config import EngineConfig, ParallelConfig
 from kvserve.shared.messages import CachedRequestData, SchedulerOutput
 from tests.support import REPO_ROOT
 from tests.support.kv import assert_no_leaked_blocks
+from tests.support.models import DEFAULT_MODEL_KV_CACHE_MEMORY
 from tests.support.processes import wait_gone
 from tests.support.waiting import wait_until
 
@@ -48,7 +49,7 @@ def _assert_released(executor: MpExecutor) -> None:
 
 @pytest.fixture(scope="module")
 def uni_tokens() -> list[list[int]]:
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
     try:
         return _greedy(llm)
     finally:
@@ -56,7 +57,11 @@ def uni_tokens() -> list[list[int]]:
 
 
 def test_mp_gives_the_same_tokens_as_uni(uni_tokens):
-    llm = LLM(dtype="float32", distributed_executor_backend="mp")
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        distributed_executor_backend="mp",
+    )
     executor = llm.engine_core.executor
     assert isinstance(executor, MpExecutor)
     assert all(pid != os.getpid() for pid in executor.worker_pids)

@@ -9,6 +9,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.support.kv import assert_no_leaked_blocks
+from tests.support.models import DEFAULT_MODEL_KV_CACHE_MEMORY
 from tests.support.prompts import chat_prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ def prompts(default_model_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def greedy_reference(prompts) -> list[list[int]]:
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
     return _greedy(llm, prompts)
 
 
@@ -73,7 +74,9 @@ def _fixed(spec: dict) -> dict:
     ],
 )
 def test_greedy_equals_greedy_without_speculation(spec, prompts, greedy_reference):
-    llm = LLM(dtype="float32", speculative_config=spec)
+    llm = LLM(
+        dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, speculative_config=spec
+    )
     _assert_equal(_greedy(llm, prompts), greedy_reference)
     _assert_accepted_and_rejected(llm)
     assert_no_leaked_blocks(llm.engine_core.scheduler)
@@ -84,8 +87,10 @@ def test_a_separate_draft_model_with_its_own_kv_cache(default_model_dir, prompts
     # caught up on every step (prefix-cache hits included: the prompts share the template).
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": default_model_dir,
             "num_draft_layers": 6, "adaptive": False}  # fmt: skip
-    llm = LLM(dtype="float32", speculative_config=spec)
-    assert llm.engine_core.executor.worker.runner.draft.owns_cache
+    llm = LLM(
+        dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, speculative_config=spec
+    )
+    assert llm.engine_core.executor.worker.runner.proposer.draft.owns_cache
     _assert_equal(_greedy(llm, prompts), greedy_reference)
     _assert_equal(_greedy(llm, prompts), greedy_reference)  # a second round from the cache
     _assert_accepted_and_rejected(llm)
@@ -109,8 +114,12 @@ def test_chunked_prefill_and_preemption(prompts, greedy_reference):
 
 
 def test_logprobs_n_and_max_tokens(prompts):
-    plain = LLM(dtype="float32")
-    spec = LLM(dtype="float32", speculative_config=_fixed(NGRAM))
+    plain = LLM(dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
+    spec = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        speculative_config=_fixed(NGRAM),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=17, logprobs=2, n=2)
     inputs = [{"prompt_token_ids": p} for p in prompts[2:]]
     want = plain.generate(inputs, params, use_tqdm=False)
@@ -135,7 +144,11 @@ def test_structured_outputs_beside_speculating_requests(prompts, greedy_referenc
 
     from kvserve.shared.structured_outputs import StructuredOutputsParams
 
-    llm = LLM(dtype="float32", speculative_config=_fixed(NGRAM))
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        speculative_config=_fixed(NGRAM),
+    )
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     constrained = SamplingParams(
         temperature=0.0,
@@ -152,7 +165,11 @@ def test_structured_outputs_beside_speculating_requests(prompts, greedy_referenc
 
 
 def test_aborts_mid_speculation_free_every_block(prompts):
-    llm = LLM(dtype="float32", speculative_config=_fixed(SELF_DRAFT))
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        speculative_config=_fixed(SELF_DRAFT),
+    )
     core = llm.engine_core
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     for i, ids in enumerate(prompts):
@@ -169,7 +186,11 @@ def test_aborts_mid_speculation_free_every_block(prompts):
 
 
 def test_seeded_random_sampling_is_reproducible(prompts):
-    llm = LLM(dtype="float32", speculative_config=_fixed(NGRAM))
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        speculative_config=_fixed(NGRAM),
+    )
     seeds = (1, 1, 2, 3, 4)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=32) for s in seeds]
     outs = llm.generate([{"prompt_token_ids": prompts[3]}] * len(seeds), params, use_tqdm=False)
@@ -218,47 +239,58 @@ def tiny_llama_for_tp(tmp_path_factory) -> str:
 def medusa_heads(tmp_path_factory) -> str:
     """Medusa heads for the default model from a short `train-draft` run (the real
     training path; a few prompts, so the heads are weak: some drafts pass, most do not)."""
-    from kvserve.shared.config import TrainDraftOptions
+    from kvserve.shared.launch_options import TrainDraftOptions
     from kvserve.training.train_draft import train_draft
 
     folder = str(tmp_path_factory.mktemp("medusa"))
     options = TrainDraftOptions(
         output=folder, num_heads=3, num_prompts=12, max_tokens=48, epochs=2, batch_size=32
     )
-    train_draft(options)
+    train_draft(options, kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
     return folder
 
 
 def test_medusa_heads(medusa_heads, prompts, greedy_reference):
     spec = {"method": "medusa", "model": medusa_heads, "num_speculative_tokens": 3,
             "adaptive": False}  # fmt: skip
-    llm = LLM(dtype="float32", speculative_config=spec)
+    llm = LLM(
+        dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, speculative_config=spec
+    )
     _assert_equal(_greedy(llm, prompts), greedy_reference)
     _assert_accepted_and_rejected(llm)
     assert_no_leaked_blocks(llm.engine_core.scheduler)
     with pytest.raises(ValueError, match="exceeds the 3 Medusa heads"):
-        LLM(dtype="float32", speculative_config={**spec, "num_speculative_tokens": 4})
+        LLM(
+            dtype="float32",
+            kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+            speculative_config={**spec, "num_speculative_tokens": 4},
+        )
 
 
 @pytest.fixture(scope="module")
 def eagle_head(tmp_path_factory) -> str:
     """An EAGLE-1 head for the default model from a short `train-draft --method eagle` run
     (the real training path; few prompts, so its guesses are weak)."""
-    from kvserve.shared.config import TrainDraftOptions
+    from kvserve.shared.launch_options import TrainDraftOptions
     from kvserve.training.train_eagle import train_eagle
 
     folder = str(tmp_path_factory.mktemp("eagle"))
     options = TrainDraftOptions(
         output=folder, method="eagle", num_prompts=12, max_tokens=48, epochs=1, batch_size=2
     )
-    train_eagle(options)
+    train_eagle(options, kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
     return folder
 
 
 def test_eagle_head(eagle_head, prompts, greedy_reference):
     spec = {"method": "eagle", "model": eagle_head, "num_speculative_tokens": 3,
             "adaptive": False}  # fmt: skip
-    llm = LLM(dtype="float32", speculative_config=spec, max_num_batched_tokens=64)
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
+        speculative_config=spec,
+        max_num_batched_tokens=64,
+    )
     _assert_equal(_greedy(llm, prompts), greedy_reference)  # chunked prompts too
     _assert_accepted_and_rejected(llm)
     assert_no_leaked_blocks(llm.engine_core.scheduler)

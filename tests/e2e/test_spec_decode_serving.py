@@ -12,6 +12,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.support.metrics import metrics_text, read_metric
+from tests.support.models import DEFAULT_MODEL_KV_CACHE_MEMORY
 from tests.support.server import serving
 
 pytestmark = pytest.mark.slow
@@ -27,13 +28,14 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 @pytest.fixture(scope="module")
 def reference(default_model_dir) -> list[str]:
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 def test_served_speculation_equals_plain_greedy(reference, tmp_path):
-    args = ["--dtype", "float32", "--speculative-config", json.dumps(SPEC)]
+    args = ["--dtype", "float32", "--speculative-config", json.dumps(SPEC),
+            "--kv-cache-memory", str(DEFAULT_MODEL_KV_CACHE_MEMORY)]  # fmt: skip
     with serving(args, str(tmp_path / "serve.log")) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id

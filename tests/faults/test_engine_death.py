@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from kvserve.serve import start_engine_process, stop_engine_process
+from kvserve.launch.engines import EngineLaunch, start_engine_process, stop_engine_process
 from kvserve.services.api.engine_client import EngineDeadError
 from kvserve.services.api.mp_client import EngineChannel
 from kvserve.services.api.tokenizer import TokenizerInfo
@@ -126,7 +126,9 @@ def test_engine_that_fails_to_start_reports_why(tiny_llama_dir, tmp_path):
 
     async def main():
         channel = EngineChannel(EngineAddresses.local())
-        process = start_engine_process(EngineConfig(), bad_dir, channel.addresses)
+        process = start_engine_process(
+            EngineConfig(), EngineLaunch(model_dir=bad_dir, addresses=channel.addresses)
+        )
         try:
             with pytest.raises(EngineDeadError, match="failed to start: ValueError.*relu"):
                 await channel.wait_ready(timeout_s=300, engine_process=process)

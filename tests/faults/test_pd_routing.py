@@ -193,7 +193,7 @@ def test_a_client_gone_while_prefilling_aborts_the_copy(tokenizer_info):
         msg_type, request_ids = await prefill.recv()
         assert msg_type == MsgType.ABORT and request_ids == ["r1-prefill"]
         await decode.assert_silent()
-        assert not client._prefills and not client.queues
+        assert not client.flow.prefills and not client.queues
 
     _scenario(tokenizer_info, ["kv_producer", "kv_consumer"], body)
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -23,13 +24,10 @@ import pytest
 
 from tests.support import REPO_ROOT
 
-# The repository folders and the package each installs as (setup.py's package_dir).
-PACKAGE_DIRS = {
-    "kvserve": "kvserve",
-    "kvserve.shared": "shared",
-    "kvserve.services": "services",
-    "kvserve.kernels": "kernels",
-}
+# Package -> the repository folder it installs from, as setuptools reads it.
+PACKAGE_DIRS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+    "package-dir"
+]
 STAND_IN_MARKER = "hf-kernels-stand-in"
 
 # Below transformers' minimum `kernels` version, so transformers treats the stand-in as absent
@@ -253,6 +251,16 @@ def test_every_kvserve_module_imports_from_the_wheel(installed):
 def test_transformers_kernels_probe_survives(installed):
     transformers = installed["facts"]["transformers"]
     assert transformers == {"kernels_available": False, "error": None}, transformers
+
+
+def test_docker_build_copies_every_package_folder():
+    # Docker reads no TOML: the Dockerfile's source stage names each folder, and .dockerignore
+    # lets each into the build context. A folder added to the mapping must reach the image.
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text().splitlines()
+    allowed = (REPO_ROOT / ".dockerignore").read_text().splitlines()
+    for folder in PACKAGE_DIRS.values():
+        assert f"COPY {folder} /src/{folder}" in dockerfile, f"Dockerfile: COPY {folder}"
+        assert f"!{folder}/" in allowed, f".dockerignore: !{folder}/"
 
 
 def test_console_script_runs(installed):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.serve import start_engine_process
+from kvserve.launch.engines import EngineLaunch, start_engine_process
 from kvserve.services.api.mp_client import EngineChannel, MPEngineClient
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.config import CacheConfig, EngineConfig, ParallelConfig
@@ -27,7 +27,9 @@ async def start_engine(
         parallel=ParallelConfig(distributed_executor_backend=executor),
     )
     channel = EngineChannel(EngineAddresses.local())
-    process = start_engine_process(config, model_dir, channel.addresses)
+    process = start_engine_process(
+        config, EngineLaunch(model_dir=model_dir, addresses=channel.addresses)
+    )
     try:
         client = await MPEngineClient.connect(
             channel, tokenizer_info, "tiny", process, ready_timeout_s=ENGINE_READY_TIMEOUT_S

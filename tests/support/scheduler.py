@@ -10,6 +10,7 @@ import itertools
 
 from kvserve.services.scheduler.core.request import Request, make_block_hasher
 from kvserve.services.scheduler.core.scheduler import Scheduler
+from kvserve.services.scheduler.engine.request_checks import RequestChecker
 from kvserve.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.hashing import get_hash_fn
 from kvserve.shared.messages import (
@@ -96,6 +97,23 @@ def create_request(
         priority=priority,
         cache_salt=cache_salt,
     )
+
+
+def submit(scheduler: Scheduler, engine_request: EngineCoreRequest) -> None:
+    """Hand a request to the scheduler as the engine core does: request_checks first, and a
+    refused request gets an ERROR output with the next step's outputs."""
+    checker = RequestChecker(
+        None,
+        max_logprobs=20,
+        max_model_len=scheduler.max_model_len,
+        structured_outputs=scheduler.structured_output_manager is not None,
+        lora_config=scheduler.lora_config,
+    )
+    error = checker.check(engine_request, engine_request.request_id in scheduler.requests)
+    if error is None:
+        scheduler.add_request(engine_request)
+    else:
+        scheduler.reject(engine_request.request_id, error)
 
 
 def make_runner_output(

@@ -126,11 +126,8 @@ class Request:
         self.structured_output: StructuredOutputState | None = None
         # Speculative decoding: drafts and acceptance (None when the engine has none).
         self.spec: SpecRequestState | None = None
-        # KV connector: external blocks being loaded (WAITING_FOR_REMOTE_KVS), whether the
-        # current tokens came partly from the store, and full blocks already saved.
-        self.num_external_blocks = 0
+        # KV connector: whether the current tokens came partly from its loads.
         self.kv_loaded = False
-        self.num_saved_blocks = 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose K/V is in the cache or being written by the step in flight.

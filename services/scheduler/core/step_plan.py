@@ -5,8 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.services.scheduler.core.block_pool import KVCacheBlock
+from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.core.request import Request
-from kvserve.shared.messages import KVBlockTransfer
+from kvserve.shared.messages import (
+    CachedRequestData,
+    EngineCoreEventType,
+    NewRequestData,
+    SchedulerOutput,
+    SpecDecodeMetadata,
+)
 
 
 @dataclass
@@ -24,10 +31,6 @@ class StepPlan:
     # after the step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens_to_propose: dict[str, int] = field(default_factory=dict)
-    # KV connector transfers (SchedulerOutput.kv_saves_before / kv_loads / kv_saves).
-    kv_saves_before: list[KVBlockTransfer] = field(default_factory=list)
-    kv_loads: list[KVBlockTransfer] = field(default_factory=list)
-    kv_saves: list[KVBlockTransfer] = field(default_factory=list)
 
     def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]) -> None:
         self.num_scheduled_tokens[request.req_id] = num_tokens
@@ -43,3 +46,54 @@ class StepPlan:
         self.spec_token_ids.pop(request.req_id, None)
         self.token_budget += num_tokens
         self.scheduled_running.remove(request)
+
+    def record_events(self, now: float) -> None:
+        """One timestamp for the whole step: its requests start computing together."""
+        for request in self.scheduled_new:
+            request.record_event(EngineCoreEventType.SCHEDULED, now)
+        for request in self.preempted:
+            request.record_event(EngineCoreEventType.PREEMPTED, now)
+
+
+def make_scheduler_output(
+    plan: StepPlan,
+    kv_cache_manager: KVCacheManager,
+    finished_req_ids: list[str],
+    grammar_req_ids: list[str],
+    grammar_bitmask: bytes,
+    spec_decode: SpecDecodeMetadata,
+    kv_connector_metadata: bytes,
+) -> SchedulerOutput:
+    """The step's SchedulerOutput, built before num_computed_tokens advances (the workers
+    get pre-step values)."""
+    new_reqs = [
+        NewRequestData(
+            req_id=request.req_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=kv_cache_manager.get_block_ids(request.req_id),
+            num_computed_tokens=request.num_computed_tokens,
+            output_token_ids=list(request.output_token_ids),
+            eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id,
+            lora_request=request.lora_request,
+        )
+        for request in plan.scheduled_new
+    ]
+    running = plan.scheduled_running
+    cached_reqs = CachedRequestData(
+        req_ids=[request.req_id for request in running],
+        new_block_ids=[plan.new_block_ids[request.req_id] for request in running],
+        num_computed_tokens=[request.num_computed_tokens for request in running],
+    )
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached_reqs,
+        num_scheduled_tokens=plan.num_scheduled_tokens,
+        total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+        finished_req_ids=finished_req_ids,
+        preempted_req_ids=[request.req_id for request in plan.preempted],
+        grammar_req_ids=grammar_req_ids,
+        grammar_bitmask=grammar_bitmask,
+        spec_decode=spec_decode,
+        kv_connector_metadata=kv_connector_metadata,
+    )

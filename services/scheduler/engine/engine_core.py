@@ -14,8 +14,7 @@ import msgspec
 
 from kvserve.services.scheduler.core.scheduler import Scheduler
 from kvserve.services.scheduler.engine.request_checks import (
-    check_engine_request,
-    model_vocab_size,
+    RequestChecker,
     queue_full_error,
 )
 from kvserve.services.scheduler.executors.executor import Executor, UniExecutor
@@ -23,12 +22,12 @@ from kvserve.services.scheduler.structured_output.manager import StructuredOutpu
 from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FinishReason,
+    KvFingerprint,
     ModelRunnerOutput,
 )
+from kvserve.shared.model_dir import model_vocab_size
 from kvserve.shared.wire import EngineReady, this_hostname
 
 logger = init_logger(__name__)
@@ -93,6 +92,15 @@ class EngineCore:
         self.config = config
         self.executor = make_executor(config, model_dir)
         num_blocks = self.executor.determine_num_blocks()
+        # What the workers learned at start-up, asked for by name (Executor.collective_rpc).
+        # Every rank measures the step costs (their forwards run collectives), before the KV
+        # cache exists; the driver's figures count.
+        step_costs = self.executor.collective_rpc(
+            "measure_step_costs", result_type=list[tuple[int, float]]
+        )[self.executor.driver_rank]
+        (gemm_plan,) = self.executor.collective_rpc(
+            "gemm_plan", ranks="driver", result_type=dict[str, str]
+        )
         self.executor.initialize_kv_cache(num_blocks)
         self.structured_output_manager = StructuredOutputManager(
             model_dir,
@@ -108,12 +116,18 @@ class EngineCore:
             structured_output_manager=self.structured_output_manager,
             lora_config=config.lora,
             speculative_config=config.speculative_config,
-            step_costs=self.executor.step_costs,
+            step_costs=step_costs,
             kv_connector=self._make_kv_connector(config),
         )
         self.vocab_size = model_vocab_size(model_dir)
         self.bound_waiting = bound_waiting
-        self._refused: list[EngineCoreOutput] = []  # refused requests' ERROR outputs
+        self.request_checker = RequestChecker(
+            self.vocab_size,
+            config.model.max_logprobs,
+            self.scheduler.max_model_len,
+            structured_outputs=True,
+            lora_config=config.lora,
+        )
         # The scheduler may cap max_model_len to what the KV cache holds.
         self.ready = EngineReady(
             engine_index=engine_index,
@@ -128,7 +142,7 @@ class EngineCore:
             max_logprobs=config.model.max_logprobs,
             max_waiting_requests=config.scheduler.max_waiting_requests,
             cache_config_info=cache_config_info(config.cache, num_blocks),
-            gemm_plan=self.executor.gemm_plan,
+            gemm_plan=gemm_plan,
             kv_role=config.kv_transfer_config.kv_role if config.kv_transfer_config else None,
         )
         logger.info(
@@ -153,9 +167,11 @@ class EngineCore:
     def _make_kv_connector(self, config: EngineConfig):
         if config.kv_transfer_config is None:
             return None
-        from kvserve.services.kv_store.connector import SchedulerConnector
+        from kvserve.services.kv_store.registry import make_scheduler_connector
 
-        fingerprint = self.executor.kv_fingerprint
+        (fingerprint,) = self.executor.collective_rpc(
+            "kv_fingerprint", ranks=[0], result_type=KvFingerprint | None
+        )
         assert fingerprint is not None, "workers report their layout with a KV connector"
         logger.info(
             "KV connector %s (%s) for layout %s",
@@ -163,30 +179,23 @@ class EngineCore:
             config.kv_transfer_config.kv_role,
             fingerprint,
         )
-        return SchedulerConnector(config.kv_transfer_config, fingerprint, config.cache.block_size)
+        return make_scheduler_connector(
+            config.kv_transfer_config, fingerprint, config.cache.block_size
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request, or refuse it with an ERROR output (in the next step's outputs):
         a bad one (request_checks), or, with bound_waiting, any past --max-waiting-requests."""
-        try:
-            error = check_engine_request(request, self.vocab_size, self.config.model.max_logprobs)
-        except Exception as exc:  # noqa: BLE001 - a bad request must never stop the engine
-            error = f"invalid request: {exc}"
+        error = self.request_checker.check(
+            request, id_in_use=request.request_id in self.scheduler.requests
+        )
         max_waiting = self.config.scheduler.max_waiting_requests
         if error is None and self.bound_waiting and self.num_waiting_requests >= max_waiting:
             error = queue_full_error(max_waiting)
         if error is None:
             self.scheduler.add_request(request)
-            return
-        logger.warning("request %s refused: %s", request.request_id, error)
-        self._refused.append(
-            EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason=FinishReason.ERROR,
-                error=error,
-            )
-        )
+        else:
+            self.scheduler.reject(request.request_id, error)
 
     @property
     def num_waiting_requests(self) -> int:
@@ -199,7 +208,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """True while a step is needed: running/waiting requests, or outputs to deliver."""
-        return bool(self._refused) or self.scheduler.has_requests()
+        return self.scheduler.has_requests()
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine step; outputs of every request that advanced or ended."""
@@ -215,8 +224,6 @@ class EngineCore:
             runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
-        if self._refused:
-            outputs, self._refused = self._refused + outputs, []
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic()
         )

@@ -1,33 +1,27 @@
-"""What the engine core refuses before a request reaches the scheduler.
+"""What the engine core refuses before a request reaches the scheduler: the one place.
 
-The api checks all of this first (a 400 naming the field); these checks are the engine's own
+The api checks what it can first (a 400 naming the field); these checks are the engine's own
 guard against a client that talks to the engine socket directly, or an api of another
-version. A refused request gets an ERROR output; nothing here may raise into the busy loop,
-since an out-of-vocabulary id or a NaN temperature would otherwise fail the whole step.
+version, plus what only the engine knows (its max_model_len after the KV cache is sized,
+the ids in use, whether structured outputs and LoRA run, an adapter's own files). A refused
+request gets an ERROR output (Scheduler.reject); the scheduler trusts what passes. Nothing
+here may raise into the busy loop, since an out-of-vocabulary id or a NaN temperature would
+otherwise fail the whole step.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
+from kvserve.shared.config import LoRAConfig
+from kvserve.shared.lora import read_adapter_config
 from kvserve.shared.messages import EngineCoreRequest
 from kvserve.shared.sampling_params import non_finite_error
 from kvserve.shared.wire import QUEUE_FULL_ERROR
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-def model_vocab_size(model_dir: str) -> int | None:
-    """config.json's vocab_size (the embedding's rows), or None when it names none."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        config = json.load(f)
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    return int(size) if size else None
+# Token ids travel as int32 to the workers: the bound when the vocabulary is not known.
+_MAX_TOKEN_ID = 2**31 - 1
 
 
 def queue_full_error(max_waiting_requests: int) -> str:
@@ -46,7 +40,7 @@ def check_engine_request(
 
     Args:
         request: as decoded from the engine socket (SamplingParams' own checks ran).
-        vocab_size: token ids must be below this (None: not checked).
+        vocab_size: token ids must be below this (None: below 2**31, int32's bound).
         max_logprobs: the engine's --max-logprobs.
     """
     params = request.sampling_params
@@ -64,7 +58,7 @@ def check_engine_request(
         if value is not None and value > max_logprobs:
             return f"{name} is {value}, more than the engine's --max-logprobs {max_logprobs}"
     if vocab_size is None:
-        return None
+        vocab_size = _MAX_TOKEN_ID + 1
     id_lists = {
         "prompt_token_ids": request.prompt_token_ids,
         "stop_token_ids": params.stop_token_ids or (),
@@ -78,3 +72,78 @@ def check_engine_request(
     if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab_size:
         return f"eos_token_id must be in [0, {vocab_size})"
     return None
+
+
+class RequestChecker:
+    """Every engine-side check of a request (see the module docstring), in one call.
+
+    Args:
+        vocab_size: token ids must be below this (None: below 2**31).
+        max_logprobs: the engine's --max-logprobs.
+        max_model_len: the scheduler's effective limit (prompt + at least one token).
+        structured_outputs: whether the engine compiles grammars.
+        lora_config: with enable_lora, requests may name adapters; else they are refused.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int | None,
+        max_logprobs: int,
+        max_model_len: int,
+        structured_outputs: bool,
+        lora_config: LoRAConfig | None,
+    ):
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        self.max_model_len = max_model_len
+        self.structured_outputs = structured_outputs
+        self.lora_config = lora_config if lora_config and lora_config.enable_lora else None
+        # (adapter id, path) -> why it cannot run (None: it can); read once per adapter.
+        self._lora_errors: dict[tuple[int, str], str | None] = {}
+
+    def check(self, request: EngineCoreRequest, id_in_use: bool) -> str | None:
+        """Why the engine must refuse `request`, or None when it may be scheduled.
+
+        Args:
+            request: as decoded from the engine socket.
+            id_in_use: another unfinished request has its id.
+        """
+        try:
+            return self._check(request, id_in_use)
+        except Exception as exc:  # noqa: BLE001 - a bad request must never stop the engine
+            return f"invalid request: {exc}"
+
+    def _check(self, request: EngineCoreRequest, id_in_use: bool) -> str | None:
+        if id_in_use:
+            return f"request id {request.request_id!r} is already in use"
+        num_prompt_tokens = len(request.prompt_token_ids)
+        if not num_prompt_tokens:
+            return "the prompt is empty; send at least one token"
+        if num_prompt_tokens >= self.max_model_len:
+            return (
+                f"the prompt has {num_prompt_tokens} tokens but max_model_len is "
+                f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} "
+                f"tokens so that at least one can be generated"
+            )
+        error = check_engine_request(request, self.vocab_size, self.max_logprobs)
+        if error is not None:
+            return error
+        if request.sampling_params.structured_outputs is not None and not self.structured_outputs:
+            return "structured outputs are not enabled in this engine"
+        if request.lora_request is not None:
+            return self._check_lora(request)
+        return None
+
+    def _check_lora(self, request: EngineCoreRequest) -> str | None:
+        lora_request = request.lora_request
+        assert lora_request is not None
+        if self.lora_config is None:
+            return "LoRA adapters are not enabled in this engine (start it with enable_lora)"
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        if key not in self._lora_errors:
+            try:
+                read_adapter_config(lora_request.lora_path, self.lora_config.max_lora_rank)
+                self._lora_errors[key] = None
+            except ValueError as exc:
+                self._lora_errors[key] = str(exc)
+        return self._lora_errors[key]

@@ -2,7 +2,8 @@
 
 Every rank reads every SchedulerOutput from the ring (one write, N reads); only the driver
 rank (TP rank 0 of the last pipeline stage) answers, with a msgspec-encoded
-ModelRunnerOutput on a ZMQ PUSH -> PULL socket. The protocol is drawn in
+ModelRunnerOutput on a ZMQ PUSH -> PULL socket. collective_rpc goes the same way: one
+WorkerCall on the ring, one WorkerCallResult from each rank it names. The protocol is drawn in
 services/worker/worker_proc.py. Before spawning, the executor checks that the model splits
 over TP x PP (a ValueError, not a worker traceback) and picks the torch.distributed
 rendezvous the ranks meet at: --master-addr, and --master-port or a free port.
@@ -25,21 +26,27 @@ import socket
 import tempfile
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import msgspec
 import psutil
 import zmq
 
-from kvserve.services.scheduler.executors.executor import RankedExecutor
+from kvserve.services.scheduler.executors.executor import RankedExecutor, Ranks
 from kvserve.services.worker import worker_proc
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
-from kvserve.shared.config import EngineConfig, WorkerOptions
+from kvserve.services.worker.parallel_state import driver_rank
+from kvserve.shared.config import EngineConfig
 from kvserve.shared.env import WORKER_HEARTBEAT_TIMEOUT_S
+from kvserve.shared.launch_options import WorkerOptions
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
+    WorkerCall,
+    WorkerCallResult,
     WorkerFailure,
     WorkerReady,
 )
@@ -59,6 +66,8 @@ class MpExecutor(RankedExecutor):
         start_timeout_s: limit for a worker to load its model and report ready, and for
             the KV cache allocation.
         execute_timeout_s: limit for one step; a slower step means a hung worker.
+        worker_cls: the Worker class each process runs, importable by name (a subclass adds
+            methods; tests use one); services/worker/worker.py's by default.
     """
 
     def __init__(
@@ -67,9 +76,13 @@ class MpExecutor(RankedExecutor):
         model_dir: str,
         start_timeout_s: float = 600.0,
         execute_timeout_s: float = 300.0,
+        worker_cls: type | None = None,
     ):
         parallel = config.parallel
         self.world_size = parallel.world_size
+        self.driver_rank = driver_rank(
+            parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        )
         if self.world_size > 1:
             verify_parallel_sizes(
                 load_hf_config(model_dir),
@@ -82,6 +95,7 @@ class MpExecutor(RankedExecutor):
         self._encoder = msgspec.msgpack.Encoder()
         self._send_buf = bytearray()  # reused for every ring message
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        self._reply_decoder = msgspec.msgpack.Decoder(WorkerCallResult)
 
         # The result socket lives in a private folder, removed on shutdown.
         # TODO(config): take the address from config once it has same-host ipc addresses.
@@ -95,7 +109,7 @@ class MpExecutor(RankedExecutor):
         self._beats = multiprocessing.get_context("spawn").Array("d", self.world_size, lock=False)
         self._heartbeat_timeout_s = WORKER_HEARTBEAT_TIMEOUT_S.get()
         try:
-            self._start_workers(config, model_dir, result_addr)
+            self._start_workers(config, model_dir, result_addr, worker_cls)
         except BaseException:
             _release(self._procs, self._ring, self._results, self._zmq_ctx, self._ipc_dir)
             raise
@@ -131,13 +145,26 @@ class MpExecutor(RankedExecutor):
         """The shared-memory ring the workers read (its segment name, for inspection)."""
         return self._ring.handle
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Have every rank allocate its KV cache; returns once all have."""
-        self._broadcast(worker_proc.INIT_KV_CACHE, num_blocks, self.start_timeout_s)
-        for _ in range(self.world_size):
-            self._receive(
-                worker_proc.KV_CACHE_READY, self.start_timeout_s, "allocating the KV cache"
-            )
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        ranks: Ranks = None,
+        result_type: Any = Any,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """One WorkerCall on the ring; the answers of the ranks it names (see Executor)."""
+        targets = self.resolve_ranks(ranks)
+        timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
+        call = WorkerCall(method, list(args), dict(kwargs or {}), targets)
+        self._broadcast(worker_proc.CALL, call, timeout_s)
+        answers: dict[int, msgspec.Raw] = {}
+        while len(answers) < len(targets):
+            body = self._receive(worker_proc.REPLY, timeout_s, f"running {method} on {targets}")
+            reply = self._reply_decoder.decode(body)
+            answers[reply.rank] = reply.result
+        return [msgspec.msgpack.decode(answers[rank], type=result_type) for rank in targets]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcast one step to every rank and return the driver rank's answer."""
@@ -155,7 +182,9 @@ class MpExecutor(RankedExecutor):
 
     # ------------------------------------------------------------------ start-up
 
-    def _start_workers(self, config: EngineConfig, model_dir: str, result_addr: str) -> None:
+    def _start_workers(
+        self, config: EngineConfig, model_dir: str, result_addr: str, worker_cls: type | None
+    ) -> None:
         # spawn, not fork: a forked child would inherit this process's threads (ZMQ IO,
         # torch pools) in whatever state they were in.
         mp_ctx = multiprocessing.get_context("spawn")
@@ -171,7 +200,7 @@ class MpExecutor(RankedExecutor):
             )
             proc = mp_ctx.Process(
                 target=worker_proc.run_worker_process,
-                args=(options, self._beats),
+                args=(options, self._beats, worker_cls),
                 name=f"kvserve-worker-{rank}",
                 daemon=True,
             )

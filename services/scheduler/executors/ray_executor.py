@@ -12,7 +12,8 @@ Ranks follow the nodes: the engine core's node first, then by node address, so t
 ranks of a stage share a node where the layout allows (TP within a node, PP across nodes,
 as vLLM advises). Each step goes to every actor as one remote call carrying the
 msgpack-encoded SchedulerOutput; the driver rank (TP rank 0 of the last stage) returns the
-ModelRunnerOutput, the others None.
+ModelRunnerOutput, the others None. collective_rpc is one remote `rpc` per rank named,
+carrying the msgpack-encoded WorkerCall.
 
 No cluster, no fallback: without a Ray cluster to join this fails at once, saying to run
 `ray start --head`. A private Ray instance started here would spawn Ray's daemons inside the
@@ -32,6 +33,7 @@ import re
 import socket
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import msgspec
@@ -39,14 +41,14 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvserve.services.scheduler.executors.executor import RankedExecutor
+from kvserve.services.scheduler.executors.executor import RankedExecutor, Ranks
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.services.worker.parallel_state import driver_rank
 from kvserve.services.worker.ray_worker import RayActorPlacement, RayWorker
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.env import RAY_ADDRESS, WORKER_HEARTBEAT_TIMEOUT_S
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerReady
+from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerReady
 
 logger = init_logger(__name__)
 
@@ -85,7 +87,7 @@ class RayExecutor(RankedExecutor):
         self.start_timeout_s = start_timeout_s
         self.execute_timeout_s = execute_timeout_s
         self._heartbeat_timeout_s = WORKER_HEARTBEAT_TIMEOUT_S.get()
-        self._driver_rank = driver_rank(
+        self.driver_rank = driver_rank(
             parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         )
         self._dead_reason: str | None = None
@@ -119,11 +121,23 @@ class RayExecutor(RankedExecutor):
         every rank's node and pid)."""
         return []
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Have every rank allocate its KV cache; returns once all have."""
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        ranks: Ranks = None,
+        result_type: Any = Any,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """One remote `rpc` per rank named; their answers (see Executor)."""
         self._raise_if_dead()
-        refs = [actor.initialize_kv_cache.remote(num_blocks) for actor in self._actors]
-        self._wait(refs, self.start_timeout_s, "allocating the KV cache")
+        targets = self.resolve_ranks(ranks)
+        timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
+        call = self._encoder.encode(WorkerCall(method, list(args), dict(kwargs or {}), targets))
+        refs = [self._actors[rank].rpc.remote(call) for rank in targets]
+        answers = self._wait(refs, timeout_s, f"running {method} on {targets}", targets)
+        return [msgspec.msgpack.decode(answer, type=result_type) for answer in answers]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Send one step to every rank and return the driver rank's answer."""
@@ -133,7 +147,7 @@ class RayExecutor(RankedExecutor):
             step = ray.put(step)
         refs = [actor.execute_model.remote(step) for actor in self._actors]
         outputs = self._wait(refs, self.execute_timeout_s, "executing a step")
-        return self._output_decoder.decode(outputs[self._driver_rank])
+        return self._output_decoder.decode(outputs[self.driver_rank])
 
     def check_health(self) -> None:
         self._raise_if_dead()
@@ -211,10 +225,18 @@ class RayExecutor(RankedExecutor):
 
     # ------------------------------------------------------------------ waiting
 
-    def _wait(self, refs: list[ray.ObjectRef], timeout_s: float, doing: str) -> list[Any]:
-        """The results of refs (one per rank, in rank order), or RuntimeError naming a rank
-        that failed, died, froze or did not answer within timeout_s."""
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+    def _wait(
+        self,
+        refs: list[ray.ObjectRef],
+        timeout_s: float,
+        doing: str,
+        ranks: list[int] | None = None,
+    ) -> list[Any]:
+        """The results of refs (one per rank of `ranks`, every rank by default), or
+        RuntimeError naming a rank that failed, died, froze or did not answer in timeout_s."""
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        rank_of = dict(zip(refs, ranks))
+        index_of = {ref: index for index, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
         deadline = time.monotonic() + timeout_s
@@ -229,7 +251,7 @@ class RayExecutor(RankedExecutor):
                 pending, num_returns=len(pending), timeout=min(remaining, _POLL_INTERVAL_S)
             )
             for ref in ready:
-                results[rank_of[ref]] = self._get(ref, rank_of[ref])
+                results[index_of[ref]] = self._get(ref, rank_of[ref])
             if pending:
                 self._check_pings()
         return results

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import xgrammar as xgr
 
-from kvserve.services.scheduler.engine.request_checks import model_vocab_size as config_vocab_size
 from kvserve.services.scheduler.structured_output.json_schema_support import (
     schema_patterns,
     unsupported_features,
     with_length_patterns,
 )
+from kvserve.shared.model_dir import model_vocab_size as config_vocab_size
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ".

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +34,7 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "silu": SiluAndMul,
     "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
     "gelu_new": lambda: GeluAndMul("tanh"),

@@ -8,7 +8,7 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.kernels.gemm import LinearWeights
-from kvserve.services.worker.layers.linear import divide
+from kvserve.services.worker.layers.linear import divide, set_weight_loader
 from kvserve.services.worker.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -36,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
         )
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None

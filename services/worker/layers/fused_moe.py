@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kvserve import kernels
-from kvserve.services.worker.layers.linear import divide
+from kvserve.services.worker.layers.linear import divide, set_weight_loader
 from kvserve.services.worker.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -110,8 +110,8 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, inter), requires_grad=False
         )
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
+        set_weight_loader(self.w13_weight, self.weight_loader)
+        set_weight_loader(self.w2_weight, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]

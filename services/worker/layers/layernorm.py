@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kvserve import kernels
+from kvserve.services.worker.layers.linear import set_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +41,7 @@ class GemmaRMSNorm(RMSNorm):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__(hidden_size, eps)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     @staticmethod
     def weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

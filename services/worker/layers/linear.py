@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,6 +53,12 @@ def default_weight_loader(
             f"parameter shape {tuple(param.shape)}"
         )
     param.data.copy_(loaded_weight)
+
+
+def set_weight_loader(param: torch.Tensor, loader: Callable[..., None]) -> None:
+    """Attach the function that copies a checkpoint tensor into param; the model's
+    load_weights finds it as `getattr(param, "weight_loader", default_weight_loader)`."""
+    param.weight_loader = loader  # type: ignore[attr-defined]  # a tensor takes any attribute
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -147,7 +154,7 @@ class QuantizedLinearMethod(LinearMethod):
         self.method = method
 
     def create_weights(self, layer):
-        layer.quant_parts: list[tuple[int, QuantizedTensor | torch.Tensor]] = []
+        layer.quant_parts = []  # (row offset, rows) as loaded: list[tuple[int, Tensor | QT]]
         layer.params_dtype = torch.get_default_dtype()  # the model's dtype (set while built)
         if self.method == "int8":
             UnquantizedLinearMethod().create_weights(layer)
@@ -174,7 +181,7 @@ class QuantizedLinearMethod(LinearMethod):
             weight = layer.weight.detach()
             layer.quant_parts = [(0, quantize_int8(weight))]
             layer.weight = _placeholder()
-            layer.weight.weight_loader = layer.weight_loader
+            set_weight_loader(layer.weight, layer.weight_loader)
             return
         parts = sorted(layer.quant_parts, key=lambda p: p[0])
         merged: list[tuple[int, QuantizedTensor | torch.Tensor]] = []
@@ -240,6 +247,9 @@ class LinearBase(nn.Module):
         quant_method: how W is held (default: from `quantization_scope`, float outside one).
     """
 
+    weight: nn.Parameter  # set by quant_method.create_weights
+    bias: nn.Parameter | None
+
     def __init__(
         self,
         input_size: int,
@@ -254,10 +264,10 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.quant_method = quant_method or make_linear_method(current_quantization())
         self.quant_method.create_weights(self)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
         # The CPU GEMM plan and packed weight, set after loading (ModelRunner.prepare_gemm).
@@ -282,8 +292,10 @@ class LinearBase(nn.Module):
             self.quant_method.load_rows(self, row_offset, src)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
     ) -> None:
+        """shard_id: which part of a fused layer loaded_weight is, of the layer's own type
+        (an index, "q"/"k"/"v"); None for a whole checkpoint tensor."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -399,7 +411,7 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, get_tp_size()), output_size, bias)
 
-    def weight_loader(self, param, loaded_weight, shard_id=None):
+    def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id=None):
         assert shard_id is None, f"{type(self).__name__} has no shards"
         if param is self.bias:  # the bias is not split
             self._load(param, 0, loaded_weight)

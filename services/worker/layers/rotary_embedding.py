@@ -87,6 +87,8 @@ class RotaryEmbedding(nn.Module):
             and `longrope` (Phi-3) are supported.
     """
 
+    cos_sin_cache: torch.Tensor  # [max_position, D] cos | sin halves, a buffer
+
     def __init__(
         self, head_size: int, max_position: int, base: float, rope_parameters: dict | None = None
     ):

@@ -60,6 +60,9 @@ class LoRALinear(nn.Module):
         dtype, device: of the stacked weights.
     """
 
+    lora_a: torch.Tensor  # [max_loras, slices * max_lora_rank, in], a buffer
+    lora_b: torch.Tensor  # [max_loras, out, slices * max_lora_rank], a buffer
+
     def __init__(
         self,
         base_layer: LinearBase,

@@ -6,10 +6,14 @@ import contextlib
 import glob
 import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvserve.kernels.quant import QuantizedTensor
 
 # HF architecture name -> (module under services.worker.models, class); imported on first use.
 _MODELS: dict[str, tuple[str, str]] = {
@@ -115,6 +119,12 @@ def load_model(
     method, gguf_path = quant.resolve_quantization(quantization, model_arg, model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = quant.build_quantized(model_class, hf_config, method)
-    model.load_weights(quant.quantized_weights(method, gguf_path, iterate_safetensors(model_dir)))
+    # Every registered class defines load_weights; nn.Module's stubs type an attribute as
+    # Tensor | Module.
+    load_weights = cast(
+        "Callable[[Iterable[tuple[str, torch.Tensor | QuantizedTensor]]], None]",
+        model.load_weights,
+    )
+    load_weights(quant.quantized_weights(method, gguf_path, iterate_safetensors(model_dir)))
     quant.finish_loading(model)
     return model.eval(), hf_config

@@ -222,6 +222,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers[self.start_layer : end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         if self.norm is None:
+            assert residual is not None  # every stage runs at least one layer (pp_layer_range)
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states

@@ -24,7 +24,8 @@ from kvserve.services.api.protocol import (
 from kvserve.services.api.request_logger import RequestLogger
 from kvserve.services.api.serving_base import OpenAIServing, prompt_logprobs_body
 from kvserve.services.api.tokenizer import TokenizerInfo
-from kvserve.shared.config import FrontendConfig
+from kvserve.services.api.validation import check_prompt_logprobs
+from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.messages import EngineCoreOutput, FinishReason
 from kvserve.shared.sampling_params import SamplingParams, logprobs_over_limit
 
@@ -168,12 +169,11 @@ def test_prompt_logprobs_body_has_vllms_shape():
     assert prompt_logprobs_body(None) is None
 
 
-def test_stream_with_prompt_logprobs_is_refused(tokenizer_info):
-    serving = make_serving(tokenizer_info)
-    serving.check_prompt_logprobs(completion(prompt_logprobs=2))
-    serving.check_prompt_logprobs(completion(prompt_logprobs=0, stream=True))  # vLLM's `> 0`
+def test_stream_with_prompt_logprobs_is_refused():
+    check_prompt_logprobs(completion(prompt_logprobs=2))
+    check_prompt_logprobs(completion(prompt_logprobs=0, stream=True))  # vLLM's `> 0`
     with pytest.raises(APIError) as info:
-        serving.check_prompt_logprobs(completion(prompt_logprobs=1, stream=True))
+        check_prompt_logprobs(completion(prompt_logprobs=1, stream=True))
     assert info.value.param == "prompt_logprobs"
 
 

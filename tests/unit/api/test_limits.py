@@ -1,5 +1,5 @@
 """Request bounds: JSON depth (protocol.py), the body-size middleware under a real starlette
-app, and each --max-* limit on decoded requests (services/api/limits.py)."""
+app, and each --max-* limit on decoded requests (services/api/validation.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvserve.services.api.limits import (
-    BodySizeLimitMiddleware,
-    check_request_limits,
-    max_prompt_chars,
-)
+from kvserve.services.api.limits import BodySizeLimitMiddleware
 from kvserve.services.api.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -24,7 +20,8 @@ from kvserve.services.api.protocol import (
     decode_request,
     json_depth,
 )
-from kvserve.shared.config import LimitsConfig
+from kvserve.services.api.validation import check_request, max_prompt_chars
+from kvserve.shared.api_config import LimitsConfig
 
 LIMITS = LimitsConfig()
 MAX_MODEL_LEN = 512
@@ -100,7 +97,7 @@ def chat(**fields) -> ChatCompletionRequest:
 
 def refused(request, limits: LimitsConfig = LIMITS) -> APIError:
     with pytest.raises(APIError) as info:
-        check_request_limits(request, limits, MAX_MODEL_LEN)
+        check_request(request, limits, MAX_MODEL_LEN)
     assert info.value.status_code == 400
     return info.value
 
@@ -141,10 +138,10 @@ def test_each_limit_is_a_400_naming_its_field_and_flag(request_, param, flag):
 
 
 def test_requests_at_the_limits_pass():
-    check_request_limits(completion(n=128, stop=["s" * 512] * 64), LIMITS, MAX_MODEL_LEN)
-    check_request_limits(completion(prompt=["a"] * 1024), LIMITS, MAX_MODEL_LEN)
-    check_request_limits(completion(prompt="x" * 32 * MAX_MODEL_LEN), LIMITS, MAX_MODEL_LEN)
-    check_request_limits(chat(n=3), LIMITS, MAX_MODEL_LEN)
+    check_request(completion(n=128, stop=["s" * 512] * 64), LIMITS, MAX_MODEL_LEN)
+    check_request(completion(prompt=["a"] * 1024), LIMITS, MAX_MODEL_LEN)
+    check_request(completion(prompt="x" * 32 * MAX_MODEL_LEN), LIMITS, MAX_MODEL_LEN)
+    check_request(chat(n=3), LIMITS, MAX_MODEL_LEN)
 
 
 def test_limits_follow_the_flags():

@@ -17,7 +17,7 @@ from kvserve.services.api.tool_calls import (
     tool_constraint,
 )
 from kvserve.services.api.tool_parsers import TOOL_PARSERS
-from kvserve.shared.config import FrontendConfig
+from kvserve.shared.api_config import FrontendConfig
 
 WEATHER = {
     "type": "function",

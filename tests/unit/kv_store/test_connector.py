@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.services.kv_store.connector import (
-    SchedulerConnector,
-    SharedStorageBackend,
-    WorkerConnector,
+from kvserve.services.kv_store.backends import SharedStorageBackend
+from kvserve.services.kv_store.scheduler_connector import StoreSchedulerConnector
+from kvserve.services.kv_store.transfers import (
+    KVBlockTransfer,
+    StoreConnectorOutput,
+    decode_meta,
+    encode,
 )
+from kvserve.services.kv_store.worker_connector import StoreWorkerConnector
 from kvserve.services.scheduler.core.request import RequestStatus
 from kvserve.shared.config import KVTransferConfig
-from kvserve.shared.messages import KVBlockTransfer
 from tests.support.kv import assert_no_leaked_blocks
 from tests.support.kv_store import random_caches, tiny_fingerprint
 from tests.support.scheduler import create_request, create_scheduler, make_runner_output
@@ -31,15 +34,21 @@ def _config(folder, role="kv_both", connector="SharedStorageConnector") -> KVTra
 
 
 def _scheduler(folder, role="kv_both", **kwargs):
-    connector = SchedulerConnector(_config(folder, role), FP, BLOCK)
+    connector = StoreSchedulerConnector(_config(folder, role), FP, BLOCK)
     return create_scheduler(block_size=BLOCK, kv_connector=connector, **kwargs)
 
 
 def _run_step(scheduler, kv_loaded=None):
+    """One step; returns the step's decoded connector metadata in place of its output."""
     so = scheduler.schedule()
     out = make_runner_output(scheduler, so)
-    out.kv_loaded = kv_loaded if kv_loaded is not None else {}
-    return so, scheduler.update_from_output(so, out)
+    out.kv_connector_output = _answer(kv_loaded)
+    return so, decode_meta(so.kv_connector_metadata), scheduler.update_from_output(so, out)
+
+
+def _answer(kv_loaded) -> bytes:
+    """What a worker connector would answer: these blocks loaded."""
+    return encode(StoreConnectorOutput(loaded=kv_loaded or {}))
 
 
 def test_a_producer_saves_each_full_block_once(tmp_path):
@@ -48,9 +57,9 @@ def test_a_producer_saves_each_full_block_once(tmp_path):
     scheduler.add_request(request)
     saved = []
     for _ in range(8):
-        so, _ = _run_step(scheduler)
-        saved += [h for t in so.kv_saves for h in t.block_hashes]
-        assert not so.kv_loads  # a producer never loads
+        _, meta, _ = _run_step(scheduler)
+        saved += [h for t in meta.saves for h in t.block_hashes]
+        assert not meta.loads  # a producer never loads
     # 11 prompt tokens + 6 outputs = 17 tokens: 4 full blocks, each saved once, in order.
     req = scheduler.requests.get("a")
     assert req is None  # finished
@@ -62,21 +71,21 @@ def test_a_consumer_waits_for_its_external_blocks_then_computes_the_rest(tmp_pat
     # Another engine saved the prompt's blocks.
     producer = _scheduler(tmp_path, "kv_producer")
     producer.add_request(create_request("p", prompt_token_ids=tokens, max_tokens=1))
-    so, _ = _run_step(producer)
+    _, meta, _ = _run_step(producer)
     backend = SharedStorageBackend(str(tmp_path), FP)
     caches = random_caches(FP, 32, seed=1)
-    (save,) = so.kv_saves
+    (save,) = meta.saves
     assert backend.put(save.block_hashes, caches, save.block_ids) == 3
 
     consumer = _scheduler(tmp_path, "kv_consumer")
     consumer.add_request(create_request("c", prompt_token_ids=tokens, max_tokens=2))
-    so, outputs = _run_step(consumer, {"c": 3})
+    so, meta, outputs = _run_step(consumer, {"c": 3})
     assert outputs == [] and so.num_scheduled_tokens == {}
-    (load,) = so.kv_loads
+    (load,) = meta.loads
     assert load.block_hashes == save.block_hashes and len(load.block_ids) == 3
     request = consumer.requests["c"]
     assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 12
-    so, _ = _run_step(consumer)
+    so, _, _ = _run_step(consumer)
     assert so.num_scheduled_tokens == {"c": 2}  # only the tail past the loaded blocks
     (new,) = so.scheduled_new_reqs
     assert new.num_computed_tokens == 12 and new.block_ids[:3] == load.block_ids
@@ -99,10 +108,10 @@ def test_a_partial_load_recomputes_the_missing_blocks(tmp_path):
     backend = SharedStorageBackend(str(tmp_path), FP)
     backend.put(hashes[:4], random_caches(FP, 8), [1, 2, 3, 4])
     consumer.add_request(request)
-    so, _ = _run_step(consumer, {"c": 1})  # the worker found only the first block
-    assert len(so.kv_loads[0].block_hashes) == 4
+    _, meta, _ = _run_step(consumer, {"c": 1})  # the worker found only the first block
+    assert len(meta.loads[0].block_hashes) == 4
     assert consumer.requests["c"].num_computed_tokens == 4
-    so, _ = _run_step(consumer)
+    so, _, _ = _run_step(consumer)
     assert so.num_scheduled_tokens == {"c": 13}
     assert_no_leaked_blocks(consumer)
 
@@ -121,10 +130,11 @@ def test_an_abort_while_loading_frees_everything(tmp_path):
     SharedStorageBackend(str(tmp_path), FP).put(hashes, random_caches(FP, 8), [1, 2, 3])
     consumer.add_request(request)
     so = consumer.schedule()
-    assert so.kv_loads and consumer.requests["c"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert decode_meta(so.kv_connector_metadata).loads
+    assert consumer.requests["c"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     consumer.finish_requests("c", RequestStatus.FINISHED_ABORTED)
     out = make_runner_output(consumer, so)
-    out.kv_loaded = {"c": 3}  # the load finished after the abort: ignored
+    out.kv_connector_output = _answer({"c": 3})  # the load finished after the abort: ignored
     consumer.update_from_output(so, out)
     assert_no_leaked_blocks(consumer)
 
@@ -134,26 +144,26 @@ def test_the_offload_tier_saves_evicted_blocks_before_they_are_rewritten(tmp_pat
         kv_connector="OffloadingConnector",
         kv_connector_extra_config={"store_address": "ipc:///nonexistent-kvserve-test"},
     )
-    connector = SchedulerConnector(config, FP, BLOCK)
+    connector = StoreSchedulerConnector(config, FP, BLOCK)
     connector.store.backend = SharedStorageBackend(str(tmp_path), FP)
     scheduler = create_scheduler(block_size=BLOCK, num_blocks=5, kv_connector=connector)
     scheduler.add_request(create_request("a", prompt_token_ids=list(range(500, 508)), max_tokens=1))
     _run_step(scheduler)
     # "a" finished: its 2 full blocks are cached and free. "b" needs all 4 blocks.
     scheduler.add_request(create_request("b", prompt_token_ids=list(range(600, 615)), max_tokens=1))
-    so, _ = _run_step(scheduler)
-    (evicted,) = so.kv_saves_before
-    assert len(evicted.block_hashes) == 2 and not so.kv_saves
+    _, meta, _ = _run_step(scheduler)
+    (evicted,) = meta.saves_before
+    assert len(evicted.block_hashes) == 2 and not meta.saves
     assert_no_leaked_blocks(scheduler)
 
 
 def test_worker_connector_round_trips_blocks_bit_equal(tmp_path):
     caches = random_caches(FP, 8, seed=3)
-    worker = WorkerConnector(_config(tmp_path), FP, caches)
+    worker = StoreWorkerConnector(_config(tmp_path), FP, caches)
     hashes = [bytes([i]) * 16 for i in range(3)]
     worker.save([KVBlockTransfer("a", hashes, [5, 6, 7])])
     others = [torch.zeros_like(c) for c in caches]
-    loader = WorkerConnector(_config(tmp_path), FP, others)
+    loader = StoreWorkerConnector(_config(tmp_path), FP, others)
     assert loader.load([KVBlockTransfer("a", hashes + [b"\xff" * 16], [1, 2, 3, 4])]) == {"a": 3}
     for src, dst in zip(caches, others):
         assert torch.equal(dst[:, 1:4], src[:, 5:8])
@@ -167,9 +177,10 @@ def test_a_store_that_is_down_means_no_hits_and_nothing_loaded():
         kv_connector="KvStoreConnector",
         kv_connector_extra_config={"store_address": "ipc:///nonexistent-kvserve", "timeout_s": 0.2},
     )
-    connector = SchedulerConnector(config, FP, BLOCK)
-    assert connector.num_external_blocks([b"x" * 16] * 3, 0) == 0
+    connector = StoreSchedulerConnector(config, FP, BLOCK)
+    request = _hashed(create_scheduler(block_size=BLOCK), create_request("a", num_tokens=13))
+    assert connector.num_external_blocks(request, 0) == 0
     assert not connector.store_up
-    worker = WorkerConnector(config, FP, random_caches(FP, 4))
+    worker = StoreWorkerConnector(config, FP, random_caches(FP, 4))
     assert worker.load([KVBlockTransfer("a", [b"x" * 16], [1])]) == {"a": 0}
     assert not worker.store_up

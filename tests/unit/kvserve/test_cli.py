@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.cli import config_file_argv, parse_options
-from kvserve.shared.config import ServeOptions
+from kvserve.shared.launch_options import ServeOptions
 
 
 def _serve(*argv: str) -> ServeOptions:

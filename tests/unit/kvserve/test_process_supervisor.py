@@ -1,4 +1,4 @@
-"""ProcessSupervisor (kvserve/serve.py) with real child processes: a dead process's
+"""ProcessSupervisor (kvserve/launch/supervisor.py) with real child processes: a dead process's
 descendants are killed, it restarts at once after a long life, and backs off (1 s, 2 s, ...)
 while it keeps dying young."""
 
@@ -10,8 +10,8 @@ import time
 
 import psutil
 
-from kvserve import serve
-from kvserve.serve import ProcessSupervisor
+from kvserve.launch import supervisor as supervisor_module
+from kvserve.launch.supervisor import ProcessSupervisor
 from tests.support.processes import wait_gone
 from tests.support.waiting import wait_until
 
@@ -30,7 +30,7 @@ def _start(target, *args) -> multiprocessing.Process:
 
 
 def test_restarts_and_kills_the_dead_ones_descendants(monkeypatch):
-    monkeypatch.setattr(serve, "RESTART_WINDOW_S", 0.5)
+    monkeypatch.setattr(supervisor_module, "RESTART_WINDOW_S", 0.5)
     processes = {0: _start(_sleep_with_a_child)}
     starts = []
 
@@ -58,7 +58,7 @@ def test_restarts_and_kills_the_dead_ones_descendants(monkeypatch):
 
 
 def test_backs_off_while_it_keeps_dying_young(monkeypatch):
-    monkeypatch.setattr(serve, "RESTART_WINDOW_S", 30.0)
+    monkeypatch.setattr(supervisor_module, "RESTART_WINDOW_S", 30.0)
     processes = {"p": _start(os._exit, 3)}
     supervisor = ProcessSupervisor(processes, lambda key: _start(os._exit, 3), str)
     delays = []

@@ -13,7 +13,7 @@ from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreRequest, FinishReason
 from kvserve.shared.sampling_params import SamplingParams
 from tests.support.kv import assert_no_leaked_blocks
-from tests.support.scheduler import run_to_completion, step
+from tests.support.scheduler import run_to_completion, step, submit
 
 
 @pytest.fixture
@@ -98,10 +98,10 @@ def test_one_slot_serialises_adapters(lora_dirs):
 
 def test_bad_lora_requests_get_error_outputs(lora_dirs, tmp_path):
     scheduler = make_scheduler()
-    scheduler.add_request(request("missing", LoRARequest("x", 5, str(tmp_path / "none"))))
-    scheduler.add_request(request("huge", lora_request(lora_dirs, "huge")))
+    submit(scheduler, request("missing", LoRARequest("x", 5, str(tmp_path / "none"))))
+    submit(scheduler, request("huge", lora_request(lora_dirs, "huge")))
     off = make_scheduler(enable_lora=False)
-    off.add_request(request("off", lora_request(lora_dirs, "a")))
+    submit(off, request("off", lora_request(lora_dirs, "a")))
     _, outputs = step(scheduler)
     _, off_outputs = step(off)
     errors = {out.request_id: out.error for out in outputs + off_outputs}

@@ -32,14 +32,14 @@ def _decoding(scheduler, req_id="a", num_tokens=10, **kwargs):
 def test_drafts_are_extra_query_tokens_and_rejected_ones_roll_back():
     scheduler = _decoding(create_scheduler(speculative_config=NGRAM, block_size=4))
     so, _ = step(scheduler, spec_token_ids={"a": [11, 12, 13, 14]})
-    assert so.num_spec_tokens_to_propose == {"a": 4}  # the prefill samples, then proposes
+    assert so.spec_decode.num_to_propose == {"a": 4}  # the prefill samples, then proposes
     request = scheduler.requests["a"]
     assert request.num_computed_tokens == 10 and request.num_tokens == 11
 
     so = scheduler.schedule()
-    assert so.scheduled_spec_decode_tokens == {"a": [11, 12, 13, 14]}
+    assert so.spec_decode.draft_token_ids == {"a": [11, 12, 13, 14]}
     assert so.num_scheduled_tokens == {"a": 5}  # the last token + 4 drafts
-    assert so.num_spec_tokens_to_propose == {"a": 4}
+    assert so.spec_decode.num_to_propose == {"a": 4}
     assert request.num_computed_tokens == 15
     # The target agrees with 11 and 12, then samples 99 instead of 13.
     out = make_runner_output(scheduler, so, {"a": [11, 12, 99]}, {"a": [31, 32]})
@@ -54,7 +54,7 @@ def test_drafts_are_extra_query_tokens_and_rejected_ones_roll_back():
     assert scheduler.make_stats().spec_num_drafts == 0  # counters restart
 
     so = scheduler.schedule()
-    assert so.scheduled_spec_decode_tokens == {"a": [31, 32]}
+    assert so.spec_decode.draft_token_ids == {"a": [31, 32]}
     assert so.num_scheduled_tokens == {"a": 3}
     scheduler.update_from_output(so, make_runner_output(scheduler, so, {"a": [31, 32, 33]}))
     assert request.num_computed_tokens == request.num_tokens - 1 == 16
@@ -97,14 +97,14 @@ def test_drafts_are_capped_by_budget_max_tokens_and_max_model_len():
     )
     step(scheduler, spec_token_ids={"a": [1, 2, 3, 4]})
     so = scheduler.schedule()
-    assert so.scheduled_spec_decode_tokens == {"a": [1, 2]}
+    assert so.spec_decode.draft_token_ids == {"a": [1, 2]}
     assert so.num_scheduled_tokens == {"a": 3}
 
     # max_tokens: one output and max_tokens 3 leave one more token after the step's own.
     scheduler = _decoding(create_scheduler(speculative_config=NGRAM), max_tokens=3)
     step(scheduler, spec_token_ids={"a": [1, 2, 3, 4]})
     so = scheduler.schedule()
-    assert so.scheduled_spec_decode_tokens == {"a": [1]}
+    assert so.spec_decode.draft_token_ids == {"a": [1]}
 
     # max_model_len 13 and 11 tokens: slots for 2 more positions, the last token's and one.
     scheduler = _decoding(
@@ -112,7 +112,7 @@ def test_drafts_are_capped_by_budget_max_tokens_and_max_model_len():
     )
     step(scheduler, spec_token_ids={"a": [1, 2, 3, 4]})
     so = scheduler.schedule()
-    assert so.scheduled_spec_decode_tokens == {"a": [1, 2]}
+    assert so.spec_decode.draft_token_ids == {"a": [1, 2]}
 
 
 def test_a_draft_model_gets_lookahead_slots():
@@ -122,7 +122,7 @@ def test_a_draft_model_gets_lookahead_slots():
     step(scheduler, spec_token_ids={"a": [1, 2, 3]})
     so = scheduler.schedule()
     assert so.num_scheduled_tokens == {"a": 4}
-    assert so.num_spec_tokens_to_propose == {"a": 3}
+    assert so.spec_decode.num_to_propose == {"a": 3}
     # 8 computed + 4 new + 3 lookahead slots = 15 tokens: 4 blocks of 4.
     assert len(scheduler.kv_cache_manager.req_to_blocks["a"]) == 4
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)

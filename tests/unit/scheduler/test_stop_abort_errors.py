@@ -14,6 +14,7 @@ from tests.support.scheduler import (
     create_scheduler,
     run_to_completion,
     step,
+    submit,
 )
 
 
@@ -162,7 +163,7 @@ def test_abort_of_a_preempted_request():
 def test_bad_request_becomes_an_error_output(prompt_token_ids, message):
     scheduler = create_scheduler(max_model_len=64)
     scheduler.add_request(create_request("good", max_tokens=1))
-    scheduler.add_request(create_request("bad", prompt_token_ids=prompt_token_ids))
+    submit(scheduler, create_request("bad", prompt_token_ids=prompt_token_ids))
     assert scheduler.get_num_unfinished_requests() == 1
     assert scheduler.has_requests()
     scheduler_output, outputs = step(scheduler)
@@ -178,7 +179,7 @@ def test_bad_request_becomes_an_error_output(prompt_token_ids, message):
 def test_duplicate_request_id_is_rejected_without_harming_the_first():
     scheduler = create_scheduler()
     scheduler.add_request(create_request("a", max_tokens=2))
-    scheduler.add_request(create_request("a", max_tokens=5))
+    submit(scheduler, create_request("a", max_tokens=5))
     _, outputs = step(scheduler)
     errors = [out for out in outputs if out.finish_reason == FinishReason.ERROR]
     assert len(errors) == 1 and "already in use" in errors[0].error
@@ -189,7 +190,7 @@ def test_duplicate_request_id_is_rejected_without_harming_the_first():
 
 def test_error_outputs_flush_even_with_nothing_to_run():
     scheduler = create_scheduler()
-    scheduler.add_request(create_request("bad", prompt_token_ids=[]))
+    submit(scheduler, create_request("bad", prompt_token_ids=[]))
     assert not scheduler.has_unfinished_requests() and scheduler.has_requests()
     scheduler_output, outputs = step(scheduler)
     assert scheduler_output.total_num_scheduled_tokens == 0
@@ -209,7 +210,7 @@ def test_max_model_len_is_capped_to_what_the_cache_holds():
     # 7 usable blocks of 16 = 112 tokens: a longer request would preempt itself forever.
     scheduler = create_scheduler(block_size=16, num_blocks=8, max_model_len=1024)
     assert scheduler.max_model_len == 112
-    scheduler.add_request(create_request("too_long", num_tokens=200))
+    submit(scheduler, create_request("too_long", num_tokens=200))
     scheduler.add_request(create_request("fits", num_tokens=100, max_tokens=None))
     finals = run_to_completion(scheduler)
     assert finals["too_long"].finish_reason == FinishReason.ERROR

@@ -19,7 +19,7 @@ from kvserve.shared.messages import FinishReason
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 from tests.support.kv import assert_no_leaked_blocks
 from tests.support.models import TINY_EOS_TOKEN_ID, TINY_VOCAB_SIZE
-from tests.support.scheduler import create_request, create_scheduler, step
+from tests.support.scheduler import create_request, create_scheduler, step, submit
 
 CHOICE = StructuredOutputsParams(choice=["ab", "cd"])
 
@@ -214,7 +214,7 @@ def test_preemption_keeps_the_matcher_where_it_was(manager, token_id):
 
 def test_without_a_manager_structured_requests_are_refused():
     scheduler = create_scheduler()
-    scheduler.add_request(structured_request("s"))
+    submit(scheduler, structured_request("s"))
     _, outputs = step(scheduler)
     assert outputs[0].finish_reason == FinishReason.ERROR
     assert "structured outputs are not enabled" in outputs[0].error

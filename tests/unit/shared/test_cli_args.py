@@ -9,7 +9,8 @@ import msgspec
 import pytest
 
 from kvserve.shared.cli_args import add_struct_args, flag_names, parse_size, struct_from_args
-from kvserve.shared.config import EngineConfig, ServeOptions, WorkerOptions
+from kvserve.shared.config import EngineConfig
+from kvserve.shared.launch_options import ServeOptions, WorkerOptions
 from kvserve.shared.shm_ring import ShmRingHandle
 
 

@@ -176,7 +176,7 @@ def test_mismatched_target_or_checkpoint_is_refused(tmp_path, target):
 
 
 def test_train_draft_eagle_beats_an_untrained_head(tmp_path):
-    from kvserve.shared.config import TrainDraftOptions
+    from kvserve.shared.launch_options import TrainDraftOptions
     from kvserve.training.train_draft import HFTarget
     from kvserve.training.train_eagle import eagle_loss, make_eagle, train_eagle
 

@@ -214,7 +214,7 @@ def test_unknown_or_inconsistent_checkpoint_is_refused(tmp_path):
 
 
 def test_train_draft_beats_a_random_head(tmp_path):
-    from kvserve.shared.config import TrainDraftOptions
+    from kvserve.shared.launch_options import TrainDraftOptions
     from kvserve.training.train_draft import score_heads, train_draft
 
     model_dir = build_tiny_llama(str(tmp_path / "model"))

@@ -1,0 +1,197 @@
+"""Run a command and report its wall time and the peak memory of everything it starts.
+
+    python bench/suite_profile.py [--interval 0.5] [--json OUT] -- CMD ARGS...
+
+Memory is sampled every --interval seconds over the command's process tree together with
+every process that carries this run's marker in its environment (so daemons that detach from
+the tree, e.g. a Ray head or a dockerd a test started, still count). Two sums are reported:
+RSS (what `ps` shows; shared library pages are counted once per process, so it overstates)
+and PSS (shared pages split between the processes that map them: the closest figure to what
+the run costs the machine). The load average (start, end, and the mean of 1-minute samples)
+is printed alongside, since a shared machine inflates wall time; so is the CPU time of the
+command and the descendants it reaped, which a busy machine inflates far less.
+
+Args:
+    --interval: seconds between samples.
+    --json: also write the figures as JSON to this path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import psutil
+
+MARKER_VAR = "KVSERVE_SUITE_PROFILE"
+GIB = 1024**3
+
+
+@dataclass
+class Peaks:
+    """The largest figures seen over the run (bytes)."""
+
+    rss_sum: int = 0
+    pss_sum: int = 0
+    largest_rss: int = 0
+    largest_name: str = ""
+    processes: int = 0
+    samples: int = 0
+    loadavg_samples: list[float] = field(default_factory=list)
+
+
+def _carries_marker(proc: psutil.Process, token: str) -> bool:
+    try:
+        return proc.environ().get(MARKER_VAR) == token
+    except (psutil.Error, OSError):
+        return False
+
+
+class _Marked:
+    """Which processes carry the marker; each process's environment is read once."""
+
+    def __init__(self, token: str):
+        self.token = token
+        self.seen: dict[tuple[int, float], bool] = {}
+
+    def find(self) -> list[psutil.Process]:
+        me = os.getuid()
+        found = []
+        for proc in psutil.process_iter(["uids", "create_time"]):
+            uids = proc.info.get("uids")
+            if uids is None or uids.real != me:
+                continue
+            key = (proc.pid, proc.info.get("create_time") or 0.0)
+            if key not in self.seen:
+                self.seen[key] = _carries_marker(proc, self.token)
+            if self.seen[key]:
+                found.append(proc)
+        return found
+
+
+def _tracked(root: psutil.Process, marked: _Marked) -> list[psutil.Process]:
+    """The root, its descendants, and any process started with this run's marker."""
+    procs = {root.pid: root}
+    try:
+        for child in root.children(recursive=True):
+            procs[child.pid] = child
+    except psutil.Error:
+        pass
+    for proc in marked.find():
+        procs.setdefault(proc.pid, proc)
+    return list(procs.values())
+
+
+def _memory(proc: psutil.Process) -> tuple[int, int]:
+    """(rss, pss) of one process; pss falls back to rss where smaps cannot be read."""
+    try:
+        full = proc.memory_full_info()
+        return full.rss, getattr(full, "pss", full.rss)
+    except psutil.AccessDenied:
+        try:
+            rss = proc.memory_info().rss
+            return rss, rss
+        except psutil.Error:
+            return 0, 0
+    except psutil.Error:
+        return 0, 0
+
+
+def _sample(root: psutil.Process, marked: _Marked, peaks: Peaks) -> None:
+    rss_sum = pss_sum = 0
+    procs = _tracked(root, marked)
+    for proc in procs:
+        rss, pss = _memory(proc)
+        rss_sum += rss
+        pss_sum += pss
+        if rss > peaks.largest_rss:
+            peaks.largest_rss = rss
+            try:
+                peaks.largest_name = " ".join(proc.cmdline()[:4])[:120]
+            except psutil.Error:
+                peaks.largest_name = "?"
+    peaks.rss_sum = max(peaks.rss_sum, rss_sum)
+    peaks.pss_sum = max(peaks.pss_sum, pss_sum)
+    peaks.processes = max(peaks.processes, len(procs))
+    peaks.samples += 1
+
+
+def _sampler(
+    root: psutil.Process, token: str, peaks: Peaks, interval: float, stop: threading.Event
+) -> None:
+    last_load = 0.0
+    marked = _Marked(token)
+    while not stop.is_set():
+        _sample(root, marked, peaks)
+        if time.monotonic() - last_load >= 30:
+            peaks.loadavg_samples.append(os.getloadavg()[0])
+            last_load = time.monotonic()
+        stop.wait(interval)
+
+
+def main() -> int:
+    """Run the command, sample it, print (and optionally save) the figures."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("no command given")
+    token = uuid.uuid4().hex
+    env = dict(os.environ, **{MARKER_VAR: token})
+    load_start = os.getloadavg()
+    start = time.monotonic()
+    child = subprocess.Popen(cmd, env=env)
+    peaks = Peaks()
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=_sampler,
+        args=(psutil.Process(child.pid), token, peaks, args.interval, stop),
+        daemon=True,
+    )
+    thread.start()
+    # wait4: the CPU time of the command and of every descendant it (transitively) reaped.
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = rc = os.waitstatus_to_exitcode(status)
+    wall = time.monotonic() - start
+    stop.set()
+    thread.join()
+    load_end = os.getloadavg()
+    mean_load = sum(peaks.loadavg_samples) / max(1, len(peaks.loadavg_samples))
+    report = {
+        "cmd": cmd,
+        "rc": rc,
+        "wall_s": round(wall, 1),
+        "cpu_user_s": round(usage.ru_utime, 1),
+        "cpu_sys_s": round(usage.ru_stime, 1),
+        "peak_rss_sum_gib": round(peaks.rss_sum / GIB, 2),
+        "peak_pss_sum_gib": round(peaks.pss_sum / GIB, 2),
+        "largest_process_rss_gib": round(peaks.largest_rss / GIB, 2),
+        "largest_process": peaks.largest_name,
+        "max_processes": peaks.processes,
+        "samples": peaks.samples,
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in load_end],
+        "loadavg_1m_mean": round(mean_load, 2),
+    }
+    text = "\n".join(f"suite_profile {key}: {value}" for key, value in report.items())
+    print(text, file=sys.stderr, flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report | {"peaks": asdict(peaks)}, out, indent=1)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""The api process: load the tokenizer, wait for READY from every engine core, serve HTTP.
+
+`run_api_server` is the api of `kvserve serve` (engine cores in child processes) and of
+`kvserve api` (engine cores started elsewhere): what it serves is an `APIServer`, the engine
+cores it waits for and routes over an `EnginePool`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from kvserve.launch.engines import EngineCores, resolve_model_dir
+from kvserve.services.api.engine_client import EngineDeadError
+from kvserve.services.api.mp_client import EngineChannel, MPEngineClient
+from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.shared.api_config import FrontendConfig, HTTPConfig
+from kvserve.shared.config import LoRAConfig, ModelConfig
+from kvserve.shared.launch_options import APIOptions, DPRouting
+from kvserve.shared.logging import init_logger
+from kvserve.shared.transport import EngineAddresses
+
+logger = init_logger(__name__)
+
+AppFactory = Callable[..., Any]  # services/api/server.py's build_app and its keywords
+
+# uvicorn's bounds on slow and idle clients (see serve_http).
+_TIMEOUT_KEEP_ALIVE_S = 5
+_MAX_HEADER_BYTES = 16 << 10
+_LIMIT_CONCURRENCY = 8192
+
+
+class APIServer(msgspec.Struct, frozen=True, kw_only=True):
+    """What the api serves, and how.
+
+    Args:
+        model: the model options (its served name).
+        http: the HTTP server's options.
+        frontend: the OpenAI front end's options.
+        tokenizer_dir: the folder the tokenizer loads from.
+        lora: the engines' LoRA options (adapters are served with enable_lora).
+        build_app: the app factory (default: kvserve.services.api.server.build_app).
+    """
+
+    model: ModelConfig
+    http: HTTPConfig
+    frontend: FrontendConfig
+    tokenizer_dir: str
+    lora: LoRAConfig | None = None
+    build_app: AppFactory | None = None
+
+
+class EnginePool(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine cores the api waits for and routes over.
+
+    Args:
+        num_engines: engine cores that connect (serving starts when all are READY).
+        routing: how requests pick an engine core (--dp-routing).
+        load_table_addr: the DP coordinator's load table, or None.
+        kv_store_address: the P/D KV store this launcher runs (shown in /health), or None.
+        wait_for_restarts: with no engine core left, answer 503 rather than exit (engines
+            restart here, or on a headless node that may rejoin).
+    """
+
+    num_engines: int = 1
+    routing: DPRouting = "load"
+    load_table_addr: str | None = None
+    kv_store_address: str | None = None
+    wait_for_restarts: bool = False
+
+
+def install_stop_handlers() -> asyncio.Event:
+    """SIGTERM/SIGINT before the server runs (uvicorn takes them over while it serves)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run_api_server(
+    api: APIServer,
+    pool: EnginePool,
+    channel: EngineChannel,
+    stop: asyncio.Event,
+    engines: EngineCores | None = None,
+) -> int:
+    """Wait for READY from every engine core, serve until SIGTERM/SIGINT (0) or until no
+    engine core is left (1); always close the channel.
+
+    Args:
+        channel: the api's bound sockets; closed on the way out.
+        stop: set by SIGTERM/SIGINT (install_stop_handlers).
+        engines: the engine cores that are this process's children (restarted while it
+            serves, with --restart-dead-engines), or None.
+    """
+    try:
+        async with _connected_client(api, pool, channel, stop, engines) as client:
+            if client is None:
+                logger.info("stopped before the engines were ready")
+                return 0
+            async with engines.supervised() if engines else contextlib.nullcontext():
+                return await serve_http(client, api, stop)
+    except EngineDeadError as exc:
+        logger.error("exiting with code 1: %s", exc)
+        return 1
+
+
+@contextlib.asynccontextmanager
+async def _connected_client(
+    api: APIServer,
+    pool: EnginePool,
+    channel: EngineChannel,
+    stop: asyncio.Event,
+    engines: EngineCores | None,
+) -> AsyncIterator[MPEngineClient | None]:
+    """The engine client once every engine core is READY (None: SIGTERM/SIGINT came first);
+    shut down on the way out (the channel closed), its engines' workers handed to `engines`
+    to kill once the engines stopped."""
+    client = None
+    try:
+        # The tokenizer loads while the engines load the model.
+        tokenizer_info = await asyncio.to_thread(
+            TokenizerInfo, api.tokenizer_dir, api.frontend.chat_template
+        )
+        client = await _until_signal(
+            MPEngineClient.connect(
+                channel,
+                tokenizer_info,
+                api.model.served_name,
+                num_engines=pool.num_engines,
+                engine_processes=engines.processes if engines else {},
+                routing=pool.routing,
+                load_table_addr=pool.load_table_addr,
+                kv_store_address=pool.kv_store_address,
+                wait_for_restarts=pool.wait_for_restarts,
+            ),
+            stop,
+        )
+        yield client
+    finally:
+        if client is not None:
+            await client.shutdown()
+            if engines is not None:
+                engines.leftover_workers += [process for _, process in client.watched_processes]
+        else:
+            channel.close()
+
+
+async def _until_signal(awaitable: Awaitable, stop: asyncio.Event):
+    """The awaitable's result, or None when SIGTERM/SIGINT came first (it is cancelled)."""
+    task = asyncio.ensure_future(awaitable)
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
+async def serve_http(client: MPEngineClient, api: APIServer, stop: asyncio.Event) -> int:
+    """Serve the HTTP app until SIGTERM/SIGINT (0) or the engine's death (1).
+
+    Args:
+        client: a connected engine client (its model_name is the served name).
+        api: what to serve.
+        stop: set by a signal that came before uvicorn took the signals over.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(_uvicorn_config(_build_app(client, api), api.http))
+
+    async def stop_on_engine_death() -> None:
+        reason = await client.wait_dead()
+        logger.error("%s; shutting the server down", reason)
+        server.should_exit = True
+
+    async def stop_on_early_signal() -> None:
+        await stop.wait()
+        server.should_exit = True
+
+    watchers = [
+        asyncio.create_task(stop_on_engine_death()),
+        asyncio.create_task(stop_on_early_signal()),
+    ]
+    try:
+        # uvicorn handles SIGTERM/SIGINT here: stop accepting, drain, return.
+        await server.serve()
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+    if client.dead_reason is not None:
+        logger.error("exiting with code 1: %s", client.dead_reason)
+        return 1
+    return 0
+
+
+def _build_app(client: MPEngineClient, api: APIServer) -> Any:
+    from kvserve.services.api.auth import load_api_keys
+    from kvserve.services.api.server import build_app as default_build_app
+
+    build_app: AppFactory = api.build_app or default_build_app
+    api_keys = load_api_keys(api.http)
+    if api_keys:
+        logger.info("/v1/* needs one of %d API keys: %s", len(api_keys), sorted(api_keys))
+    return build_app(
+        client,
+        served_model_name=client.model_name,
+        http=api.http,
+        frontend=api.frontend,
+        api_keys=api_keys,
+        lora_config=api.lora,
+    )
+
+
+def _uvicorn_config(app: Any, http: HTTPConfig):
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=http.host,
+        port=http.port,
+        log_level=http.uvicorn_log_level,
+        # uvicorn hands it to asyncio.wait_for: a float works, whatever its hint says.
+        timeout_graceful_shutdown=http.shutdown_timeout,  # type: ignore[arg-type]
+        # Slow or idle clients (each holds only its own request: outputs wait in that
+        # request's queue, and a full socket buffer pauses only its own send):
+        # - an idle keep-alive connection is closed after 5 s (vLLM's value);
+        timeout_keep_alive=_TIMEOUT_KEEP_ALIVE_S,
+        # - request line and headers: 16 KiB at most (the body is BodySizeLimitMiddleware's);
+        h11_max_incomplete_event_size=_MAX_HEADER_BYTES,
+        # - connections and requests in progress at once; past it uvicorn answers 503
+        #   (requests past the engines' --max-waiting-requests get 429s long before).
+        limit_concurrency=_LIMIT_CONCURRENCY,
+        root_path=http.root_path or "",
+        ssl_keyfile=http.ssl_keyfile,
+        ssl_certfile=http.ssl_certfile,
+        ssl_ca_certs=http.ssl_ca_certs,
+        ssl_cert_reqs=http.ssl_cert_reqs,
+        access_log=not http.disable_uvicorn_access_log,
+    )
+
+
+def run_api(options: APIOptions) -> int:
+    """`kvserve api [MODEL]`: the HTTP server alone, for engines started elsewhere."""
+    model_dir = resolve_model_dir(options.model.model)
+    api = APIServer(
+        model=options.model,
+        http=options.http,
+        frontend=options.frontend,
+        tokenizer_dir=options.model.tokenizer or model_dir,
+        lora=options.lora,
+    )
+    pool = EnginePool(
+        num_engines=options.data_parallel_size,
+        routing=options.dp_routing,
+        load_table_addr=options.load_table_addr,
+    )
+    sockets = EngineAddresses(options.sockets.input_addr, options.sockets.output_addr)
+
+    async def main() -> int:
+        stop = install_stop_handlers()
+        return await run_api_server(api, pool, EngineChannel(sockets), stop)
+
+    return asyncio.run(main())

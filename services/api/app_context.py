@@ -1,0 +1,125 @@
+"""AppContext: the serving core every route module's handlers share, on `app.state.ctx`.
+
+    build_app ─make_context─▶ AppContext ─▶ app.state.ctx
+                                  ▲
+    routes_*.py handler(request) ─┘ context_of(request)
+
+It also holds the helpers every handler uses: JSON and error responses, and `with_errors`,
+which turns whatever a handler raises into OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvserve.services.api.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
+from kvserve.services.api.generation_config import load_generation_defaults
+from kvserve.services.api.log_stats import LoggingStatLogger
+from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.protocol import APIError
+from kvserve.services.api.serving_chat import OpenAIServingChat
+from kvserve.services.api.serving_completions import OpenAIServingCompletion
+from kvserve.services.api.serving_models import ServingModels
+from kvserve.shared.api_config import FrontendConfig
+from kvserve.shared.config import LoRAConfig
+from kvserve.shared.logging import init_logger
+
+logger = init_logger(__name__)
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(slots=True)
+class AppContext:
+    """
+    Args:
+        engine_client: where requests go.
+        served_model_name: the base model's name in the API.
+        frontend: the front end's options.
+        models: the base model and its LoRA adapters.
+        metrics: the Prometheus series.
+        completions: the completions handler (and the checks every surface shares).
+        chat: the chat handler (and its template).
+    """
+
+    engine_client: EngineClient
+    served_model_name: str
+    frontend: FrontendConfig
+    models: ServingModels
+    metrics: ApiMetrics
+    completions: OpenAIServingCompletion
+    chat: OpenAIServingChat
+
+    @property
+    def max_json_depth(self) -> int:
+        return self.frontend.limits.max_json_depth
+
+
+def make_context(
+    engine_client: EngineClient,
+    served_model_name: str,
+    frontend: FrontendConfig,
+    lora_config: LoRAConfig | None,
+) -> AppContext:
+    """The serving core over one engine client (see build_app for the arguments)."""
+    models = ServingModels(
+        served_model_name, engine_client.model_name, lora_config, frontend.lora_modules
+    )
+    max_loras = models.lora_config.max_loras if models.enable_lora else None
+    metrics = ApiMetrics(engine_client, served_model_name, max_loras)
+    if not frontend.disable_log_stats:
+        engine_client.stat_loggers.append(LoggingStatLogger())
+    completions = OpenAIServingCompletion(engine_client, served_model_name, frontend, models)
+    chat = OpenAIServingChat(engine_client, served_model_name, frontend, models)
+    defaults = load_generation_defaults(
+        frontend.generation_config, engine_client.tokenizer_info.model_dir
+    )
+    if defaults:
+        logger.info("request defaults from the generation config: %s", defaults)
+    completions.generation_defaults = chat.generation_defaults = defaults
+    return AppContext(
+        engine_client, served_model_name, frontend, models, metrics, completions, chat
+    )
+
+
+def context_of(request: Request) -> AppContext:
+    return request.app.state.ctx
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def json_response(body: msgspec.Struct, status_code: int = 200) -> Response:
+    return Response(
+        msgspec.json.encode(body), status_code=status_code, media_type="application/json"
+    )
+
+
+def error_response(exc: APIError) -> Response:
+    response = json_response(exc.to_body(), exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+def with_errors(endpoint: Endpoint) -> Endpoint:
+    """Turn whatever an endpoint raises into OpenAI's error body; the server stays up."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except APIError as exc:
+            return error_response(exc)
+        except EngineOverloadedError as exc:
+            return error_response(exc.to_api_error())
+        except EngineDeadError as exc:
+            return error_response(APIError(503, f"the engine is dead: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the server
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    return wrapped

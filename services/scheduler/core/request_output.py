@@ -1,0 +1,135 @@
+"""What the scheduler makes of a request's sampled tokens: grammar steps, logprob rows,
+and the counts its stats report."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvserve.services.scheduler.core.request import Request, RequestStatus
+from kvserve.services.scheduler.core.step_plan import StepPlan
+from kvserve.services.scheduler.core.stop_check import check_stop
+from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
+from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import EngineCoreOutput, Logprobs, ModelRunnerOutput
+
+logger = init_logger(__name__)
+
+
+def grammar_bitmask_of(
+    plan: StepPlan, requests: dict[str, Request], manager: StructuredOutputManager | None
+) -> tuple[list[str], bytes]:
+    """The requests that sample under a grammar in this step (their scheduled tokens
+    reach the end of what they hold), and the bitmask of their next tokens."""
+    req_ids, grammars = [], []
+    for req_id, num_tokens in plan.num_scheduled_tokens.items():
+        request = requests[req_id]
+        state = request.structured_output
+        if state is None or state.grammar is None:
+            continue
+        if request.num_computed_tokens + num_tokens >= request.num_tokens:
+            req_ids.append(req_id)
+            grammars.append(state.grammar)
+    if not grammars:
+        return [], b""
+    assert manager is not None, "grammars come from the manager"
+    return req_ids, manager.grammar_bitmask(grammars)
+
+
+def make_request_output(
+    request: Request,
+    sampled_token_ids: list[int],
+    model_runner_output: ModelRunnerOutput,
+    max_model_len: int,
+) -> EngineCoreOutput | None:
+    """Append the request's sampled tokens up to the first that ends it, and its output
+    (None when it has nothing to report this step)."""
+    assert not sampled_token_ids or request.num_computed_tokens >= request.num_tokens, (
+        f"{request} got tokens sampled before its prompt was computed"
+    )
+    new_token_ids = []
+    # Several tokens may arrive at once (speculative decoding): stop at the first that
+    # ends the request and drop the rest.
+    for token_id in sampled_token_ids:
+        request.append_output_token_ids(token_id)
+        new_token_ids.append(token_id)
+        if request.structured_output is not None and not advance_grammar(request, token_id):
+            break
+        if check_stop(request, max_model_len):
+            break
+        if request.structured_output is not None and grammar_complete(request):
+            break
+    logprobs = model_runner_output.logprobs.get(request.req_id)
+    if logprobs is not None and len(logprobs.ranks) > len(new_token_ids):
+        logprobs = slice_logprobs(logprobs, 0, len(new_token_ids))
+    prompt_logprobs = take_new_prompt_logprobs(
+        request, model_runner_output.prompt_logprobs.get(request.req_id)
+    )
+    if not new_token_ids and prompt_logprobs is None and not request.is_finished:
+        return None
+    num_cached_tokens = 0
+    if not request.sent_first_output:
+        request.sent_first_output = True
+        num_cached_tokens = max(request.num_cached_tokens, 0)
+    return EngineCoreOutput(
+        request_id=request.req_id,
+        new_token_ids=new_token_ids,
+        new_logprobs=logprobs if new_token_ids else None,
+        new_prompt_logprobs=prompt_logprobs,
+        finish_reason=request.get_finished_reason(),
+        stop_reason=request.stop_reason,
+        num_cached_tokens=num_cached_tokens,
+        error=request.error,
+        events=request.take_events(),
+    )
+
+
+def advance_grammar(request: Request, token_id: int) -> bool:
+    """Move the request's matcher over its new token; False (the request failed) when
+    the grammar forbids it, which the bitmask should have made impossible."""
+    assert request.structured_output is not None and request.structured_output.grammar
+    if request.structured_output.grammar.accept_tokens([token_id]):
+        return True
+    request.status = RequestStatus.FINISHED_ERROR
+    request.error = f"sampled token {token_id} is not allowed by the request's grammar"
+    logger.error("request %s: %s", request.req_id, request.error)
+    return False
+
+
+def grammar_complete(request: Request) -> bool:
+    """A grammar that took its stop token ends the request (even with ignore_eos)."""
+    assert request.structured_output is not None and request.structured_output.grammar
+    if not request.structured_output.grammar.is_terminated:
+        return False
+    request.status = RequestStatus.FINISHED_STOPPED
+    return True
+
+
+def take_new_prompt_logprobs(request: Request, prompt_logprobs: Logprobs | None) -> Logprobs | None:
+    """Drop rows already sent before a preemption made the prompt run again."""
+    if prompt_logprobs is None:
+        return None
+    num_rows = len(prompt_logprobs.ranks)
+    first_new_row = max(0, request.num_prompt_logprobs_sent - request.num_prompt_logprobs_seen)
+    request.num_prompt_logprobs_seen += num_rows
+    if first_new_row >= num_rows:
+        return None
+    request.num_prompt_logprobs_sent += num_rows - first_new_row
+    return slice_logprobs(prompt_logprobs, first_new_row, num_rows)
+
+
+def count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per adapter name (the base model's are not counted)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def slice_logprobs(logprobs: Logprobs, start: int, stop: int) -> Logprobs:
+    return Logprobs(
+        token_ids=logprobs.token_ids[start:stop],
+        logprobs=logprobs.logprobs[start:stop],
+        ranks=logprobs.ranks[start:stop],
+    )

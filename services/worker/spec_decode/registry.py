@@ -1,0 +1,43 @@
+"""Speculative methods by name: what `SpeculativeConfig.method` selects in the worker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvserve.services.worker.spec_decode.methods import (
+    DraftModelMethod,
+    EagleMethod,
+    MedusaMethod,
+    NgramMethod,
+)
+from kvserve.services.worker.spec_decode.proposer import Proposer, ProposerContext
+
+ProposerFactory = Callable[[ProposerContext], Proposer]
+
+_PROPOSERS: dict[str, ProposerFactory] = {
+    "ngram": NgramMethod,
+    "draft_model": DraftModelMethod,
+    "eagle": EagleMethod,
+    "medusa": MedusaMethod,
+}
+
+
+def register_proposer(method: str, factory: ProposerFactory) -> None:
+    """Make `method` a speculative method of the worker.
+
+    Args:
+        method: the SpeculativeConfig.method value that selects it.
+        factory: builds the proposer from a ProposerContext (once per worker rank).
+    """
+    _PROPOSERS[method] = factory
+
+
+def make_proposer(ctx: ProposerContext) -> Proposer:
+    """The proposer of ctx.config.method."""
+    try:
+        factory = _PROPOSERS[ctx.config.method]
+    except KeyError:
+        raise ValueError(
+            f"unknown speculative method {ctx.config.method!r}; registered: {sorted(_PROPOSERS)}"
+        ) from None
+    return factory(ctx)

@@ -1,0 +1,174 @@
+"""The api process's options: the HTTP server, what one request may ask for, the OpenAI
+front end.
+
+HTTPConfig, LimitsConfig (inside FrontendConfig) and FrontendConfig; `kvserve serve` and
+`kvserve api` compose them into their options structs (shared/launch_options.py), and the
+app takes them (services/api/server.py's build_app).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from kvserve.shared.cli_args import flag_doc
+from kvserve.shared.env import API_KEY, VLLM_API_KEY
+from kvserve.shared.lora import LoRAModulePath
+
+
+class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The HTTP server."""
+
+    host: Annotated[str, flag_doc("interface to listen on")] = "0.0.0.0"
+    port: Annotated[int, flag_doc("port to listen on")] = 8000
+    api_key: Annotated[
+        str | None,
+        flag_doc(
+            f"require this bearer token on /v1/* (default: ${API_KEY.name}, else "
+            f"${VLLM_API_KEY.name})"
+        ),
+    ] = None
+    api_key_file: Annotated[
+        str | None,
+        flag_doc(
+            "a file of 'name:key' lines: each key is accepted on /v1/*, and its name shows in "
+            "the request log and the kvserve:api_key_requests_total metric"
+        ),
+    ] = None
+    shutdown_timeout: Annotated[
+        float, flag_doc("seconds SIGTERM/SIGINT waits for in-flight requests")
+    ] = 30.0
+    uvicorn_log_level: Annotated[
+        Literal["critical", "error", "warning", "info", "debug", "trace"],
+        flag_doc("uvicorn's log level"),
+    ] = "info"
+
+    root_path: Annotated[
+        str | None, flag_doc("the path prefix a proxy serves the app under (ASGI root_path)")
+    ] = None
+    ssl_keyfile: Annotated[str | None, flag_doc("TLS private key file (PEM); serve https")] = None
+    ssl_certfile: Annotated[str | None, flag_doc("TLS certificate file (PEM)")] = None
+    ssl_ca_certs: Annotated[
+        str | None, flag_doc("CA certificates file for client certificates")
+    ] = None
+    ssl_cert_reqs: Annotated[
+        int, flag_doc("client certificates: 0 none, 1 optional, 2 required (Python's ssl module)")
+    ] = 0
+    allowed_origins: Annotated[
+        list[str], flag_doc("CORS: allowed origins, as JSON", parse="json")
+    ] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: Annotated[bool, flag_doc("CORS: allow credentials")] = False
+    allowed_methods: Annotated[
+        list[str], flag_doc("CORS: allowed methods, as JSON", parse="json")
+    ] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: Annotated[
+        list[str], flag_doc("CORS: allowed headers, as JSON", parse="json")
+    ] = msgspec.field(default_factory=lambda: ["*"])
+    disable_uvicorn_access_log: Annotated[bool, flag_doc("no access log line per request")] = False
+
+    def __post_init__(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+
+    @property
+    def effective_api_key(self) -> str | None:
+        """--api-key, else $KVSERVE_API_KEY, else $VLLM_API_KEY, else None."""
+        if self.api_key is not None:
+            return self.api_key
+        return API_KEY.get() or VLLM_API_KEY.get()
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request may ask for: past a limit the api answers 400 naming it, before
+    anything is tokenized or queued (services/api/limits.py)."""
+
+    max_request_body_bytes: Annotated[
+        int, flag_doc("bytes of a request body at most (413 past it, unparsed)", parse="size")
+    ] = 16 << 20
+    max_prompt_chars: Annotated[
+        int | None,
+        flag_doc("characters of a prompt or of all messages at most (default: 32 x max_model_len)"),
+    ] = None
+    max_n: Annotated[int, flag_doc("completions per prompt (`n`) at most")] = 128
+    max_prompts: Annotated[int, flag_doc("prompts in one /v1/completions batch at most")] = 1024
+    max_stop_strings: Annotated[int, flag_doc("stop strings of a request at most")] = 64
+    max_stop_string_chars: Annotated[int, flag_doc("characters of one stop string at most")] = 512
+    max_messages: Annotated[int, flag_doc("messages of a chat request at most")] = 2048
+    max_tools: Annotated[int, flag_doc("tools of a chat request at most (OpenAI's limit)")] = 128
+    max_token_id_list: Annotated[
+        int,
+        flag_doc("entries of stop_token_ids, allowed_token_ids, logit_bias and bad_words at most"),
+    ] = 4096
+    max_json_depth: Annotated[int, flag_doc("nesting of a JSON body at most")] = 64
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The OpenAI front end: chat template, request defaults, API details, request logs."""
+
+    chat_template: Annotated[
+        str | None,
+        flag_doc(
+            "a Jinja chat template: a file, or the template itself (default: the tokenizer's)"
+        ),
+    ] = None
+    generation_config: Annotated[
+        str,
+        flag_doc(
+            "request defaults: auto = the model's generation_config.json (temperature, top_p, "
+            "top_k, min_p, repetition_penalty, max_new_tokens), vllm = kvserve's own, or a "
+            "folder holding a generation_config.json"
+        ),
+    ] = "auto"
+    enable_prompt_tokens_details: Annotated[
+        bool, flag_doc("report usage.prompt_tokens_details.cached_tokens (prefix-cache hits)")
+    ] = False
+    return_tokens_as_token_ids: Annotated[
+        bool, flag_doc("logprobs name tokens as 'token_id:N' (for tokens that do not decode alone)")
+    ] = False
+    enable_request_id_headers: Annotated[
+        bool, flag_doc("echo the request id in an X-Request-Id response header")
+    ] = False
+    enable_log_requests: Annotated[bool, flag_doc("log each request's parameters and prompt")] = (
+        False
+    )
+    max_log_len: Annotated[
+        int | None,
+        flag_doc("characters (and token ids) of a prompt that --enable-log-requests logs"),
+    ] = None
+    disable_log_stats: Annotated[
+        bool, flag_doc("no periodic throughput / KV-cache log line from the front end")
+    ] = False
+    enable_auto_tool_choice: Annotated[
+        bool,
+        flag_doc('tool_choice "auto": the model decides, --tool-call-parser reads its tool calls'),
+    ] = False
+    tool_call_parser: Annotated[
+        Literal["hermes", "llama3_json", "pythonic"] | None,
+        flag_doc(
+            "how tool calls look in the model's text: hermes (JSON in <tool_call> tags), "
+            "llama3_json (JSON objects), pythonic ([f(a=1), g()])"
+        ),
+    ] = None
+    exclude_tools_when_tool_choice_none: Annotated[
+        bool, flag_doc('leave the tools out of the chat template when tool_choice is "none"')
+    ] = False
+    lora_modules: Annotated[
+        list[LoRAModulePath],
+        flag_doc(
+            "LoRA adapters served at start-up (needs --enable-lora): name=path ..., or vLLM's "
+            'JSON {"name": ..., "path": ..., "base_model_name": ...}',
+            parse="items",
+        ),
+    ] = msgspec.field(default_factory=list)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")

@@ -1,0 +1,68 @@
+"""Which children `kvserve serve` starts for which flags (kvserve/launch/serve.py's
+`FrontEnd`): nothing is started here, each child is a context manager not yet entered."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.cli import parse_options
+from kvserve.launch.engines import EngineLaunch
+from kvserve.launch.serve import FrontEnd
+from kvserve.shared.transport import CoordinatorAddresses, EngineAddresses
+
+
+def _plan(*argv: str) -> FrontEnd:
+    command, options = parse_options(["serve", *argv])
+    assert command == "serve"
+    return FrontEnd(options)
+
+
+def _launch(plan: FrontEnd) -> EngineLaunch:
+    addresses = EngineAddresses("ipc:///tmp/in", "ipc:///tmp/out")
+    return EngineLaunch(
+        model_dir="/m", addresses=addresses, num_local_engines=plan.num_local_engines
+    )
+
+
+def test_one_engine_core_has_no_other_children():
+    plan = _plan()
+    assert (plan.num_engines, plan.num_local_engines) == (1, 1)
+    assert plan.kv_store() is None and plan.coordinator() is None
+    assert plan.registration(EngineAddresses("ipc:///a", "ipc:///b"), None) is None
+    assert plan.engine_addresses().input_addr.startswith("ipc://")
+    engines = plan.engine_cores(_launch(plan), None)
+    assert list(engines.configs) == [0] and not engines.restart
+    pool = plan.engine_pool(None, None)
+    assert pool.num_engines == 1 and pool.load_table_addr is None and not pool.wait_for_restarts
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_data_parallel_adds_the_coordinator(restart):
+    plan = _plan("-dp", "2", *(["--restart-dead-engines"] if restart else []))
+    assert (plan.num_engines, plan.num_local_engines) == (2, 2)
+    assert plan.kv_store() is None and plan.coordinator() is not None
+    engines = plan.engine_cores(_launch(plan), None)
+    assert list(engines.configs) == [0, 1] and engines.restart == restart
+    pool = plan.engine_pool(CoordinatorAddresses("ipc:///s", "ipc:///p"), None)
+    assert pool.load_table_addr == "ipc:///p" and pool.wait_for_restarts == restart
+
+
+def test_pd_adds_the_kv_store_and_gives_each_engine_its_role():
+    plan = _plan("--prefill-size", "1", "--decode-size", "2")
+    assert (plan.num_engines, plan.num_local_engines) == (3, 3)
+    assert plan.kv_store() is not None and plan.coordinator() is not None
+    engines = plan.engine_cores(_launch(plan), "ipc:///tmp/kv-store")
+    transfers = [engines.configs[index].kv_transfer_config for index in range(3)]
+    assert [t.kv_role for t in transfers] == ["kv_producer", "kv_consumer", "kv_consumer"]
+    assert {t.store_address for t in transfers} == {"ipc:///tmp/kv-store"}
+    pool = plan.engine_pool(None, "ipc:///tmp/kv-store")
+    assert pool.kv_store_address == "ipc:///tmp/kv-store"
+
+
+def test_multi_node_binds_tcp_and_answers_headless_nodes():
+    plan = _plan("-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "h")
+    assert (plan.num_engines, plan.num_local_engines) == (2, 1)
+    assert plan.engine_addresses() == EngineAddresses("tcp://h:*", "tcp://h:*")
+    assert plan.registration(EngineAddresses("tcp://h:1", "tcp://h:2"), None) is not None
+    assert list(plan.engine_cores(_launch(plan), None).configs) == [0]
+    assert plan.engine_pool(None, None).wait_for_restarts  # the remote node may rejoin
