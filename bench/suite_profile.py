@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -152,7 +153,13 @@ def main() -> int:
     env = dict(os.environ, **{MARKER_VAR: token})
     load_start = os.getloadavg()
     start = time.monotonic()
-    child = subprocess.Popen(cmd, env=env)
+    # SIGINT as it is by default even where this was started in the background (where the
+    # shell ignores it): an interrupted pytest still prints its summary and --durations.
+    child = subprocess.Popen(
+        cmd, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda sig, _frame: child.send_signal(signal.SIGINT))
     peaks = Peaks()
     stop = threading.Event()
     thread = threading.Thread(

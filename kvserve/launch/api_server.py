@@ -2,7 +2,7 @@
 
 `run_api_server` is the api of `kvserve serve` (engine cores in child processes) and of
 `kvserve api` (engine cores started elsewhere): what it serves is an `APIServer`, the engine
-cores it waits for and routes over an `EnginePool`.
+cores it waits for and routes over an `EngineTopology`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class APIServer(msgspec.Struct, frozen=True, kw_only=True):
     build_app: AppFactory | None = None
 
 
-class EnginePool(msgspec.Struct, frozen=True, kw_only=True):
+class EngineTopology(msgspec.Struct, frozen=True, kw_only=True):
     """The engine cores the api waits for and routes over.
 
     Args:
@@ -85,7 +85,7 @@ def install_stop_handlers() -> asyncio.Event:
 
 async def run_api_server(
     api: APIServer,
-    pool: EnginePool,
+    topology: EngineTopology,
     channel: EngineChannel,
     stop: asyncio.Event,
     engines: EngineCores | None = None,
@@ -94,13 +94,15 @@ async def run_api_server(
     engine core is left (1); always close the channel.
 
     Args:
+        api: what to serve.
+        topology: the engine cores to wait for and route over.
         channel: the api's bound sockets; closed on the way out.
         stop: set by SIGTERM/SIGINT (install_stop_handlers).
         engines: the engine cores that are this process's children (restarted while it
             serves, with --restart-dead-engines), or None.
     """
     try:
-        async with _connected_client(api, pool, channel, stop, engines) as client:
+        async with _connected_client(api, topology, channel, stop, engines) as client:
             if client is None:
                 logger.info("stopped before the engines were ready")
                 return 0
@@ -114,7 +116,7 @@ async def run_api_server(
 @contextlib.asynccontextmanager
 async def _connected_client(
     api: APIServer,
-    pool: EnginePool,
+    topology: EngineTopology,
     channel: EngineChannel,
     stop: asyncio.Event,
     engines: EngineCores | None,
@@ -133,12 +135,12 @@ async def _connected_client(
                 channel,
                 tokenizer_info,
                 api.model.served_name,
-                num_engines=pool.num_engines,
+                num_engines=topology.num_engines,
                 engine_processes=engines.processes if engines else {},
-                routing=pool.routing,
-                load_table_addr=pool.load_table_addr,
-                kv_store_address=pool.kv_store_address,
-                wait_for_restarts=pool.wait_for_restarts,
+                routing=topology.routing,
+                load_table_addr=topology.load_table_addr,
+                kv_store_address=topology.kv_store_address,
+                wait_for_restarts=topology.wait_for_restarts,
             ),
             stop,
         )
@@ -257,7 +259,7 @@ def run_api(options: APIOptions) -> int:
         tokenizer_dir=options.model.tokenizer or model_dir,
         lora=options.lora,
     )
-    pool = EnginePool(
+    topology = EngineTopology(
         num_engines=options.data_parallel_size,
         routing=options.dp_routing,
         load_table_addr=options.load_table_addr,
@@ -266,6 +268,6 @@ def run_api(options: APIOptions) -> int:
 
     async def main() -> int:
         stop = install_stop_handlers()
-        return await run_api_server(api, pool, EngineChannel(sockets), stop)
+        return await run_api_server(api, topology, EngineChannel(sockets), stop)
 
     return asyncio.run(main())

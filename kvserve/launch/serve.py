@@ -16,7 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from kvserve.launch.api_server import (
     APIServer,
     AppFactory,
-    EnginePool,
+    EngineTopology,
     install_stop_handlers,
     run_api_server,
 )
@@ -83,8 +83,8 @@ async def _serve(options: ServeOptions, api: APIServer, model_dir: str) -> int:
                 num_local_engines=plan.num_local_engines,
             )
             engines = await children.enter_async_context(plan.engine_cores(launch, store_address))
-            pool = plan.engine_pool(coordinator, store_address)
-            return await run_api_server(api, pool, channel, stop, engines)
+            topology = plan.engine_topology(coordinator, store_address)
+            return await run_api_server(api, topology, channel, stop, engines)
     except ChildStartError as exc:
         logger.error("exiting with code 1: %s", exc)
         return 1
@@ -149,12 +149,12 @@ class FrontEnd:
             }
         return EngineCores(configs, launch, self.options.data_parallel.restart_dead_engines)
 
-    def engine_pool(
+    def engine_topology(
         self, coordinator: CoordinatorAddresses | None, store_address: str | None
-    ) -> EnginePool:
+    ) -> EngineTopology:
         """What the api waits for and routes over."""
         dp = self.options.data_parallel
-        return EnginePool(
+        return EngineTopology(
             num_engines=self.num_engines,
             routing=dp.dp_routing,
             load_table_addr=coordinator.publish_addr if coordinator else None,

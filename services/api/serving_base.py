@@ -342,6 +342,7 @@ def prompt_logprobs_body(prompt_logprobs: PromptLogprobs | None) -> PromptLogpro
 
 
 def stop_holdback(params: SamplingParams) -> int:
+    assert not isinstance(params.stop, str), "SamplingParams makes a lone stop string a list"
     return num_held_back_chars(params.stop, params.include_stop_str_in_output)
 
 
@@ -417,7 +418,8 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+                # Always one of the handlers' async generators, which have aclose.
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 async def run_until_disconnected(request: Request, work: Awaitable[Response]) -> Response:

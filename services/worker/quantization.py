@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +176,10 @@ def _swap_embeddings(model: nn.Module) -> None:
             setattr(parent, child_name, new)
 
 
-def build_quantized(model_class, hf_config, method: str | None) -> nn.Module:
+_Model = TypeVar("_Model", bound=nn.Module)
+
+
+def build_quantized(model_class: type[_Model], hf_config, method: str | None) -> _Model:
     """model_class(hf_config) with its linear layers (and under gguf the embedding and LM
     head) holding `method`'s weights. Call inside the loader's dtype/device scopes."""
     from kvserve.services.worker.layers.linear import quantization_scope

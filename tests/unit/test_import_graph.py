@@ -154,6 +154,67 @@ def test_layering_violations_are_found(tmp_path):
     assert not report.ok
 
 
+def test_scheduler_subpackages_and_training_keep_their_layers(tmp_path):
+    report = _check(
+        tmp_path,
+        {
+            "services/scheduler/core/__init__.py": "",
+            "services/scheduler/core/scheduler.py": "import torch\n"
+            "from kvserve.services.scheduler.executors import executor\n"
+            "from kvserve.services.worker.runner import Runner\n",
+            "services/scheduler/engine/__init__.py": "from . import engine_core\n",
+            "services/scheduler/engine/engine_core.py": "from ..core import scheduler\n"
+            "from ..structured_output import grammar\n",
+            "services/scheduler/executors/__init__.py": "",
+            "services/scheduler/executors/executor.py": "",
+            "services/scheduler/structured_output/__init__.py": "",
+            "services/scheduler/structured_output/grammar.py": "from ..engine import engine_core\n"
+            "from kvserve.shared import config\n",
+            "services/worker/spec.py": "from kvserve.training import train_draft\n",
+            "kvserve/training/__init__.py": "",
+            "kvserve/training/train_draft.py": "from kvserve.services.worker import runner\n",
+        },
+    )
+    assert sorted(f"{imp.where()} {imp.target}" for imp, _ in report.layering) == [
+        "kvserve.services.scheduler.core.scheduler:1 torch",
+        "kvserve.services.scheduler.core.scheduler:2 kvserve.services.scheduler.executors.executor",
+        "kvserve.services.scheduler.core.scheduler:3 kvserve.services.worker.runner",
+        "kvserve.services.scheduler.structured_output.grammar:1 "
+        "kvserve.services.scheduler.engine.engine_core",
+        "kvserve.services.worker.spec:1 kvserve.training.train_draft",
+    ]
+
+
+def test_package_folders_come_from_pyproject(tmp_path):
+    # The mapping is pyproject.toml's [tool.setuptools.package-dir]; a new folder is checked
+    # under the package it installs as, and its folder name becomes an old top-level name.
+    root = _write_tree(
+        tmp_path,
+        {
+            "pyproject.toml": '[tool.setuptools.package-dir]\n"kvserve" = "kvserve"\n'
+            '"kvserve.plugins" = "plugins"\n',
+            "kvserve/__init__.py": "",
+            "plugins/__init__.py": "",
+            "plugins/loader.py": "from kvserve.plugins import registry\n",
+            "plugins/registry.py": "",
+        },
+    )
+    package_dirs = check_imports.read_package_dirs(root)
+    assert package_dirs == {"kvserve": "kvserve", "kvserve.plugins": "plugins"}
+    report = check_imports.check(root, package_dirs)
+    assert set(report.modules) == {
+        "kvserve",
+        "kvserve.plugins",
+        "kvserve.plugins.loader",
+        "kvserve.plugins.registry",
+    }
+    assert report.ok, report.failures()
+    assert check_imports.read_package_dirs() == check_imports.PACKAGE_DIRS
+    assert check_imports.OLD_TOP_LEVEL_NAMES == tuple(
+        folder for package, folder in check_imports.PACKAGE_DIRS.items() if package != "kvserve"
+    )
+
+
 def test_only_main_may_import_the_cli(tmp_path):
     report = _check(
         tmp_path,

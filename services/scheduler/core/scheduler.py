@@ -557,19 +557,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran
             row = row_of.get(req_id)
-            sampled_token_ids = (
-                model_runner_output.sampled_token_ids[row] if row is not None else []
-            )
-            if self.spec_decode is not None and request.spec is not None:
-                self.spec_decode.on_output(
-                    request,
-                    scheduler_output.spec_decode,
-                    sampled_token_ids,
-                    model_runner_output.spec_token_ids.get(req_id, []),
-                )
-            output = make_request_output(
-                request, sampled_token_ids, model_runner_output, self.max_model_len
-            )
+            sampled = model_runner_output.sampled_token_ids[row] if row is not None else []
+            output = self._take_sampled(request, sampled, scheduler_output, model_runner_output)
             if output is not None:
                 outputs.append(output)
             if request.is_finished:
@@ -580,6 +569,25 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
         return outputs
+
+    def _take_sampled(
+        self,
+        request: Request,
+        sampled_token_ids: list[int],
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+    ) -> EngineCoreOutput | None:
+        """One request's part of the step's output: drafts rolled back, tokens appended."""
+        if self.spec_decode is not None and request.spec is not None:
+            self.spec_decode.on_output(
+                request,
+                scheduler_output.spec_decode,
+                sampled_token_ids,
+                model_runner_output.spec_token_ids.get(request.req_id, []),
+            )
+        return make_request_output(
+            request, sampled_token_ids, model_runner_output, self.max_model_len
+        )
 
     # ------------------------------------------------------------------ state and stats
 

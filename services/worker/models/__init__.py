@@ -6,14 +6,13 @@ import contextlib
 import glob
 import importlib
 import os
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, cast
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 if TYPE_CHECKING:
-    from kvserve.kernels.quant import QuantizedTensor
+    from kvserve.services.worker.models.llama import LlamaForCausalLM
 
 # HF architecture name -> (module under services.worker.models, class); imported on first use.
 _MODELS: dict[str, tuple[str, str]] = {
@@ -51,8 +50,9 @@ def architecture_of_model_type(model_type: str) -> str | None:
     return _ARCH_OF_MODEL_TYPE.get(model_type)
 
 
-def get_model_class(architectures: list[str]) -> type[nn.Module]:
-    """The model class of the first supported name in a config's `architectures`."""
+def get_model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
+    """The model class of the first supported name in a config's `architectures` (each is
+    LlamaForCausalLM or a subclass)."""
     for arch in architectures:
         if arch in _MODELS:
             module_name, class_name = _MODELS[arch]
@@ -93,7 +93,7 @@ def load_model(
     device: torch.device | str,
     quantization: str | None = None,
     model_arg: str | None = None,
-) -> tuple[nn.Module, object]:
+) -> tuple[LlamaForCausalLM, Any]:
     """Build the model of model_dir/config.json in dtype on device and load its weights.
 
     Args:
@@ -104,7 +104,7 @@ def load_model(
         model_arg: the user's model argument (the .gguf file gguf quantization reads).
 
     Returns:
-        (model in eval mode, the transformers config).
+        (model in eval mode, the transformers config: Any, as its attributes are per model).
     """
     from transformers import AutoConfig  # configs only; the forward pass is ours
 
@@ -119,12 +119,6 @@ def load_model(
     method, gguf_path = quant.resolve_quantization(quantization, model_arg, model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = quant.build_quantized(model_class, hf_config, method)
-    # Every registered class defines load_weights; nn.Module's stubs type an attribute as
-    # Tensor | Module.
-    load_weights = cast(
-        "Callable[[Iterable[tuple[str, torch.Tensor | QuantizedTensor]]], None]",
-        model.load_weights,
-    )
-    load_weights(quant.quantized_weights(method, gguf_path, iterate_safetensors(model_dir)))
+    model.load_weights(quant.quantized_weights(method, gguf_path, iterate_safetensors(model_dir)))
     quant.finish_loading(model)
     return model.eval(), hf_config

@@ -12,12 +12,13 @@ the last the final norm and LM head; checkpoint tensors of other stages are skip
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from kvserve.kernels.quant import QuantizedTensor
 from kvserve.services.worker.layers.activation import get_act_and_mul
 from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
 from kvserve.services.worker.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -352,8 +353,9 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(f".{src}.", f".{dst}."), shard_id
         return name, None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into the (fused, TP-sliced) parameters.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the (fused, TP-sliced) parameters (GGUF
+        blocks, under --quantization gguf, stay QuantizedTensors).
 
         Raises ValueError on a name the model does not know, or when a parameter got nothing.
         """
@@ -380,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} matches no parameter of "
                     f"{type(self).__name__}: is this the right architecture?"
                 )
-            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
             if shard_id is None:
                 loader(param, loaded_weight)
             else:

@@ -10,8 +10,10 @@ from kvserve.services.kv_store.backends import SharedStorageBackend
 from kvserve.services.kv_store.scheduler_connector import StoreSchedulerConnector
 from kvserve.services.kv_store.transfers import (
     KVBlockTransfer,
+    StoreConnectorMeta,
     StoreConnectorOutput,
     decode_meta,
+    decode_output,
     encode,
 )
 from kvserve.services.kv_store.worker_connector import StoreWorkerConnector
@@ -184,3 +186,21 @@ def test_a_store_that_is_down_means_no_hits_and_nothing_loaded():
     worker = StoreWorkerConnector(config, FP, random_caches(FP, 4))
     assert worker.load([KVBlockTransfer("a", [b"x" * 16], [1])]) == {"a": 0}
     assert not worker.store_up
+
+
+def test_worker_connector_answers_the_metadata_around_the_forward(tmp_path):
+    caches = random_caches(FP, 8, seed=4)
+    hashes = [bytes([i]) * 16 for i in range(10, 12)]
+    saver = StoreWorkerConnector(_config(tmp_path), FP, caches)
+    meta = encode(StoreConnectorMeta(saves=[KVBlockTransfer("a", hashes, [2, 3])]))
+    saver.before_forward(meta)
+    answer = decode_output(saver.after_forward(meta))
+    assert answer.bytes_saved == 2 * FP.block_bytes and answer.loaded == {}
+    others = [torch.zeros_like(c) for c in caches]
+    loader = StoreWorkerConnector(_config(tmp_path), FP, others)
+    meta = encode(StoreConnectorMeta(loads=[KVBlockTransfer("b", hashes, [5, 6])]))
+    loader.before_forward(meta)
+    answer = decode_output(loader.after_forward(meta))
+    assert answer.loaded == {"b": 2} and answer.store_ok
+    for src, dst in zip(caches, others):
+        assert torch.equal(dst[:, 5:7], src[:, 2:4])

@@ -32,8 +32,12 @@ def test_one_engine_core_has_no_other_children():
     assert plan.engine_addresses().input_addr.startswith("ipc://")
     engines = plan.engine_cores(_launch(plan), None)
     assert list(engines.configs) == [0] and not engines.restart
-    pool = plan.engine_pool(None, None)
-    assert pool.num_engines == 1 and pool.load_table_addr is None and not pool.wait_for_restarts
+    topology = plan.engine_topology(None, None)
+    assert (
+        topology.num_engines == 1
+        and topology.load_table_addr is None
+        and not topology.wait_for_restarts
+    )
 
 
 @pytest.mark.parametrize("restart", [False, True])
@@ -43,8 +47,8 @@ def test_data_parallel_adds_the_coordinator(restart):
     assert plan.kv_store() is None and plan.coordinator() is not None
     engines = plan.engine_cores(_launch(plan), None)
     assert list(engines.configs) == [0, 1] and engines.restart == restart
-    pool = plan.engine_pool(CoordinatorAddresses("ipc:///s", "ipc:///p"), None)
-    assert pool.load_table_addr == "ipc:///p" and pool.wait_for_restarts == restart
+    topology = plan.engine_topology(CoordinatorAddresses("ipc:///s", "ipc:///p"), None)
+    assert topology.load_table_addr == "ipc:///p" and topology.wait_for_restarts == restart
 
 
 def test_pd_adds_the_kv_store_and_gives_each_engine_its_role():
@@ -55,8 +59,8 @@ def test_pd_adds_the_kv_store_and_gives_each_engine_its_role():
     transfers = [engines.configs[index].kv_transfer_config for index in range(3)]
     assert [t.kv_role for t in transfers] == ["kv_producer", "kv_consumer", "kv_consumer"]
     assert {t.store_address for t in transfers} == {"ipc:///tmp/kv-store"}
-    pool = plan.engine_pool(None, "ipc:///tmp/kv-store")
-    assert pool.kv_store_address == "ipc:///tmp/kv-store"
+    topology = plan.engine_topology(None, "ipc:///tmp/kv-store")
+    assert topology.kv_store_address == "ipc:///tmp/kv-store"
 
 
 def test_multi_node_binds_tcp_and_answers_headless_nodes():
@@ -65,4 +69,4 @@ def test_multi_node_binds_tcp_and_answers_headless_nodes():
     assert plan.engine_addresses() == EngineAddresses("tcp://h:*", "tcp://h:*")
     assert plan.registration(EngineAddresses("tcp://h:1", "tcp://h:2"), None) is not None
     assert list(plan.engine_cores(_launch(plan), None).configs) == [0]
-    assert plan.engine_pool(None, None).wait_for_restarts  # the remote node may rejoin
+    assert plan.engine_topology(None, None).wait_for_restarts  # the remote node may rejoin
