@@ -58,8 +58,14 @@ _PSI_CPU = "/proc/pressure/cpu"
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN's packed linear runs `dtype` here: bfloat16 needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, which an AVX2-only CPU (AMD Zen 3, say) lacks."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_onednn(weight: torch.Tensor, rows_hint: int = 64) -> torch.Tensor:
@@ -215,14 +221,21 @@ def tune(
         measure: times one shape (tests pass a fake).
     """
     shapes = sorted(set(shapes), key=lambda s: (str(s[0]), s[1], s[2], s[3]))
-    if mode in PATHS:
-        forced = ShapePlan((mode,) * len(ROW_LADDER))
-        return GemmPlan({GemmPlan.key(d, n, k): forced for d, n, k, _ in shapes}, "forced")
-    if mode != "auto":
+    if mode not in (*PATHS, "auto"):
         raise ValueError(f"unknown GEMM path {mode!r}: use auto, torch or onednn")
-    if not onednn_available():
-        only = ShapePlan(("torch",) * len(ROW_LADDER))
-        return GemmPlan({GemmPlan.key(d, n, k): only for d, n, k, _ in shapes}, "forced")
+    torch_only = ShapePlan(("torch",) * len(ROW_LADDER))
+    if mode in PATHS:
+        # A dtype oneDNN cannot run on this CPU stays on torch, even when onednn is forced.
+        forced = ShapePlan((mode,) * len(ROW_LADDER))
+        return GemmPlan(
+            {
+                GemmPlan.key(d, n, k): forced if onednn_available(d) else torch_only
+                for d, n, k, _ in shapes
+            },
+            "forced",
+        )
+    if not any(onednn_available(d) for d, _, _, _ in shapes):
+        return GemmPlan({GemmPlan.key(d, n, k): torch_only for d, n, k, _ in shapes}, "forced")
     path = _cache_path(torch.get_num_threads())
     cached = _read_cache(path) if use_cache else {}
     plan = GemmPlan(source="cached")
@@ -233,6 +246,9 @@ def tune(
         cache_key = f"{key}:{max_rows}"
         if cache_key in cached:
             plan.shapes[key] = cached[cache_key]
+            continue
+        if not onednn_available(dtype):
+            plan.shapes[key] = torch_only
             continue
         plan.shapes[key] = measured[cache_key] = measure(dtype, n, k, max_rows)
         plan.source = "measured"

@@ -245,6 +245,7 @@ class ModelRunner:
             metadata,
         )
         if self.is_last_stage:
+            assert hidden is not None  # the last stage returns its hidden states
             last_rows = torch.from_numpy(query_start_loc[1:] - 1).to(dev)
             logits = self.model.compute_logits(hidden[last_rows])
             torch.softmax(logits.float(), dim=-1)  # the sampler's largest temporary
@@ -281,6 +282,7 @@ class ModelRunner:
                 start = time.perf_counter()
                 hidden = self._run_stage(input_ids, positions, metadata)
                 if self.is_last_stage:
+                    assert hidden is not None  # the last stage returns its hidden states
                     self.model.compute_logits(hidden)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)

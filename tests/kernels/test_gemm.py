@@ -17,6 +17,10 @@ pytestmark = pytest.mark.skipif(not gemm.onednn_available(), reason="torch built
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_onednn_path_matches_f_linear(dtype, tol, rows, with_bias):
+    if not gemm.onednn_available(dtype):
+        pytest.skip(
+            f"oneDNN runs no {dtype} linear on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)"
+        )
     torch.manual_seed(rows)
     weight = torch.randn(96, 40, dtype=dtype)
     bias = torch.randn(96, dtype=dtype) if with_bias else None
@@ -135,3 +139,23 @@ def test_cpu_stall_us_reads_the_some_line(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(gemm, "_PSI_CPU", str(psi))
     assert gemm.cpu_stall_us() == 10102771845
+
+
+def test_a_dtype_onednn_cannot_run_here_stays_on_torch(monkeypatch):
+    """On a CPU without oneDNN's bfloat16 (AVX2 only), bfloat16 shapes are never measured or
+    forced onto oneDNN: packing their weights would fail."""
+    monkeypatch.setattr(
+        gemm, "onednn_available", lambda dtype=torch.float32: dtype != torch.bfloat16
+    )
+    measured = []
+
+    def fake_measure(dtype, n, k, max_rows):
+        measured.append(dtype)
+        return gemm.ShapePlan(("onednn",) * len(gemm.ROW_LADDER))
+
+    shapes = [(torch.float32, 8, 4, 16), (torch.bfloat16, 8, 4, 16)]
+    plan = gemm.tune(shapes, use_cache=False, measure=fake_measure)
+    assert measured == [torch.float32]
+    assert plan.summary() == {"bfloat16:8x4": "torch", "float32:8x4": "onednn"}
+    forced = gemm.tune(shapes, mode="onednn")
+    assert forced.summary() == {"bfloat16:8x4": "torch", "float32:8x4": "onednn"}

@@ -4,6 +4,7 @@ Test modules import helpers from this package only, never from each other (fixtu
 conftest.py files, where pytest injects them). One module per topic:
 
     ports.py          a free TCP port
+    cache_dir.py      the session's $KVSERVE_CACHE_DIR (user's models, own GEMM plans)
     waiting.py        poll a condition until it holds (threads and asyncio)
     processes.py      wait for processes to exit; the engine child of a launcher
     models.py         tiny random-weight models: a numpy Llama folder, HF models, a GGUF

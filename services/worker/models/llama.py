@@ -140,7 +140,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, arch)
         self.mlp = arch.make_mlp(config, layer_idx)
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = arch.norm_class(hidden, eps)
+        # Any norm module with RMSNorm's calling convention (EAGLE's first layer has none).
+        self.input_layernorm: nn.Module = arch.norm_class(hidden, eps)
         self.post_attention_layernorm = arch.norm_class(hidden, eps)
         self.sandwich_norms = arch.sandwich_norms
         if arch.sandwich_norms:

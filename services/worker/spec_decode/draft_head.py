@@ -10,10 +10,15 @@ weights held quantized) the target's own head is used.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn.functional as F
 
 from kvserve.services.worker.parallel_state import get_tp_size
+
+if TYPE_CHECKING:
+    from kvserve.services.worker.models.llama import LlamaForCausalLM
 
 
 class DraftLMHead:
@@ -39,7 +44,8 @@ class DraftLMHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] scores whose argmax is the guess (not calibrated logits)."""
         if self.weight is None:
-            return self.target_model.compute_logits(hidden)
+            # Every target is a LlamaForCausalLM (or a subclass); the seam types it nn.Module.
+            return cast("LlamaForCausalLM", self.target_model).compute_logits(hidden)
         return F.linear(hidden.to(torch.bfloat16), self.weight)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ deterministic (q one-hot), which keeps random sampling exact.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import numpy as np
 import torch
 
@@ -34,6 +36,9 @@ from kvserve.services.worker.parallel_state import broadcast_from_driver, get_pp
 from kvserve.services.worker.spec_decode.draft_head import DraftLMHead
 from kvserve.shared.config import SpeculativeConfig
 from kvserve.shared.logging import init_logger
+
+if TYPE_CHECKING:
+    from kvserve.services.worker.models.llama import LlamaForCausalLM
 
 logger = init_logger(__name__)
 
@@ -60,8 +65,10 @@ class DraftModelProposer:
         self.device = device
         self.block_size = block_size
         self.owns_cache = config.model is not None
+        # Every target is a LlamaForCausalLM (or a subclass); the seam types it nn.Module.
+        target = cast("LlamaForCausalLM", target_model)
         if config.model is None:
-            self.model = target_model
+            self.model = target
         else:
             from kvserve.services.worker.model_loader import resolve_model
             from kvserve.services.worker.models import load_model
@@ -69,7 +76,7 @@ class DraftModelProposer:
             self.model, draft_config = load_model(
                 resolve_model(config.model), dtype, device, None, config.model
             )
-            target_vocab = target_model.config.vocab_size
+            target_vocab = target.config.vocab_size
             if draft_config.vocab_size != target_vocab:
                 raise ValueError(
                     f"the draft model's vocabulary ({draft_config.vocab_size}) differs from "

@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -179,7 +179,8 @@ class EagleHead(nn.Module):
         super().__init__()
         check_target(config, target_model.config)
         self.config = config
-        self.embed_tokens = target_model.model.embed_tokens.forward  # a method: not registered
+        # A method, not a submodule: not registered.
+        self.embed_tokens = target_model.get_submodule("model.embed_tokens").forward
         hidden = config.hidden_size
         self.fc = ReplicatedLinear(2 * hidden, hidden, bias=config.fc_bias)
         max_position = max(
@@ -246,7 +247,7 @@ class EagleHead(nn.Module):
     def published_state_dict(self) -> dict[str, torch.Tensor]:
         """The parameters under the published names (q/k/v and gate/up split again)."""
         assert get_tp_size() == 1, "save a head from a single-rank model"
-        attn = self.layers[0].self_attn
+        attn = cast(LlamaDecoderLayer, self.layers[0]).self_attn
         out = {}
         for name, tensor in self.state_dict().items():
             if name.endswith("qkv_proj.weight"):

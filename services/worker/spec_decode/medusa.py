@@ -126,8 +126,8 @@ class MedusaHeads(nn.Module):
         self.register_buffer("token_map", None)
         if config.is_truncated:
             self.token_map = torch.zeros(rows, dtype=torch.int64)
-        for block in self.blocks:
-            for layer in block.layers:
+        for layer in self.blocks.modules():  # the blocks' only Linears are their layers
+            if isinstance(layer, nn.Linear):
                 nn.init.zeros_(layer.weight)
                 if layer.bias is not None:
                     nn.init.zeros_(layer.bias)

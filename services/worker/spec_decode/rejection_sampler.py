@@ -303,6 +303,7 @@ def verify(
     )
     logprobs = None
     if raw_logprobs is not None:
+        assert metadata.max_num_logprobs is not None  # raw logprobs only when asked for
         # Row j of request b scores its j-th emitted token.
         counts = torch.tensor(num_draft_tokens, dtype=torch.int64) + 1
         cols = torch.arange(int(counts.sum())) - torch.repeat_interleave(
