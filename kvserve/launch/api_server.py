@@ -17,7 +17,7 @@ import msgspec
 
 from kvserve.launch.engines import EngineCores, resolve_model_dir
 from kvserve.services.api.engine_client import EngineDeadError
-from kvserve.services.api.mp_client import EngineChannel, MPEngineClient
+from kvserve.services.api.mp_client import ClientTopology, EngineChannel, MPEngineClient
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.api_config import FrontendConfig, HTTPConfig
 from kvserve.shared.config import LoRAConfig, ModelConfig
@@ -135,12 +135,14 @@ async def _connected_client(
                 channel,
                 tokenizer_info,
                 api.model.served_name,
-                num_engines=topology.num_engines,
+                topology=ClientTopology(
+                    num_engines=topology.num_engines,
+                    routing=topology.routing,
+                    load_table_addr=topology.load_table_addr,
+                    kv_store_address=topology.kv_store_address,
+                    wait_for_restarts=topology.wait_for_restarts,
+                ),
                 engine_processes=engines.processes if engines else {},
-                routing=topology.routing,
-                load_table_addr=topology.load_table_addr,
-                kv_store_address=topology.kv_store_address,
-                wait_for_restarts=topology.wait_for_restarts,
             ),
             stop,
         )

@@ -78,8 +78,7 @@ def _engine_main(config: EngineConfig, launch: EngineLaunch, engine_index: int) 
         run_engine_core(
             config,
             launch.model_dir,
-            launch.addresses.input_addr,
-            launch.addresses.output_addr,
+            launch.addresses,
             engine_index,
             watch_parent=True,
             stats_addr=launch.stats_addr,

@@ -173,8 +173,7 @@ def run_engine(options: EngineOptions) -> int:
     return run_engine_core(
         config,
         resolve_model(config.model.model),
-        options.sockets.input_addr,
-        options.sockets.output_addr,
+        EngineAddresses(options.sockets.input_addr, options.sockets.output_addr),
         options.engine_index,
         stats_addr=options.stats_addr,
         frontend_timeout_s=FRONTEND_TIMEOUT_S.get(),

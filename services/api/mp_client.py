@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.services.api.dp_router import DPRouting
@@ -60,6 +61,26 @@ class EngineStalledError(EngineDeadError):
     """The engine process is alive but its loop has made no progress with work queued."""
 
 
+@dataclass(frozen=True)
+class ClientTopology:
+    """What the client routes over, besides the engines' READY messages.
+
+    Args:
+        num_engines: engine cores 0..num_engines-1 whose READY the client waits for.
+        routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
+        load_table_addr: the DP coordinator's PUB address (None: no coordinator).
+        kv_store_address: the P/D KV store's address, for /health (None: not known here).
+        wait_for_restarts: with no engine left, answer 503 and wait for one to say READY
+            again rather than die.
+    """
+
+    num_engines: int = 1
+    routing: DPRouting = "load"
+    load_table_addr: str | None = None
+    kv_store_address: str | None = None
+    wait_for_restarts: bool = False
+
+
 class MPEngineClient(EngineClient):
     """
     Args:
@@ -67,13 +88,9 @@ class MPEngineClient(EngineClient):
         model_name: the name the API serves the model under.
         channel: the bound sockets; every engine has said READY on them.
         engines: one EngineConnection per engine core.
-        routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
-        load_table_addr: the DP coordinator's PUB address (None: no coordinator).
-        kv_store_address: the P/D KV store's address, for /health (None: not known here).
+        topology: routing, the coordinator's and the store's addresses, restarts.
         engine_processes: engine index -> process, for the engines that are our children;
             the launcher replaces an entry when it restarts that engine.
-        wait_for_restarts: with no engine left, answer 503 and wait for one to say READY
-            again rather than die.
     """
 
     def __init__(
@@ -82,11 +99,8 @@ class MPEngineClient(EngineClient):
         model_name: str,
         channel: EngineChannel,
         engines: list[EngineConnection],
-        routing: DPRouting = "load",
-        load_table_addr: str | None = None,
-        kv_store_address: str | None = None,
+        topology: ClientTopology = ClientTopology(),
         engine_processes: dict[int, Any] | None = None,
-        wait_for_restarts: bool = False,
     ):
         assert engines, "a client needs at least one engine core"
         super().__init__(
@@ -97,8 +111,8 @@ class MPEngineClient(EngineClient):
             max_waiting_requests=min(e.handshake.max_waiting_requests for e in engines),
         )
         self.handshake = engines[0].handshake  # engine 0's, for single-engine callers
-        self.kv_store_address = kv_store_address
-        self.wait_for_restarts = wait_for_restarts
+        self.kv_store_address = topology.kv_store_address
+        self.wait_for_restarts = topology.wait_for_restarts
         self._dead_event = asyncio.Event()
         self.pool = EnginePool(
             channel,
@@ -107,7 +121,7 @@ class MPEngineClient(EngineClient):
             closed_reason=lambda: self.dead_reason,
             engine_lost=self._engine_died,
         )
-        self.routing = EngineRouting(self.pool, make_router(engines, routing))
+        self.routing = EngineRouting(self.pool, make_router(engines, topology.routing))
         self.flow = make_flow(self.pool, self.routing)
         self.liveness = EngineLiveness(
             self.pool,
@@ -124,10 +138,11 @@ class MPEngineClient(EngineClient):
             asyncio.create_task(self.liveness.watch(), name="engine-liveness"),
             asyncio.create_task(self.liveness.receive_readmissions(), name="engine-readmissions"),
         ]
-        if load_table_addr is not None:
+        if topology.load_table_addr is not None:
             self._tasks.append(
                 asyncio.create_task(
-                    self.routing.receive_load_tables(load_table_addr), name="dp-load-table"
+                    self.routing.receive_load_tables(topology.load_table_addr),
+                    name="dp-load-table",
                 )
             )
 
@@ -140,12 +155,8 @@ class MPEngineClient(EngineClient):
         engine_process=None,
         ready_timeout_s: float | None = None,
         *,
-        num_engines: int = 1,
+        topology: ClientTopology = ClientTopology(),
         engine_processes: dict[int, Any] | None = None,
-        routing: DPRouting = "load",
-        load_table_addr: str | None = None,
-        kv_store_address: str | None = None,
-        wait_for_restarts: bool = False,
     ) -> MPEngineClient:
         """Wait for READY from engines 0..num_engines-1 on `channel`; return a running client.
 
@@ -153,24 +164,14 @@ class MPEngineClient(EngineClient):
             engine_process: engine 0's process (single-engine callers).
             engine_processes: engine index -> process, for the engines that are our children
                 (kept, not copied: the launcher updates it when it restarts an engine).
-            wait_for_restarts: see the class.
+            topology: see ClientTopology.
         """
         timeout_s = ready_timeout_s or ENGINE_READY_TIMEOUT_S.get()
         processes = engine_processes if engine_processes is not None else {}
         if engine_process is not None:
             processes[0] = engine_process
-        engines = await channel.connect_engines(num_engines, timeout_s, processes)
-        return cls(
-            tokenizer_info,
-            model_name,
-            channel,
-            engines,
-            routing,
-            load_table_addr,
-            kv_store_address,
-            processes,
-            wait_for_restarts,
-        )
+        engines = await channel.connect_engines(topology.num_engines, timeout_s, processes)
+        return cls(tokenizer_info, model_name, channel, engines, topology, processes)
 
     # ------------------------------------------------------------------ the parts' state
 

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from kvserve.services.api.engine_client import EngineDeadError
-from kvserve.services.api.mp_client import EngineChannel, MPEngineClient
+from kvserve.services.api.mp_client import ClientTopology, EngineChannel, MPEngineClient
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from kvserve.shared.sampling_params import SamplingParams
@@ -125,7 +125,11 @@ def _scenario(tokenizer_info, roles: list[str | None], body) -> None:
         for engine in engines:
             await engine.start()
         client = await MPEngineClient.connect(
-            channel, tokenizer_info, "tiny", ready_timeout_s=5, num_engines=len(roles)
+            channel,
+            tokenizer_info,
+            "tiny",
+            ready_timeout_s=5,
+            topology=ClientTopology(num_engines=len(roles)),
         )
         try:
             await body(client, engines)

@@ -410,8 +410,7 @@ class _LoadReporter:
 def run_engine_core(
     config: EngineConfig,
     model_dir: str,
-    input_addr: str,
-    output_addr: str,
+    addresses: EngineAddresses,
     engine_index: int = 0,
     watch_parent: bool = False,
     stats_addr: str | None = None,
@@ -423,7 +422,7 @@ def run_engine_core(
     Args:
         config: the engine config.
         model_dir: a resolved HF-style model folder.
-        input_addr, output_addr: the api's ROUTER and PULL addresses.
+        addresses: the api's ROUTER (input) and PULL (output) addresses.
         engine_index: this engine's index.
         watch_parent: exit when the launching process dies (children of `kvserve serve`).
         stats_addr: the DP coordinator's load address (data parallelism), else None.
@@ -434,7 +433,7 @@ def run_engine_core(
     _install_signal_handlers(ignore_sigint=watch_parent)
     _configure_torch_threads(num_local_engines)
     proc = EngineCoreProc(
-        EngineAddresses(input_addr, output_addr),
+        addresses,
         engine_index,
         parent_pid=os.getppid() if watch_parent else None,
         stats_addr=stats_addr,
