@@ -1,10 +1,11 @@
 """Routers: which engine gets a new request.
 
 `load` and `prefix` are the shipped router, kvserve.services.api.dp_router.DPRouter, built as
-the api builds it (services/api/mp_client.py: the engines' block size and hash function, one
-`add_engine` per engine with its KV blocks) and driven through its own API: `choose` with the
-prompt's token ids, `update_loads` with the coordinator's load table. Nothing of its rule
-(scores, tie-breaks, prefix slack, hashing, its per-engine record) is repeated here.
+the api builds it (make_router in services/api/engine_routing.py: the engines' block size and
+hash function, one `add_engine` per engine with its KV blocks) and driven through its own API:
+`choose` with the prompt's token ids, `update_loads` with the coordinator's load table.
+Nothing of its rule (scores, tie-breaks, prefix slack, hashing, its per-engine record) is
+repeated here.
 
 `round_robin` is a baseline of this simulator only; kvserve ships no such policy.
 """
