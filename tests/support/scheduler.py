@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 
 from kvserve.services.scheduler.core.request import Request, make_block_hasher
-from kvserve.services.scheduler.core.scheduler import Scheduler
+from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
 from kvserve.services.scheduler.engine.request_checks import RequestChecker
 from kvserve.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.hashing import get_hash_fn
@@ -65,9 +65,11 @@ def create_scheduler(
         num_blocks,
         max_model_len,
         log_stats,
-        speculative_config=speculative_config,
-        step_costs=step_costs,
-        kv_connector=kv_connector,
+        SchedulerFeatures(
+            speculative_config=speculative_config,
+            step_costs=step_costs or [],
+            kv_connector=kv_connector,
+        ),
     )
 
 

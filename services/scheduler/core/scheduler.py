@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.services.kv_store.connector import SchedulerConnector
@@ -55,6 +56,33 @@ from kvserve.shared.messages import (
 logger = init_logger(__name__)
 
 
+@dataclass(frozen=True)
+class SchedulerFeatures:
+    """The optional features a Scheduler plugs in, each at its seam (all off by default).
+
+    Args:
+        structured_output_manager: compiles grammars; None refuses structured requests.
+        lora_config: with enable_lora, requests may name adapters, and the running requests
+            use max_loras distinct adapters at most (the others wait); else LoRA requests
+            are refused.
+        speculative_config: speculative decoding (None: off). Each decoding request's drafts
+            from the last step are scheduled as extra query tokens; the ones the target
+            rejects are rolled back (num_computed_tokens and the KV slots they wrote).
+            The rules are spec_scheduler.py's (`Scheduler.spec_decode`).
+        step_costs: (query tokens, seconds) of a forward, measured by the workers; the
+            adaptive speculation rule (spec_decode.py) weighs drafts against them.
+        kv_connector: the KV connector's scheduler half (services/kv_store/connector.py):
+            a waiting request with external prefix hits parks until they load; what else
+            the connector moves (saves, evicted blocks) is its own business.
+    """
+
+    structured_output_manager: StructuredOutputManager | None = None
+    lora_config: LoRAConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
+    step_costs: list[tuple[int, float]] = field(default_factory=list)
+    kv_connector: SchedulerConnector | None = None
+
+
 class Scheduler:
     """Decides every step's batch and owns the request lifecycle in the engine core.
 
@@ -66,19 +94,7 @@ class Scheduler:
             cache holds, so `self.max_model_len` is the effective limit.
         log_stats: collect the counters `make_stats` reports, and time each request's
             events (queued, scheduled, preempted) for the api's metrics.
-        structured_output_manager: compiles grammars; None refuses structured requests.
-        lora_config: with enable_lora, requests may name adapters, and the running requests
-            use max_loras distinct adapters at most (the others wait); else LoRA requests
-            are refused.
-        speculative_config: speculative decoding (None: off). Each decoding request's drafts
-            from the last step are scheduled as extra query tokens; the ones the target
-            rejects are rolled back (num_computed_tokens and the KV slots they wrote).
-            The rules are spec_scheduler.py's (`self.spec_decode`).
-        step_costs: (query tokens, seconds) of a forward, measured by the workers; the
-            adaptive speculation rule (spec_decode.py) weighs drafts against them.
-        kv_connector: the KV connector's scheduler half (services/kv_store/connector.py):
-            a waiting request with external prefix hits parks until they load; what else
-            the connector moves (saves, evicted blocks) is its own business.
+        features: the optional features, each plugged in at its seam (SchedulerFeatures).
     """
 
     def __init__(
@@ -88,12 +104,12 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         log_stats: bool = True,
-        structured_output_manager: StructuredOutputManager | None = None,
-        lora_config: LoRAConfig | None = None,
-        speculative_config: SpeculativeConfig | None = None,
-        step_costs: list[tuple[int, float]] | None = None,
-        kv_connector: SchedulerConnector | None = None,
+        features: SchedulerFeatures = SchedulerFeatures(),
     ) -> None:
+        lora_config = features.lora_config
+        speculative_config = features.speculative_config
+        structured_output_manager = features.structured_output_manager
+        kv_connector = features.kv_connector
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config
         self.lora_config = lora_config if lora_config and lora_config.enable_lora else None
@@ -104,7 +120,7 @@ class Scheduler:
         self._fit_max_model_len_to_cache(num_blocks)
         self._check_config()
         self.spec_decode = (
-            SpecDecodeScheduler(speculative_config, step_costs or [], self.max_model_len)
+            SpecDecodeScheduler(speculative_config, features.step_costs, self.max_model_len)
             if speculative_config is not None
             else None
         )

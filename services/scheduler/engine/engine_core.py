@@ -12,7 +12,7 @@ import time
 
 import msgspec
 
-from kvserve.services.scheduler.core.scheduler import Scheduler
+from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
 from kvserve.services.scheduler.engine.request_checks import (
     RequestChecker,
     queue_full_error,
@@ -113,11 +113,13 @@ class EngineCore:
             config.cache,
             num_blocks,
             self.executor.max_model_len,
-            structured_output_manager=self.structured_output_manager,
-            lora_config=config.lora,
-            speculative_config=config.speculative_config,
-            step_costs=step_costs,
-            kv_connector=self._make_kv_connector(config),
+            features=SchedulerFeatures(
+                structured_output_manager=self.structured_output_manager,
+                lora_config=config.lora,
+                speculative_config=config.speculative_config,
+                step_costs=step_costs,
+                kv_connector=self._make_kv_connector(config),
+            ),
         )
         self.vocab_size = model_vocab_size(model_dir)
         self.bound_waiting = bound_waiting

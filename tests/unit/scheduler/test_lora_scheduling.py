@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvserve.services.scheduler.core.scheduler import Scheduler
+from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
 from kvserve.shared.config import CacheConfig, LoRAConfig, SchedulerConfig
 from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreRequest, FinishReason
@@ -37,7 +37,9 @@ def make_scheduler(max_loras: int = 2, enable_lora: bool = True) -> Scheduler:
         CacheConfig(block_size=16),
         num_blocks=200,
         max_model_len=512,
-        lora_config=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras),
+        features=SchedulerFeatures(
+            lora_config=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras)
+        ),
     )
 
 
