@@ -2,24 +2,50 @@
 
 Each op has a torch reference (`*_ref`, used on CPU) and a Triton kernel (used on CUDA). Callers
 import the op names below and never pick an implementation themselves.
+
+This folder is the package `kvserve.kernels` (pyproject's package-dir). When a checkout's root is
+on `sys.path` (`python -m ...` or pytest run from it), the folder is also importable as a
+top-level `kernels`, which shadows PyPI's `kernels`: transformers >= 5.25 depends on that package
+and imports it. Imported under that name, this module hands the name to the installed package.
 """
 
-from kvserve.kernels.dispatch import (
-    fused_add_rms_norm,
-    linear,
-    paged_attention,
-    rms_norm,
-    rotary_embedding,
-    silu_and_mul,
-    write_kv_cache,
-)
+import sys
 
-__all__ = [
-    "fused_add_rms_norm",
-    "linear",
-    "paged_attention",
-    "rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "write_kv_cache",
-]
+if __name__ == "kernels":
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    def _load_the_shadowed_package() -> None:
+        checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = [p for p in sys.path if os.path.abspath(p or os.curdir) != checkout]
+        spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(
+                f"no package 'kernels' is installed; {checkout}/kernels is kvserve.kernels"
+            )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["kernels"] = module
+        spec.loader.exec_module(module)
+
+    _load_the_shadowed_package()
+else:
+    from kvserve.kernels.dispatch import (
+        fused_add_rms_norm,
+        linear,
+        paged_attention,
+        rms_norm,
+        rotary_embedding,
+        silu_and_mul,
+        write_kv_cache,
+    )
+
+    __all__ = [
+        "fused_add_rms_norm",
+        "linear",
+        "paged_attention",
+        "rms_norm",
+        "rotary_embedding",
+        "silu_and_mul",
+        "write_kv_cache",
+    ]
