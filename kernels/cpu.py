@@ -31,13 +31,16 @@ from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.c", "cpu_ops.c")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("decode_attention.c", "cpu_ops.c", "decode_stack.c")
+]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _FUNCTIONS = [
     f"{op}_{suffix}"
     for op in ("decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
     for suffix in ("f32", "bf16")
-] + ["bind_omp_threads"]
+] + ["bind_omp_threads", "decode_stack"]
 DTYPES = (torch.float32, torch.bfloat16)
 
 _c_int64_p = ctypes.POINTER(ctypes.c_int64)
@@ -172,6 +175,8 @@ _LIBRARY = NativeLibrary(
     key_files=_HEADERS,
 )
 _load = _LIBRARY.load
+# The loaded library for the modules beside this one that call into it (decode_stack.py).
+library = _LIBRARY.load
 
 
 def status() -> str:

@@ -57,6 +57,13 @@ def _flag(text: str) -> bool:
     raise ValueError("must be 1/true/yes/on or 0/false/no/off")
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -122,6 +129,13 @@ CPU_THREADS_BIND = EnvVar(
     _flag,
     "pin each torch OpenMP thread of a computing process (the uni engine, each mp worker) to "
     "one core of its share of the host, as vLLM's VLLM_CPU_OMP_THREADS_BIND does (default off)",
+)
+NATIVE_DECODE_ROWS = EnvVar(
+    "KVSERVE_NATIVE_DECODE_ROWS",
+    8,
+    _non_negative_int,
+    "decode steps of up to this many tokens run a dense model's whole layer stack in one C "
+    "call on the CPU (kernels/decode_stack.py; default 8, 0: off, every step on the modules)",
 )
 API_KEY = EnvVar(
     "KVSERVE_API_KEY",

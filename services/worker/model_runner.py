@@ -31,6 +31,7 @@ from kvserve.services.worker.layers.embed_head import ParallelLMHead
 from kvserve.services.worker.layers.linear import LinearBase
 from kvserve.services.worker.model_loader import weights_identity
 from kvserve.services.worker.models import load_model
+from kvserve.services.worker.models.native_decode import bind_decode_stack
 from kvserve.services.worker.parallel_state import (
     broadcast_from_driver,
     get_tp_rank,
@@ -50,6 +51,7 @@ from kvserve.services.worker.spec_decode.proposer import Proposer, ProposerConte
 from kvserve.services.worker.spec_decode.registry import make_proposer
 from kvserve.services.worker.spec_decode.rejection_sampler import verify
 from kvserve.services.worker.step_inputs import StepBatch, prepare_inputs
+from kvserve.shared import env
 from kvserve.shared.config import EngineConfig, SpeculativeConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import KvFingerprint, Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -208,6 +210,9 @@ class ModelRunner:
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
         )
         self.cuda_graphs = self.capture_cuda_graphs(max_blocks_per_req)
+        if self.device.type == "cpu":
+            rows = env.NATIVE_DECODE_ROWS.get()
+            logger.info("native decode stack %s", bind_decode_stack(self.model, self.dtype, rows))
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_blocks_per_req: int) -> DecodeGraphs | None:

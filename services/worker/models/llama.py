@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from kvserve.kernels.decode_stack import DecodeStack
 from kvserve.kernels.quant import QuantizedTensor
 from kvserve.services.worker.layers.activation import get_act_and_mul
 from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
@@ -196,6 +197,9 @@ class LlamaModel(nn.Module):
         self.norm = (
             arch.norm_class(config.hidden_size, config.rms_norm_eps) if is_last_pp_rank() else None
         )
+        # Decode steps of up to its max_rows tokens run the stage's layers in one C call
+        # (models/native_decode.py binds it on the CPU once the KV cache is bound).
+        self.decode_stack: DecodeStack | None = None
 
     def forward(
         self,
@@ -221,8 +225,24 @@ class LlamaModel(nn.Module):
             assert intermediate_tensors is not None, "a later stage needs the previous one's"
             hidden_states, residual = intermediate_tensors
         end_layer = self.end_layer if num_layers is None else min(num_layers, self.end_layer)
-        for layer in self.layers[self.start_layer : end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        stack = self.decode_stack
+        if (
+            stack is not None
+            and end_layer == self.end_layer
+            and attn_metadata.max_query_len == 1
+            and hidden_states.shape[0] <= stack.max_rows
+        ):
+            hidden_states, residual = stack.run(
+                hidden_states,
+                residual,
+                positions,
+                attn_metadata.slot_mapping,
+                attn_metadata.block_table,
+                attn_metadata.seq_lens,
+            )
+        else:
+            for layer in self.layers[self.start_layer : end_layer]:
+                hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         if self.norm is None:
             assert residual is not None  # every stage runs at least one layer (pp_layer_range)
             return hidden_states, residual

@@ -1,0 +1,263 @@
+// A decode step of a dense Llama-family decoder in one native call: every layer of the stack,
+// for M tokens of M requests (one query token each), without returning to Python.
+//
+// Per layer, in the order the torch modules run (services/worker/models/llama.py), with the
+// same roundings to the model dtype between stages:
+//   residual add + RMSNorm -> qkv GEMV (+ bias) -> RoPE of q and k, K/V written to the paged
+//   cache -> decode attention (decode_attention.c) -> o GEMV -> residual add + RMSNorm ->
+//   gate|up GEMV -> SiLU-and-mul -> down GEMV.
+// Weights are read once per step whatever M is (each W row meets all M inputs while it is in
+// L1), so a batch-1 step is bound by the weights' bytes over the memory bandwidth.
+//
+// Activations live in float32 work buffers; in bfloat16 each stage's output is rounded to
+// bfloat16 where the module path stores a bfloat16 tensor. The caller owns every buffer.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+// The weights and cache of one layer. Matrices are row-major [out, in] in the model dtype.
+typedef struct {
+    const float *input_norm;   // [H] float32
+    const float *post_norm;    // [H] float32
+    const void *qkv_w;         // [Hq*D + 2*Hkv*D, H]
+    const float *qkv_b;        // [Hq*D + 2*Hkv*D] float32, or NULL
+    const void *o_w;           // [H, Hq*D]
+    const void *gate_up_w;     // [2*I, H]
+    const void *down_w;        // [H, I]
+    void *key_cache;           // [num_blocks, block_size, Hkv, D]
+    void *value_cache;         // same
+    const float *cos_sin;      // [max_position, D]: cos | sin halves
+    int64_t sliding_window;    // 0: none
+} stack_layer;
+
+// The model's shape (the same for every layer of the stack).
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_size, intermediate, block_size;
+    int64_t is_bf16;
+    float eps, scale, soft_cap, pad;
+} stack_shape;
+
+void decode_attention_f32(float *out, const float *query, int64_t q_token_stride,
+                          int64_t q_head_stride, const float *key_cache,
+                          const float *value_cache, int64_t block_stride, int64_t slot_stride,
+                          const int32_t *block_table, int64_t table_stride,
+                          const int32_t *seq_lens, const int64_t *token_rows, int num_reqs,
+                          int num_heads, int num_kv_heads, int head_size, int block_size,
+                          float scale, int sliding_window, float soft_cap);
+void decode_attention_bf16(uint16_t *out, const uint16_t *query, int64_t q_token_stride,
+                           int64_t q_head_stride, const uint16_t *key_cache,
+                           const uint16_t *value_cache, int64_t block_stride,
+                           int64_t slot_stride, const int32_t *block_table,
+                           int64_t table_stride, const int32_t *seq_lens,
+                           const int64_t *token_rows, int num_reqs, int num_heads,
+                           int num_kv_heads, int head_size, int block_size, float scale,
+                           int sliding_window, float soft_cap);
+
+static inline float round_to(float v, int bf16) {
+    return bf16 ? bf16_to_f32(f32_to_bf16_rne(v)) : v;
+}
+
+static void round_all(float *x, int64_t n, int bf16) {
+    if (!bf16) return;
+    for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16_rne(x[i]));
+}
+
+// y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N: W rows in blocks of four, each block
+// against all M inputs. x float32 [M, K]; y float32 [M, N].
+#define DEFINE_GEMV(NAME, T, LOAD)                                                            \
+static void NAME(float *y, const float *x, const T *w, int M, int N, int K) {                 \
+    const int blocks = (N + 3) / 4;                                                           \
+    _Pragma("omp parallel for schedule(static)")                                              \
+    for (int b = 0; b < blocks; b++) {                                                        \
+        const int n0 = b * 4;                                                                 \
+        if (n0 + 4 <= N) {                                                                    \
+            const T *w0 = w + (int64_t)n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;      \
+            for (int m = 0; m < M; m++) {                                                     \
+                const float *xm = x + (int64_t)m * K;                                         \
+                float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;                                 \
+                _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                  \
+                for (int k = 0; k < K; k++) {                                                 \
+                    const float xv = xm[k];                                                   \
+                    a0 += xv * LOAD(w0, k);                                                   \
+                    a1 += xv * LOAD(w1, k);                                                   \
+                    a2 += xv * LOAD(w2, k);                                                   \
+                    a3 += xv * LOAD(w3, k);                                                   \
+                }                                                                             \
+                float *ym = y + (int64_t)m * N + n0;                                          \
+                ym[0] = a0; ym[1] = a1; ym[2] = a2; ym[3] = a3;                               \
+            }                                                                                 \
+        } else {                                                                              \
+            for (int n = n0; n < N; n++) {                                                    \
+                const T *wn = w + (int64_t)n * K;                                             \
+                for (int m = 0; m < M; m++) {                                                 \
+                    const float *xm = x + (int64_t)m * K;                                     \
+                    float a = 0.f;                                                            \
+                    _Pragma("omp simd reduction(+:a)")                                        \
+                    for (int k = 0; k < K; k++) a += xm[k] * LOAD(wn, k);                     \
+                    y[(int64_t)m * N + n] = a;                                                \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+static inline float load_f32(const float *p, int64_t i) { return p[i]; }
+static inline float load_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
+
+DEFINE_GEMV(gemv_f32, float, load_f32)
+DEFINE_GEMV(gemv_bf16, uint16_t, load_bf16)
+
+static void gemv(const stack_shape *s, float *y, const float *x, const void *w, int M, int N,
+                 int K) {
+    if (s->is_bf16)
+        gemv_bf16(y, x, (const uint16_t *)w, M, N, K);
+    else
+        gemv_f32(y, x, (const float *)w, M, N, K);
+}
+
+// out[m] = rms_norm(x[m]) * weight, rounded; x float32 [M, H] (already rounded).
+static void rms_norm_rows(float *out, const float *x, const float *weight, int M, int H,
+                          float eps, int bf16) {
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (int64_t)m * H;
+        float sum_sq = 0.f;
+        _Pragma("omp simd reduction(+:sum_sq)")
+        for (int i = 0; i < H; i++) sum_sq += xm[i] * xm[i];
+        const float inv_rms = 1.f / sqrtf(sum_sq / H + eps);
+        float *om = out + (int64_t)m * H;
+        for (int i = 0; i < H; i++) om[i] = round_to(xm[i] * inv_rms * weight[i], bf16);
+    }
+}
+
+// Neox RoPE of one [heads, D] row in place (float32), rounded.
+static void rope_row(float *x, const float *cos, const float *sin, int heads, int D, int bf16) {
+    const int half = D / 2;
+    for (int h = 0; h < heads; h++) {
+        float *xh = x + (int64_t)h * D;
+        for (int i = 0; i < half; i++) {
+            const float x1 = xh[i], x2 = xh[i + half];
+            xh[i] = round_to(x1 * cos[i] - x2 * sin[i], bf16);
+            xh[i + half] = round_to(x2 * cos[i] + x1 * sin[i], bf16);
+        }
+    }
+}
+
+static void store_row(void *dst, const float *src, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16_rne(src[i]);
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    }
+}
+
+static void load_row(float *dst, const void *src, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    }
+}
+
+// Runs layers[0..num_layers) for M decode tokens.
+//   hidden, residual: [M, H] in the model dtype, in and out (as the module path's
+//     (hidden_states, residual) pair); has_residual 0: the stack's first layer starts the
+//     residual stream from hidden (the model's first layer).
+//   positions, slots: [M] int64 (a slot < 0 is not written); block_table [M, table_stride]
+//     int32; seq_lens [M] int32 (context after this step); token_rows [M] int64 = 0..M-1.
+//   work: float32 [M * (3 H + (Hq + 2 Hkv) D + 3 Hq D + 3 I)] (kernels/decode_stack.py sizes it).
+void decode_stack(const stack_layer *layers, int num_layers, const stack_shape *s, void *hidden,
+                  void *residual, int has_residual, int M, const int64_t *positions,
+                  const int64_t *slots, const int32_t *block_table, int64_t table_stride,
+                  const int32_t *seq_lens, const int64_t *token_rows, float *work) {
+    const int bf16 = (int)s->is_bf16;
+    const int H = (int)s->hidden, D = (int)s->head_size, Hq = (int)s->num_heads;
+    const int Hkv = (int)s->num_kv_heads, I = (int)s->intermediate;
+    const int QD = Hq * D, KVD = Hkv * D, NQKV = QD + 2 * KVD;
+    const int64_t slot_stride = KVD, block_stride = (int64_t)s->block_size * KVD;
+    const size_t elem = bf16 ? 2 : 4;
+
+    float *h = work;                     // [M, H] this layer's output / next layer's input
+    float *res = h + (int64_t)M * H;     // [M, H] the residual stream
+    float *xn = res + (int64_t)M * H;    // [M, H] normed input of a GEMV
+    float *qkv = xn + (int64_t)M * H;    // [M, NQKV]
+    float *attn = qkv + (int64_t)M * NQKV;  // [M, QD]
+    void *q_t = attn + (int64_t)M * QD;     // [M, QD] model dtype: the attention's query
+    void *o_t = (float *)q_t + (int64_t)M * QD;  // [M, QD] model dtype: its output
+    float *gate_up = (float *)o_t + (int64_t)M * QD;  // [M, 2I]
+    float *act = gate_up + (int64_t)M * 2 * I;        // [M, I]
+
+    load_row(h, hidden, (int64_t)M * H, bf16);
+    if (has_residual)
+        load_row(res, residual, (int64_t)M * H, bf16);
+
+    for (int l = 0; l < num_layers; l++) {
+        const stack_layer *L = &layers[l];
+        // Input norm, the residual add fused (rounded as the fused kernel rounds it).
+        if (l == 0 && !has_residual) {
+            memcpy(res, h, sizeof(float) * (size_t)M * H);
+        } else {
+            for (int64_t i = 0; i < (int64_t)M * H; i++) res[i] = round_to(h[i] + res[i], bf16);
+        }
+        rms_norm_rows(xn, res, L->input_norm, M, H, s->eps, bf16);
+
+        // qkv, RoPE, the K/V write.
+        gemv(s, qkv, xn, L->qkv_w, M, NQKV, H);
+        for (int m = 0; m < M; m++) {
+            float *row = qkv + (int64_t)m * NQKV;
+            for (int i = 0; i < NQKV; i++)
+                row[i] = round_to(L->qkv_b ? row[i] + L->qkv_b[i] : row[i], bf16);
+            const float *cos = L->cos_sin + positions[m] * D, *sin = cos + D / 2;
+            rope_row(row, cos, sin, Hq, D, bf16);
+            rope_row(row + QD, cos, sin, Hkv, D, bf16);
+            store_row((char *)q_t + (size_t)m * QD * elem, row, QD, bf16);
+            if (slots[m] >= 0) {
+                const int64_t block = slots[m] / s->block_size, offset = slots[m] % s->block_size;
+                const int64_t at = (block * block_stride + offset * slot_stride) * (int64_t)elem;
+                store_row((char *)L->key_cache + at, row + QD, KVD, bf16);
+                store_row((char *)L->value_cache + at, row + QD + KVD, KVD, bf16);
+            }
+        }
+
+        // Attention over the paged cache, then o_proj.
+        if (bf16)
+            decode_attention_bf16((uint16_t *)o_t, (const uint16_t *)q_t, QD, D,
+                                  (const uint16_t *)L->key_cache,
+                                  (const uint16_t *)L->value_cache, block_stride, slot_stride,
+                                  block_table, table_stride, seq_lens, token_rows, M, Hq, Hkv, D,
+                                  (int)s->block_size, s->scale, (int)L->sliding_window,
+                                  s->soft_cap);
+        else
+            decode_attention_f32((float *)o_t, (const float *)q_t, QD, D,
+                                 (const float *)L->key_cache, (const float *)L->value_cache,
+                                 block_stride, slot_stride, block_table, table_stride, seq_lens,
+                                 token_rows, M, Hq, Hkv, D, (int)s->block_size, s->scale,
+                                 (int)L->sliding_window, s->soft_cap);
+        load_row(attn, o_t, (int64_t)M * QD, bf16);
+        gemv(s, h, attn, L->o_w, M, H, QD);
+        round_all(h, (int64_t)M * H, bf16);
+
+        // Post-attention norm with the residual add, the MLP.
+        for (int64_t i = 0; i < (int64_t)M * H; i++) res[i] = round_to(h[i] + res[i], bf16);
+        rms_norm_rows(xn, res, L->post_norm, M, H, s->eps, bf16);
+        gemv(s, gate_up, xn, L->gate_up_w, M, 2 * I, H);
+        for (int m = 0; m < M; m++) {
+            const float *g = gate_up + (int64_t)m * 2 * I, *u = g + I;
+            float *a = act + (int64_t)m * I;
+            for (int i = 0; i < I; i++) {
+                const float gate = round_to(g[i], bf16);
+                const float silu = round_to(gate / (1.f + exp_approx(-gate)), bf16);
+                a[i] = round_to(silu * round_to(u[i], bf16), bf16);
+            }
+        }
+        gemv(s, h, act, L->down_w, M, H, I);
+        round_all(h, (int64_t)M * H, bf16);
+    }
+    store_row(hidden, h, (int64_t)M * H, bf16);
+    store_row(residual, res, (int64_t)M * H, bf16);
+}

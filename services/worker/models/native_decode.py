@@ -1,0 +1,136 @@
+"""Whether a model's decode steps can run as one native call, and binding it if so.
+
+`bind_decode_stack` looks at a loaded model once its KV cache is bound (the model runner calls
+it on the CPU) and, when every layer is what kernels/decode_stack.py computes, gives the
+model's `LlamaModel` a `DecodeStack`; its forward then hands small decode steps to it. The
+start-up log says which way it went and why, so a family or option the stack does not cover
+is visible, not slow in silence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.kernels import decode_stack
+from kvserve.kernels.decode_stack import DecodeStack, StackLayer, StackShape
+from kvserve.services.worker.layers.activation import SiluAndMul
+from kvserve.services.worker.layers.layernorm import RMSNorm
+from kvserve.services.worker.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from kvserve.services.worker.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from kvserve.services.worker.parallel_state import get_tp_size
+
+
+class NotCovered(Exception):
+    """What in the model the native stack does not compute (the message says)."""
+
+
+def _float_weight(linear: nn.Module, kind: type[LinearBase], dtype: torch.dtype) -> torch.Tensor:
+    if type(linear) is not kind:
+        raise NotCovered(f"{type(linear).__name__} where {kind.__name__} was expected (LoRA?)")
+    assert isinstance(linear, LinearBase)
+    if not isinstance(linear.quant_method, UnquantizedLinearMethod):
+        raise NotCovered("quantized linear layers")
+    weight = linear.weight
+    if weight.dtype != dtype or not weight.is_contiguous():
+        raise NotCovered(f"a {weight.dtype} weight in a {dtype} model")
+    return weight.data
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    if not isinstance(norm, RMSNorm):
+        raise NotCovered(f"{type(norm).__name__} norms")
+    return norm.weight.data.float().contiguous()
+
+
+def _decoder_layer(layer: nn.Module) -> LlamaDecoderLayer:
+    if not isinstance(layer, LlamaDecoderLayer) or type(layer) is not LlamaDecoderLayer:
+        raise NotCovered(f"{type(layer).__name__} layers")
+    return layer
+
+
+def _stack_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> StackLayer:
+    if layer.sandwich_norms:
+        raise NotCovered("sandwich norms")
+    attn = layer.self_attn
+    if attn.q_norm is not None:
+        raise NotCovered("per-head q/k norms")
+    mlp = layer.mlp
+    if not isinstance(mlp, LlamaMLP) or type(mlp) is not LlamaMLP:
+        raise NotCovered(f"{type(mlp).__name__} feed-forward blocks")
+    if not isinstance(mlp.act_fn, SiluAndMul):
+        raise NotCovered(f"{type(mlp.act_fn).__name__} activations")
+    if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None:
+        raise NotCovered("a bias on o_proj or the MLP")
+    if mlp.down_proj.bias is not None:
+        raise NotCovered("a bias on down_proj")
+    cache = attn.attn.kv_cache
+    assert cache is not None, "bind_decode_stack checks the caches are bound"
+    qkv_bias = attn.qkv_proj.bias
+    return StackLayer(
+        input_norm=_norm_weight(layer.input_layernorm),
+        post_norm=_norm_weight(layer.post_attention_layernorm),
+        qkv_w=_float_weight(attn.qkv_proj, QKVParallelLinear, dtype),
+        qkv_b=None if qkv_bias is None else qkv_bias.data.float().contiguous(),
+        o_w=_float_weight(attn.o_proj, RowParallelLinear, dtype),
+        gate_up_w=_float_weight(mlp.gate_up_proj, MergedColumnParallelLinear, dtype),
+        down_w=_float_weight(mlp.down_proj, RowParallelLinear, dtype),
+        key_cache=cache[0],
+        value_cache=cache[1],
+        cos_sin=attn.rotary_emb.cos_sin_cache.float().contiguous(),
+        sliding_window=attn.attn.sliding_window,
+    )
+
+
+def _build(
+    stage: list[LlamaDecoderLayer], hidden_size: int, dtype: torch.dtype, max_rows: int
+) -> DecodeStack:
+    if get_tp_size() > 1:
+        raise NotCovered("tensor parallelism (an all-reduce sits inside each layer)")
+    if not decode_stack.available(dtype):
+        raise NotCovered(f"{dtype} (no C kernels for it here)")
+    layers = [_stack_layer(layer, dtype) for layer in stage]
+    if len({layer.self_attn.attn.logits_soft_cap for layer in stage}) > 1:
+        raise NotCovered("attention soft caps that differ by layer")
+    first = stage[0]
+    attn, norm = first.self_attn.attn, first.input_layernorm
+    assert isinstance(norm, RMSNorm)  # _stack_layer checked
+    shape = StackShape(
+        hidden=hidden_size,
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_size=attn.head_size,
+        intermediate=layers[0].down_w.shape[1],
+        eps=float(norm.eps),
+        scale=float(attn.scale),
+        soft_cap=attn.logits_soft_cap,
+    )
+    return DecodeStack(layers, shape, dtype, max_rows)
+
+
+def bind_decode_stack(model: nn.Module, dtype: torch.dtype, max_rows: int) -> str:
+    """Give the model's decoder a native decode stack for steps of up to max_rows tokens
+    when it is covered; say what was done (for the start-up log)."""
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, LlamaModel):
+        return f"off: {type(model).__name__} has no Llama-style decoder"
+    inner.decode_stack = None
+    if max_rows <= 0:
+        return "off (KVSERVE_NATIVE_DECODE_ROWS=0)"
+    try:
+        stage = [
+            _decoder_layer(layer) for layer in inner.layers[inner.start_layer : inner.end_layer]
+        ]
+        if any(layer.self_attn.attn.kv_cache is None for layer in stage):
+            return "off: no KV cache is bound yet"
+        hidden_size = _norm_weight(stage[0].input_layernorm).shape[0]
+        inner.decode_stack = _build(stage, hidden_size, dtype, max_rows)
+    except NotCovered as reason:
+        return f"off: the stack does not compute {reason}; decode steps run the modules"
+    return f"on: decode steps of up to {max_rows} tokens run {len(stage)} layers in one C call"

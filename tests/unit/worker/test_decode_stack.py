@@ -1,0 +1,137 @@
+"""The native decode stack (kernels/decode_stack.py) against HF and against the module path.
+
+A decode step of up to max_rows tokens runs every layer in one C call once the stack is bound
+(services/worker/models/native_decode.py); prefill steps and larger steps run the modules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kernels import decode_stack
+from kvserve.services.worker.models import load_model
+from kvserve.services.worker.models.native_decode import bind_decode_stack
+from tests.support.model_steps import (
+    ATOL,
+    bind_kv_caches,
+    build_step,
+    hf_logits,
+    random_tokens,
+    run_step,
+)
+
+pytestmark = pytest.mark.skipif(
+    not decode_stack.available(torch.float32), reason="needs the C CPU kernels (a C compiler)"
+)
+
+
+def _bound(model_dir, dtype: torch.dtype, max_rows: int = 8):
+    model, _ = load_model(model_dir, dtype, "cpu")
+    bind_kv_caches(model)
+    if dtype != torch.float32:
+        for module in model.modules():
+            cache = getattr(module, "kv_cache", None)
+            if isinstance(cache, torch.Tensor):
+                module.kv_cache = cache.to(dtype)
+    status = bind_decode_stack(model, dtype, max_rows)
+    return model, status
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2"])
+def test_decodes_through_the_stack_match_hf(tiny_checkpoint, kind):
+    model_dir, hf_model = tiny_checkpoint(kind)
+    model, status = _bound(model_dir, torch.float32)
+    assert status.startswith("on"), status
+    calls = []
+    stack = model.model.decode_stack
+    real_run = stack.run
+    stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
+    tokens_a, tokens_b = random_tokens(9, 96, seed=11), random_tokens(7, 96, seed=12)
+    blocks_a, blocks_b = [4, 1, 8], [2, 11]
+    expected_a, expected_b = hf_logits(hf_model, tokens_a), hf_logits(hf_model, tokens_b)
+    run_step(model, [(tokens_a[:5], 0, blocks_a), (tokens_b[:3], 0, blocks_b)])
+    got_a, got_b = [], []
+    for step in range(4):  # both requests decode: two rows per native call
+        pa, pb = 5 + step, 3 + step
+        a, b = run_step(model, [([tokens_a[pa]], pa, blocks_a), ([tokens_b[pb]], pb, blocks_b)])
+        got_a.append(a[0])
+        got_b.append(b[0])
+    torch.testing.assert_close(torch.stack(got_a), expected_a[5:9], atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.stack(got_b), expected_b[3:7], atol=ATOL, rtol=0)
+    assert calls == [2, 2, 2, 2]  # the prefill ran the modules
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stack_equals_the_module_path(tiny_checkpoint, dtype):
+    # The same steps on two copies of the model, one with the stack bound: same logits (float32
+    # to GEMM-order rounding; bfloat16 rounds each stage as the modules do), same KV caches.
+    model_dir, _ = tiny_checkpoint("qwen2")
+    native, status = _bound(model_dir, dtype)
+    assert status.startswith("on"), status
+    modules, _ = _bound(model_dir, dtype, max_rows=0)
+    assert modules.model.decode_stack is None
+    prompts = [random_tokens(n, 96, seed=20 + n) for n in (6, 9, 4)]
+    blocks = [[0, 1, 2], [3, 4, 5], [6, 7]]
+    steps = [[(p[:-2], 0, b) for p, b in zip(prompts, blocks)]]
+    steps += [
+        [(p[-2 + i : len(p) - 1 + i], len(p) - 2 + i, b) for p, b in zip(prompts, blocks)]
+        for i in (0, 1)
+    ]
+    for requests in steps:
+        got = torch.cat(run_step(native, requests))
+        want = torch.cat(run_step(modules, requests))
+        tol = dict(atol=1e-4, rtol=0) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+        torch.testing.assert_close(got, want, **tol)
+    for a, b in zip(native.modules(), modules.modules()):
+        cache_a, cache_b = getattr(a, "kv_cache", None), getattr(b, "kv_cache", None)
+        if isinstance(cache_a, torch.Tensor):
+            tol = dict(atol=1e-5, rtol=0) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+            torch.testing.assert_close(cache_a.float(), cache_b.float(), **tol)
+
+
+def test_a_step_over_max_rows_runs_the_modules(tiny_checkpoint):
+    model_dir, hf_model = tiny_checkpoint("llama")
+    model, status = _bound(model_dir, torch.float32, max_rows=1)
+    stack = model.model.decode_stack
+    calls = []
+    real_run = stack.run
+    stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
+    tokens_a, tokens_b = random_tokens(6, 96, seed=31), random_tokens(6, 96, seed=32)
+    run_step(model, [(tokens_a[:5], 0, [1, 2]), (tokens_b[:5], 0, [3, 4])])
+    a, b = run_step(model, [(tokens_a[5:], 5, [1, 2]), (tokens_b[5:], 5, [3, 4])])
+    (a_alone,) = run_step(model, [(tokens_a[5:], 5, [1, 2])])
+    assert calls == [1]
+    torch.testing.assert_close(a[0], hf_logits(hf_model, tokens_a)[5], atol=ATOL, rtol=0)
+    torch.testing.assert_close(a_alone[0], a[0], atol=ATOL, rtol=0)
+
+
+def test_a_slot_below_zero_is_not_written(tiny_checkpoint):
+    model_dir, _ = tiny_checkpoint("llama")
+    model, _ = _bound(model_dir, torch.float32)
+    run_step(model, [(random_tokens(4, 96, seed=41), 0, [5])])
+    input_ids, positions, metadata = build_step([([7], 4, [5, 6])])
+    metadata.slot_mapping[0] = -1
+    before = [
+        m.kv_cache.clone()
+        for m in model.modules()
+        if hasattr(m, "kv_cache") and m.kv_cache is not None
+    ]
+    with torch.no_grad():
+        model(input_ids, positions, metadata)
+    after = [
+        m.kv_cache for m in model.modules() if hasattr(m, "kv_cache") and m.kv_cache is not None
+    ]
+    for old, new in zip(before, after):
+        assert torch.equal(old, new)
+
+
+def test_what_the_stack_does_not_cover_is_said(tiny_checkpoint):
+    model_dir, _ = tiny_checkpoint("llama")
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    assert bind_decode_stack(model, torch.float32, 8) == "off: no KV cache is bound yet"
+    bind_kv_caches(model)
+    assert bind_decode_stack(model, torch.float32, 0) == "off (KVSERVE_NATIVE_DECODE_ROWS=0)"
+    model.model.layers[0].self_attn.q_norm = torch.nn.Identity()
+    assert "per-head q/k norms" in bind_decode_stack(model, torch.float32, 8)
+    assert model.model.decode_stack is None
