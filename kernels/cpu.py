@@ -40,7 +40,7 @@ _FUNCTIONS = [
     f"{op}_{suffix}"
     for op in ("decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
     for suffix in ("f32", "bf16")
-] + ["bind_omp_threads", "decode_stack"]
+] + ["bind_omp_threads", "decode_stack", "small_linear_f32", "small_linear_bf16"]
 DTYPES = (torch.float32, torch.bfloat16)
 
 _c_int64_p = ctypes.POINTER(ctypes.c_int64)

@@ -1,11 +1,15 @@
 """CPU GEMM paths for the linear layers, chosen by measuring on this machine.
 
-Two paths compute y = x W^T (+ b) for a weight W [N, K]:
+Three paths compute y = x W^T (+ b) for a weight W [N, K]:
 
     torch   F.linear: MKL's sgemm / bf16 GEMM on x86 (what PyTorch picks)
     onednn  oneDNN's inner product with W reordered once into its blocked layout
             (torch.ops.mkldnn._linear_pointwise over _reorder_linear_weight), the path
             vLLM-CPU and torch.compile's CPU backend use
+    native  the decode stack's GEMV (csrc/decode_stack.c): W read once per call whatever
+            the row count, rows two at a time; bfloat16 widened in registers, so it runs
+            where oneDNN's bfloat16 cannot (an AVX2-only CPU, where torch's bfloat16 GEMM
+            is a slow generic loop)
 
 Which is faster depends on the CPU, the dtype, the weight's shape and the number of rows
 (on an AMD EPYC VM oneDNN ran float32 1.1-4x faster than MKL, bench/RESULTS.md; elsewhere
@@ -26,6 +30,7 @@ picks the rung of the call's row count.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import functools
 import hashlib
 import json
@@ -43,17 +48,19 @@ from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
 
-PATHS = ("torch", "onednn")
+PATHS = ("torch", "onednn", "native")
 # Row counts the plan is measured at; a call takes the first rung >= its rows (the last
 # rung's choice beyond it).
 ROW_LADDER = (1, 4, 16, 64, 256, 1024)
-# oneDNN must beat torch by this factor to be chosen: a tie keeps PyTorch's own path.
+# Another path must beat torch by this factor to be chosen: a tie keeps PyTorch's own path.
 WIN_MARGIN = 1.05
+# A path this many times slower than the fastest at a rung is not timed at the larger ones.
+DROP_FACTOR = 3.0
 # A measurement during which some task waited for a CPU more than this share of the time
 # was contended: it is used, not cached.
 CONTENDED_SHARE = 0.05
 # The cache file's format and measuring method; a new one re-measures every machine.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 _PSI_CPU = "/proc/pressure/cpu"
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -66,6 +73,45 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
     ):
         return False
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def native_available(dtype: torch.dtype) -> bool:
+    """The native GEMV is built here and handles `dtype`."""
+    from kvserve.kernels import cpu
+
+    return dtype in cpu.DTYPES and cpu.library() is not None
+
+
+def path_available(path: str, dtype: torch.dtype) -> bool:
+    if path == "onednn":
+        return onednn_available(dtype)
+    if path == "native":
+        return native_available(dtype)
+    return True
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """y = x W^T (+ b) by the native GEMV. x [M, K] and W [N, K] of one dtype."""
+    from kvserve.kernels import cpu
+
+    lib = cpu.library()
+    assert lib is not None and weight.is_contiguous() and x.dtype == weight.dtype
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1]).contiguous()
+    rows, (n, k) = x.shape[0], weight.shape
+    y = torch.empty(rows, n, dtype=x.dtype)
+    bias32 = None if bias is None else bias.float().contiguous()
+    fn = lib.small_linear_f32 if x.dtype == torch.float32 else lib.small_linear_bf16
+    fn(
+        ctypes.c_void_p(y.data_ptr()),
+        ctypes.c_void_p(x.data_ptr()),
+        ctypes.c_void_p(weight.data_ptr()),
+        None if bias32 is None else ctypes.c_void_p(bias32.data_ptr()),
+        ctypes.c_int(rows),
+        ctypes.c_int(n),
+        ctypes.c_int(k),
+    )
+    return y.view(*lead, n)
 
 
 def pack_onednn(weight: torch.Tensor, rows_hint: int = 64) -> torch.Tensor:
@@ -88,7 +134,8 @@ class ShapePlan:
         return self.paths[rung]
 
     def describe(self) -> str:
-        """'torch' / 'onednn', or 'onednn from 16 rows' style for a split plan."""
+        """'torch' / 'onednn' / 'native', or 'native from 1, onednn from 16' for a split
+        plan."""
         if len(set(self.paths)) == 1:
             return self.paths[0]
         parts, last = [], None
@@ -114,10 +161,13 @@ def linear(
     prepared: LinearWeights | None,
 ) -> torch.Tensor:
     """y = x W^T + b on the path the plan names for x's row count. x: [T, K]."""
-    if prepared is None or prepared.packed is None:
+    if prepared is None:
         return F.linear(x, weight, bias)
-    if prepared.plan.path_for(x.shape[0]) == "onednn":
+    path = prepared.plan.path_for(x.shape[0])
+    if path == "onednn" and prepared.packed is not None:
         return onednn_linear(x if x.is_contiguous() else x.contiguous(), prepared.packed, bias)
+    if path == "native":
+        return native_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -162,23 +212,36 @@ def _time_calls(fn: Callable[[], object], min_seconds: float, max_calls: int) ->
 def measure_shape(
     dtype: torch.dtype, n: int, k: int, max_rows: int, seconds_per_rung: float = 0.04
 ) -> ShapePlan:
-    """Time both paths at each rung up to max_rows, interleaved (A B A B) against drift."""
+    """Time every path that runs `dtype` here at each rung up to max_rows, interleaved
+    (A B C A B C) against drift; keep the fastest, torch unless another beats it by
+    WIN_MARGIN."""
     weight = torch.randn(n, k, dtype=dtype) / k**0.5
-    packed = pack_onednn(weight)
+    calls: dict[str, Callable[[torch.Tensor], object]] = {"torch": lambda x: F.linear(x, weight)}
+    if onednn_available(dtype):
+        packed = pack_onednn(weight)
+        calls["onednn"] = lambda x: onednn_linear(x, packed, None)
+    if native_available(dtype):
+        calls["native"] = lambda x: native_linear(x, weight, None)
     paths: list[str] = []
     for rows in ROW_LADDER:
         if rows > max_rows and paths:
             paths.append(paths[-1])
             continue
         x = torch.randn(rows, k, dtype=dtype)
-        torch_s, onednn_s = [], []
+        times: dict[str, list[float]] = {path: [] for path in calls}
         for _ in range(3):
-            torch_call = functools.partial(F.linear, x, weight)
-            onednn_call = functools.partial(onednn_linear, x, packed, None)
-            torch_s.append(_time_calls(torch_call, seconds_per_rung / 6, 50))
-            onednn_s.append(_time_calls(onednn_call, seconds_per_rung / 6, 50))
-        faster = min(torch_s) > WIN_MARGIN * min(onednn_s)
-        paths.append("onednn" if faster else "torch")
+            for path, call in calls.items():
+                budget = seconds_per_rung / (2 * len(calls))
+                times[path].append(_time_calls(functools.partial(call, x), budget, 50))
+        best = {path: min(t) for path, t in times.items()}
+        fastest = min(best, key=lambda path: best[path])
+        faster = "torch" not in best or best["torch"] > WIN_MARGIN * best[fastest]
+        paths.append(fastest if faster else "torch")
+        # A path DROP_FACTOR times slower than the fastest is not timed at larger rungs
+        # (torch's bfloat16 on an AVX2 CPU: a second per 1024-row call), nor chosen there.
+        calls = {
+            path: call for path, call in calls.items() if best[path] <= DROP_FACTOR * best[fastest]
+        }
     return ShapePlan(tuple(paths))
 
 
@@ -215,26 +278,31 @@ def tune(
     """The plan for every (dtype, N, K, max_rows) given.
 
     Args:
-        mode: auto (measure, or reuse this machine's cached measurements), torch or onednn
-            (forced, no measuring).
+        mode: auto (measure, or reuse this machine's cached measurements), torch, onednn
+            or native (forced, no measuring; a dtype the forced path cannot run stays on
+            torch).
         use_cache: read and extend the on-disk plan cache (auto only).
         measure: times one shape (tests pass a fake).
     """
     shapes = sorted(set(shapes), key=lambda s: (str(s[0]), s[1], s[2], s[3]))
     if mode not in (*PATHS, "auto"):
-        raise ValueError(f"unknown GEMM path {mode!r}: use auto, torch or onednn")
+        raise ValueError(f"unknown GEMM path {mode!r}: use auto, torch, onednn or native")
     torch_only = ShapePlan(("torch",) * len(ROW_LADDER))
     if mode in PATHS:
-        # A dtype oneDNN cannot run on this CPU stays on torch, even when onednn is forced.
+        # A dtype the forced path cannot run on this CPU stays on torch.
         forced = ShapePlan((mode,) * len(ROW_LADDER))
         return GemmPlan(
             {
-                GemmPlan.key(d, n, k): forced if onednn_available(d) else torch_only
+                GemmPlan.key(d, n, k): forced if path_available(mode, d) else torch_only
                 for d, n, k, _ in shapes
             },
             "forced",
         )
-    if not any(onednn_available(d) for d, _, _, _ in shapes):
+
+    def measurable(dtype: torch.dtype) -> bool:  # some path besides torch runs it here
+        return any(path_available(path, dtype) for path in PATHS if path != "torch")
+
+    if not any(measurable(d) for d, _, _, _ in shapes):
         return GemmPlan({GemmPlan.key(d, n, k): torch_only for d, n, k, _ in shapes}, "forced")
     path = _cache_path(torch.get_num_threads())
     cached = _read_cache(path) if use_cache else {}
@@ -247,7 +315,7 @@ def tune(
         if cache_key in cached:
             plan.shapes[key] = cached[cache_key]
             continue
-        if not onednn_available(dtype):
+        if not measurable(dtype):
             plan.shapes[key] = torch_only
             continue
         plan.shapes[key] = measured[cache_key] = measure(dtype, n, k, max_rows)

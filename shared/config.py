@@ -68,11 +68,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = None
     cpu_gemm: Annotated[
-        Literal["auto", "torch", "onednn"],
+        Literal["auto", "torch", "onednn", "native"],
         flag_doc(
-            "GEMM path of the linear layers on CPU: auto times torch's (MKL) and oneDNN's with "
-            "a prepacked weight for each layer shape at start-up (cached per machine) and "
-            "keeps the faster per row count"
+            "GEMM path of the linear layers on CPU: auto times torch's (MKL), oneDNN's with "
+            "a prepacked weight and kvserve's native GEMV for each layer shape at start-up "
+            "(cached per machine) and keeps the fastest per row count"
         ),
     ] = "auto"
     quantization: Annotated[

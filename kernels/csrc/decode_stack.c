@@ -66,50 +66,87 @@ static void round_all(float *x, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16_rne(x[i]));
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define GEMV_VECTOR 1
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 1024
+#endif
+#else
+#define GEMV_VECTOR 0
+#endif
+
 // y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N: W rows in blocks of four, each block
-// against all M inputs. x float32 [M, K]; y float32 [M, N].
-#define DEFINE_GEMV(NAME, T, LOAD)                                                            \
+// against the inputs two at a time, so each W value is loaded once per two inputs (AVX2:
+// eight accumulators, K in steps of 8). x float32 [M, K]; y float32 [M, N].
+#define DEFINE_GEMV(NAME, T, LOAD, LOAD8)                                                     \
 static void NAME(float *y, const float *x, const T *w, int M, int N, int K) {                 \
     const int blocks = (N + 3) / 4;                                                           \
+    const int K8 = GEMV_VECTOR ? K / 8 * 8 : 0;                                               \
     _Pragma("omp parallel for schedule(static)")                                              \
     for (int b = 0; b < blocks; b++) {                                                        \
-        const int n0 = b * 4;                                                                 \
-        if (n0 + 4 <= N) {                                                                    \
-            const T *w0 = w + (int64_t)n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;      \
-            for (int m = 0; m < M; m++) {                                                     \
-                const float *xm = x + (int64_t)m * K;                                         \
-                float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;                                 \
-                _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                  \
-                for (int k = 0; k < K; k++) {                                                 \
-                    const float xv = xm[k];                                                   \
-                    a0 += xv * LOAD(w0, k);                                                   \
-                    a1 += xv * LOAD(w1, k);                                                   \
-                    a2 += xv * LOAD(w2, k);                                                   \
-                    a3 += xv * LOAD(w3, k);                                                   \
+        const int n0 = b * 4, rows = N - n0 < 4 ? N - n0 : 4;                                 \
+        const T *wr[4];                                                                       \
+        for (int r = 0; r < 4; r++) wr[r] = w + (int64_t)(n0 + (r < rows ? r : 0)) * K;       \
+        for (int m = 0; m < M; m += 2) {                                                      \
+            const int two = m + 1 < M;                                                        \
+            const float *xa = x + (int64_t)m * K, *xb = two ? xa + K : xa;                    \
+            float acc[2][4] = {{0.f}};                                                        \
+            VECTOR_BODY(LOAD8)                                                                \
+            for (int k = K8; k < K; k++)                                                      \
+                for (int r = 0; r < 4; r++) {                                                 \
+                    acc[0][r] += xa[k] * LOAD(wr[r], k);                                      \
+                    acc[1][r] += xb[k] * LOAD(wr[r], k);                                      \
                 }                                                                             \
-                float *ym = y + (int64_t)m * N + n0;                                          \
-                ym[0] = a0; ym[1] = a1; ym[2] = a2; ym[3] = a3;                               \
-            }                                                                                 \
-        } else {                                                                              \
-            for (int n = n0; n < N; n++) {                                                    \
-                const T *wn = w + (int64_t)n * K;                                             \
-                for (int m = 0; m < M; m++) {                                                 \
-                    const float *xm = x + (int64_t)m * K;                                     \
-                    float a = 0.f;                                                            \
-                    _Pragma("omp simd reduction(+:a)")                                        \
-                    for (int k = 0; k < K; k++) a += xm[k] * LOAD(wn, k);                     \
-                    y[(int64_t)m * N + n] = a;                                                \
-                }                                                                             \
+            for (int r = 0; r < rows; r++) {                                                  \
+                y[(int64_t)m * N + n0 + r] = acc[0][r];                                       \
+                if (two) y[(int64_t)(m + 1) * N + n0 + r] = acc[1][r];                        \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
 }
 
+#if GEMV_VECTOR
+#define VECTOR_BODY(LOAD8)                                                                    \
+    {                                                                                         \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                          \
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                            \
+        for (int k = 0; k < K8; k += 8) {                                                     \
+            for (int r = 0; r < 4; r++)                                                       \
+                _mm_prefetch((const char *)(wr[r] + k) + PREFETCH_BYTES, _MM_HINT_T0);        \
+            const __m256 v0 = LOAD8(wr[0] + k), v1 = LOAD8(wr[1] + k);                        \
+            const __m256 v2 = LOAD8(wr[2] + k), v3 = LOAD8(wr[3] + k);                        \
+            const __m256 xv = _mm256_loadu_ps(xa + k), xu = _mm256_loadu_ps(xb + k);          \
+            a0 = _mm256_fmadd_ps(xv, v0, a0); a1 = _mm256_fmadd_ps(xv, v1, a1);               \
+            a2 = _mm256_fmadd_ps(xv, v2, a2); a3 = _mm256_fmadd_ps(xv, v3, a3);               \
+            b0 = _mm256_fmadd_ps(xu, v0, b0); b1 = _mm256_fmadd_ps(xu, v1, b1);               \
+            b2 = _mm256_fmadd_ps(xu, v2, b2); b3 = _mm256_fmadd_ps(xu, v3, b3);               \
+        }                                                                                     \
+        acc[0][0] = hsum8(a0); acc[0][1] = hsum8(a1); acc[0][2] = hsum8(a2);                  \
+        acc[0][3] = hsum8(a3); acc[1][0] = hsum8(b0); acc[1][1] = hsum8(b1);                  \
+        acc[1][2] = hsum8(b2); acc[1][3] = hsum8(b3);                                         \
+    }
+#else
+#define VECTOR_BODY(LOAD8)
+#endif
+
 static inline float load_f32(const float *p, int64_t i) { return p[i]; }
 static inline float load_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
 
-DEFINE_GEMV(gemv_f32, float, load_f32)
-DEFINE_GEMV(gemv_bf16, uint16_t, load_bf16)
+DEFINE_GEMV(gemv_f32, float, load_f32, load8_f32)
+DEFINE_GEMV(gemv_bf16, uint16_t, load_bf16, load8_bf16)
 
 static void gemv(const stack_shape *s, float *y, const float *x, const void *w, int M, int N,
                  int K) {
@@ -118,6 +155,29 @@ static void gemv(const stack_shape *s, float *y, const float *x, const void *w, 
     else
         gemv_f32(y, x, (const float *)w, M, N, K);
 }
+
+// y = x W^T (+ bias) for a few rows, in the model dtype: x [M, K], W [N, K], y [M, N]
+// (contiguous), bias float32 [N] or NULL. The decode stack's GEMV as a linear layer.
+#define DEFINE_SMALL_LINEAR(NAME, T, GEMV, LOAD, STORE_ROUNDED)                             \
+void NAME(T *y, const T *x, const T *w, const float *bias, int M, int N, int K) {             \
+    float *xf = (float *)malloc(sizeof(float) * (size_t)M * K);                                \
+    float *yf = (float *)malloc(sizeof(float) * (size_t)M * N);                                \
+    for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = LOAD(x, i);                          \
+    GEMV(yf, xf, w, M, N, K);                                                                 \
+    for (int m = 0; m < M; m++)                                                               \
+        for (int n = 0; n < N; n++) {                                                         \
+            const float v = yf[(int64_t)m * N + n] + (bias ? bias[n] : 0.f);                  \
+            STORE_ROUNDED(y, (int64_t)m * N + n, v);                                          \
+        }                                                                                     \
+    free(xf);                                                                                 \
+    free(yf);                                                                                 \
+}
+
+static inline void store_f32(float *p, int64_t i, float v) { p[i] = v; }
+static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = f32_to_bf16_rne(v); }
+
+DEFINE_SMALL_LINEAR(small_linear_f32, float, gemv_f32, load_f32, store_f32)
+DEFINE_SMALL_LINEAR(small_linear_bf16, uint16_t, gemv_bf16, load_bf16, store_bf16)
 
 // out[m] = rms_norm(x[m]) * weight, rounded; x float32 [M, H] (already rounded).
 static void rms_norm_rows(float *out, const float *x, const float *weight, int M, int H,

@@ -111,7 +111,8 @@ class ModelRunner:
 
     def prepare_gemm(self) -> gemm.GemmPlan:
         """Measure (or reuse) the CPU GEMM plan of every linear layer and the LM head, and
-        give each layer whose plan uses oneDNN its packed weight."""
+        give each layer whose plan leaves torch its plan (and oneDNN's packed weight where
+        the plan uses oneDNN)."""
         sched = self.config.scheduler
         layers = [
             (
@@ -131,12 +132,12 @@ class ModelRunner:
         packed: dict[int, torch.Tensor] = {}  # a tied LM head shares the embedding's pack
         for module, _ in layers:
             shape_plan = plan.for_weight(module.weight)
-            if shape_plan is None or "onednn" not in shape_plan.paths:
+            if shape_plan is None or set(shape_plan.paths) == {"torch"}:
                 continue
             key = module.weight.data_ptr()
-            if key not in packed:
+            if key not in packed and "onednn" in shape_plan.paths:
                 packed[key] = gemm.pack_onednn(module.weight)
-            module.gemm = gemm.LinearWeights(shape_plan, packed[key])
+            module.gemm = gemm.LinearWeights(shape_plan, packed.get(key))
         how = plan.source
         if plan.source == "measured":
             how = f"measured in {plan.seconds:.1f} s"

@@ -142,11 +142,13 @@ def test_cpu_stall_us_reads_the_some_line(tmp_path, monkeypatch):
 
 
 def test_a_dtype_onednn_cannot_run_here_stays_on_torch(monkeypatch):
-    """On a CPU without oneDNN's bfloat16 (AVX2 only), bfloat16 shapes are never measured or
-    forced onto oneDNN: packing their weights would fail."""
+    """On a CPU without oneDNN's bfloat16 (AVX2 only) and without the native kernels,
+    bfloat16 shapes are never measured or forced onto oneDNN: packing their weights would
+    fail."""
     monkeypatch.setattr(
         gemm, "onednn_available", lambda dtype=torch.float32: dtype != torch.bfloat16
     )
+    monkeypatch.setattr(gemm, "native_available", lambda dtype: False)
     measured = []
 
     def fake_measure(dtype, n, k, max_rows):
@@ -159,3 +161,49 @@ def test_a_dtype_onednn_cannot_run_here_stays_on_torch(monkeypatch):
     assert plan.summary() == {"bfloat16:8x4": "torch", "float32:8x4": "onednn"}
     forced = gemm.tune(shapes, mode="onednn")
     assert forced.summary() == {"bfloat16:8x4": "torch", "float32:8x4": "onednn"}
+
+
+native = pytest.mark.skipif(
+    not gemm.native_available(torch.float32), reason="the native kernels need a C compiler"
+)
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
+def test_native_path_matches_f_linear(dtype, rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(70, 40, dtype=dtype) / 40**0.5  # N not a multiple of 4, K of 8
+    bias = torch.randn(70, dtype=dtype)
+    x = torch.randn(rows, 40, dtype=dtype)
+    got = gemm.native_linear(x, weight, bias)
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.03, rtol=0.01)
+    assert got.dtype == dtype and got.shape == (rows, 70)
+    torch.testing.assert_close(got.float(), want, **tol)
+    batched = gemm.native_linear(x.view(1, rows, 40), weight, None)
+    torch.testing.assert_close(batched[0].float(), want - bias.float(), **tol)
+
+
+@native
+def test_a_plan_naming_native_runs_the_native_gemv(monkeypatch):
+    weight = torch.randn(12, 16)
+    prepared = gemm.LinearWeights(gemm.ShapePlan(("native",) + ("torch",) * 5))
+    calls = []
+    real = gemm.native_linear
+    monkeypatch.setattr(gemm, "native_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 9):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(gemm.linear(x, weight, None, prepared), x @ weight.T)
+    assert calls == [1]
+
+
+@native
+def test_measuring_never_picks_a_path_that_cannot_run_the_dtype(monkeypatch):
+    monkeypatch.setattr(
+        gemm, "onednn_available", lambda dtype=torch.float32: dtype != torch.bfloat16
+    )
+    plan = gemm.measure_shape(torch.bfloat16, 64, 32, 16, seconds_per_rung=0.003)
+    assert set(plan.paths) <= {"torch", "native"}
+    forced = gemm.tune([(torch.bfloat16, 64, 32, 16)], mode="native")
+    assert forced.summary() == {"bfloat16:64x32": "native"}
