@@ -5,11 +5,15 @@
 #   bash bench/run_vllm_cpu.sh                          # 3 rounds, float32 and bfloat16
 #   ROUNDS=1 DTYPES=bfloat16 bash bench/run_vllm_cpu.sh # one round, one dtype
 #   KVSERVE_ONLY=1 bash bench/run_vllm_cpu.sh           # the kvserve half only (no vLLM install)
+#   WORKLOADS=batch1 bash bench/run_vllm_cpu.sh         # only the batch-1 serving workload
 #
 # Each round runs, per dtype, kvserve then vLLM, each:
 #   offline throughput: THROUGHPUT_PROMPTS random prompts, INPUT_LEN in / OUTPUT_LEN out;
 #   serve: NUM_PROMPTS random prompts, INPUT_LEN / OUTPUT_LEN, ignore_eos, `kvserve bench serve`
 #          as the client for both servers, at max-concurrency 32 (rate inf) and Poisson 2 req/s;
+#   batch1 (when WORKLOADS names it): B1_PROMPTS random prompts, B1_INPUT_LEN / B1_OUTPUT_LEN,
+#          ignore_eos, at max-concurrency 1;
+# WORKLOADS (default "throughput c32 rate2") picks among throughput, c32, rate2 and batch1;
 #   the seconds from the server's launch to a healthy /health.
 # Results (JSON per run, a summary with each round's kvserve / vLLM ratio and the median and
 # range over rounds: bench/vllm_cpu/summarize.py) go to OUT_DIR.
@@ -35,6 +39,10 @@ PORT="${PORT:-8011}"
 OUT_DIR="${OUT_DIR:-$ROOT/bench/results/vllm_cpu-$(date +%Y%m%d-%H%M%S)}"
 KVSERVE_ONLY="${KVSERVE_ONLY:-}"
 KVSERVE_ARGS="${KVSERVE_ARGS:-}"                # extra `kvserve serve` / `bench throughput` flags
+WORKLOADS="${WORKLOADS:-throughput c32 rate2}"
+B1_PROMPTS="${B1_PROMPTS:-8}"
+B1_INPUT_LEN="${B1_INPUT_LEN:-128}"
+B1_OUTPUT_LEN="${B1_OUTPUT_LEN:-128}"
 
 SERVER_PID=""
 cleanup() {
@@ -96,30 +104,45 @@ stop_server() {
   SERVER_PID=""
 }
 
-bench_serve() {  # bench_serve TAG: the two serving workloads against the server on PORT
+wants() { [[ " $WORKLOADS " == *" $1 "* ]]; }
+
+bench_serve() {  # bench_serve TAG: the serving workloads WORKLOADS names, against PORT
   local tag="$1"
   local common=(bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer "$VCPU_MODEL"
-                --dataset-name random --random-input-len "$INPUT_LEN"
-                --random-output-len "$OUTPUT_LEN" --ignore-eos --num-prompts "$NUM_PROMPTS"
+                --dataset-name random --ignore-eos
                 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99
                 --save-result --result-dir "$OUT_DIR" --label "$tag")
-  log "$tag: serve, max-concurrency 32"
+  local load=(--random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN"
+              --num-prompts "$NUM_PROMPTS")
   # Each workload has its own seed, so the second run's prompts are not in the prefix cache.
-  "$KVSERVE" "${common[@]}" --max-concurrency 32 --seed 0 --result-filename "${tag}_c32.json" \
-    >"$OUT_DIR/${tag}_c32.txt"
-  log "$tag: serve, Poisson 2 req/s"
-  "$KVSERVE" "${common[@]}" --request-rate 2 --seed 1 --result-filename "${tag}_rate2.json" \
-    >"$OUT_DIR/${tag}_rate2.txt"
+  if wants c32; then
+    log "$tag: serve, max-concurrency 32"
+    "$KVSERVE" "${common[@]}" "${load[@]}" --max-concurrency 32 --seed 0 \
+      --result-filename "${tag}_c32.json" >"$OUT_DIR/${tag}_c32.txt"
+  fi
+  if wants rate2; then
+    log "$tag: serve, Poisson 2 req/s"
+    "$KVSERVE" "${common[@]}" "${load[@]}" --request-rate 2 --seed 1 \
+      --result-filename "${tag}_rate2.json" >"$OUT_DIR/${tag}_rate2.txt"
+  fi
+  if wants batch1; then
+    log "$tag: serve, batch 1"
+    "$KVSERVE" "${common[@]}" --random-input-len "$B1_INPUT_LEN" \
+      --random-output-len "$B1_OUTPUT_LEN" --num-prompts "$B1_PROMPTS" --max-concurrency 1 \
+      --seed 2 --result-filename "${tag}_b1.json" >"$OUT_DIR/${tag}_b1.txt"
+  fi
 }
 
 run_kvserve() {  # run_kvserve DTYPE ROUND
   local tag="kvserve_$1_r$2"
-  log "$tag: offline throughput"
-  # shellcheck disable=SC2086
-  "$KVSERVE" bench throughput "$VCPU_MODEL" --num-prompts "$THROUGHPUT_PROMPTS" \
-    --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --dtype "$1" \
-    --max-model-len "$MAX_MODEL_LEN" --kv-cache-memory "${KV_CACHE_GIB}G" $KVSERVE_ARGS \
-    --save-result "$OUT_DIR/${tag}_throughput.json" >"$OUT_DIR/${tag}_throughput.txt" 2>&1
+  if wants throughput; then
+    log "$tag: offline throughput"
+    # shellcheck disable=SC2086
+    "$KVSERVE" bench throughput "$VCPU_MODEL" --num-prompts "$THROUGHPUT_PROMPTS" \
+      --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --dtype "$1" \
+      --max-model-len "$MAX_MODEL_LEN" --kv-cache-memory "${KV_CACHE_GIB}G" $KVSERVE_ARGS \
+      --save-result "$OUT_DIR/${tag}_throughput.json" >"$OUT_DIR/${tag}_throughput.txt" 2>&1
+  fi
   log "$tag: starting the server"
   # shellcheck disable=SC2086
   "$KVSERVE" serve "$VCPU_MODEL" --host 127.0.0.1 --port "$PORT" --dtype "$1" \
@@ -135,14 +158,16 @@ run_vllm() {  # run_vllm DTYPE ROUND
   local tag="vllm_$1_r$2"
   # The vLLM environment (LD_PRELOAD, thread binding) stays in these subshells, whose working
   # folder is outside the repository (vLLM would import this checkout's modules otherwise).
-  log "$tag: offline throughput"
-  (cd /tmp
-   export VLLM_CPU_KVCACHE_SPACE="$KV_CACHE_GIB"
-   source "$HELPERS/vllm_cpu_env.sh"
-   vllm bench throughput --model "$VCPU_MODEL" --dataset-name random \
-     --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
-     --num-prompts "$THROUGHPUT_PROMPTS" --dtype "$1" --max-model-len "$MAX_MODEL_LEN" \
-     --output-json "$OUT_DIR/${tag}_throughput.json") >"$OUT_DIR/${tag}_throughput.txt" 2>&1
+  if wants throughput; then
+    log "$tag: offline throughput"
+    (cd /tmp
+     export VLLM_CPU_KVCACHE_SPACE="$KV_CACHE_GIB"
+     source "$HELPERS/vllm_cpu_env.sh"
+     vllm bench throughput --model "$VCPU_MODEL" --dataset-name random \
+       --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
+       --num-prompts "$THROUGHPUT_PROMPTS" --dtype "$1" --max-model-len "$MAX_MODEL_LEN" \
+       --output-json "$OUT_DIR/${tag}_throughput.json") >"$OUT_DIR/${tag}_throughput.txt" 2>&1
+  fi
   log "$tag: starting the server (torch.compile)"
   (cd /tmp
    export VLLM_CPU_KVCACHE_SPACE="$KV_CACHE_GIB"

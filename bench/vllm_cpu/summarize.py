@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-_NAME = re.compile(r"^(kvserve|vllm)_(float32|bfloat16)_r(\d+)_(c32|rate2|throughput|startup)$")
+_NAME = re.compile(r"^(kvserve|vllm)_(float32|bfloat16)_r(\d+)_(c32|rate2|b1|throughput|startup)$")
 _OFFLINE = re.compile(r"([\d.]+) output tokens/s")
 
 # (workload, metric, what it is, higher is better)
@@ -29,6 +29,8 @@ METRICS = [
     ("rate2", "p99_ttft_ms", "2/s P99 TTFT ms", False),
     ("rate2", "p99_itl_ms", "2/s P99 ITL ms", False),
     ("rate2", "failed", "2/s failed", False),
+    ("b1", "mean_tpot_ms", "batch-1 mean TPOT ms", False),
+    ("b1", "mean_ttft_ms", "batch-1 mean TTFT ms", False),
     ("startup", "seconds", "start to healthy s", False),
 ]
 
@@ -42,7 +44,7 @@ def load(out_dir: Path) -> dict[tuple[str, str, int, str], dict[str, float]]:
             continue
         system, dtype, rnd, workload = match.groups()
         key = (system, dtype, int(rnd), workload)
-        if workload in ("c32", "rate2") and path.suffix == ".json":
+        if workload in ("c32", "rate2", "b1") and path.suffix == ".json":
             runs[key] = json.loads(path.read_text())
         elif workload == "throughput" and path.suffix == ".txt":
             found = _OFFLINE.findall(path.read_text())

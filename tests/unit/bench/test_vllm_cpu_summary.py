@@ -48,3 +48,15 @@ def test_a_round_missing_one_system_gives_no_ratio(tmp_path):
     text = summarize.summarize(summarize.load(tmp_path))
     offline = next(line for line in text.splitlines() if "offline out tok/s" in line)
     assert "300" in offline and "better" not in offline
+
+
+def test_batch1_runs_are_summarized(tmp_path):
+    for rnd, (ours, theirs) in enumerate([(30.0, 40.0), (33.0, 44.0)], start=1):
+        for system, tpot in (("kvserve", ours), ("vllm", theirs)):
+            (tmp_path / f"{system}_float32_r{rnd}_b1.json").write_text(
+                json.dumps({"mean_tpot_ms": tpot, "mean_ttft_ms": 100.0})
+            )
+    text = summarize.summarize(summarize.load(tmp_path))
+    line = next(line for line in text.splitlines() if "batch-1 mean TPOT" in line)
+    assert "30.0 33.0" in line and "40.0 44.0" in line
+    assert "0.75 [0.75-0.75] (lower is better)" in line
