@@ -21,18 +21,36 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kernels import cpu
+from kvserve.kernels import cpu, quant
+from kvserve.kernels.quant import QTYPES, QuantizedTensor
+
+MAX_PARTS = 4  # STACK_MAX_PARTS
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("wscale", ctypes.c_void_p),
+        ("qtype", ctypes.c_int64),
+        ("ldw", ctypes.c_int64),
+        ("row_offset", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+    ]
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("parts", _Part * MAX_PARTS), ("num_parts", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
-        ("qkv_w", ctypes.c_void_p),
+        ("qkv", _Matrix),
         ("qkv_b", ctypes.c_void_p),
-        ("o_w", ctypes.c_void_p),
-        ("gate_up_w", ctypes.c_void_p),
-        ("down_w", ctypes.c_void_p),
+        ("o", _Matrix),
+        ("gate_up", _Matrix),
+        ("down", _Matrix),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
         ("cos_sin", ctypes.c_void_p),
@@ -53,26 +71,51 @@ class _Shape(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("soft_cap", ctypes.c_float),
         ("pad", ctypes.c_float),
+        ("kvq_linear", ctypes.c_void_p),
     ]
+
+
+# A matrix as the C code reads it: (first output row, those rows' weight) in row order, each
+# weight a float tensor [rows, K] in the model dtype or a QuantizedTensor (GGUF blocks, int8).
+Matrix = list[tuple[int, "torch.Tensor | QuantizedTensor"]]
+
+
+def _c_matrix(parts: Matrix) -> _Matrix:
+    matrix = _Matrix()
+    matrix.num_parts = len(parts)
+    for i, (offset, weight) in enumerate(parts):
+        if isinstance(weight, QuantizedTensor):
+            scales = weight.scales
+            matrix.parts[i] = _Part(
+                weight.data.data_ptr(),
+                None if scales is None else scales.data_ptr(),
+                QTYPES[weight.qtype][0],
+                weight.data.stride(0),
+                offset,
+                weight.shape[0],
+            )
+        else:
+            matrix.parts[i] = _Part(weight.data_ptr(), None, 0, 0, offset, weight.shape[0])
+    return matrix
 
 
 @dataclass
 class StackLayer:
     """One layer's tensors, as the C code reads them.
 
-    Matrices are [out, in], contiguous, in the model dtype: qkv_w [(Hq + 2 Hkv) D, H], o_w
-    [H, Hq D], gate_up_w [2 I, H] (gate rows first), down_w [H, I]. Norm weights, the qkv bias
-    and cos_sin ([max_position, D], cos | sin halves) are float32. The caches are the layer's
-    paged [num_blocks, block_size, Hkv, D] key and value caches.
+    Matrices are [out, in] `Matrix` parts: qkv_w [(Hq + 2 Hkv) D, H], o_w [H, Hq D], gate_up_w
+    [2 I, H] (gate rows first), down_w [H, I]. Norm weights, the qkv bias and cos_sin
+    ([max_position, D], cos | sin halves) are float32. The caches are the layer's paged
+    [num_blocks, block_size, Hkv, D] key and value caches.
     """
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv_w: torch.Tensor
+    qkv_w: Matrix
     qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
-    gate_up_w: torch.Tensor
-    down_w: torch.Tensor
+    o_w: Matrix
+    gate_up_w: Matrix
+    down_w: Matrix
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     cos_sin: torch.Tensor
@@ -97,6 +140,13 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in cpu.DTYPES and cpu.library() is not None
 
 
+def quantized_available() -> bool:
+    """Quantized parts run here: quant_gemm.c is built and activations are int8 (its
+    kvq_linear; KVSERVE_QUANT_ACTIVATIONS=float32 runs another kernel the stack does not
+    call)."""
+    return quant.c_available() and quant.activations() == "int8"
+
+
 class DecodeStack:
     """A stack of layers run by one C call per decode step.
 
@@ -117,16 +167,23 @@ class DecodeStack:
         block_size = layers[0].key_cache.shape[1]
         for layer in layers:
             _check_layer(layer, shape, dtype, block_size)
+        quantized = any(
+            isinstance(weight, QuantizedTensor)
+            for layer in layers
+            for matrix in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
+            for _, weight in matrix
+        )
+        assert not quantized or quantized_available()
         self._c_layers = (_Layer * len(layers))(
             *(
                 _Layer(
                     layer.input_norm.data_ptr(),
                     layer.post_norm.data_ptr(),
-                    layer.qkv_w.data_ptr(),
+                    _c_matrix(layer.qkv_w),
                     None if layer.qkv_b is None else layer.qkv_b.data_ptr(),
-                    layer.o_w.data_ptr(),
-                    layer.gate_up_w.data_ptr(),
-                    layer.down_w.data_ptr(),
+                    _c_matrix(layer.o_w),
+                    _c_matrix(layer.gate_up_w),
+                    _c_matrix(layer.down_w),
                     layer.key_cache.data_ptr(),
                     layer.value_cache.data_ptr(),
                     layer.cos_sin.data_ptr(),
@@ -147,6 +204,7 @@ class DecodeStack:
             shape.scale,
             shape.soft_cap or 0.0,
             0.0,
+            _kvq_linear_address() if quantized else None,
         )
         qd, kvd = shape.num_heads * shape.head_size, shape.num_kv_heads * shape.head_size
         per_row = 3 * shape.hidden + qd + 2 * kvd + 3 * qd + 3 * shape.intermediate
@@ -203,20 +261,21 @@ def _check_layer(layer: StackLayer, shape: StackShape, dtype: torch.dtype, block
     """The C code's reading of a layer's tensors holds (a broken one would read garbage)."""
     qd, kvd = shape.num_heads * shape.head_size, shape.num_kv_heads * shape.head_size
     h, i = shape.hidden, shape.intermediate
-    expected = {
-        "qkv_w": (layer.qkv_w, (qd + 2 * kvd, h), dtype),
-        "o_w": (layer.o_w, (h, qd), dtype),
-        "gate_up_w": (layer.gate_up_w, (2 * i, h), dtype),
-        "down_w": (layer.down_w, (h, i), dtype),
-        "input_norm": (layer.input_norm, (h,), torch.float32),
-        "post_norm": (layer.post_norm, (h,), torch.float32),
+    matrices = {
+        "qkv_w": (layer.qkv_w, qd + 2 * kvd, h),
+        "o_w": (layer.o_w, h, qd),
+        "gate_up_w": (layer.gate_up_w, 2 * i, h),
+        "down_w": (layer.down_w, h, i),
     }
+    for name, (parts, n, k) in matrices.items():
+        _check_matrix(name, parts, n, k, dtype)
+    vectors = {"input_norm": (layer.input_norm, h), "post_norm": (layer.post_norm, h)}
     if layer.qkv_b is not None:
-        expected["qkv_b"] = (layer.qkv_b, (qd + 2 * kvd,), torch.float32)
-    for name, (tensor, size, want) in expected.items():
-        if tuple(tensor.shape) != size or tensor.dtype != want or not tensor.is_contiguous():
+        vectors["qkv_b"] = (layer.qkv_b, qd + 2 * kvd)
+    for name, (tensor, size) in vectors.items():
+        if tuple(tensor.shape) != (size,) or tensor.dtype != torch.float32:
             raise ValueError(
-                f"{name}: {tuple(tensor.shape)} {tensor.dtype}, want {size} {want} contiguous"
+                f"{name}: {tuple(tensor.shape)} {tensor.dtype}, want ({size},) float32"
             )
     cache_shape = (block_size, shape.num_kv_heads, shape.head_size)
     for cache in (layer.key_cache, layer.value_cache):
@@ -229,3 +288,26 @@ def _check_layer(layer: StackLayer, shape: StackShape, dtype: torch.dtype, block
         raise ValueError("cos_sin must be contiguous float32")
     if cos_sin.shape[1] != shape.head_size:
         raise ValueError(f"cos_sin rows of {cos_sin.shape[1]}, want {shape.head_size}")
+
+
+def _check_matrix(name: str, parts: Matrix, n: int, k: int, dtype: torch.dtype) -> None:
+    if not 0 < len(parts) <= MAX_PARTS:
+        raise ValueError(f"{name}: {len(parts)} parts, the C code takes 1 to {MAX_PARTS}")
+    row = 0
+    for offset, weight in parts:
+        if offset != row:
+            raise ValueError(f"{name}: a part starts at row {offset}, want {row}")
+        if isinstance(weight, QuantizedTensor):
+            if weight.shape[1] != k or weight.data.stride(1) != 1:
+                raise ValueError(f"{name}: a quantized part of {weight.shape}, want K = {k}")
+        elif weight.dtype != dtype or weight.shape[1] != k or not weight.is_contiguous():
+            raise ValueError(f"{name}: a {weight.dtype} part of {tuple(weight.shape)}")
+        row += weight.shape[0]
+    if row != n:
+        raise ValueError(f"{name}: parts cover {row} rows, want {n}")
+
+
+def _kvq_linear_address() -> int | None:
+    lib = quant.library()
+    assert lib is not None
+    return ctypes.cast(lib.kvq_linear, ctypes.c_void_p).value

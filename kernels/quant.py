@@ -229,6 +229,8 @@ _LIBRARY = NativeLibrary(
     "quantized matmuls use the torch reference",
 )
 _load = _LIBRARY.load
+# The loaded library, for the decode stack (kernels/decode_stack.py) that calls kvq_linear.
+library = _LIBRARY.load
 
 
 def c_available() -> bool:

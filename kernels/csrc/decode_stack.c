@@ -7,7 +7,8 @@
 //   cache -> decode attention (decode_attention.c) -> o GEMV -> residual add + RMSNorm ->
 //   gate|up GEMV -> SiLU-and-mul -> down GEMV.
 // Weights are read once per step whatever M is (each W row meets all M inputs while it is in
-// L1), so a batch-1 step is bound by the weights' bytes over the memory bandwidth.
+// L1), so a batch-1 step is bound by the weights' bytes over the memory bandwidth. A matrix
+// may be held quantized (GGUF blocks, int8): its parts then run quant_gemm.c's kvq_linear.
 //
 // Activations live in float32 work buffers; in bfloat16 each stage's output is rounded to
 // bfloat16 where the module path stores a bfloat16 tensor. The caller owns every buffer.
@@ -19,26 +20,52 @@
 
 #include "vec_math.h"
 
-// The weights and cache of one layer. Matrices are row-major [out, in] in the model dtype.
+// One run of a matrix's output rows: float rows in the model dtype (qtype 0, [rows, K]
+// contiguous) or GGUF / int8 blocks (qtype a kvq code of quant_gemm.c, rows of ldw bytes,
+// wscale the I8 per-row scales or NULL), multiplied by kvq_linear.
+typedef struct {
+    const void *w;
+    const float *wscale;
+    int64_t qtype;
+    int64_t ldw;
+    int64_t row_offset;
+    int64_t rows;
+} stack_part;
+
+#define STACK_MAX_PARTS 4
+// A matrix [N, K]: its parts cover rows 0..N in order (a fused qkv of three GGUF tensors may
+// hold three types).
+typedef struct {
+    stack_part parts[STACK_MAX_PARTS];
+    int64_t num_parts;
+} stack_matrix;
+
+// The weights and cache of one layer. Matrices are [out, in].
 typedef struct {
     const float *input_norm;   // [H] float32
     const float *post_norm;    // [H] float32
-    const void *qkv_w;         // [Hq*D + 2*Hkv*D, H]
+    stack_matrix qkv;          // [Hq*D + 2*Hkv*D, H]
     const float *qkv_b;        // [Hq*D + 2*Hkv*D] float32, or NULL
-    const void *o_w;           // [H, Hq*D]
-    const void *gate_up_w;     // [2*I, H]
-    const void *down_w;        // [H, I]
+    stack_matrix o;            // [H, Hq*D]
+    stack_matrix gate_up;      // [2*I, H]
+    stack_matrix down;         // [H, I]
     void *key_cache;           // [num_blocks, block_size, Hkv, D]
     void *value_cache;         // same
     const float *cos_sin;      // [max_position, D]: cos | sin halves
     int64_t sliding_window;    // 0: none
 } stack_layer;
 
+// quant_gemm.c's kvq_linear (another library: the caller passes its address).
+typedef int (*kvq_linear_fn)(int qtype, const uint8_t *w, int64_t ldw, const float *wscale,
+                             int N, int K, const float *x, int64_t ldx, int M, float *out,
+                             int64_t ldo);
+
 // The model's shape (the same for every layer of the stack).
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_size, intermediate, block_size;
     int64_t is_bf16;
     float eps, scale, soft_cap, pad;
+    const void *kvq_linear;  // a kvq_linear_fn, or NULL when no part is quantized
 } stack_shape;
 
 void decode_attention_f32(float *out, const float *query, int64_t q_token_stride,
@@ -90,9 +117,9 @@ static inline float hsum8(__m256 v) {
 
 // y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N: W rows in blocks of four, each block
 // against the inputs two at a time, so each W value is loaded once per two inputs (AVX2:
-// eight accumulators, K in steps of 8). x float32 [M, K]; y float32 [M, N].
+// eight accumulators, K in steps of 8). x float32 [M, K]; y float32 rows of stride ldy.
 #define DEFINE_GEMV(NAME, T, LOAD, LOAD8)                                                     \
-static void NAME(float *y, const float *x, const T *w, int M, int N, int K) {                 \
+static void NAME(float *y, int64_t ldy, const float *x, const T *w, int M, int N, int K) {    \
     const int blocks = (N + 3) / 4;                                                           \
     const int K8 = GEMV_VECTOR ? K / 8 * 8 : 0;                                               \
     _Pragma("omp parallel for schedule(static)")                                              \
@@ -111,8 +138,8 @@ static void NAME(float *y, const float *x, const T *w, int M, int N, int K) {   
                     acc[1][r] += xb[k] * LOAD(wr[r], k);                                      \
                 }                                                                             \
             for (int r = 0; r < rows; r++) {                                                  \
-                y[(int64_t)m * N + n0 + r] = acc[0][r];                                       \
-                if (two) y[(int64_t)(m + 1) * N + n0 + r] = acc[1][r];                        \
+                y[(int64_t)m * ldy + n0 + r] = acc[0][r];                                     \
+                if (two) y[(int64_t)(m + 1) * ldy + n0 + r] = acc[1][r];                      \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
@@ -148,12 +175,20 @@ static inline float load_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32
 DEFINE_GEMV(gemv_f32, float, load_f32, load8_f32)
 DEFINE_GEMV(gemv_bf16, uint16_t, load_bf16, load8_bf16)
 
-static void gemv(const stack_shape *s, float *y, const float *x, const void *w, int M, int N,
-                 int K) {
-    if (s->is_bf16)
-        gemv_bf16(y, x, (const uint16_t *)w, M, N, K);
-    else
-        gemv_f32(y, x, (const float *)w, M, N, K);
+// y [M, N] (float32) = x W^T, each part of the matrix into its columns of y.
+static void gemv(const stack_shape *s, float *y, const float *x, const stack_matrix *w, int M,
+                 int N, int K) {
+    for (int p = 0; p < w->num_parts; p++) {
+        const stack_part *part = &w->parts[p];
+        float *yp = y + part->row_offset;
+        if (part->qtype != 0)
+            ((kvq_linear_fn)s->kvq_linear)((int)part->qtype, (const uint8_t *)part->w, part->ldw,
+                                           part->wscale, (int)part->rows, K, x, K, M, yp, N);
+        else if (s->is_bf16)
+            gemv_bf16(yp, N, x, (const uint16_t *)part->w, M, (int)part->rows, K);
+        else
+            gemv_f32(yp, N, x, (const float *)part->w, M, (int)part->rows, K);
+    }
 }
 
 // y = x W^T (+ bias) for a few rows, in the model dtype: x [M, K], W [N, K], y [M, N]
@@ -163,7 +198,7 @@ void NAME(T *y, const T *x, const T *w, const float *bias, int M, int N, int K) 
     float *xf = (float *)malloc(sizeof(float) * (size_t)M * K);                                \
     float *yf = (float *)malloc(sizeof(float) * (size_t)M * N);                                \
     for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = LOAD(x, i);                          \
-    GEMV(yf, xf, w, M, N, K);                                                                 \
+    GEMV(yf, N, xf, w, M, N, K);                                                              \
     for (int m = 0; m < M; m++)                                                               \
         for (int n = 0; n < N; n++) {                                                         \
             const float v = yf[(int64_t)m * N + n] + (bias ? bias[n] : 0.f);                  \
@@ -267,7 +302,7 @@ void decode_stack(const stack_layer *layers, int num_layers, const stack_shape *
         rms_norm_rows(xn, res, L->input_norm, M, H, s->eps, bf16);
 
         // qkv, RoPE, the K/V write.
-        gemv(s, qkv, xn, L->qkv_w, M, NQKV, H);
+        gemv(s, qkv, xn, &L->qkv, M, NQKV, H);
         for (int m = 0; m < M; m++) {
             float *row = qkv + (int64_t)m * NQKV;
             for (int i = 0; i < NQKV; i++)
@@ -299,13 +334,13 @@ void decode_stack(const stack_layer *layers, int num_layers, const stack_shape *
                                  token_rows, M, Hq, Hkv, D, (int)s->block_size, s->scale,
                                  (int)L->sliding_window, s->soft_cap);
         load_row(attn, o_t, (int64_t)M * QD, bf16);
-        gemv(s, h, attn, L->o_w, M, H, QD);
+        gemv(s, h, attn, &L->o, M, H, QD);
         round_all(h, (int64_t)M * H, bf16);
 
         // Post-attention norm with the residual add, the MLP.
         for (int64_t i = 0; i < (int64_t)M * H; i++) res[i] = round_to(h[i] + res[i], bf16);
         rms_norm_rows(xn, res, L->post_norm, M, H, s->eps, bf16);
-        gemv(s, gate_up, xn, L->gate_up_w, M, 2 * I, H);
+        gemv(s, gate_up, xn, &L->gate_up, M, 2 * I, H);
         for (int m = 0; m < M; m++) {
             const float *g = gate_up + (int64_t)m * 2 * I, *u = g + I;
             float *a = act + (int64_t)m * I;
@@ -315,7 +350,7 @@ void decode_stack(const stack_layer *layers, int num_layers, const stack_shape *
                 a[i] = round_to(silu * round_to(u[i], bf16), bf16);
             }
         }
-        gemv(s, h, act, L->down_w, M, H, I);
+        gemv(s, h, act, &L->down, M, H, I);
         round_all(h, (int64_t)M * H, bf16);
     }
     store_row(hidden, h, (int64_t)M * H, bf16);

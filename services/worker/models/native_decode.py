@@ -9,17 +9,20 @@ is visible, not slow in silence.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
 from kvserve.kernels import decode_stack
-from kvserve.kernels.decode_stack import DecodeStack, StackLayer, StackShape
+from kvserve.kernels.decode_stack import DecodeStack, Matrix, StackLayer, StackShape
 from kvserve.services.worker.layers.activation import SiluAndMul
 from kvserve.services.worker.layers.layernorm import RMSNorm
 from kvserve.services.worker.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    QuantizedLinearMethod,
     RowParallelLinear,
     UnquantizedLinearMethod,
 )
@@ -31,16 +34,30 @@ class NotCovered(Exception):
     """What in the model the native stack does not compute (the message says)."""
 
 
-def _float_weight(linear: nn.Module, kind: type[LinearBase], dtype: torch.dtype) -> torch.Tensor:
+def _matrix(linear: nn.Module, kind: type[LinearBase], dtype: torch.dtype) -> Matrix:
+    """The layer's weight as the stack's parts: one float part, or the quantized method's
+    parts (GGUF blocks of one or more types, int8 rows, float shards of a type the quantized
+    kernels lack)."""
     if type(linear) is not kind:
         raise NotCovered(f"{type(linear).__name__} where {kind.__name__} was expected (LoRA?)")
     assert isinstance(linear, LinearBase)
-    if not isinstance(linear.quant_method, UnquantizedLinearMethod):
-        raise NotCovered("quantized linear layers")
-    weight = linear.weight
-    if weight.dtype != dtype or not weight.is_contiguous():
-        raise NotCovered(f"a {weight.dtype} weight in a {dtype} model")
-    return weight.data
+    method = linear.quant_method
+    if isinstance(method, UnquantizedLinearMethod):
+        parts: Matrix = [(0, linear.weight.data)]
+    elif isinstance(method, QuantizedLinearMethod):
+        if not decode_stack.quantized_available():
+            raise NotCovered("quantized weights with KVSERVE_QUANT_ACTIVATIONS=float32")
+        parts = list(cast(Matrix, linear.quant_parts))  # set by QuantizedLinearMethod
+    else:
+        raise NotCovered(f"{type(method).__name__} weights")
+    if len(parts) > decode_stack.MAX_PARTS:
+        raise NotCovered(f"a matrix in {len(parts)} parts")
+    for _, weight in parts:
+        if isinstance(weight, torch.Tensor) and (
+            weight.dtype != dtype or not weight.is_contiguous()
+        ):
+            raise NotCovered(f"a {weight.dtype} weight in a {dtype} model")
+    return parts
 
 
 def _norm_weight(norm: nn.Module) -> torch.Tensor:
@@ -76,11 +93,11 @@ def _stack_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> StackLayer:
     return StackLayer(
         input_norm=_norm_weight(layer.input_layernorm),
         post_norm=_norm_weight(layer.post_attention_layernorm),
-        qkv_w=_float_weight(attn.qkv_proj, QKVParallelLinear, dtype),
+        qkv_w=_matrix(attn.qkv_proj, QKVParallelLinear, dtype),
         qkv_b=None if qkv_bias is None else qkv_bias.data.float().contiguous(),
-        o_w=_float_weight(attn.o_proj, RowParallelLinear, dtype),
-        gate_up_w=_float_weight(mlp.gate_up_proj, MergedColumnParallelLinear, dtype),
-        down_w=_float_weight(mlp.down_proj, RowParallelLinear, dtype),
+        o_w=_matrix(attn.o_proj, RowParallelLinear, dtype),
+        gate_up_w=_matrix(mlp.gate_up_proj, MergedColumnParallelLinear, dtype),
+        down_w=_matrix(mlp.down_proj, RowParallelLinear, dtype),
         key_cache=cache[0],
         value_cache=cache[1],
         cos_sin=attn.rotary_emb.cos_sin_cache.float().contiguous(),
@@ -106,7 +123,7 @@ def _build(
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,
         head_size=attn.head_size,
-        intermediate=layers[0].down_w.shape[1],
+        intermediate=layers[0].down_w[0][1].shape[1],
         eps=float(norm.eps),
         scale=float(attn.scale),
         soft_cap=attn.logits_soft_cap,

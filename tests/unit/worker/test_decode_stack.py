@@ -26,8 +26,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _bound(model_dir, dtype: torch.dtype, max_rows: int = 8):
-    model, _ = load_model(model_dir, dtype, "cpu")
+def _bound(model_dir, dtype: torch.dtype, max_rows: int = 8, quantization=None, model_arg=None):
+    model, _ = load_model(model_dir, dtype, "cpu", quantization, model_arg)
     bind_kv_caches(model)
     if dtype != torch.float32:
         for module in model.modules():
@@ -135,3 +135,49 @@ def test_what_the_stack_does_not_cover_is_said(tiny_checkpoint):
     model.model.layers[0].self_attn.q_norm = torch.nn.Identity()
     assert "per-head q/k norms" in bind_decode_stack(model, torch.float32, 8)
     assert model.model.decode_stack is None
+
+
+def _same_steps(native, modules, atol: float) -> None:
+    prompts = [random_tokens(n, 96, seed=50 + n) for n in (5, 8)]
+    blocks = [[0, 1, 2], [3, 4, 5]]
+    steps = [[(p[:-3], 0, b) for p, b in zip(prompts, blocks)]]
+    for i in range(3):
+        steps.append(
+            [
+                (p[len(p) - 3 + i : len(p) - 2 + i], len(p) - 3 + i, b)
+                for p, b in zip(prompts, blocks)
+            ]
+        )
+    for requests in steps:
+        got = torch.cat(run_step(native, requests))
+        want = torch.cat(run_step(modules, requests))
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def test_int8_weights_run_their_kernel_inside_the_stack(tiny_checkpoint):
+    # The quantized parts go through quant_gemm.c's kvq_linear, as the module path's do.
+    model_dir, _ = tiny_checkpoint("llama")
+    native, status = _bound(model_dir, torch.float32, quantization="int8")
+    assert status.startswith("on"), status
+    modules, _ = _bound(model_dir, torch.float32, max_rows=0, quantization="int8")
+    _same_steps(native, modules, atol=1e-4)
+
+
+def test_gguf_blocks_run_inside_the_stack(tiny_gguf, tmp_path):
+    from kvserve.services.worker.model_loader import resolve_model
+
+    path, _ = tiny_gguf(True)
+    model_dir = resolve_model(path, cache_dir=str(tmp_path))
+    native, status = _bound(model_dir, torch.float32, quantization="gguf", model_arg=path)
+    assert status.startswith("on"), status
+    parts = native.model.decode_stack.layers[0].qkv_w
+    assert all(type(weight).__name__ == "QuantizedTensor" for _, weight in parts)
+    modules, _ = _bound(model_dir, torch.float32, max_rows=0, quantization="gguf", model_arg=path)
+    _same_steps(native, modules, atol=1e-4)
+
+
+def test_float32_quantized_activations_are_not_covered(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("KVSERVE_QUANT_ACTIVATIONS", "float32")
+    model_dir, _ = tiny_checkpoint("llama")
+    _, status = _bound(model_dir, torch.float32, quantization="int8")
+    assert "KVSERVE_QUANT_ACTIVATIONS=float32" in status
