@@ -179,6 +179,12 @@ _load = _LIBRARY.load
 library = _LIBRARY.load
 
 
+def library_file() -> str:
+    """The loaded library's file name (its key hashes the sources, compiler and CPU), or ''
+    without one: what a measurement of its kernels is valid for (kernels/gemm.py's plans)."""
+    return _LIBRARY.path.name if library() is not None and _LIBRARY.path is not None else ""
+
+
 def status() -> str:
     """The C kernels in use (building them if needed), or why the torch references run."""
     if _load() is None:

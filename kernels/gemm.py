@@ -246,8 +246,11 @@ def measure_shape(
 
 
 def machine_key(num_threads: int) -> str:
-    """What a cached plan is valid for: CPU model and ISA flags, torch, thread count."""
-    text = f"{cpu_identity()}|{torch.__version__}|{num_threads}"
+    """What a cached plan is valid for: CPU model and ISA flags, torch, thread count, and the
+    native kernels' build (a changed GEMV is measured again)."""
+    from kvserve.kernels import cpu
+
+    text = f"{cpu_identity()}|{torch.__version__}|{num_threads}|{cpu.library_file()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -108,62 +108,70 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #define GEMV_VECTOR 1
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 1024
-#endif
 #else
 #define GEMV_VECTOR 0
 #endif
 
-// y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N: W rows in blocks of four, each block
-// against the inputs two at a time, so each W value is loaded once per two inputs (AVX2:
-// eight accumulators, K in steps of 8). x float32 [M, K]; y float32 rows of stride ldy.
+// y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N, one W row at a time (a thread's rows are
+// one contiguous stream: 1.4x the read bandwidth of interleaving four rows), each row against
+// the inputs two at a time, so each W value is loaded once per two inputs (AVX2: four
+// accumulators per input, K in steps of 32). x float32 [M, K]; y float32 rows of stride ldy.
 #define DEFINE_GEMV(NAME, T, LOAD, LOAD8)                                                     \
 static void NAME(float *y, int64_t ldy, const float *x, const T *w, int M, int N, int K) {    \
-    const int blocks = (N + 3) / 4;                                                           \
-    const int K8 = GEMV_VECTOR ? K / 8 * 8 : 0;                                               \
     _Pragma("omp parallel for schedule(static)")                                              \
-    for (int b = 0; b < blocks; b++) {                                                        \
-        const int n0 = b * 4, rows = N - n0 < 4 ? N - n0 : 4;                                 \
-        const T *wr[4];                                                                       \
-        for (int r = 0; r < 4; r++) wr[r] = w + (int64_t)(n0 + (r < rows ? r : 0)) * K;       \
+    for (int n = 0; n < N; n++) {                                                             \
+        const T *wn = w + (int64_t)n * K;                                                     \
         for (int m = 0; m < M; m += 2) {                                                      \
             const int two = m + 1 < M;                                                        \
             const float *xa = x + (int64_t)m * K, *xb = two ? xa + K : xa;                    \
-            float acc[2][4] = {{0.f}};                                                        \
+            float acc[2] = {0.f, 0.f};                                                        \
+            int k = 0;                                                                        \
             VECTOR_BODY(LOAD8)                                                                \
-            for (int k = K8; k < K; k++)                                                      \
-                for (int r = 0; r < 4; r++) {                                                 \
-                    acc[0][r] += xa[k] * LOAD(wr[r], k);                                      \
-                    acc[1][r] += xb[k] * LOAD(wr[r], k);                                      \
-                }                                                                             \
-            for (int r = 0; r < rows; r++) {                                                  \
-                y[(int64_t)m * ldy + n0 + r] = acc[0][r];                                     \
-                if (two) y[(int64_t)(m + 1) * ldy + n0 + r] = acc[1][r];                      \
+            for (; k < K; k++) {                                                              \
+                acc[0] += xa[k] * LOAD(wn, k);                                                \
+                acc[1] += xb[k] * LOAD(wn, k);                                                \
             }                                                                                 \
+            y[(int64_t)m * ldy + n] = acc[0];                                                 \
+            if (two) y[(int64_t)(m + 1) * ldy + n] = acc[1];                                  \
         }                                                                                     \
     }                                                                                         \
 }
 
 #if GEMV_VECTOR
 #define VECTOR_BODY(LOAD8)                                                                    \
-    {                                                                                         \
+    if (two) {                                                                                \
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                          \
         __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                            \
-        for (int k = 0; k < K8; k += 8) {                                                     \
-            for (int r = 0; r < 4; r++)                                                       \
-                _mm_prefetch((const char *)(wr[r] + k) + PREFETCH_BYTES, _MM_HINT_T0);        \
-            const __m256 v0 = LOAD8(wr[0] + k), v1 = LOAD8(wr[1] + k);                        \
-            const __m256 v2 = LOAD8(wr[2] + k), v3 = LOAD8(wr[3] + k);                        \
-            const __m256 xv = _mm256_loadu_ps(xa + k), xu = _mm256_loadu_ps(xb + k);          \
-            a0 = _mm256_fmadd_ps(xv, v0, a0); a1 = _mm256_fmadd_ps(xv, v1, a1);               \
-            a2 = _mm256_fmadd_ps(xv, v2, a2); a3 = _mm256_fmadd_ps(xv, v3, a3);               \
-            b0 = _mm256_fmadd_ps(xu, v0, b0); b1 = _mm256_fmadd_ps(xu, v1, b1);               \
-            b2 = _mm256_fmadd_ps(xu, v2, b2); b3 = _mm256_fmadd_ps(xu, v3, b3);               \
+        for (; k + 32 <= K; k += 32) {                                                        \
+            const __m256 v0 = LOAD8(wn + k), v1 = LOAD8(wn + k + 8);                          \
+            const __m256 v2 = LOAD8(wn + k + 16), v3 = LOAD8(wn + k + 24);                    \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k), v0, a0);                            \
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k + 8), v1, a1);                        \
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k + 16), v2, a2);                       \
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k + 24), v3, a3);                       \
+            b0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + k), v0, b0);                            \
+            b1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + k + 8), v1, b1);                        \
+            b2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + k + 16), v2, b2);                       \
+            b3 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + k + 24), v3, b3);                       \
         }                                                                                     \
-        acc[0][0] = hsum8(a0); acc[0][1] = hsum8(a1); acc[0][2] = hsum8(a2);                  \
-        acc[0][3] = hsum8(a3); acc[1][0] = hsum8(b0); acc[1][1] = hsum8(b1);                  \
-        acc[1][2] = hsum8(b2); acc[1][3] = hsum8(b3);                                         \
+        for (; k + 8 <= K; k += 8) {                                                          \
+            const __m256 v = LOAD8(wn + k);                                                   \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k), v, a0);                             \
+            b0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + k), v, b0);                             \
+        }                                                                                     \
+        acc[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));          \
+        acc[1] = hsum8(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));          \
+    } else {                                                                                  \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                          \
+        for (; k + 32 <= K; k += 32) {                                                        \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k), LOAD8(wn + k), a0);                 \
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k + 8), LOAD8(wn + k + 8), a1);         \
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k + 16), LOAD8(wn + k + 16), a2);       \
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k + 24), LOAD8(wn + k + 24), a3);       \
+        }                                                                                     \
+        for (; k + 8 <= K; k += 8)                                                            \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xa + k), LOAD8(wn + k), a0);                 \
+        acc[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));          \
     }
 #else
 #define VECTOR_BODY(LOAD8)
