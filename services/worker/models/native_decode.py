@@ -83,6 +83,11 @@ def _stack_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> StackLayer:
         raise NotCovered(f"{type(mlp).__name__} feed-forward blocks")
     if not isinstance(mlp.act_fn, SiluAndMul):
         raise NotCovered(f"{type(mlp.act_fn).__name__} activations")
+    # The matrices first: they refuse wrapped layers (LoRA), which have no .bias.
+    qkv_w = _matrix(attn.qkv_proj, QKVParallelLinear, dtype)
+    o_w = _matrix(attn.o_proj, RowParallelLinear, dtype)
+    gate_up_w = _matrix(mlp.gate_up_proj, MergedColumnParallelLinear, dtype)
+    down_w = _matrix(mlp.down_proj, RowParallelLinear, dtype)
     if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None:
         raise NotCovered("a bias on o_proj or the MLP")
     if mlp.down_proj.bias is not None:
@@ -93,11 +98,11 @@ def _stack_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> StackLayer:
     return StackLayer(
         input_norm=_norm_weight(layer.input_layernorm),
         post_norm=_norm_weight(layer.post_attention_layernorm),
-        qkv_w=_matrix(attn.qkv_proj, QKVParallelLinear, dtype),
+        qkv_w=qkv_w,
         qkv_b=None if qkv_bias is None else qkv_bias.data.float().contiguous(),
-        o_w=_matrix(attn.o_proj, RowParallelLinear, dtype),
-        gate_up_w=_matrix(mlp.gate_up_proj, MergedColumnParallelLinear, dtype),
-        down_w=_matrix(mlp.down_proj, RowParallelLinear, dtype),
+        o_w=o_w,
+        gate_up_w=gate_up_w,
+        down_w=down_w,
         key_cache=cache[0],
         value_cache=cache[1],
         cos_sin=attn.rotary_emb.cos_sin_cache.float().contiguous(),

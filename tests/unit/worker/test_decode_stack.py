@@ -181,3 +181,15 @@ def test_float32_quantized_activations_are_not_covered(tiny_checkpoint, monkeypa
     model_dir, _ = tiny_checkpoint("llama")
     _, status = _bound(model_dir, torch.float32, quantization="int8")
     assert "KVSERVE_QUANT_ACTIVATIONS=float32" in status
+
+
+def test_lora_wrapped_layers_are_not_covered(tiny_checkpoint):
+    from kvserve.services.worker.lora.manager import LoRAManager
+    from kvserve.shared.config import LoRAConfig
+
+    model_dir, _ = tiny_checkpoint("llama")
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    LoRAManager(model, LoRAConfig(enable_lora=True), 4, torch.float32, torch.device("cpu"))
+    bind_kv_caches(model)
+    status = bind_decode_stack(model, torch.float32, 8)
+    assert "LoRA" in status and model.model.decode_stack is None
