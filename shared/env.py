@@ -132,10 +132,12 @@ CPU_THREADS_BIND = EnvVar(
 )
 NATIVE_DECODE_ROWS = EnvVar(
     "KVSERVE_NATIVE_DECODE_ROWS",
-    8,
+    0,
     _non_negative_int,
     "decode steps of up to this many tokens run a dense model's whole layer stack in one C "
-    "call on the CPU (kernels/decode_stack.py; default 8, 0: off, every step on the modules)",
+    "call on the CPU (kernels/decode_stack.py; 8 is what bench/RESULTS.md measured). Default "
+    "0, off: its GEMV rounds differently from the GEMMs a speculative verify step runs, and "
+    "greedy output with speculation must equal greedy output without it",
 )
 API_KEY = EnvVar(
     "KVSERVE_API_KEY",
