@@ -6,13 +6,15 @@ fastest a step can be. This script measures:
 1. the read bandwidth, STREAM-like: a 512 MiB float32 tensor summed (torch, one and all
    threads), best of several passes;
 2. the batch-1 TPOT of the default model through the shipped `kvserve.LLM` (one request,
-   INPUT_LEN random tokens in, OUTPUT_LEN out, ignore_eos) per dtype and per setting of
-   KVSERVE_NATIVE_DECODE_ROWS (8: the native decode stack, 0: the module path), each in its
-   own process, the settings interleaved over ROUNDS rounds (A B A B);
+   INPUT_LEN random tokens in, OUTPUT_LEN out, ignore_eos; --batch N: N such requests at once,
+   so each decode step has N rows and the bound is no longer the weights) per dtype and per
+   setting of KVSERVE_NATIVE_DECODE_ROWS (8: the native decode stack, 0: the module path),
+   each in its own process, the settings interleaved over ROUNDS rounds (A B A B);
 3. the weight bytes a step reads (every linear weight plus the LM head) and the bound they give.
 
     .venv/bin/python bench/decode_roofline.py --rounds 3
     .venv/bin/python bench/decode_roofline.py --dtypes float32 --quantization gguf
+    .venv/bin/python bench/decode_roofline.py --batch 16 --rows 32,0 --output-len 64
 
 Prints one JSON line per run and a table of medians (with the range over rounds).
 """
@@ -55,17 +57,20 @@ def child(args: argparse.Namespace) -> None:
         kwargs["quantization"] = args.quantization
     llm = LLM(**kwargs)
     rng = np.random.default_rng(0)
-    prompt = {"prompt_token_ids": rng.integers(100, 40000, args.input_len).tolist()}
+    prompts = [
+        {"prompt_token_ids": rng.integers(100, 40000, args.input_len).tolist()}
+        for _ in range(args.batch)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     first = SamplingParams(temperature=0.0, max_tokens=1)
 
     def seconds(sampling: SamplingParams) -> float:
         start = time.perf_counter()
-        llm.generate([prompt], sampling, use_tqdm=False)
+        llm.generate(prompts, sampling, use_tqdm=False)
         return time.perf_counter() - start
 
-    # TPOT: the whole request less a one-token request (its prefill), over the other tokens.
+    # TPOT: the whole batch less a one-token batch (its prefills), over the other steps.
     tpots = [
         (seconds(params) - seconds(first)) / (args.output_len - 1) for _ in range(args.repeats)
     ]
@@ -76,6 +81,7 @@ def child(args: argparse.Namespace) -> None:
                 "dtype": args.dtype,
                 "quantization": args.quantization,
                 "native_rows": int(os.environ.get("KVSERVE_NATIVE_DECODE_ROWS", "8")),
+                "batch": args.batch,
                 "tpot_ms": min(tpots) * 1e3,
                 # Every weight once (the default model's LM head is its tied embedding).
                 "weight_bytes": weight_bytes(model),
@@ -94,6 +100,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="requests per process (best)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--batch", type=int, default=1, help="requests at once: decode steps of this many rows"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -114,7 +123,7 @@ def main() -> None:
                     "--output-len",
                     str(args.output_len),
                 ]
-                command += ["--repeats", str(args.repeats)]
+                command += ["--repeats", str(args.repeats), "--batch", str(args.batch)]
                 if args.quantization:
                     command += ["--quantization", args.quantization]
                 env = dict(os.environ, KVSERVE_NATIVE_DECODE_ROWS=str(rows))

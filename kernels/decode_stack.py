@@ -4,9 +4,12 @@ The module path runs a dense decoder layer as ~10 dispatched ops (norms, three G
 the KV write, attention, SiLU-and-mul), each a Python call, a ctypes or ATen dispatch and a
 new output tensor. At batch 1 on a two-core CPU that Python costs as much as the arithmetic.
 `DecodeStack` holds each layer's weight and cache pointers in a C array built once, and its
-work buffers; `run` hands a whole stack of layers to C for a decode step of up to `max_rows`
-tokens. Weights are read once per step whatever the row count, so a batch-1 step is bound by
-the weights' bytes over the memory bandwidth (bench/decode_roofline.py).
+work buffers; `run` hands a whole stack of layers to C for a step of up to `max_requests`
+requests (a decode step; a speculative verify step of 1 + k tokens each; a short prefill).
+Weights are read once per step whatever the row count, so a batch-1 step is bound by the
+weights' bytes over the memory bandwidth (bench/decode_roofline.py). Each token's result is
+computed alone (the GEMV's sums, the norms and its attention do not depend on the other rows),
+so it is bit for bit the same whatever shares its step.
 
 It covers what the C code does: a Llama-style pre-norm block (RMSNorm, neox RoPE from a
 float32 cos|sin table, GQA attention with an optional window and soft cap, a qkv bias,
@@ -154,16 +157,25 @@ class DecodeStack:
         layers: the layers in order; their tensors must outlive the stack (it holds them).
         shape: what they share.
         dtype: float32 or bfloat16 (the weights', caches' and activations' dtype).
-        max_rows: the most tokens a step may have (work buffers are sized for it).
+        max_requests: the most requests a step may have.
+        tokens_per_request: the most tokens each (1 + k for a speculative verify step); the
+            work buffers are sized for max_rows = max_requests * tokens_per_request tokens.
     """
 
     def __init__(
-        self, layers: list[StackLayer], shape: StackShape, dtype: torch.dtype, max_rows: int
+        self,
+        layers: list[StackLayer],
+        shape: StackShape,
+        dtype: torch.dtype,
+        max_requests: int,
+        tokens_per_request: int = 1,
     ) -> None:
         lib = cpu.library()
         assert lib is not None and dtype in cpu.DTYPES
         self._fn = lib.decode_stack
-        self.layers, self.shape, self.dtype, self.max_rows = layers, shape, dtype, max_rows
+        self.layers, self.shape, self.dtype = layers, shape, dtype
+        self.max_requests = max_requests
+        self.max_rows = max_rows = max_requests * tokens_per_request
         block_size = layers[0].key_cache.shape[1]
         for layer in layers:
             _check_layer(layer, shape, dtype, block_size)
@@ -211,6 +223,10 @@ class DecodeStack:
         self._work = torch.empty(max_rows * per_row + 16, dtype=torch.float32)
         self._token_rows = torch.arange(max_rows, dtype=torch.int64)
 
+    def takes(self, num_tokens: int, num_requests: int) -> bool:
+        """Whether a step of this many tokens of this many requests is the stack's."""
+        return num_tokens <= self.max_rows and num_requests <= self.max_requests
+
     def run(
         self,
         hidden: torch.Tensor,
@@ -219,18 +235,25 @@ class DecodeStack:
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer for M tokens, one per request (a decode step, M <= max_rows).
+        """Every layer for a step the stack takes (M tokens).
 
         hidden, residual: [M, H] as the module path's (hidden_states, residual); residual
         None when the stack starts at the model's first layer. positions, slot_mapping: [M]
-        int64; block_table [M, max_blocks] int32; seq_lens [M] int32. Returns the last
-        layer's (hidden_states, residual), new tensors.
+        int64; block_table [R, max_blocks] int32; seq_lens [R] int32 (context after the
+        step). query_start_loc: [R+1] int32, the requests' token ranges; None when every
+        request has one token (a decode step, R = M). A request of several tokens (a
+        speculative verify step, a short prefill chunk) attends token by token over its
+        causal prefix, so each token's result is what a decode step would give it. Returns
+        the last layer's (hidden_states, residual), new tensors.
         """
         num_rows = hidden.shape[0]
-        assert 0 < num_rows <= self.max_rows and hidden.dtype == self.dtype
+        assert self.takes(num_rows, seq_lens.shape[0]) and hidden.dtype == self.dtype
         assert positions.dtype == slot_mapping.dtype == torch.int64
         assert block_table.dtype == seq_lens.dtype == torch.int32
+        if query_start_loc is not None:
+            block_table, seq_lens = per_token_rows(query_start_loc, seq_lens, block_table)
         assert block_table.stride(1) == 1 and block_table.shape[0] >= num_rows
         has_residual = residual is not None
         hidden = hidden.contiguous().clone()
@@ -255,6 +278,22 @@ class DecodeStack:
             ctypes.c_void_p(self._work.data_ptr()),
         )
         return hidden, residual
+
+
+def per_token_rows(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token as a request of its own: its request's block-table row and its causal
+    context length (the request's length after the step, less the tokens after it)."""
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    num_tokens = int(query_start_loc[-1])
+    ends = query_start_loc[1:].repeat_interleave(query_lens, output_size=num_tokens)
+    after = ends - 1 - torch.arange(num_tokens, dtype=torch.int32)
+    lens = seq_lens.repeat_interleave(query_lens, output_size=num_tokens) - after
+    table = block_table[: query_lens.shape[0]].repeat_interleave(
+        query_lens, dim=0, output_size=num_tokens
+    )
+    return table, lens.to(torch.int32)
 
 
 def _check_layer(layer: StackLayer, shape: StackShape, dtype: torch.dtype, block_size: int):

@@ -212,8 +212,12 @@ class ModelRunner:
         )
         self.cuda_graphs = self.capture_cuda_graphs(max_blocks_per_req)
         if self.device.type == "cpu":
-            rows = env.NATIVE_DECODE_ROWS.get()
-            logger.info("native decode stack %s", bind_decode_stack(self.model, self.dtype, rows))
+            # A verify step of the same requests carries up to 1 + k tokens each: it runs the
+            # stack too, so its tokens get what decode steps would give them.
+            spec = self.spec_config
+            tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+            status = bind_decode_stack(self.model, self.dtype, env.NATIVE_DECODE_ROWS.get(), tokens)
+            logger.info("native decode stack %s", status)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_blocks_per_req: int) -> DecodeGraphs | None:

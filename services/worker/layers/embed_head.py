@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
-from kvserve.kernels.gemm import LinearWeights
+from kvserve.kernels.gemm import LinearWeights, native_linear
 from kvserve.services.worker.layers.linear import divide, set_weight_loader
 from kvserve.services.worker.parallel_state import (
     get_tp_rank,
@@ -68,7 +68,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     gemm: LinearWeights | None = None  # set after loading (ModelRunner.prepare_gemm)
+    # Steps of up to this many rows run the native decode stack's GEMV (set by
+    # models/native_decode.py when it binds the stack): each row's logits are then the same
+    # whatever else shares the step, as the stack's hidden states are.
+    native_rows: int = 0
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = kernels.linear(hidden_states, self.weight, None, self.gemm)
+        if hidden_states.shape[0] <= self.native_rows:
+            logits = native_linear(hidden_states, self.weight, None)
+        else:
+            logits = kernels.linear(hidden_states, self.weight, None, self.gemm)
         return tensor_model_parallel_all_gather(logits, dim=-1)

@@ -197,8 +197,9 @@ class LlamaModel(nn.Module):
         self.norm = (
             arch.norm_class(config.hidden_size, config.rms_norm_eps) if is_last_pp_rank() else None
         )
-        # Decode steps of up to its max_rows tokens run the stage's layers in one C call
-        # (models/native_decode.py binds it on the CPU once the KV cache is bound).
+        # Steps of few requests and tokens (decodes, verify steps, short prefill chunks) run
+        # the stage's layers in one C call (models/native_decode.py binds it on the CPU once
+        # the KV cache is bound).
         self.decode_stack: DecodeStack | None = None
 
     def forward(
@@ -229,9 +230,9 @@ class LlamaModel(nn.Module):
         if (
             stack is not None
             and end_layer == self.end_layer
-            and attn_metadata.max_query_len == 1
-            and hidden_states.shape[0] <= stack.max_rows
+            and stack.takes(hidden_states.shape[0], attn_metadata.seq_lens.shape[0])
         ):
+            multi = attn_metadata.max_query_len > 1  # a verify step or a short prefill chunk
             hidden_states, residual = stack.run(
                 hidden_states,
                 residual,
@@ -239,6 +240,7 @@ class LlamaModel(nn.Module):
                 attn_metadata.slot_mapping,
                 attn_metadata.block_table,
                 attn_metadata.seq_lens,
+                attn_metadata.query_start_loc if multi else None,
             )
         else:
             for layer in self.layers[self.start_layer : end_layer]:

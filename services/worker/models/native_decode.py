@@ -2,9 +2,12 @@
 
 `bind_decode_stack` looks at a loaded model once its KV cache is bound (the model runner calls
 it on the CPU) and, when every layer is what kernels/decode_stack.py computes, gives the
-model's `LlamaModel` a `DecodeStack`; its forward then hands small decode steps to it. The
-start-up log says which way it went and why, so a family or option the stack does not cover
-is visible, not slow in silence.
+model's `LlamaModel` a `DecodeStack`; its forward then hands steps of few requests and tokens
+to it (decodes, speculative verify steps, short prefill chunks), and the LM head computes
+their logits with the stack's GEMV. A token's greedy choice then does not depend on what
+shares its step: a verify step gives what decode steps give. The start-up log says which way
+it went and why, so a family or option the stack does not cover is visible, not slow in
+silence.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 from kvserve.kernels import decode_stack
 from kvserve.kernels.decode_stack import DecodeStack, Matrix, StackLayer, StackShape
 from kvserve.services.worker.layers.activation import SiluAndMul
+from kvserve.services.worker.layers.embed_head import ParallelLMHead
 from kvserve.services.worker.layers.layernorm import RMSNorm
 from kvserve.services.worker.layers.linear import (
     LinearBase,
@@ -111,7 +115,11 @@ def _stack_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> StackLayer:
 
 
 def _build(
-    stage: list[LlamaDecoderLayer], hidden_size: int, dtype: torch.dtype, max_rows: int
+    stage: list[LlamaDecoderLayer],
+    hidden_size: int,
+    dtype: torch.dtype,
+    max_requests: int,
+    tokens_per_request: int,
 ) -> DecodeStack:
     if get_tp_size() > 1:
         raise NotCovered("tensor parallelism (an all-reduce sits inside each layer)")
@@ -133,17 +141,23 @@ def _build(
         scale=float(attn.scale),
         soft_cap=attn.logits_soft_cap,
     )
-    return DecodeStack(layers, shape, dtype, max_rows)
+    return DecodeStack(layers, shape, dtype, max_requests, tokens_per_request)
 
 
-def bind_decode_stack(model: nn.Module, dtype: torch.dtype, max_rows: int) -> str:
-    """Give the model's decoder a native decode stack for steps of up to max_rows tokens
-    when it is covered; say what was done (for the start-up log)."""
+def bind_decode_stack(
+    model: nn.Module, dtype: torch.dtype, max_requests: int, tokens_per_request: int = 1
+) -> str:
+    """Give the model's decoder a native decode stack for steps of up to max_requests
+    requests of up to tokens_per_request tokens each (1 + k under speculative decoding) when
+    it is covered; say what was done (for the start-up log)."""
     inner = getattr(model, "model", None)
     if not isinstance(inner, LlamaModel):
         return f"off: {type(model).__name__} has no Llama-style decoder"
     inner.decode_stack = None
-    if max_rows <= 0:
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, ParallelLMHead):
+        head.native_rows = 0
+    if max_requests <= 0:
         return "off (KVSERVE_NATIVE_DECODE_ROWS=0)"
     try:
         stage = [
@@ -152,7 +166,17 @@ def bind_decode_stack(model: nn.Module, dtype: torch.dtype, max_rows: int) -> st
         if any(layer.self_attn.attn.kv_cache is None for layer in stage):
             return "off: no KV cache is bound yet"
         hidden_size = _norm_weight(stage[0].input_layernorm).shape[0]
-        inner.decode_stack = _build(stage, hidden_size, dtype, max_rows)
+        stack = _build(stage, hidden_size, dtype, max_requests, tokens_per_request)
     except NotCovered as reason:
         return f"off: the stack does not compute {reason}; decode steps run the modules"
-    return f"on: decode steps of up to {max_rows} tokens run {len(stage)} layers in one C call"
+    inner.decode_stack = stack
+    if isinstance(head, ParallelLMHead) and _plain(head.weight, dtype):
+        head.native_rows = stack.max_rows  # the same per-row arithmetic for the logits
+    return (
+        f"on: steps of up to {max_requests} requests of up to {tokens_per_request} tokens "
+        f"run {len(stage)} layers in one C call"
+    )
+
+
+def _plain(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    return type(weight.data) is torch.Tensor and weight.dtype == dtype and weight.is_contiguous()

@@ -1,7 +1,8 @@
 """The native decode stack (kernels/decode_stack.py) against HF and against the module path.
 
-A decode step of up to max_rows tokens runs every layer in one C call once the stack is bound
-(services/worker/models/native_decode.py); prefill steps and larger steps run the modules.
+A step of up to max_rows tokens (decodes, verify steps, short prefill chunks) runs every layer
+in one C call once the stack is bound (services/worker/models/native_decode.py); larger steps
+run the modules.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _bound(model_dir, dtype: torch.dtype, max_rows: int = 8, quantization=None, model_arg=None):
+def _bound(
+    model_dir,
+    dtype: torch.dtype,
+    max_requests: int = 8,
+    quantization=None,
+    model_arg=None,
+    tokens_per_request: int = 1,
+):
     model, _ = load_model(model_dir, dtype, "cpu", quantization, model_arg)
     bind_kv_caches(model)
     if dtype != torch.float32:
@@ -34,7 +42,7 @@ def _bound(model_dir, dtype: torch.dtype, max_rows: int = 8, quantization=None, 
             cache = getattr(module, "kv_cache", None)
             if isinstance(cache, torch.Tensor):
                 module.kv_cache = cache.to(dtype)
-    status = bind_decode_stack(model, dtype, max_rows)
+    status = bind_decode_stack(model, dtype, max_requests, tokens_per_request)
     return model, status
 
 
@@ -47,19 +55,52 @@ def test_decodes_through_the_stack_match_hf(tiny_checkpoint, kind):
     stack = model.model.decode_stack
     real_run = stack.run
     stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
-    tokens_a, tokens_b = random_tokens(9, 96, seed=11), random_tokens(7, 96, seed=12)
+    tokens_a, tokens_b = random_tokens(10, 96, seed=11), random_tokens(8, 96, seed=12)
     blocks_a, blocks_b = [4, 1, 8], [2, 11]
     expected_a, expected_b = hf_logits(hf_model, tokens_a), hf_logits(hf_model, tokens_b)
-    run_step(model, [(tokens_a[:5], 0, blocks_a), (tokens_b[:3], 0, blocks_b)])
+    run_step(model, [(tokens_a[:6], 0, blocks_a), (tokens_b[:4], 0, blocks_b)])
     got_a, got_b = [], []
     for step in range(4):  # both requests decode: two rows per native call
-        pa, pb = 5 + step, 3 + step
+        pa, pb = 6 + step, 4 + step
         a, b = run_step(model, [([tokens_a[pa]], pa, blocks_a), ([tokens_b[pb]], pb, blocks_b)])
         got_a.append(a[0])
         got_b.append(b[0])
-    torch.testing.assert_close(torch.stack(got_a), expected_a[5:9], atol=ATOL, rtol=0)
-    torch.testing.assert_close(torch.stack(got_b), expected_b[3:7], atol=ATOL, rtol=0)
-    assert calls == [2, 2, 2, 2]  # the prefill ran the modules
+    torch.testing.assert_close(torch.stack(got_a), expected_a[6:10], atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.stack(got_b), expected_b[4:8], atol=ATOL, rtol=0)
+    assert calls == [2, 2, 2, 2]  # the prefill (10 tokens, over max_rows) ran the modules
+
+
+def test_a_step_of_several_tokens_per_request_gives_each_token_its_decode_result(
+    tiny_checkpoint,
+):
+    # A speculative verify step (and a short prefill chunk) goes through the stack token by
+    # token over each token's causal prefix: every logit is bit for bit what one decode step
+    # per token gives, whatever else shares the step. That is what keeps greedy output with
+    # speculation equal to greedy output without it.
+    model_dir, hf_model = tiny_checkpoint("llama")
+    together, _ = _bound(model_dir, torch.float32)
+    one_by_one, _ = _bound(model_dir, torch.float32)
+    calls = []
+    stack = together.model.decode_stack
+    real_run = stack.run
+    stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
+    tokens_a, tokens_b = random_tokens(12, 96, seed=61), random_tokens(7, 96, seed=62)
+    blocks_a, blocks_b = [3, 0, 7], [5, 9]
+    for model in (together, one_by_one):  # prefills of 9 and 4 tokens: the modules
+        run_step(model, [(tokens_a[:9], 0, blocks_a), (tokens_b[:4], 0, blocks_b)])
+    # Three tokens of a, one of b, then two of b: rows of different requests and lengths.
+    a, b = run_step(together, [(tokens_a[9:12], 9, blocks_a), (tokens_b[4:5], 4, blocks_b)])
+    (b2,) = run_step(together, [(tokens_b[5:7], 5, blocks_b)])
+    want_a = torch.cat(
+        [run_step(one_by_one, [([tokens_a[p]], p, blocks_a)])[0] for p in (9, 10, 11)]
+    )
+    want_b = torch.cat([run_step(one_by_one, [([tokens_b[p]], p, blocks_b)])[0] for p in (4, 5, 6)])
+    assert calls == [4, 2]
+    assert torch.equal(a, want_a) and torch.equal(torch.cat([b, b2]), want_b)
+    torch.testing.assert_close(a, hf_logits(hf_model, tokens_a)[9:12], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        torch.cat([b, b2]), hf_logits(hf_model, tokens_b)[4:7], atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -69,7 +110,7 @@ def test_the_stack_equals_the_module_path(tiny_checkpoint, dtype):
     model_dir, _ = tiny_checkpoint("qwen2")
     native, status = _bound(model_dir, dtype)
     assert status.startswith("on"), status
-    modules, _ = _bound(model_dir, dtype, max_rows=0)
+    modules, _ = _bound(model_dir, dtype, max_requests=0)
     assert modules.model.decode_stack is None
     prompts = [random_tokens(n, 96, seed=20 + n) for n in (6, 9, 4)]
     blocks = [[0, 1, 2], [3, 4, 5], [6, 7]]
@@ -90,9 +131,9 @@ def test_the_stack_equals_the_module_path(tiny_checkpoint, dtype):
             torch.testing.assert_close(cache_a.float(), cache_b.float(), **tol)
 
 
-def test_a_step_over_max_rows_runs_the_modules(tiny_checkpoint):
+def test_a_step_over_the_stacks_size_runs_the_modules(tiny_checkpoint):
     model_dir, hf_model = tiny_checkpoint("llama")
-    model, status = _bound(model_dir, torch.float32, max_rows=1)
+    model, status = _bound(model_dir, torch.float32, max_requests=1)
     stack = model.model.decode_stack
     calls = []
     real_run = stack.run
@@ -104,6 +145,25 @@ def test_a_step_over_max_rows_runs_the_modules(tiny_checkpoint):
     assert calls == [1]
     torch.testing.assert_close(a[0], hf_logits(hf_model, tokens_a)[5], atol=ATOL, rtol=0)
     torch.testing.assert_close(a_alone[0], a[0], atol=ATOL, rtol=0)
+
+
+def test_verify_steps_are_sized_by_requests_and_tokens_per_request(tiny_checkpoint):
+    # Two requests of up to three tokens each (a verify step of k = 2 drafts): such a step is
+    # the stack's, three one-token requests are not.
+    model_dir, hf_model = tiny_checkpoint("llama")
+    model, status = _bound(model_dir, torch.float32, max_requests=2, tokens_per_request=3)
+    assert "2 requests of up to 3 tokens" in status
+    stack = model.model.decode_stack
+    calls = []
+    real_run = stack.run
+    stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
+    tokens = [random_tokens(9, 96, seed=70 + i) for i in range(3)]
+    blocks = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    run_step(model, [(t[:6], 0, b) for t, b in zip(tokens, blocks)])
+    run_step(model, [([t[6]], 6, b) for t, b in zip(tokens, blocks)])
+    a, b = run_step(model, [(t[7:9], 7, b) for t, b in zip(tokens[:2], blocks[:2])])
+    assert calls == [4]
+    torch.testing.assert_close(a, hf_logits(hf_model, tokens[0])[7:9], atol=ATOL, rtol=0)
 
 
 def test_a_slot_below_zero_is_not_written(tiny_checkpoint):
@@ -159,7 +219,7 @@ def test_int8_weights_run_their_kernel_inside_the_stack(tiny_checkpoint):
     model_dir, _ = tiny_checkpoint("llama")
     native, status = _bound(model_dir, torch.float32, quantization="int8")
     assert status.startswith("on"), status
-    modules, _ = _bound(model_dir, torch.float32, max_rows=0, quantization="int8")
+    modules, _ = _bound(model_dir, torch.float32, max_requests=0, quantization="int8")
     _same_steps(native, modules, atol=1e-4)
 
 
@@ -172,7 +232,9 @@ def test_gguf_blocks_run_inside_the_stack(tiny_gguf, tmp_path):
     assert status.startswith("on"), status
     parts = native.model.decode_stack.layers[0].qkv_w
     assert all(type(weight).__name__ == "QuantizedTensor" for _, weight in parts)
-    modules, _ = _bound(model_dir, torch.float32, max_rows=0, quantization="gguf", model_arg=path)
+    modules, _ = _bound(
+        model_dir, torch.float32, max_requests=0, quantization="gguf", model_arg=path
+    )
     _same_steps(native, modules, atol=1e-4)
 
 
