@@ -19,7 +19,9 @@ faster one by its fastest call (torch unless oneDNN wins by a margin). The plan 
 per machine (CPU model and flags, torch version, threads) in $KVSERVE_CACHE_DIR/gemm/, so
 a second start reuses it, unless other work held the cores while it was measured: a plan
 measured while tasks waited for a core more than CONTENDED_SHARE of the time (Linux's
-/proc/pressure/cpu) serves that start only, and the next start measures again. (A plan
+/proc/pressure/cpu) serves that start only, and the next start measures again. Measuring
+stops at the first shape that finds the cores contended (the shapes left run torch), so a
+start beside other busy engines is not minutes long. (A plan
 measured under load once picked MKL for half the bfloat16 shapes that oneDNN runs 1.3x
 faster on a quiet machine, and kept it.)
 
@@ -182,6 +184,8 @@ class GemmPlan:
     source: str = "measured"  # measured | cached | forced
     seconds: float = 0.0
     stalled_share: float | None = None  # of the measuring time some task waited for a CPU
+    # Shapes left on torch unmeasured: measuring stopped once the cores proved contended.
+    unmeasured: int = 0
 
     @staticmethod
     def key(dtype: torch.dtype, n: int, k: int) -> str:
@@ -312,28 +316,40 @@ def tune(
     plan = GemmPlan(source="cached")
     measured: dict[str, ShapePlan] = {}
     start, stall_start = time.perf_counter(), cpu_stall_us()
+
+    def stalled_share() -> float | None:
+        stall_now, seconds = cpu_stall_us(), time.perf_counter() - start
+        if stall_start is None or stall_now is None or seconds <= 0:
+            return None
+        return min(1.0, (stall_now - stall_start) / 1e6 / seconds)
+
     for dtype, n, k, max_rows in shapes:
         key = GemmPlan.key(dtype, n, k)
         cache_key = f"{key}:{max_rows}"
         if cache_key in cached:
             plan.shapes[key] = cached[cache_key]
             continue
-        if not measurable(dtype):
+        share = stalled_share() if measured else None
+        if not measurable(dtype) or (share is not None and share > CONTENDED_SHARE):
+            # Once the cores prove contended (other engines of this machine measuring at
+            # start-up, say), further timings would time that work: stop, run torch.
+            plan.unmeasured += measurable(dtype)
             plan.shapes[key] = torch_only
             continue
         plan.shapes[key] = measured[cache_key] = measure(dtype, n, k, max_rows)
         plan.source = "measured"
     plan.seconds = time.perf_counter() - start
-    stall_end = cpu_stall_us()
-    if measured and stall_start is not None and stall_end is not None and plan.seconds > 0:
-        plan.stalled_share = min(1.0, (stall_end - stall_start) / 1e6 / plan.seconds)
+    if measured:
+        plan.stalled_share = stalled_share()
     if not (use_cache and measured):
         return plan
     if plan.stalled_share is not None and plan.stalled_share > CONTENDED_SHARE:
         logger.warning(
             "CPU GEMM plan measured while other work held the cores (a task waited for a CPU "
-            "%.0f%% of the time): used for this start, not cached",
+            "%.0f%% of the time): used for this start, not cached; %d shapes left unmeasured "
+            "run torch",
             100 * plan.stalled_share,
+            plan.unmeasured,
         )
         return plan
     _write_cache(path, {**cached, **measured})

@@ -143,6 +143,8 @@ class ModelRunner:
             how = f"measured in {plan.seconds:.1f} s"
             if plan.stalled_share is not None:
                 how += f", tasks waited for a CPU {100 * plan.stalled_share:.0f}% of it"
+            if plan.unmeasured:
+                how += f", {plan.unmeasured} shapes left on torch unmeasured"
         logger.info(
             "CPU GEMM plan (%s, %d threads): %s",
             how,

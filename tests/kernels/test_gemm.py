@@ -3,6 +3,8 @@ path per row count, and plans are measured once per machine, then cached."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,6 +121,35 @@ def test_a_plan_measured_on_contended_cores_serves_but_is_not_cached(tmp_path, m
     assert gemm.tune(shapes, measure=fake_measure).stalled_share == 0.0
     assert gemm.tune(shapes, measure=fake_measure).source == "cached"
     assert len(measured) == 3
+
+
+def test_measuring_stops_once_the_cores_prove_contended(tmp_path, monkeypatch):
+    # Three engines of one machine measuring at once took a minute each, every start: the
+    # first contended shape ends the measuring and the rest run torch (nothing cached).
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    measured = []
+    stall_us = [0]
+
+    def fake_measure(dtype, n, k, max_rows):
+        measured.append(n)
+        stall_us[0] += 10**9  # every measuring second stalled
+        time.sleep(0.01)
+        return gemm.ShapePlan(("onednn",) * 6)
+
+    monkeypatch.setattr(gemm, "cpu_stall_us", lambda: stall_us[0])
+    shapes = [(torch.float32, n, 576, 2048) for n in (64, 960, 1536)]
+    plan = gemm.tune(shapes, measure=fake_measure)
+    assert measured == [64] and plan.unmeasured == 2
+    assert plan.summary() == {
+        "float32:1536x576": "torch",
+        "float32:64x576": "onednn",
+        "float32:960x576": "torch",
+    }
+    stall_us[0] = 0
+    monkeypatch.setattr(gemm, "cpu_stall_us", lambda: 0)  # quiet: all measured, cached
+    assert gemm.tune(shapes, measure=fake_measure).unmeasured == 0
+    assert measured == [64, 64, 960, 1536]
+    assert gemm.tune(shapes, measure=fake_measure).source == "cached"
 
 
 def test_without_pressure_stall_information_plans_are_cached(tmp_path, monkeypatch):
