@@ -132,12 +132,12 @@ CPU_THREADS_BIND = EnvVar(
 )
 NATIVE_DECODE_ROWS = EnvVar(
     "KVSERVE_NATIVE_DECODE_ROWS",
-    0,
+    8,
     _non_negative_int,
-    "decode steps of up to this many tokens run a dense model's whole layer stack in one C "
-    "call on the CPU (kernels/decode_stack.py; 8 is what bench/RESULTS.md measured). Default "
-    "0, off: its GEMV rounds differently from the GEMMs a speculative verify step runs, and "
-    "greedy output with speculation must equal greedy output without it",
+    "steps of up to this many requests (one token each, or 1 + k under speculative decoding) "
+    "run a dense model's whole layer stack in one C call on the CPU (kernels/decode_stack.py; "
+    "bench/RESULTS.md measures it); 0 turns it off. Each token's result is computed alone, so "
+    "it is bit for bit the same whatever shares its step",
 )
 API_KEY = EnvVar(
     "KVSERVE_API_KEY",
