@@ -46,15 +46,21 @@ def _bound(
     return model, status
 
 
+def _count_stack_calls(model) -> list[int]:
+    """The row count of each step the model's stack runs, appended as it runs them."""
+    calls: list[int] = []
+    stack = model.model.decode_stack
+    real_run = stack.run
+    stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
+    return calls
+
+
 @pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2"])
 def test_decodes_through_the_stack_match_hf(tiny_checkpoint, kind):
     model_dir, hf_model = tiny_checkpoint(kind)
     model, status = _bound(model_dir, torch.float32)
     assert status.startswith("on"), status
-    calls = []
-    stack = model.model.decode_stack
-    real_run = stack.run
-    stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
+    calls = _count_stack_calls(model)
     tokens_a, tokens_b = random_tokens(10, 96, seed=11), random_tokens(8, 96, seed=12)
     blocks_a, blocks_b = [4, 1, 8], [2, 11]
     expected_a, expected_b = hf_logits(hf_model, tokens_a), hf_logits(hf_model, tokens_b)
@@ -80,10 +86,7 @@ def test_a_step_of_several_tokens_per_request_gives_each_token_its_decode_result
     model_dir, hf_model = tiny_checkpoint("llama")
     together, _ = _bound(model_dir, torch.float32)
     one_by_one, _ = _bound(model_dir, torch.float32)
-    calls = []
-    stack = together.model.decode_stack
-    real_run = stack.run
-    stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
+    calls = _count_stack_calls(together)
     tokens_a, tokens_b = random_tokens(12, 96, seed=61), random_tokens(7, 96, seed=62)
     blocks_a, blocks_b = [3, 0, 7], [5, 9]
     for model in (together, one_by_one):  # prefills of 9 and 4 tokens: the modules
@@ -134,10 +137,7 @@ def test_the_stack_equals_the_module_path(tiny_checkpoint, dtype):
 def test_a_step_over_the_stacks_size_runs_the_modules(tiny_checkpoint):
     model_dir, hf_model = tiny_checkpoint("llama")
     model, status = _bound(model_dir, torch.float32, max_requests=1)
-    stack = model.model.decode_stack
-    calls = []
-    real_run = stack.run
-    stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
+    calls = _count_stack_calls(model)
     tokens_a, tokens_b = random_tokens(6, 96, seed=31), random_tokens(6, 96, seed=32)
     run_step(model, [(tokens_a[:5], 0, [1, 2]), (tokens_b[:5], 0, [3, 4])])
     a, b = run_step(model, [(tokens_a[5:], 5, [1, 2]), (tokens_b[5:], 5, [3, 4])])
@@ -153,10 +153,7 @@ def test_verify_steps_are_sized_by_requests_and_tokens_per_request(tiny_checkpoi
     model_dir, hf_model = tiny_checkpoint("llama")
     model, status = _bound(model_dir, torch.float32, max_requests=2, tokens_per_request=3)
     assert "2 requests of up to 3 tokens" in status
-    stack = model.model.decode_stack
-    calls = []
-    real_run = stack.run
-    stack.run = lambda *args: calls.append(args[0].shape[0]) or real_run(*args)
+    calls = _count_stack_calls(model)
     tokens = [random_tokens(9, 96, seed=70 + i) for i in range(3)]
     blocks = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     run_step(model, [(t[:6], 0, b) for t, b in zip(tokens, blocks)])
