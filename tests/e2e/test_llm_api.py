@@ -97,8 +97,10 @@ def test_logprobs_equal_log_softmax_of_our_logits(llm):
     first = out.outputs[0].token_ids[0]
     entry = out.outputs[0].logprobs[0]
 
-    # Our own model, run directly on the prompt (no paged cache: the prompt-only path).
+    # Our own model, run directly on the prompt (no paged cache: the prompt-only path of the
+    # modules; the native decode stack, which reads the bound cache, is set aside meanwhile).
     model = llm.engine_core.executor.worker.runner.model
+    stack, model.model.decode_stack = model.model.decode_stack, None
     n = len(prompt_ids)
     md = AttentionMetadata(
         torch.tensor([0, n], dtype=torch.int32),
@@ -118,6 +120,7 @@ def test_logprobs_equal_log_softmax_of_our_logits(llm):
     finally:
         for layer, cache in zip(llm.engine_core.executor.worker.runner.attention_layers, saved):
             layer.kv_cache = cache
+        model.model.decode_stack = stack
     assert first == int(expected.argmax())
     assert entry[first].rank == 1
     assert math.isclose(entry[first].logprob, float(expected[first]), abs_tol=1e-4)
