@@ -21,9 +21,9 @@ a second start reuses it, unless other work held the cores while it was measured
 measured while tasks waited for a core more than CONTENDED_SHARE of the time (Linux's
 /proc/pressure/cpu) serves that start only, and the next start measures again. Measuring
 stops at the first shape that finds the cores contended (the shapes left run torch), so a
-start beside other busy engines is not minutes long. (A plan
-measured under load once picked MKL for half the bfloat16 shapes that oneDNN runs 1.3x
-faster on a quiet machine, and kept it.)
+start beside other busy engines is not minutes long. (A plan measured under load once picked
+MKL for half the bfloat16 shapes that oneDNN runs 1.3x faster on a quiet machine, and kept
+it.)
 
 A layer holds a `LinearWeights` (its packed copy and the plan for its shape); `linear`
 picks the rung of the call's row count.
@@ -329,11 +329,13 @@ def tune(
         if cache_key in cached:
             plan.shapes[key] = cached[cache_key]
             continue
-        share = stalled_share() if measured else None
-        if not measurable(dtype) or (share is not None and share > CONTENDED_SHARE):
+        if not measurable(dtype):
+            plan.shapes[key] = torch_only
+            continue
+        if measured and (stalled_share() or 0.0) > CONTENDED_SHARE:
             # Once the cores prove contended (other engines of this machine measuring at
             # start-up, say), further timings would time that work: stop, run torch.
-            plan.unmeasured += measurable(dtype)
+            plan.unmeasured += 1
             plan.shapes[key] = torch_only
             continue
         plan.shapes[key] = measured[cache_key] = measure(dtype, n, k, max_rows)
