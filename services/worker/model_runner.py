@@ -264,43 +264,60 @@ class ModelRunner:
 
     @torch.inference_mode()
     def measure_step_costs(self) -> list[tuple[int, float]]:
-        """Seconds of a forward (with logits for every token, as a verifying step needs) for
-        1, 2, 4, ... query tokens: what the adaptive speculation rule weighs drafts against
-        (services/scheduler/core/spec_decode.py). Empty unless adaptive speculation is on; every
-        rank runs it (collectives), the driver's figures are used."""
+        """Seconds of a verifying step (logits for every token) of 1, 2, 4, ... query tokens:
+        what the adaptive speculation rule weighs drafts against
+        (services/scheduler/core/spec_decode.py). The tokens are split into requests of up to
+        1 + k each, as a verify step carries them, and the step runs against the bound KV
+        cache (writing nothing), so it takes the path real steps take: the native decode
+        stack while it holds them, the modules after. Empty unless adaptive speculation is
+        on; every rank runs it (collectives), the driver's figures are used."""
         import time
 
         spec = self.spec_config
         if spec is None or not spec.adaptive:
             return []
+        assert self.kv_caches, "the step costs are measured once the KV cache is bound"
         sched = self.config.scheduler
         limit = min(sched.max_num_batched_tokens, 4 * sched.max_num_seqs, 256)
+        per_request = 1 + spec.num_speculative_tokens
+        table_width = -(-per_request // self.block_size)
         dev = self.device
-        costs = []
+        steps = []
         num_tokens = 1
         while num_tokens <= limit:
+            num_reqs = min(-(-num_tokens // per_request), sched.max_num_seqs)
+            query_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int32)
+            query_lens[: num_tokens % num_reqs] += 1
+            query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+            np.cumsum(query_lens, out=query_start_loc[1:])
+            positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens)
             metadata = AttentionMetadata(
-                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-                block_table=torch.zeros(1, 0, dtype=torch.int32, device=dev),
+                query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+                seq_lens=torch.from_numpy(query_lens).to(dev),
+                # Every request reads block 0: the figures are times, not tokens.
+                block_table=torch.zeros(num_reqs, table_width, dtype=torch.int32, device=dev),
                 slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-                max_query_len=num_tokens,
-                max_seq_len=num_tokens,
+                max_query_len=int(query_lens.max()),
+                max_seq_len=int(query_lens.max()),
             )
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-            positions = torch.arange(num_tokens, device=dev)
-            times = []
-            for _ in range(3):
+            steps.append((input_ids, torch.from_numpy(positions).to(dev), metadata))
+            num_tokens *= 2
+        # Rounds over every size, the fastest of each kept: a burst of noise costs one
+        # round of one size, not a size's every try (which would bend the curve the rule
+        # reads its slopes from).
+        best = [float("inf")] * len(steps)
+        for _ in range(3):
+            for i, (input_ids, positions_t, metadata) in enumerate(steps):
                 start = time.perf_counter()
-                hidden = self._run_stage(input_ids, positions, metadata)
+                hidden = self._run_stage(input_ids, positions_t, metadata)
                 if self.is_last_stage:
                     assert hidden is not None  # the last stage returns its hidden states
                     self.model.compute_logits(hidden)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
-                times.append(time.perf_counter() - start)
-            costs.append((num_tokens, min(times)))
-            num_tokens *= 2
+                best[i] = min(best[i], time.perf_counter() - start)
+        costs = [(len(input_ids), t) for (input_ids, _, _), t in zip(steps, best)]
         logger.info(
             "step costs for speculation: %s",
             ", ".join(f"{n} tokens {t * 1e3:.1f} ms" for n, t in costs),

@@ -92,16 +92,16 @@ class EngineCore:
         self.config = config
         self.executor = make_executor(config, model_dir)
         num_blocks = self.executor.determine_num_blocks()
-        # What the workers learned at start-up, asked for by name (Executor.collective_rpc).
-        # Every rank measures the step costs (their forwards run collectives), before the KV
-        # cache exists; the driver's figures count.
-        step_costs = self.executor.collective_rpc(
-            "measure_step_costs", result_type=list[tuple[int, float]]
-        )[self.executor.driver_rank]
         (gemm_plan,) = self.executor.collective_rpc(
             "gemm_plan", ranks="driver", result_type=dict[str, str]
         )
         self.executor.initialize_kv_cache(num_blocks)
+        # What the workers learned at start-up, asked for by name (Executor.collective_rpc).
+        # Every rank measures the step costs (their forwards run collectives), once the KV
+        # cache is bound, so the steps run the path real ones take; the driver's figures count.
+        step_costs = self.executor.collective_rpc(
+            "measure_step_costs", result_type=list[tuple[int, float]]
+        )[self.executor.driver_rank]
         self.structured_output_manager = StructuredOutputManager(
             model_dir,
             config.model.tokenizer or model_dir,

@@ -163,6 +163,37 @@ def test_verify_steps_are_sized_by_requests_and_tokens_per_request(tiny_checkpoi
     torch.testing.assert_close(a, hf_logits(hf_model, tokens[0])[7:9], atol=ATOL, rtol=0)
 
 
+def test_the_step_costs_for_adaptive_speculation_are_measured_on_the_stack(
+    tiny_llama_dir, monkeypatch
+):
+    # The adaptive rule weighs drafts against these figures: a verify step the stack takes
+    # must be timed on the stack, not on the modules (which round and cost differently).
+    from kvserve import LLM
+    from tests.support.models import TINY_KV_CACHE_MEMORY
+
+    calls: list[int] = []
+    real_run = decode_stack.DecodeStack.run
+    monkeypatch.setattr(
+        decode_stack.DecodeStack,
+        "run",
+        lambda self, *args: calls.append(args[0].shape[0]) or real_run(self, *args),
+    )
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 3}  # fmt: skip
+    llm = LLM(
+        tiny_llama_dir,
+        kv_cache_memory=TINY_KV_CACHE_MEMORY,
+        speculative_config=spec,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )
+    costs = llm.engine_core.scheduler.spec_decode.policy.step_cost_model.num_tokens
+    # 4 requests of up to 1 + 3 tokens: steps of up to 16 tokens are the stack's; 1, 2, ...
+    # 16 tokens are split over requests of up to 4 tokens, measured in three rounds.
+    assert costs == [1, 2, 4, 8, 16]
+    assert calls == costs * 3
+
+
 def test_a_slot_below_zero_is_not_written(tiny_checkpoint):
     model_dir, _ = tiny_checkpoint("llama")
     model, _ = _bound(model_dir, torch.float32)
