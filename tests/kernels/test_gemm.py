@@ -217,6 +217,23 @@ def test_native_path_matches_f_linear(dtype, rows):
 
 
 @native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_native_row_is_the_same_whatever_shares_its_call(dtype):
+    # The decode stack's promise (greedy with speculation equals greedy without) rests on
+    # this: a row's output does not depend on M nor on the row's place among the others. N
+    # odd and K = 16 * 3 + 8 + 3 reach every tile, the last 8-chunk and the scalar tail.
+    torch.manual_seed(5)
+    weight = torch.randn(37, 59, dtype=dtype)
+    x = torch.randn(7, 59, dtype=dtype)
+    alone = [gemm.native_linear(x[i : i + 1], weight, None) for i in range(7)]
+    for rows in range(2, 8):
+        for start in range(8 - rows):
+            together = gemm.native_linear(x[start : start + rows], weight, None)
+            for i in range(rows):
+                assert torch.equal(together[i : i + 1], alone[start + i]), (rows, start, i)
+
+
+@native
 def test_a_plan_naming_native_runs_the_native_gemv(monkeypatch):
     weight = torch.randn(12, 16)
     prepared = gemm.LinearWeights(gemm.ShapePlan(("native",) + ("torch",) * 5))
