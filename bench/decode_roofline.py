@@ -8,7 +8,7 @@ fastest a step can be. This script measures:
 2. the batch-1 TPOT of the default model through the shipped `kvserve.LLM` (one request,
    INPUT_LEN random tokens in, OUTPUT_LEN out, ignore_eos; --batch N: N such requests at once,
    so each decode step has N rows and the bound is no longer the weights) per dtype and per
-   setting of KVSERVE_NATIVE_DECODE_ROWS (8: the native decode stack, 0: the module path),
+   setting of KVSERVE_NATIVE_DECODE_ROWS (16: the native decode stack, 0: the module path),
    each in its own process, the settings interleaved over ROUNDS rounds (A B A B);
 3. the weight bytes a step reads (every linear weight plus the LM head) and the bound they give.
 
@@ -50,6 +50,7 @@ def child(args: argparse.Namespace) -> None:
 
     from kvserve.llm import LLM
     from kvserve.services.worker.quantization import weight_bytes
+    from kvserve.shared import env
     from kvserve.shared.sampling_params import SamplingParams
 
     kwargs = dict(dtype=args.dtype, max_model_len=1024, kv_cache_memory=256 << 20)
@@ -80,7 +81,7 @@ def child(args: argparse.Namespace) -> None:
             {
                 "dtype": args.dtype,
                 "quantization": args.quantization,
-                "native_rows": int(os.environ.get("KVSERVE_NATIVE_DECODE_ROWS", "8")),
+                "native_rows": env.NATIVE_DECODE_ROWS.get(),
                 "batch": args.batch,
                 "tpot_ms": min(tpots) * 1e3,
                 # Every weight once (the default model's LM head is its tied embedding).
@@ -94,7 +95,7 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--rows", default="8,0", help="KVSERVE_NATIVE_DECODE_ROWS settings")
+    parser.add_argument("--rows", default="16,0", help="KVSERVE_NATIVE_DECODE_ROWS settings")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2, help="requests per process (best)")

@@ -24,6 +24,7 @@ def child(dtype: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from kvserve.llm import LLM
+    from kvserve.shared import env
     from kvserve.shared.sampling_params import SamplingParams
 
     llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory=64 << 20)
@@ -60,7 +61,7 @@ def child(dtype: str) -> None:
         json.dumps(
             {
                 "dtype": dtype,
-                "native_rows": int(os.environ.get("KVSERVE_NATIVE_DECODE_ROWS", "8")),
+                "native_rows": env.NATIVE_DECODE_ROWS.get(),
                 "layers": num_layers,
                 "c_calls_per_layer": recorded["c_calls"] / num_layers,
                 "aten_ops_per_layer": recorded["aten_ops"] / num_layers,

@@ -132,7 +132,7 @@ CPU_THREADS_BIND = EnvVar(
 )
 NATIVE_DECODE_ROWS = EnvVar(
     "KVSERVE_NATIVE_DECODE_ROWS",
-    8,
+    16,
     _non_negative_int,
     "steps of up to this many requests (one token each, or 1 + k under speculative decoding) "
     "run a dense model's whole layer stack in one C call on the CPU (kernels/decode_stack.py; "
