@@ -36,12 +36,14 @@ lint: $(STAMP)
 	$(BIN)/python .ci/check_imports.py
 
 # --durations=10: every run ends with its ten slowest tests (the suite's budget is 15 minutes
-# on a two-core machine; bench/suite_profile.py measures a whole run's time and memory).
+# and 8 GiB on a two-core machine; bench/suite_profile.py measures a whole run's time and
+# memory). -n 2 --dist loadfile: two pytest-xdist workers, one torch thread each
+# (tests/conftest.py), a module's tests on one worker so its fixtures are built once.
 test: $(STAMP) compose-tool lint
-	$(BIN)/python -m pytest tests -q --durations=10
+	$(BIN)/python -m pytest tests -q --durations=10 -n 2 --dist loadfile
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests -q -m 'not slow'
+	$(BIN)/python -m pytest tests -q -m 'not slow' -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV)

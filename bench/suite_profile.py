@@ -1,6 +1,6 @@
 """Run a command and report its wall time and the peak memory of everything it starts.
 
-    python bench/suite_profile.py [--interval 0.5] [--json OUT] -- CMD ARGS...
+    python bench/suite_profile.py [--interval 0.5] [--json OUT] [--timeline OUT] -- CMD ARGS...
 
 Memory is sampled every --interval seconds over the command's process tree together with
 every process that carries this run's marker in its environment (so daemons that detach from
@@ -14,6 +14,11 @@ command and the descendants it reaped, which a busy machine inflates far less.
 Args:
     --interval: seconds between samples.
     --json: also write the figures as JSON to this path.
+    --timeline: write every sample as a JSON line to this path: seconds since the start, the
+        RSS and PSS sums, the PSS per branch of the process tree (each process counted under
+        the command's child it descends from, e.g. a pytest-xdist worker, by that child's pid;
+        "root" for the command itself, "detached" for marked processes outside the tree),
+        and the four largest processes, to find which tests overlap at the peak.
 """
 
 from __future__ import annotations
@@ -77,17 +82,20 @@ class _Marked:
         return found
 
 
-def _tracked(root: psutil.Process, marked: _Marked) -> list[psutil.Process]:
-    """The root, its descendants, and any process started with this run's marker."""
-    procs = {root.pid: root}
+def _tracked(root: psutil.Process, marked: _Marked) -> dict[int, tuple[psutil.Process, str]]:
+    """The root, its descendants, and any process started with this run's marker, each with
+    its branch: the pid of the root's child it descends from, "root" or "detached"."""
+    procs: dict[int, tuple[psutil.Process, str]] = {root.pid: (root, "root")}
     try:
-        for child in root.children(recursive=True):
-            procs[child.pid] = child
+        for child in root.children():
+            procs[child.pid] = (child, str(child.pid))
+            for grandchild in child.children(recursive=True):
+                procs[grandchild.pid] = (grandchild, str(child.pid))
     except psutil.Error:
         pass
     for proc in marked.find():
-        procs.setdefault(proc.pid, proc)
-    return list(procs.values())
+        procs.setdefault(proc.pid, (proc, "detached"))
+    return procs
 
 
 def _memory(proc: psutil.Process) -> tuple[int, int]:
@@ -105,13 +113,18 @@ def _memory(proc: psutil.Process) -> tuple[int, int]:
         return 0, 0
 
 
-def _sample(root: psutil.Process, marked: _Marked, peaks: Peaks) -> None:
+def _sample(root: psutil.Process, marked: _Marked, peaks: Peaks) -> dict[str, object]:
+    """Sample every tracked process once, fold the sums into peaks, and return the sample."""
     rss_sum = pss_sum = 0
+    by_branch: dict[str, int] = {}
+    largest: list[tuple[int, int, psutil.Process]] = []
     procs = _tracked(root, marked)
-    for proc in procs:
+    for proc, branch in procs.values():
         rss, pss = _memory(proc)
         rss_sum += rss
         pss_sum += pss
+        by_branch[branch] = by_branch.get(branch, 0) + pss
+        largest.append((pss, proc.pid, proc))
         if rss > peaks.largest_rss:
             peaks.largest_rss = rss
             try:
@@ -122,19 +135,46 @@ def _sample(root: psutil.Process, marked: _Marked, peaks: Peaks) -> None:
     peaks.pss_sum = max(peaks.pss_sum, pss_sum)
     peaks.processes = max(peaks.processes, len(procs))
     peaks.samples += 1
+    top = []
+    for pss, pid, proc in sorted(largest, key=lambda entry: entry[0], reverse=True)[:4]:
+        try:
+            name = " ".join(proc.cmdline())[:100]
+        except psutil.Error:
+            name = "?"
+        top.append([round(pss / GIB, 3), pid, name])
+    return {
+        "rss_gib": round(rss_sum / GIB, 3),
+        "pss_gib": round(pss_sum / GIB, 3),
+        "pss_by_branch_gib": {k: round(v / GIB, 3) for k, v in sorted(by_branch.items())},
+        "largest": top,
+    }
 
 
 def _sampler(
-    root: psutil.Process, token: str, peaks: Peaks, interval: float, stop: threading.Event
+    root: psutil.Process,
+    token: str,
+    peaks: Peaks,
+    interval: float,
+    stop: threading.Event,
+    timeline: str | None,
 ) -> None:
     last_load = 0.0
     marked = _Marked(token)
-    while not stop.is_set():
-        _sample(root, marked, peaks)
-        if time.monotonic() - last_load >= 30:
-            peaks.loadavg_samples.append(os.getloadavg()[0])
-            last_load = time.monotonic()
-        stop.wait(interval)
+    start = time.monotonic()
+    out = open(timeline, "w") if timeline else None
+    try:
+        while not stop.is_set():
+            sample = _sample(root, marked, peaks)
+            if out is not None:
+                out.write(json.dumps({"t": round(time.monotonic() - start, 1)} | sample) + "\n")
+                out.flush()
+            if time.monotonic() - last_load >= 30:
+                peaks.loadavg_samples.append(os.getloadavg()[0])
+                last_load = time.monotonic()
+            stop.wait(interval)
+    finally:
+        if out is not None:
+            out.close()
 
 
 def main() -> int:
@@ -144,6 +184,7 @@ def main() -> int:
     )
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--timeline", default=None)
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -164,7 +205,7 @@ def main() -> int:
     stop = threading.Event()
     thread = threading.Thread(
         target=_sampler,
-        args=(psutil.Process(child.pid), token, peaks, args.interval, stop),
+        args=(psutil.Process(child.pid), token, peaks, args.interval, stop, args.timeline),
         daemon=True,
     )
     thread.start()

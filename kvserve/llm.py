@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Sequence
 from typing import Any, cast
@@ -57,6 +58,10 @@ class LLM:
         self.model_dir = resolve_model(config.model.model)
         self.tokenizer_info = TokenizerInfo(self.config.model.tokenizer or self.model_dir)
         self.generation_defaults = load_generation_defaults(generation_config, self.model_dir)
+        # An engine is a web of reference cycles (torch modules, callbacks), so one the caller
+        # dropped stays allocated until the cyclic collector's rare full pass: collect it
+        # before loading another, which reuses its memory instead of adding to it.
+        gc.collect()
         self.engine_core = EngineCore(self.config, self.model_dir)
         self.max_model_len = self.engine_core.ready.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer_info.tokenizer)

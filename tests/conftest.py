@@ -6,8 +6,17 @@ import os
 
 import pytest
 
-# Two cores: keep torch from oversubscribing them when tests spawn processes.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Keep torch from oversubscribing the cores: their count split between pytest-xdist's workers
+# (`make test` runs two on two cores: one thread each), inherited by the processes tests start.
+# An OMP_NUM_THREADS the user set wins; the one pytest-xdist's controller set for itself (its
+# workers inherit its environment) does not.
+_user_threads = os.environ.setdefault(
+    "KVSERVE_TEST_USER_OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "")
+)
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ["OMP_NUM_THREADS"] = _user_threads or str(
+    max(1, len(os.sched_getaffinity(0)) // _workers)
+)
 
 # Triton reads TRITON_INTERPRET when first imported, so it is set here, before any test module
 # can import it: without a GPU the Triton kernel tests run in Triton's interpreter.
@@ -58,27 +67,58 @@ def tiny_llama_dir(tmp_path_factory) -> str:
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """The modules that share the API server (tests/support/api_server.py) run back to back,
+    where the first of them was collected; the server is stopped after the last."""
+    from tests.support.api_server import uses_shared_server
+
+    shared = [item for item in items if uses_shared_server(item.nodeid)]
+    if shared:
+        first = items.index(shared[0])
+        others = [item for item in items if not uses_shared_server(item.nodeid)]
+        items[:] = others[:first] + shared + others[first:]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (a module's tests on one worker, so its module fixtures are built once),
+    except that the modules sharing the API server are one unit: one worker builds it."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    from tests.support.api_server import uses_shared_server
+
+    class SharedServerOnOneWorker(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "shared-api-server" if uses_shared_server(nodeid) else nodeid.split("::")[0]
+
+    return SharedServerOnOneWorker(config, log)
+
+
 _TRIM_GROWTH_BYTES = 512 << 20
-_rss_after_trim = 0
+_rss_low = 0  # this process's lowest RSS since it last trimmed
 
 
 @pytest.hookimpl(trylast=True)  # after the test's fixtures are torn down
 def pytest_runtest_teardown(item, nextitem) -> None:
-    """Hand freed memory back to the OS once this process has grown by 512 MiB since it last
-    did: an engine's weights and KV cache, freed by a test or its module's fixtures, otherwise
-    stay in glibc's fragmented heap (~1 GiB an engine), counted in the suite's peak."""
-    global _rss_after_trim
+    """Stop the shared API server after the last module that uses it; hand freed memory back
+    to the OS once this process has grown by 512 MiB over its lowest point since it last did:
+    an engine's weights and KV cache, freed by a test or its module's fixtures, otherwise stay
+    in glibc's fragmented heap (~1 GiB an engine), counted in the suite's peak."""
+    global _rss_low
     import psutil
 
-    process = psutil.Process()
-    if process.memory_info().rss - _rss_after_trim < _TRIM_GROWTH_BYTES:
-        return
-    import ctypes
-    import gc
+    from tests.support.api_server import release_shared_api_server, uses_shared_server
+    from tests.support.resources import release_freed_memory
 
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-    _rss_after_trim = process.memory_info().rss
+    if uses_shared_server(item.nodeid) and (
+        nextitem is None or not uses_shared_server(nextitem.nodeid)
+    ):
+        release_shared_api_server()
+
+    rss = psutil.Process().memory_info().rss
+    if rss - _rss_low < _TRIM_GROWTH_BYTES:
+        _rss_low = min(_rss_low, rss)
+        return
+    _rss_low = release_freed_memory()

@@ -77,6 +77,7 @@ def test_a_prefix_computed_by_one_engine_is_an_external_hit_for_another(store):
     assert _generate(first) == reference
     assert first.stats_totals.kv_bytes_saved > 0
     assert first.stats_totals.external_prefix_cache_hits == 0  # a producer never loads
+    del first  # what it saved is in the store; its memory goes to the next engine
     second = LLM(
         dtype="float32",
         kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
@@ -99,6 +100,7 @@ def test_a_restarted_engine_gets_its_prefix_back(store):
     )
     reference = _generate(llm)
     llm.engine_core.shutdown()
+    del llm
     restarted = LLM(
         dtype="float32",
         kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
@@ -117,6 +119,7 @@ def test_the_shared_storage_connector_round_trips(tmp_path):
     )
     reference = _generate(writer)
     assert list(tmp_path.rglob("*.kv")), "no block files written"
+    del writer
     reader = LLM(
         dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, kv_transfer_config=config
     )
@@ -189,6 +192,7 @@ def test_an_abort_storm_leaves_nothing_pinned(store):
         kv_transfer_config=_transfer(store.ipc),
     )
     _generate(warm)
+    del warm
     llm = LLM(
         dtype="float32",
         kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,

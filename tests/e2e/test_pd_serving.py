@@ -28,6 +28,7 @@ from kvserve.services.kv_store.client import KvStoreClient
 from tests.support.kv_store import tiny_fingerprint
 from tests.support.metrics import engine_idle, metrics_text, read_metric
 from tests.support.ports import free_port
+from tests.support.resources import release_freed_memory
 from tests.support.server import ServeProcess
 from tests.support.waiting import wait_until
 
@@ -88,7 +89,10 @@ def reference(default_model_dir) -> list[str]:
     llm = LLM(dtype="float32", kv_cache_memory=64 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     conversations = [[{"role": "user", "content": chat}] for chat in CHATS]
-    return [o.outputs[0].text for o in llm.chat(conversations, params, use_tqdm=False)]
+    texts = [o.outputs[0].text for o in llm.chat(conversations, params, use_tqdm=False)]
+    del llm
+    release_freed_memory()  # before the server's three engine processes start
+    return texts
 
 
 def _openai(server: ServeProcess) -> openai.OpenAI:
@@ -110,7 +114,7 @@ def _all_idle(server: ServeProcess) -> bool:
     return engine_idle(server.url) and stats.num_pinned == 0 and stats.num_reserved == 0
 
 
-def test_pd_greedy_equals_the_engines_own(pd_server, reference):
+def test_pd_greedy_equals_the_engines_own(reference, pd_server):
     status, body = pd_server.health()
     assert status == 200 and body["status"] == "healthy", body
     assert [(e["engine"], e["kv_role"]) for e in body["engines"]] == [

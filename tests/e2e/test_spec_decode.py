@@ -66,18 +66,27 @@ def _fixed(spec: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    "spec",
+    "spec, one_at_a_time",
     [
-        pytest.param(_fixed(NGRAM), id="ngram"),
-        pytest.param(NGRAM, id="ngram-adaptive"),
-        pytest.param(_fixed(SELF_DRAFT), id="self-draft"),
+        pytest.param(_fixed(NGRAM), False, id="ngram"),
+        # The adaptive rule drafts where a draft pays for its share of the step. At batch 1 it
+        # pays while the draft's acceptance beats the verify step's extra time (about 10-30%
+        # on a CPU), so drafts are taken, accepted and rejected on any machine. In a batch of
+        # five the first draft must beat a ~12% step: whether it does depends on the
+        # machine's thread count and load, and the rule may rightly keep to sure drafts.
+        pytest.param(NGRAM, True, id="ngram-adaptive"),
+        pytest.param(_fixed(SELF_DRAFT), False, id="self-draft"),
     ],
 )
-def test_greedy_equals_greedy_without_speculation(spec, prompts, greedy_reference):
+def test_greedy_equals_greedy_without_speculation(spec, one_at_a_time, prompts, greedy_reference):
     llm = LLM(
         dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, speculative_config=spec
     )
-    _assert_equal(_greedy(llm, prompts), greedy_reference)
+    if one_at_a_time:
+        ours = [_greedy(llm, [prompt])[0] for prompt in prompts]
+    else:
+        ours = _greedy(llm, prompts)
+    _assert_equal(ours, greedy_reference)
     _assert_accepted_and_rejected(llm)
     assert_no_leaked_blocks(llm.engine_core.scheduler)
 
@@ -114,15 +123,16 @@ def test_chunked_prefill_and_preemption(prompts, greedy_reference):
 
 
 def test_logprobs_n_and_max_tokens(prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=17, logprobs=2, n=2)
+    inputs = [{"prompt_token_ids": p} for p in prompts[2:]]
     plain = LLM(dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
+    want = plain.generate(inputs, params, use_tqdm=False)
+    del plain
     spec = LLM(
         dtype="float32",
         kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
         speculative_config=_fixed(NGRAM),
     )
-    params = SamplingParams(temperature=0.0, max_tokens=17, logprobs=2, n=2)
-    inputs = [{"prompt_token_ids": p} for p in prompts[2:]]
-    want = plain.generate(inputs, params, use_tqdm=False)
     got = spec.generate(inputs, params, use_tqdm=False)
     assert any(len(o.outputs[0].token_ids) == 17 for o in got)  # max_tokens ended some
     for w, g in zip(want, got):

@@ -1,8 +1,10 @@
 """A real uvicorn server on 127.0.0.1 in a background thread, for the HTTP API tests.
 
 The engine behind the shared server is a real EngineCore with the default model, run in this
-process by InprocEngineClient. It is built once per test session (`shared_api_server`), since
-the client serves the one event loop it first ran on.
+process by InprocEngineClient. The modules that use it (`SHARED_SERVER_MODULES`) run back to
+back on one pytest-xdist worker (tests/conftest.py); it is built on first use
+(`shared_api_server`) and stopped after the last of them (`release_shared_api_server`), so
+its ~1.3 GiB is held for those modules only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig
 
 SERVED_MODEL_NAME = "smollm2-test"
 MAX_MODEL_LEN = 512
+# The test modules that read from the shared server (paths as in pytest's node ids).
+SHARED_SERVER_MODULES = ("tests/e2e/test_api_errors.py", "tests/e2e/test_openai_api.py")
+
+
+def uses_shared_server(nodeid: str) -> bool:
+    """Whether the test with this node id runs against the shared server."""
+    return nodeid.split("::", 1)[0] in SHARED_SERVER_MODULES
 
 
 class ServerThread:
@@ -85,11 +94,17 @@ def shared_api_server():
             server = ServerThread(build_app(client, served_model_name=SERVED_MODEL_NAME))
             server.start()
             _shared = (client, server)
-            atexit.register(_stop_shared)
+            atexit.register(release_shared_api_server)
         return _shared
 
 
-def _stop_shared() -> None:
-    client, server = _shared
-    server.stop()
-    client.close()
+def release_shared_api_server() -> None:
+    """Stop the shared server and free its engine, if it runs (safe to call twice)."""
+    global _shared
+    with _lock:
+        if _shared is None:
+            return
+        client, server = _shared
+        _shared = None
+        server.stop()
+        client.close()

@@ -6,6 +6,7 @@ import pytest
 
 from kvserve.services.worker.worker import Worker, kv_cache_budget
 from kvserve.shared.config import EngineConfig
+from tests.support.models import TINY_KV_CACHE_MEMORY
 
 GiB = 1 << 30
 
@@ -26,7 +27,12 @@ def test_budget_rejects_a_utilization_outside_0_1(utilization):
 
 
 def test_profile_run_is_the_largest_step_without_a_cache(tiny_checkpoint):
-    config = EngineConfig.from_kwargs(max_num_batched_tokens=96, max_num_seqs=5, max_model_len=64)
+    config = EngineConfig.from_kwargs(
+        max_num_batched_tokens=96,
+        max_num_seqs=5,
+        max_model_len=64,
+        kv_cache_memory=TINY_KV_CACHE_MEMORY,  # not the CPU default's 4 GiB, zero-filled
+    )
     model_dir, _ = tiny_checkpoint("llama")
     worker = Worker(config, model_dir)
     worker.runner.profile_run()
