@@ -77,6 +77,15 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def cpu_isa() -> str:
+    """The vector ISA torch's CPU kernels run and whether this CPU has AMX tiles, for the
+    start-up log: 'AVX512, AMX' (oneDNN then runs bfloat16 GEMMs on AMX tiles, e.g. its
+    `brg_matmul:avx10_1_512_amx` on a Sapphire Rapids) or 'AVX2, no AMX'."""
+    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    amx = has_amx is not None and has_amx()
+    return f"{torch.backends.cpu.get_cpu_capability()}, {'AMX' if amx else 'no AMX'}"
+
+
 def native_available(dtype: torch.dtype) -> bool:
     """The native GEMV is built here and handles `dtype`."""
     from kvserve.kernels import cpu

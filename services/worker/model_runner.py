@@ -146,9 +146,10 @@ class ModelRunner:
             if plan.unmeasured:
                 how += f", {plan.unmeasured} shapes left on torch unmeasured"
         logger.info(
-            "CPU GEMM plan (%s, %d threads): %s",
+            "CPU GEMM plan (%s, %d threads, %s): %s",
             how,
             torch.get_num_threads(),
+            gemm.cpu_isa(),
             ", ".join(f"{k} {v}" for k, v in plan.summary().items()),
         )
         return plan

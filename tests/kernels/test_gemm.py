@@ -255,3 +255,13 @@ def test_measuring_never_picks_a_path_that_cannot_run_the_dtype(monkeypatch):
     assert set(plan.paths) <= {"torch", "native"}
     forced = gemm.tune([(torch.bfloat16, 64, 32, 16)], mode="native")
     assert forced.summary() == {"bfloat16:64x32": "native"}
+
+
+def test_the_start_up_log_names_the_cpus_isa_and_whether_it_has_amx():
+    # /proc/cpuinfo's flags say whether the CPU has AMX tiles (a Sapphire Rapids does; an AMD
+    # EPYC does not): the log line must agree, not read a torch attribute that is not there.
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    isa, amx = gemm.cpu_isa().split(", ")
+    assert isa == torch.backends.cpu.get_cpu_capability()
+    assert amx == ("AMX" if "amx_tile" in flags else "no AMX")
