@@ -139,6 +139,15 @@ NATIVE_DECODE_ROWS = EnvVar(
     "bench/RESULTS.md measures it); 0 turns it off. Each token's result is computed alone, so "
     "it is bit for bit the same whatever shares its step",
 )
+NATIVE_DECODE_MEASURE = EnvVar(
+    "KVSERVE_NATIVE_DECODE_MEASURE",
+    True,
+    _flag,
+    "time decode steps of 1, 2, 4, ... requests (up to KVSERVE_NATIVE_DECODE_ROWS) on the "
+    "native decode stack and on the modules at start-up, and keep the stack to the counts "
+    "where it is not slower (with AMX, oneDNN's bfloat16 tiles beat it from ~10 requests); "
+    "off: the stack takes every step of up to KVSERVE_NATIVE_DECODE_ROWS requests",
+)
 API_KEY = EnvVar(
     "KVSERVE_API_KEY",
     None,

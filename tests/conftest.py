@@ -18,6 +18,12 @@ os.environ["OMP_NUM_THREADS"] = _user_threads or str(
     max(1, len(os.sched_getaffinity(0)) // _workers)
 )
 
+# The engines tests start take every step of up to KVSERVE_NATIVE_DECODE_ROWS requests on the
+# native decode stack, rather than the counts a start-up timing finds it wins (the product
+# default): which path a step takes then does not depend on the machine or its load.
+# tests/unit/worker/test_decode_stack.py turns the timing on.
+os.environ.setdefault("KVSERVE_NATIVE_DECODE_MEASURE", "0")
+
 # Triton reads TRITON_INTERPRET when first imported, so it is set here, before any test module
 # can import it: without a GPU the Triton kernel tests run in Triton's interpreter.
 import torch  # noqa: E402

@@ -31,10 +31,11 @@ from kvserve.services.worker.layers.embed_head import ParallelLMHead
 from kvserve.services.worker.layers.linear import LinearBase
 from kvserve.services.worker.model_loader import weights_identity
 from kvserve.services.worker.models import load_model
-from kvserve.services.worker.models.native_decode import bind_decode_stack
+from kvserve.services.worker.models.native_decode import bind_decode_stack, fit_stack_limit
 from kvserve.services.worker.parallel_state import (
     broadcast_from_driver,
     get_tp_rank,
+    get_tp_size,
     is_driver,
     is_first_pp_rank,
     is_last_pp_rank,
@@ -220,6 +221,10 @@ class ModelRunner:
             spec = self.spec_config
             tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
             status = bind_decode_stack(self.model, self.dtype, env.NATIVE_DECODE_ROWS.get(), tokens)
+            stack = getattr(getattr(self.model, "model", None), "decode_stack", None)
+            single_rank = self.is_first_stage and self.is_last_stage and get_tp_size() == 1
+            if stack is not None and single_rank and env.NATIVE_DECODE_MEASURE.get():
+                status = self._fit_decode_stack(status, tokens)
             logger.info("native decode stack %s", status)
 
     @torch.inference_mode()
@@ -263,6 +268,81 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last_rows])
             torch.softmax(logits.float(), dim=-1)  # the sampler's largest temporary
 
+    def _timing_step(
+        self, query_lens: np.ndarray, context: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, metadata) of a step whose requests have these query lengths
+        after `context` cached tokens each, for timing only: every request reads block 0 and
+        nothing is written (the figures are times, not tokens)."""
+        dev = self.device
+        num_tokens = int(query_lens.sum())
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        positions = context + np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens)
+        seq_lens = query_lens + context
+        table_width = -(-int(seq_lens.max()) // self.block_size)
+        metadata = AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.zeros(len(query_lens), table_width, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        return input_ids, torch.from_numpy(positions).to(dev), metadata
+
+    @torch.inference_mode()
+    def _fit_decode_stack(self, status: str, tokens_per_request: int) -> str:
+        """Time decode steps of 1, 2, 4, ... requests (64 cached tokens each, logits included)
+        on the bound native stack and on the modules, best of three interleaved rounds, and
+        keep the stack to the request counts where it is not slower (fit_stack_limit): on a
+        CPU with AMX, oneDNN's bfloat16 tiles beat the stack's GEMV from ~10 requests; without
+        AMX the stack wins to 16 and beyond. Returns the start-up log's status."""
+        import time
+
+        inner = self.model.model
+        stack = inner.decode_stack
+        assert stack is not None, "fitted only once bound"
+        head = getattr(self.model, "lm_head", None)
+        head_rows = head.native_rows if isinstance(head, ParallelLMHead) else 0
+        max_requests = stack.max_requests
+        counts = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < max_requests] + [max_requests]
+        steps = [self._timing_step(np.ones(c, dtype=np.int32), context=64) for c in counts]
+
+        def run(step, on_stack: bool) -> float:
+            inner.decode_stack = stack if on_stack else None
+            if isinstance(head, ParallelLMHead):
+                head.native_rows = head_rows if on_stack else 0
+            start = time.perf_counter()
+            hidden = self._run_stage(*step)
+            assert hidden is not None  # a single rank is its last stage
+            self.model.compute_logits(hidden)
+            return time.perf_counter() - start
+
+        best = {True: [float("inf")] * len(counts), False: [float("inf")] * len(counts)}
+        try:
+            for _ in range(3):
+                for i, step in enumerate(steps):
+                    for on_stack in (True, False):
+                        best[on_stack][i] = min(best[on_stack][i], run(step, on_stack))
+        finally:
+            inner.decode_stack = stack
+            if isinstance(head, ParallelLMHead):
+                head.native_rows = head_rows
+        limit = fit_stack_limit(counts, best[True], best[False])
+        timed = ", ".join(
+            f"{c}: {s * 1e3:.1f} / {m * 1e3:.1f} ms"
+            for c, s, m in zip(counts, best[True], best[False])
+        )
+        if limit == max_requests:
+            return f"{status}; decode steps, stack / modules: {timed}"
+        if limit == 0:
+            bind_decode_stack(self.model, self.dtype, 0, tokens_per_request)
+            return f"off: the modules were faster at every count (stack / modules: {timed})"
+        status = bind_decode_stack(self.model, self.dtype, limit, tokens_per_request)
+        return f"{status}; cut from {max_requests} requests (stack / modules: {timed})"
+
     @torch.inference_mode()
     def measure_step_costs(self) -> list[tuple[int, float]]:
         """Seconds of a verifying step (logits for every token) of 1, 2, 4, ... query tokens:
@@ -281,7 +361,6 @@ class ModelRunner:
         sched = self.config.scheduler
         limit = min(sched.max_num_batched_tokens, 4 * sched.max_num_seqs, 256)
         per_request = 1 + spec.num_speculative_tokens
-        table_width = -(-per_request // self.block_size)
         dev = self.device
         steps = []
         num_tokens = 1
@@ -289,20 +368,7 @@ class ModelRunner:
             num_reqs = min(-(-num_tokens // per_request), sched.max_num_seqs)
             query_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int32)
             query_lens[: num_tokens % num_reqs] += 1
-            query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-            np.cumsum(query_lens, out=query_start_loc[1:])
-            positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens)
-            metadata = AttentionMetadata(
-                query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-                seq_lens=torch.from_numpy(query_lens).to(dev),
-                # Every request reads block 0: the figures are times, not tokens.
-                block_table=torch.zeros(num_reqs, table_width, dtype=torch.int32, device=dev),
-                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-                max_query_len=int(query_lens.max()),
-                max_seq_len=int(query_lens.max()),
-            )
-            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-            steps.append((input_ids, torch.from_numpy(positions).to(dev), metadata))
+            steps.append(self._timing_step(query_lens))
             num_tokens *= 2
         # Rounds over every size, the fastest of each kept: a burst of noise costs one
         # round of one size, not a size's every try (which would bend the curve the rule

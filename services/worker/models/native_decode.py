@@ -178,5 +178,17 @@ def bind_decode_stack(
     )
 
 
+def fit_stack_limit(counts: list[int], stack_s: list[float], modules_s: list[float]) -> int:
+    """The most requests a stack step should take, from decode steps timed both ways: the
+    largest of `counts` (ascending) up to which the stack was never slower than the modules;
+    0 when the modules were faster already at the first."""
+    limit = 0
+    for count, stack, modules in zip(counts, stack_s, modules_s):
+        if stack > modules:
+            break
+        limit = count
+    return limit
+
+
 def _plain(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     return type(weight.data) is torch.Tensor and weight.dtype == dtype and weight.is_contiguous()

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve import SamplingParams
 from kvserve.kernels import decode_stack
 from kvserve.services.worker.models import load_model
-from kvserve.services.worker.models.native_decode import bind_decode_stack
+from kvserve.services.worker.models.native_decode import bind_decode_stack, fit_stack_limit
 from tests.support.model_steps import (
     ATOL,
     bind_kv_caches,
@@ -283,3 +284,56 @@ def test_lora_wrapped_layers_are_not_covered(tiny_checkpoint):
     bind_kv_caches(model)
     status = bind_decode_stack(model, torch.float32, 8)
     assert "LoRA" in status and model.model.decode_stack is None
+
+
+def test_the_stack_limit_is_the_largest_count_up_to_which_the_stack_never_lost():
+    counts = [1, 2, 4, 8, 16]
+    modules = [27.0, 28.0, 29.0, 30.0, 35.0]
+    # A Zen 4 in float32: the stack wins everywhere.
+    assert fit_stack_limit(counts, [18.0, 18.5, 19.0, 27.0, 33.0], modules) == 16
+    # A Sapphire Rapids in bfloat16: oneDNN's AMX tiles win from 16 requests.
+    assert fit_stack_limit(counts, [18.0, 18.5, 19.0, 27.0, 44.0], modules) == 8
+    # A tie keeps the stack; a loss at 2 stops there even if it wins again at 4.
+    assert fit_stack_limit(counts, [27.0, 29.0, 20.0, 20.0, 20.0], modules) == 1
+    assert fit_stack_limit(counts, [28.0, 20.0, 20.0, 20.0, 20.0], modules) == 0
+
+
+@pytest.mark.parametrize("measured_limit", [2, 0])
+def test_the_engine_measures_the_stack_and_keeps_it_to_the_counts_it_wins(
+    tiny_llama_dir, monkeypatch, measured_limit
+):
+    # KVSERVE_NATIVE_DECODE_MEASURE on (the product default; tests/conftest.py turns it off so
+    # that which path a step takes does not depend on this machine's timings): the runner
+    # times decode steps of 1, 2, 4, 8 requests both ways and rebinds the stack to the limit
+    # fit_stack_limit gives it (here a fixed one, so the binding is what is checked).
+    from kvserve import LLM
+    from kvserve.services.worker import model_runner
+    from tests.support.models import TINY_KV_CACHE_MEMORY
+
+    timed: list[list[int]] = []
+
+    def fixed_limit(counts, stack_s, modules_s):
+        timed.append(list(counts))
+        assert len(stack_s) == len(modules_s) == len(counts)
+        assert all(0 < t < 10 for t in stack_s + modules_s)
+        return measured_limit
+
+    monkeypatch.setenv("KVSERVE_NATIVE_DECODE_MEASURE", "1")
+    monkeypatch.setenv("KVSERVE_NATIVE_DECODE_ROWS", "8")
+    monkeypatch.setattr(model_runner, "fit_stack_limit", fixed_limit)
+    llm = LLM(tiny_llama_dir, kv_cache_memory=TINY_KV_CACHE_MEMORY)
+    assert timed == [[1, 2, 4, 8]]
+    model = llm.engine_core.executor.worker.runner.model
+    stack = model.model.decode_stack
+    if measured_limit == 0:
+        assert stack is None and model.lm_head.native_rows == 0
+        return
+    assert stack.max_requests == measured_limit
+    assert model.lm_head.native_rows == measured_limit
+    calls = _count_stack_calls(model)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([[5, 6, 7]] * 2, params, use_tqdm=False)
+    assert calls and max(calls) <= 2
+    calls.clear()
+    llm.generate([[5, 6, 7]] * 3, params, use_tqdm=False)
+    assert calls == []  # steps of three requests run the modules
