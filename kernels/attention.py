@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import gemm
 from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
 
 # Keys per inner-loop step of the Triton kernel.
@@ -556,8 +557,15 @@ def _prefill_in_decode_kernel(dtype: torch.dtype, query_len: int, seq_len: int) 
     `bench/kernels_cpu.py` (2 threads, 9 q / 3 kv heads, D 64, AMD Zen 5, bench/RESULTS.md):
     bfloat16 1.2-3.3x faster up to 1024 keys, 0.95-1.2x beyond (flash kept there); float32
     1.15-2.4x faster for a first chunk of up to 512 tokens, 0.6-0.8x slower behind a context
-    (the flash call over the context is one dense GEMM)."""
+    (the flash call over the context is one dense GEMM).
+
+    Where the CPU has AMX, torch's flash attention runs its bfloat16 tiles on it, and the
+    decode kernel keeps only chunks of under 64 tokens: on a Sapphire Rapids (same bench,
+    bench/RESULTS.md) flash took 0.91x the decode kernel's time for 64-token prompts,
+    0.26-0.32x for 256-512 and 0.14-0.20x behind a context."""
     if dtype == torch.bfloat16:
+        if gemm.cpu_has_amx():
+            return query_len < 64 and seq_len <= 1024
         return seq_len <= 1024
     return query_len == seq_len and seq_len <= 512
 

@@ -95,24 +95,32 @@ def test_cpu_path_window_and_soft_cap_match_reference(
     assert not torch.allclose(got.float(), plain.float(), atol=1e-2)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
 @pytest.mark.parametrize(
-    "dtype, atol, query_len, seq_len, through_flash",
+    "dtype, atol, query_len, seq_len, flash_without_amx, flash_with_amx",
     [
-        (torch.float32, 1e-5, 300, 300, False),  # a first chunk: the decode kernel
-        (torch.float32, 1e-5, 100, 300, True),  # behind a context: flash
-        (torch.float32, 1e-5, 600, 600, True),  # a long first chunk: flash
-        (torch.bfloat16, 2e-2, 100, 300, False),
-        (torch.bfloat16, 2e-2, 600, 600, False),
-        (torch.bfloat16, 2e-2, 200, 1100, True),  # over 1024 keys: flash
+        (torch.float32, 1e-5, 300, 300, False, False),  # a first chunk: the decode kernel
+        (torch.float32, 1e-5, 100, 300, True, True),  # behind a context: flash
+        (torch.float32, 1e-5, 600, 600, True, True),  # a long first chunk: flash
+        # bfloat16: the decode kernel up to 1024 keys, but with AMX (torch's flash tiles run
+        # on it) only for chunks of under 64 tokens.
+        (torch.bfloat16, 2e-2, 100, 300, False, True),
+        (torch.bfloat16, 2e-2, 600, 600, False, True),
+        (torch.bfloat16, 2e-2, 32, 300, False, False),
+        (torch.bfloat16, 2e-2, 200, 1100, True, True),  # over 1024 keys: flash
     ],
 )
 def test_prefill_chunk_takes_its_route_and_matches_reference(
-    monkeypatch, dtype, atol, query_len, seq_len, through_flash
+    monkeypatch, amx, dtype, atol, query_len, seq_len, flash_without_amx, flash_with_amx
 ):
+    # Both routes run on any CPU (AMX changes only which is faster), so the rule for a CPU
+    # with AMX and the rule for one without are each checked here, whatever this CPU is.
     if not cpu.available(dtype):
         pytest.skip("no C compiler here: the CPU path is the torch reference itself")
-    from kvserve.kernels import attention
+    from kvserve.kernels import attention, gemm
 
+    monkeypatch.setattr(gemm, "cpu_has_amx", lambda: amx)
+    through_flash = flash_with_amx if amx else flash_without_amx
     flash_calls = []
     real_flash = attention._flash
 
