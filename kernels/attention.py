@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import gemm
+from kvserve.kernels import cpu
 from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
 
 # Keys per inner-loop step of the Triton kernel.
@@ -564,7 +564,7 @@ def _prefill_in_decode_kernel(dtype: torch.dtype, query_len: int, seq_len: int) 
     bench/RESULTS.md) flash took 0.91x the decode kernel's time for 64-token prompts,
     0.26-0.32x for 256-512 and 0.14-0.20x behind a context."""
     if dtype == torch.bfloat16:
-        if gemm.cpu_has_amx():
+        if cpu.cpu_has_amx():
             return query_len < 64 and seq_len <= 1024
         return seq_len <= 1024
     return query_len == seq_len and seq_len <= 512
@@ -586,8 +586,6 @@ def _prefill_as_decodes(
     """out[start:end] for one prefill chunk through the decode kernel: token i of the chunk is
     one query over keys [0, context_len + i], every token sharing the chunk's block-table row
     (a stride-0 view, no copy)."""
-    from kvserve.kernels import cpu
-
     query_len = end - start
     table = block_ids.unsqueeze(0).expand(query_len, -1)
     lens = torch.arange(seq_len - query_len + 1, seq_len + 1, dtype=torch.int32)
@@ -615,8 +613,6 @@ def paged_attention_cpu(
     (`_prefill_in_decode_kernel`) and whenever a window or soft cap is set, else through two
     flash SDPA calls. Same contract as `paged_attention`; the caller (kernels.dispatch)
     checks that the native kernel is built for the dtype."""
-    from kvserve.kernels import cpu
-
     _check_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_seq_len
     )

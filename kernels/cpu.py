@@ -13,6 +13,7 @@ callers fall back to the torch references (`available()` is False).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -66,6 +67,22 @@ def cpu_identity() -> str:
             flags = value.strip()
             break
     return f"{platform.machine()}|{model}|{flags}"
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles: oneDNN's bfloat16 GEMMs (e.g. its
+    `brg_matmul:avx10_1_512_amx` on a Sapphire Rapids) and torch's bfloat16 flash attention
+    then run on them."""
+    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return has_amx is not None and bool(has_amx())
+
+
+def cpu_isa() -> str:
+    """The vector ISA torch's CPU kernels run and whether this CPU has AMX tiles, for the
+    start-up log: 'AVX512, AMX' or 'AVX2, no AMX'."""
+    amx = "AMX" if cpu_has_amx() else "no AMX"
+    return f"{torch.backends.cpu.get_cpu_capability()}, {amx}"
 
 
 def build_library(

@@ -77,22 +77,6 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@functools.cache
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles: oneDNN's bfloat16 GEMMs (e.g. its
-    `brg_matmul:avx10_1_512_amx` on a Sapphire Rapids) and torch's bfloat16 flash attention
-    then run on them."""
-    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return has_amx is not None and bool(has_amx())
-
-
-def cpu_isa() -> str:
-    """The vector ISA torch's CPU kernels run and whether this CPU has AMX tiles, for the
-    start-up log: 'AVX512, AMX' or 'AVX2, no AMX'."""
-    amx = "AMX" if cpu_has_amx() else "no AMX"
-    return f"{torch.backends.cpu.get_cpu_capability()}, {amx}"
-
-
 def native_available(dtype: torch.dtype) -> bool:
     """The native GEMV is built here and handles `dtype`."""
     from kvserve.kernels import cpu

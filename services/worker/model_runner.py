@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.kernels import gemm
+from kvserve.kernels import cpu, gemm
 from kvserve.services.kv_store.connector import WorkerConnector
 from kvserve.services.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvserve.services.worker.input_batch import InputBatch
@@ -150,7 +150,7 @@ class ModelRunner:
             "CPU GEMM plan (%s, %d threads, %s): %s",
             how,
             torch.get_num_threads(),
-            gemm.cpu_isa(),
+            cpu.cpu_isa(),
             ", ".join(f"{k} {v}" for k, v in plan.summary().items()),
         )
         return plan

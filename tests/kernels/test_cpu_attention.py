@@ -117,9 +117,9 @@ def test_prefill_chunk_takes_its_route_and_matches_reference(
     # with AMX and the rule for one without are each checked here, whatever this CPU is.
     if not cpu.available(dtype):
         pytest.skip("no C compiler here: the CPU path is the torch reference itself")
-    from kvserve.kernels import attention, gemm
+    from kvserve.kernels import attention
 
-    monkeypatch.setattr(gemm, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(cpu, "cpu_has_amx", lambda: amx)
     through_flash = flash_with_amx if amx else flash_without_amx
     flash_calls = []
     real_flash = attention._flash

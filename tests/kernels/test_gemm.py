@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import kernels
-from kvserve.kernels import gemm
+from kvserve.kernels import cpu, gemm
 
 pytestmark = pytest.mark.skipif(not gemm.onednn_available(), reason="torch built without oneDNN")
 
@@ -262,6 +262,6 @@ def test_the_start_up_log_names_the_cpus_isa_and_whether_it_has_amx():
     # EPYC does not): the log line must agree, not read a torch attribute that is not there.
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    isa, amx = gemm.cpu_isa().split(", ")
+    isa, amx = cpu.cpu_isa().split(", ")
     assert isa == torch.backends.cpu.get_cpu_capability()
     assert amx == ("AMX" if "amx_tile" in flags else "no AMX")
