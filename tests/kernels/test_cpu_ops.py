@@ -61,6 +61,24 @@ def test_silu_and_mul(dtype, num_tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 15, 17, 100])
+def test_row_widths_that_are_not_whole_vectors(dtype, width):
+    """The AVX-512 loops take rows 16 lanes at a time and a row's tail under a mask: widths
+    below, around and between multiples of 16, from strided input rows."""
+    torch.manual_seed(width)
+    x = torch.randn(3, width + 5).to(dtype)[:, :width]
+    residual = torch.randn(3, width).to(dtype)
+    weight = torch.randn(width)
+    _assert_matches(dispatch.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+    out, residual_out = dispatch.fused_add_rms_norm(x, residual, weight, 1e-6)
+    expected_out, expected_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-6)
+    torch.testing.assert_close(residual_out, expected_residual, atol=0, rtol=0)
+    _assert_matches(out, expected_out)
+    gate_up = (torch.randn(3, 2 * width) * 4).to(dtype)
+    _assert_matches(dispatch.silu_and_mul(gate_up), silu_and_mul_ref(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 9, 150])
 def test_rotary_embedding_on_a_fused_qkv_split(dtype, num_tokens):
     torch.manual_seed(num_tokens)
