@@ -148,6 +148,23 @@ NATIVE_DECODE_MEASURE = EnvVar(
     "where it is not slower (with AMX, oneDNN's bfloat16 tiles beat it from ~10 requests); "
     "off: the stack takes every step of up to KVSERVE_NATIVE_DECODE_ROWS requests",
 )
+PRELOAD_ALLOCATOR = EnvVar(
+    "KVSERVE_PRELOAD_ALLOCATOR",
+    True,
+    _flag,
+    "on a host without an NVIDIA device, start the engine core and worker processes with "
+    "tcmalloc (or jemalloc) in LD_PRELOAD where the system has it, as vLLM-CPU asks its users "
+    "to (kvserve/launch/allocator.py); off: glibc's malloc",
+)
+PREFILL_ROUTE_MEASURE = EnvVar(
+    "KVSERVE_PREFILL_ROUTE_MEASURE",
+    True,
+    _flag,
+    "time first prefill chunks of 32..1024 tokens through the CPU decode kernel and through "
+    "torch's flash attention at start-up, and send chunks up to the longest the decode kernel "
+    "still won to it (kernels/attention.py: measure_prefill_route); off: the defaults "
+    "(bfloat16: 63 tokens with AMX, 1024 without; float32: 512)",
+)
 API_KEY = EnvVar(
     "KVSERVE_API_KEY",
     None,

@@ -19,10 +19,16 @@ os.environ["OMP_NUM_THREADS"] = _user_threads or str(
 )
 
 # The engines tests start take every step of up to KVSERVE_NATIVE_DECODE_ROWS requests on the
-# native decode stack, rather than the counts a start-up timing finds it wins (the product
-# default): which path a step takes then does not depend on the machine or its load.
-# tests/unit/worker/test_decode_stack.py turns the timing on.
+# native decode stack, and route prefill attention by the fixed defaults, rather than by what
+# a start-up timing finds faster (the product default): which path a step takes then does not
+# depend on the machine or its load. tests/unit/worker/test_decode_stack.py and
+# tests/kernels/test_cpu_attention.py turn the timings on.
 os.environ.setdefault("KVSERVE_NATIVE_DECODE_MEASURE", "0")
+os.environ.setdefault("KVSERVE_PREFILL_ROUTE_MEASURE", "0")
+# Engine processes keep glibc's malloc whether or not this machine has tcmalloc, so a test run
+# here measures what a fresh CI machine runs (tests/unit/kvserve/test_allocator.py checks the
+# preload itself).
+os.environ.setdefault("KVSERVE_PRELOAD_ALLOCATOR", "0")
 
 # Triton reads TRITON_INTERPRET when first imported, so it is set here, before any test module
 # can import it: without a GPU the Triton kernel tests run in Triton's interpreter.

@@ -17,6 +17,7 @@ from multiprocessing.process import BaseProcess
 import msgspec
 import psutil
 
+from kvserve.launch.allocator import log_allocator
 from kvserve.launch.supervisor import STOP_TIMEOUT_S, describe_exit, supervised
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
@@ -62,7 +63,9 @@ def start_engine_process(
     config: EngineConfig, launch: EngineLaunch, engine_index: int = 0
 ) -> BaseProcess:
     """Spawn engine core `engine_index` (not a daemon: its `mp` executor has children of its
-    own)."""
+    own). On a CPU host it starts with tcmalloc preloaded where the system has it
+    (kvserve/launch/allocator.py)."""
+    log_allocator()
     process = multiprocessing.get_context("spawn").Process(
         target=_engine_main, name=f"EngineCore_{engine_index}", args=(config, launch, engine_index)
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.kernels import cpu, gemm
+from kvserve.kernels import attention, cpu, gemm
 from kvserve.services.kv_store.connector import WorkerConnector
 from kvserve.services.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvserve.services.worker.input_batch import InputBatch
@@ -226,6 +226,27 @@ class ModelRunner:
             if stack is not None and single_rank and env.NATIVE_DECODE_MEASURE.get():
                 status = self._fit_decode_stack(status, tokens)
             logger.info("native decode stack %s", status)
+            if cpu.available(self.dtype) and env.PREFILL_ROUTE_MEASURE.get():
+                self._measure_prefill_route()
+
+    def _measure_prefill_route(self) -> None:
+        """Which prefill chunks take the decode kernel and which torch's flash attention, timed
+        on this CPU for this model's head layout (kernels/attention.py)."""
+        import time
+
+        layer = self.attention_layers[0]
+        start = time.perf_counter()
+        limit, timings = attention.measure_prefill_route(
+            self.dtype, layer.num_heads, layer.num_kv_heads, layer.head_size, self.block_size
+        )
+        logger.info(
+            "prefill attention route (measured in %.2f s): %s chunks of up to %d tokens through "
+            "the decode kernel, longer through flash (first chunk, decode kernel / flash: %s)",
+            time.perf_counter() - start,
+            str(self.dtype).removeprefix("torch."),
+            limit,
+            ", ".join(f"{n}: {d:.2f} / {f:.2f} ms" for n, (d, f) in timings.items()),
+        )
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_blocks_per_req: int) -> DecodeGraphs | None:

@@ -154,3 +154,63 @@ def test_prefill_chunk_takes_its_route_and_matches_reference(
     got = paged_attention_cpu(*args)
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
     assert bool(flash_calls) == through_flash
+
+
+def test_fit_prefill_limit_keeps_the_lengths_the_decode_kernel_wins():
+    from kvserve.kernels.attention import fit_prefill_limit
+
+    assert fit_prefill_limit({32: (1.0, 2.0), 64: (2.0, 2.5), 128: (4.0, 3.0)}) == 64
+    # A tie keeps the decode kernel; a loss stops there even where it wins again later.
+    assert fit_prefill_limit({32: (1.0, 1.0), 64: (3.0, 2.0), 128: (1.0, 9.0)}) == 32
+    # Lost at the shortest probe: shorter chunks (a verify step's 1 + k) keep it.
+    assert fit_prefill_limit({32: (2.0, 1.0)}) == 31
+    assert fit_prefill_limit({n: (1.0, 2.0) for n in (32, 64, 128, 256, 512, 1024)}) == 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measured_prefill_route_sends_chunks_by_the_measured_limit(monkeypatch, dtype):
+    # Timed on this CPU (the product default; tests/conftest.py keeps engines on the fixed
+    # defaults): whatever the limit, a first chunk up to it takes the decode kernel and one
+    # past it flash, both matching the reference.
+    if not cpu.available(dtype):
+        pytest.skip("no C compiler here: the CPU path is the torch reference itself")
+    from kvserve.kernels import attention
+
+    heads = (9, 3, 64)
+    monkeypatch.setattr(attention, "_DECODE_KERNEL_MAX_QUERY_LEN", {})
+    limit, timings = attention.measure_prefill_route(dtype, *heads, block_size=16, rounds=1)
+    assert limit == attention.fit_prefill_limit(timings)
+    assert list(timings) == list(attention.PREFILL_PROBE_LENS[: len(timings)])
+    assert all(d > 0 and f > 0 for d, f in timings.values())
+    assert attention.decode_kernel_max_query_len(dtype, *heads) == limit
+    flash_calls = []
+    real_flash = attention._flash
+
+    def counting_flash(*args, **kwargs):
+        flash_calls.append(1)
+        return real_flash(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_flash", counting_flash)
+    # Pin the limit at 40 so both sides of it are cheap to run.
+    attention._DECODE_KERNEL_MAX_QUERY_LEN[(dtype, *heads)] = 40
+    torch.manual_seed(2)
+    for query_len, through_flash in ((40, False), (41, True)):
+        flash_calls.clear()
+        key_cache = torch.randn(5, 16, 3, 64, dtype=dtype)
+        value_cache = torch.randn_like(key_cache)
+        args = (
+            torch.randn(query_len, 9, 64, dtype=dtype),
+            key_cache,
+            value_cache,
+            torch.tensor([[1, 2, 3, 4]], dtype=torch.int32),
+            torch.tensor([0, query_len], dtype=torch.int32),
+            torch.tensor([query_len], dtype=torch.int32),
+            64**-0.5,
+            query_len,
+            query_len,
+        )
+        got = paged_attention_cpu(*args)
+        torch.testing.assert_close(
+            got.float(), paged_attention_ref(*args).float(), atol=2e-2, rtol=2e-2
+        )
+        assert bool(flash_calls) == through_flash

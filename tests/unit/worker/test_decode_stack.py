@@ -337,3 +337,26 @@ def test_the_engine_measures_the_stack_and_keeps_it_to_the_counts_it_wins(
     calls.clear()
     llm.generate([[5, 6, 7]] * 3, params, use_tqdm=False)
     assert calls == []  # steps of three requests run the modules
+
+
+def test_the_engine_measures_the_prefill_route_for_its_head_layout(tiny_llama_dir, monkeypatch):
+    # KVSERVE_PREFILL_ROUTE_MEASURE on (the product default): once the KV cache is bound the
+    # runner times prefill chunks for its dtype and its attention layers' head layout (the
+    # measurement itself: tests/kernels/test_cpu_attention.py).
+    from kvserve import LLM
+    from kvserve.kernels import attention, cpu
+    from tests.support.models import TINY_KV_CACHE_MEMORY
+
+    if not cpu.available(torch.float32):
+        pytest.skip("no C compiler here: prefill attention is the torch reference itself")
+    measured = []
+
+    def record(dtype, num_heads, num_kv_heads, head_size, block_size):
+        measured.append((dtype, num_heads, num_kv_heads, head_size, block_size))
+        return 64, {32: (1.0, 2.0), 64: (2.0, 2.0), 128: (5.0, 3.0)}
+
+    monkeypatch.setenv("KVSERVE_PREFILL_ROUTE_MEASURE", "1")
+    monkeypatch.setattr(attention, "measure_prefill_route", record)
+    llm = LLM(tiny_llama_dir, kv_cache_memory=TINY_KV_CACHE_MEMORY)
+    layer = llm.engine_core.executor.worker.runner.attention_layers[0]
+    assert measured == [(torch.float32, layer.num_heads, layer.num_kv_heads, layer.head_size, 16)]
