@@ -22,12 +22,13 @@ FROM ${BASE_IMAGE} AS base
 # -march=native for the CPU they run on, and Triton compiles its launchers with it on CUDA.
 # The runtime stage prebuilds the kernels for the build machine; a different CPU changes
 # their key (it hashes the CPU model and ISA flags), so they are rebuilt there at first use.
+# tcmalloc: the launcher preloads it for the engine processes (kvserve/launch/allocator.py).
 RUN --mount=type=secret,id=ca \
     set -eu; \
     ca=; if [ -s /run/secrets/ca ]; then ca="-o Acquire::https::CAInfo=/run/secrets/ca"; fi; \
     apt-get $ca update; \
     DEBIAN_FRONTEND=noninteractive apt-get $ca install -y --no-install-recommends \
-        python3.11 python3.11-venv gcc libc6-dev; \
+        python3.11 python3.11-venv gcc libc6-dev libtcmalloc-minimal4; \
     apt-get clean; \
     rm -rf /var/lib/apt/lists/*; \
     useradd --uid 1000 --create-home --shell /usr/sbin/nologin kvserve

@@ -6,6 +6,7 @@
 #   ROUNDS=1 DTYPES=bfloat16 bash bench/run_vllm_cpu.sh # one round, one dtype
 #   KVSERVE_ONLY=1 bash bench/run_vllm_cpu.sh           # the kvserve half only (no vLLM install)
 #   WORKLOADS=batch1 bash bench/run_vllm_cpu.sh         # only the batch-1 serving workload
+#   MAX_MODEL_LEN=8192 WORKLOADS=long bash bench/run_vllm_cpu.sh  # a 7,530-token prompt
 #
 # Each round runs, per dtype, kvserve then vLLM, each:
 #   offline throughput: THROUGHPUT_PROMPTS random prompts, INPUT_LEN in / OUTPUT_LEN out;
@@ -13,7 +14,9 @@
 #          as the client for both servers, at max-concurrency 32 (rate inf) and Poisson 2 req/s;
 #   batch1 (when WORKLOADS names it): B1_PROMPTS random prompts, B1_INPUT_LEN / B1_OUTPUT_LEN,
 #          ignore_eos, at max-concurrency 1;
-# WORKLOADS (default "throughput c32 rate2") picks among throughput, c32, rate2 and batch1;
+#   long (when WORKLOADS names it): one random LONG_INPUT_LEN-token prompt, one output token,
+#          then the same prompt again (prefix cache): the time to first token of each;
+# WORKLOADS (default "throughput c32 rate2") picks among throughput, c32, rate2, batch1, long;
 #   the seconds from the server's launch to a healthy /health.
 # Results (JSON per run, a summary with each round's kvserve / vLLM ratio and the median and
 # range over rounds: bench/vllm_cpu/summarize.py) go to OUT_DIR.
@@ -45,6 +48,7 @@ export KVSERVE_NATIVE_DECODE_ROWS="${KVSERVE_NATIVE_DECODE_ROWS:-16}"
 B1_PROMPTS="${B1_PROMPTS:-8}"
 B1_INPUT_LEN="${B1_INPUT_LEN:-128}"
 B1_OUTPUT_LEN="${B1_OUTPUT_LEN:-128}"
+LONG_INPUT_LEN="${LONG_INPUT_LEN:-7530}"         # the `long` workload; needs MAX_MODEL_LEN=8192
 
 SERVER_PID=""
 cleanup() {
@@ -132,6 +136,16 @@ bench_serve() {  # bench_serve TAG: the serving workloads WORKLOADS names, again
     "$KVSERVE" "${common[@]}" --random-input-len "$B1_INPUT_LEN" \
       --random-output-len "$B1_OUTPUT_LEN" --num-prompts "$B1_PROMPTS" --max-concurrency 1 \
       --seed 2 --result-filename "${tag}_b1.json" >"$OUT_DIR/${tag}_b1.txt"
+  fi
+  if wants long; then
+    # One random prompt of LONG_INPUT_LEN tokens (one output token), then the same prompt
+    # again (the same seed): time to first token cold, and from the prefix cache.
+    for pass in cold warm; do
+      log "$tag: one ${LONG_INPUT_LEN}-token prompt ($pass)"
+      "$KVSERVE" "${common[@]}" --random-input-len "$LONG_INPUT_LEN" --random-output-len 1 \
+        --num-prompts 1 --max-concurrency 1 --seed 3 \
+        --result-filename "${tag}_long_${pass}.json" >"$OUT_DIR/${tag}_long_${pass}.txt"
+    done
   fi
 }
 

@@ -384,6 +384,40 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """The paged KV write in one C call (kernels.cache's contract: key, value [T, Hkv, D], each
+    token's Hkv * D values contiguous; a slot < 0 skipped). False, with nothing written, where
+    the layouts are not the ones it copies (non-contiguous caches, strided heads): the caller
+    then takes the reference."""
+    num_tokens = key.shape[0]
+    row = key.shape[1] * key.shape[2]
+    packed = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (key, value))
+    if not (packed and key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return False
+    lib = _load()
+    assert lib is not None
+    slots = slot_mapping.to(torch.int64).contiguous()
+    item = key.element_size()
+    lib.write_kv_cache_rows(
+        _ptr(key_cache),
+        _ptr(value_cache),
+        _ptr(key),
+        ctypes.c_int64(key.stride(0) * item),
+        _ptr(value),
+        ctypes.c_int64(value.stride(0) * item),
+        _ptr(slots),
+        ctypes.c_int(num_tokens),
+        ctypes.c_int64(row * item),
+    )
+    return True
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,

@@ -95,6 +95,10 @@ def write_kv_cache(
     key, value: [T, Hkv, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
     slot_mapping: [T] int64, slot = block_id * block_size + offset; a slot < 0 is skipped.
     """
+    if _use_cpu_kernel(key):
+        cache._check_kv_cache_args(key, value, key_cache, value_cache, slot_mapping)
+        if cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+            return
     fn = cache.write_kv_cache if _use_triton(key) else cache.write_kv_cache_ref
     fn(key, value, key_cache, value_cache, slot_mapping)
 

@@ -17,7 +17,9 @@ import statistics
 import sys
 from pathlib import Path
 
-_NAME = re.compile(r"^(kvserve|vllm)_(float32|bfloat16)_r(\d+)_(c32|rate2|b1|throughput|startup)$")
+_NAME = re.compile(
+    r"^(kvserve|vllm)_(float32|bfloat16)_r(\d+)_(c32|rate2|b1|long_cold|long_warm|throughput|startup)$"
+)
 _OFFLINE = re.compile(r"([\d.]+) output tokens/s")
 
 # (workload, metric, what it is, higher is better)
@@ -31,6 +33,8 @@ METRICS = [
     ("rate2", "failed", "2/s failed", False),
     ("b1", "mean_tpot_ms", "batch-1 mean TPOT ms", False),
     ("b1", "mean_ttft_ms", "batch-1 mean TTFT ms", False),
+    ("long_cold", "mean_ttft_ms", "long prompt TTFT ms", False),
+    ("long_warm", "mean_ttft_ms", "long again TTFT ms", False),
     ("startup", "seconds", "start to healthy s", False),
 ]
 
@@ -44,7 +48,7 @@ def load(out_dir: Path) -> dict[tuple[str, str, int, str], dict[str, float]]:
             continue
         system, dtype, rnd, workload = match.groups()
         key = (system, dtype, int(rnd), workload)
-        if workload in ("c32", "rate2", "b1") and path.suffix == ".json":
+        if workload in ("c32", "rate2", "b1", "long_cold", "long_warm") and path.suffix == ".json":
             runs[key] = json.loads(path.read_text())
         elif workload == "throughput" and path.suffix == ".txt":
             found = _OFFLINE.findall(path.read_text())

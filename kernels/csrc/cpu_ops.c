@@ -1,5 +1,5 @@
 // Row-wise CPU kernels of the decoder layer: RMSNorm (with the fused residual add), SiLU-and-
-// mul and the neox rotary embedding, in float32 and bfloat16.
+// mul and the neox rotary embedding, in float32 and bfloat16, and the paged KV write.
 //
 // Each op is one pass over its rows: the torch references spend most of their time in dtype
 // casts and in one OpenMP fork/join per elementwise op, which on two cores costs more than the
@@ -186,6 +186,21 @@ void NAME(T *q_out, T *k_out, const T *query, int64_t q_stride, const T *key,   
 
 DEFINE_ROTARY(rotary_embedding_f32, float, rope_row_f32)
 DEFINE_ROTARY(rotary_embedding_bf16, uint16_t, rope_row_bf16)
+
+// The paged KV write: token t's key row (row_bytes, at key + t * key_stride bytes) to slot
+// slots[t] of key_cache (rows of row_bytes, contiguous), the same for value; a slot < 0 is
+// skipped. Any dtype: rows are copied as bytes.
+void write_kv_cache_rows(uint8_t *key_cache, uint8_t *value_cache, const uint8_t *key,
+                         int64_t key_stride, const uint8_t *value, int64_t value_stride,
+                         const int64_t *slots, int num_tokens, int64_t row_bytes) {
+    _Pragma("omp parallel for schedule(static) if((int64_t)num_tokens * row_bytes >= 262144)")
+    for (int t = 0; t < num_tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(key_cache + slot * row_bytes, key + (int64_t)t * key_stride, row_bytes);
+        memcpy(value_cache + slot * row_bytes, value + (int64_t)t * value_stride, row_bytes);
+    }
+}
 
 // Pins OpenMP thread t of an n-thread team to cpus[t] (the calling thread is thread 0), as
 // vLLM's CPU worker does: a pinned team keeps its caches and is not migrated by the

@@ -37,6 +37,9 @@ def random_prompts(
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvserve.launch.allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # the engine runs in this process: start it under tcmalloc
     from kvserve import LLM, SamplingParams
     from kvserve.shared.cli_args import struct_from_args
     from kvserve.shared.config import EngineConfig

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import MutableMapping, Sequence
 
 from kvserve.shared.env import PRELOAD_ALLOCATOR
@@ -34,10 +35,10 @@ SEARCH_DIRS = (
 NVIDIA_DEVICE = "/dev/nvidiactl"
 
 
-def find_allocator(search_dirs: Sequence[str] = SEARCH_DIRS) -> str | None:
-    """The first of LIBRARIES found in search_dirs (a path), or None."""
+def find_allocator(search_dirs: Sequence[str] | None = None) -> str | None:
+    """The first of LIBRARIES found in search_dirs (default SEARCH_DIRS): a path, or None."""
     for name in LIBRARIES:
-        for folder in search_dirs:
+        for folder in SEARCH_DIRS if search_dirs is None else search_dirs:
             path = os.path.join(folder, name)
             if os.path.isfile(path):
                 return path
@@ -46,7 +47,7 @@ def find_allocator(search_dirs: Sequence[str] = SEARCH_DIRS) -> str | None:
 
 def preload_allocator(
     environ: MutableMapping[str, str] = os.environ,
-    search_dirs: Sequence[str] = SEARCH_DIRS,
+    search_dirs: Sequence[str] | None = None,
     nvidia_device: str = NVIDIA_DEVICE,
 ) -> str:
     """Put tcmalloc (or jemalloc) first in environ's LD_PRELOAD, which the processes spawned
@@ -76,3 +77,19 @@ def log_allocator() -> str:
     choice = preload_allocator()
     logger.info("memory allocator of the engine processes: %s", choice)
     return choice
+
+
+def reexec_with_allocator() -> None:
+    """For a command that runs its engine in its own process (`kvserve bench throughput`):
+    where preload_allocator adds a library, replace this process with itself under it (the
+    same interpreter and arguments, `sys.orig_argv`); else return. The re-executed process
+    finds the library named in LD_PRELOAD and goes on."""
+    before = os.environ.get("LD_PRELOAD")
+    choice = preload_allocator()
+    if os.environ.get("LD_PRELOAD") == before:
+        logger.info("memory allocator: %s", choice)
+        return
+    logger.info("memory allocator: %s; restarting this command under it", choice)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)

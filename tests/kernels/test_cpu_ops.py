@@ -94,3 +94,41 @@ def test_rotary_embedding_on_a_fused_qkv_split(dtype, num_tokens):
     expected_q, expected_k = rotary_embedding_ref(positions, query, key, cos_sin_cache, head_size)
     _assert_matches(got_q, expected_q)
     _assert_matches(got_k, expected_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 7, 700])
+def test_write_kv_cache_rows_of_a_fused_qkv(dtype, num_tokens):
+    """The C KV write: strided key / value rows (views of a fused qkv) to their slots, a slot
+    of -1 skipped, every other slot untouched; the same bytes as the reference's."""
+    from kvserve.kernels.cache import write_kv_cache_ref
+
+    torch.manual_seed(num_tokens)
+    num_kv_heads, head_size, block_size, num_blocks = 3, 64, 16, 64
+    qkv = torch.randn(num_tokens, (9 + 2 * num_kv_heads) * head_size).to(dtype)
+    key = qkv[:, 9 * head_size : 12 * head_size].view(num_tokens, num_kv_heads, head_size)
+    value = qkv[:, 12 * head_size :].view(num_tokens, num_kv_heads, head_size)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[0] = -1
+    caches = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).to(dtype)]
+    caches.append(caches[0].clone())
+    assert cpu.write_kv_cache(key, value, caches[0][0], caches[0][1], slots)
+    write_kv_cache_ref(key, value, caches[1][0], caches[1][1], slots)
+    assert torch.equal(caches[0], caches[1])
+
+
+def test_write_kv_cache_falls_back_on_caches_it_does_not_copy_into():
+    # A strided cache view (not the engine's layout): the C call declines and dispatch takes
+    # the reference, which writes the same slots.
+    from kvserve.kernels.cache import write_kv_cache_ref
+
+    torch.manual_seed(0)
+    key, value = torch.randn(5, 3, 64), torch.randn(5, 3, 64)
+    wide = torch.zeros(2, 8, 16, 6, 64)
+    key_cache, value_cache = wide[0, :, :, :3], wide[1, :, :, :3]
+    slots = torch.tensor([3, 17, -1, 40, 0])
+    assert not cpu.write_kv_cache(key, value, key_cache, value_cache, slots)
+    expected = wide.clone()
+    write_kv_cache_ref(key, value, expected[0, :, :, :3], expected[1, :, :, :3], slots)
+    dispatch.write_kv_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(wide, expected) and bool(wide.abs().sum() > 0)

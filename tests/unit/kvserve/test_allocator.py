@@ -86,3 +86,26 @@ def test_glibc_malloc_is_kept_and_said_why(tmp_path, monkeypatch, case):
         "none-found": "apt-get",
     }
     assert expected[case] in choice
+
+
+def test_a_command_reexecutes_itself_under_the_allocator(tmp_path):
+    # `kvserve bench throughput` runs its engine in its own process, so it restarts itself
+    # with the library preloaded (once: the restarted process finds it named and goes on).
+    folder = _fake_library_dir(tmp_path, "libtcmalloc_minimal.so.4")
+    script = (
+        "import os\n"
+        "from kvserve.launch import allocator\n"
+        f"allocator.SEARCH_DIRS = ({folder!r},)\n"
+        f"allocator.NVIDIA_DEVICE = {str(tmp_path / 'no-gpu')!r}\n"
+        "print('start', os.getpid(), flush=True)\n"
+        "allocator.reexec_with_allocator()\n"
+        "print('mapped', allocator.SEARCH_DIRS[0] in open('/proc/self/maps').read())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["KVSERVE_PRELOAD_ALLOCATOR"] = "1"
+    lines = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    starts = [line for line in lines if line.startswith("start")]
+    assert len(starts) == 2 and starts[0] == starts[1]  # execv keeps the pid
+    assert lines[-1] == "mapped True"
