@@ -23,6 +23,8 @@ paths (CPU) read the bounds on the host (`.tolist()`, `nonzero`) and are never c
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -616,8 +618,6 @@ def _time_prefill_routes(
 ) -> tuple[float, float]:
     """(decode kernel ms, flash ms) of one first chunk of `length` tokens over random K/V,
     best of `rounds` interleaved after a warm-up round."""
-    import time
-
     num_blocks = -(-length // block_size)
     key_cache = torch.randn(num_blocks + 1, block_size, num_kv_heads, head_size).to(dtype)
     value_cache = torch.randn_like(key_cache)
