@@ -95,6 +95,21 @@ def test_cpu_path_window_and_soft_cap_match_reference(
     assert not torch.allclose(got.float(), plain.float(), atol=1e-2)
 
 
+def _count_flash_calls(monkeypatch) -> list[int]:
+    """A list that grows by one per flash call paged_attention_cpu makes (the calls go on)."""
+    from kvserve.kernels import attention
+
+    calls: list[int] = []
+    real_flash = attention._flash
+
+    def counting_flash(*args, **kwargs):
+        calls.append(1)
+        return real_flash(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_flash", counting_flash)
+    return calls
+
+
 @pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
 @pytest.mark.parametrize(
     "dtype, atol, query_len, seq_len, flash_without_amx, flash_with_amx",
@@ -117,18 +132,10 @@ def test_prefill_chunk_takes_its_route_and_matches_reference(
     # with AMX and the rule for one without are each checked here, whatever this CPU is.
     if not cpu.available(dtype):
         pytest.skip("no C compiler here: the CPU path is the torch reference itself")
-    from kvserve.kernels import attention
 
     monkeypatch.setattr(cpu, "cpu_has_amx", lambda: amx)
     through_flash = flash_with_amx if amx else flash_without_amx
-    flash_calls = []
-    real_flash = attention._flash
-
-    def counting_flash(*args, **kwargs):
-        flash_calls.append(1)
-        return real_flash(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "_flash", counting_flash)
+    flash_calls = _count_flash_calls(monkeypatch)
     torch.manual_seed(1)
     block_size, num_kv_heads, num_heads, head_size = 16, 3, 9, 64
     query_lens, seq_lens = [1, query_len, 1], [50, seq_len, 70]
@@ -183,14 +190,7 @@ def test_measured_prefill_route_sends_chunks_by_the_measured_limit(monkeypatch, 
     assert list(timings) == list(attention.PREFILL_PROBE_LENS[: len(timings)])
     assert all(d > 0 and f > 0 for d, f in timings.values())
     assert attention.decode_kernel_max_query_len(dtype, *heads) == limit
-    flash_calls = []
-    real_flash = attention._flash
-
-    def counting_flash(*args, **kwargs):
-        flash_calls.append(1)
-        return real_flash(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "_flash", counting_flash)
+    flash_calls = _count_flash_calls(monkeypatch)
     # Pin the limit at 40 so both sides of it are cheap to run.
     attention._DECODE_KERNEL_MAX_QUERY_LEN[(dtype, *heads)] = 40
     torch.manual_seed(2)
