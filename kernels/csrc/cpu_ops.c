@@ -147,6 +147,30 @@ DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf
 
 #endif  // VEC_MATH_AVX512
 
+#if defined(VEC_MATH_AVX512)
+// Neox (rotate-half) RoPE of one [num_heads, D] row: y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin,
+// 16 lanes of each half at a time (AVX-512; the portable loop below otherwise).
+#define DEFINE_ROPE_ROW(NAME, T, LOAD16, STORE16)                                             \
+static inline void NAME(T *dst, const T *src, const float *cos, const float *sin,             \
+                        int num_heads, int head_size) {                                       \
+    const int half = head_size / 2;                                                           \
+    for (int h = 0; h < num_heads; h++) {                                                     \
+        const T *xh = src + (int64_t)h * head_size;                                           \
+        T *yh = dst + (int64_t)h * head_size;                                                 \
+        for (int i = 0; i < half; i += 16) {                                                  \
+            const __mmask16 m = tail16(i, half);                                              \
+            const __m512 x1 = LOAD16(xh + i, m), x2 = LOAD16(xh + i + half, m);               \
+            const __m512 c = vm_load16_f32(cos + i, m), s = vm_load16_f32(sin + i, m);        \
+            STORE16(yh + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);    \
+            STORE16(yh + i + half, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m); \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+DEFINE_ROPE_ROW(rope_row_f32, float, vm_load16_f32, vm_store16_f32)
+DEFINE_ROPE_ROW(rope_row_bf16, uint16_t, vm_load16_bf16, vm_store16_bf16)
+
+#else
 // Neox (rotate-half) RoPE of one [num_heads, D] row: y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin.
 #define DEFINE_ROPE_ROW(NAME, T, LOAD, STORE)                                                 \
 static inline void NAME(T *dst, const T *src, const float *cos, const float *sin,             \
@@ -166,6 +190,7 @@ static inline void NAME(T *dst, const T *src, const float *cos, const float *sin
 
 DEFINE_ROPE_ROW(rope_row_f32, float, load_f32, store_f32)
 DEFINE_ROPE_ROW(rope_row_bf16, uint16_t, load_bf16, store_bf16)
+#endif  // VEC_MATH_AVX512
 
 // q_out [T, Hq * D] and k_out [T, Hkv * D] (contiguous) = RoPE of query / key rows (strided)
 // at positions[t]; cos_sin_cache [max_position, D] float32: cos | sin halves.
