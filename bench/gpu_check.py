@@ -54,20 +54,50 @@ def check_greedy(model: str | None, max_tokens: int, kv_cache_memory: int | None
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     device = _device()
     hf = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32).to(device)
-    theirs = []
-    for prompt in PROMPTS:
+    equal, divergences = 0, []
+    for index, (prompt, mine) in enumerate(zip(PROMPTS, ours)):
         ids = torch.tensor([tokenizer.encode(prompt)], device=device)
         with torch.no_grad():
             out = hf.generate(
-                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+                ids,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        theirs.append(out[0, ids.shape[1] :].tolist())
-    equal = sum(list(a) == list(b) for a, b in zip(ours, theirs))
+        theirs = out.sequences[0, ids.shape[1] :].tolist()
+        # min_new_tokens keeps HF going by masking its end-of-sequence tokens, while ours
+        # (ignore_eos) may pick one and go on: where HF's own logits chose an end token, both
+        # are compared up to it, with HF's unmasked choice.
+        unmasked = [int(step[0].argmax()) for step in out.logits]
+        for i, (emitted, chosen) in enumerate(zip(theirs, unmasked)):
+            if emitted != chosen:
+                mine, theirs = list(mine)[: i + 1], theirs[:i] + [chosen]
+                break
+        if list(mine) == theirs:
+            equal += 1
+            continue
+        # Where the two first part: how far our token's logit sits below HF's top one, in
+        # HF's own logits. A gap of float32 rounding (~1e-4) is a near tie that summation
+        # order decides; a larger one is a wrong result.
+        position = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+        logits = out.logits[position][0].float()
+        divergences.append(
+            {
+                "prompt": index,
+                "position": position,
+                "ours": int(mine[position]),
+                "hf": int(theirs[position]),
+                "logit_gap": round(float(logits[theirs[position]] - logits[mine[position]]), 6),
+            }
+        )
     return {
         "check": "greedy_equals_hf",
         "device": str(device),
         "prompts": len(PROMPTS),
         "equal": equal,
+        "divergences": divergences,
         "ok": equal == len(PROMPTS),
     }
 

@@ -118,10 +118,12 @@ class Attention(nn.Module):
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
         offsets = torch.arange(attn_metadata.max_query_len, device=q.device, dtype=torch.int32)
         block_table = (query_start_loc[:-1, None] + offsets[None, :]).clamp_(max=q.shape[0] - 1)
+        # The kernels want K and V in one layout; views of the fused QKV output (or a rotated
+        # K beside an unrotated V) need not share strides.
         return kernels.paged_attention(
             q,
-            k.unsqueeze(1),
-            v.unsqueeze(1),
+            k.contiguous().unsqueeze(1),
+            v.contiguous().unsqueeze(1),
             block_table,
             query_start_loc,
             query_lens.to(torch.int32),

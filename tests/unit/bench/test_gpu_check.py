@@ -38,6 +38,7 @@ def test_greedy_check_compares_with_hf(gpu_check, tiny_llama_dir, capsys):
         "device": "cpu",
         "prompts": len(gpu_check.PROMPTS),
         "equal": len(gpu_check.PROMPTS),
+        "divergences": [],
         "ok": True,
     }
 
