@@ -550,6 +550,33 @@ def _prefill_attention_cpu(
     return out[0].transpose(0, 1)
 
 
+def _prefill_chunks(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    reqs: list[int],
+    starts: list[int],
+    lens: list[int],
+    scale: float,
+) -> None:
+    """out's rows of the prefill chunks of requests `reqs` (starts: query_start_loc, lens:
+    seq_lens, as lists): all in one call on AMX tiles where the CPU has them (bfloat16,
+    cpu.prefill_attention_amx), else chunk by chunk through torch's flash attention."""
+    if cpu.prefill_attention_amx(
+        out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, reqs, scale
+    ):
+        return
+    for req in reqs:
+        start, end = starts[req], starts[req + 1]
+        out[start:end] = _prefill_attention_cpu(
+            query[start:end], key_cache, value_cache, block_table[req], lens[req], scale
+        )
+
+
 # The longest prefill chunk (in query tokens) the decode kernel takes, per (dtype, Hq, Hkv, D):
 # measured at start-up by measure_prefill_route; absent, the defaults below.
 _DECODE_KERNEL_MAX_QUERY_LEN: dict[tuple[torch.dtype, int, int, int], int] = {}
@@ -629,8 +656,24 @@ def _time_prefill_routes(
     def decode_route() -> None:
         _prefill_as_decodes(out, query, key_cache, value_cache, block_ids, 0, length, length, scale)
 
+    table = block_ids.unsqueeze(0)
+    query_start_loc = torch.tensor([0, length], dtype=torch.int32)
+    seq_lens = torch.tensor([length], dtype=torch.int32)
+
     def flash_route() -> None:
-        _prefill_attention_cpu(query, key_cache, value_cache, block_ids, length, scale)
+        _prefill_chunks(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            table,
+            query_start_loc,
+            seq_lens,
+            [0],
+            [0, length],
+            [length],
+            scale,
+        )
 
     best = [float("inf"), float("inf")]
     for _ in range(rounds + 1):  # the first round warms up (allocations, primitives)
@@ -728,6 +771,7 @@ def paged_attention_cpu(
         max_decode_chunk = decode_kernel_max_query_len(
             query.dtype, query.shape[1], key_cache.shape[2], query.shape[2]
         )
+        flash_reqs: list[int] = []  # the chunks for _prefill_chunks, all in one call
         for req in range(num_reqs):
             start, end = starts[req], starts[req + 1]
             if end - start <= 1:
@@ -761,9 +805,21 @@ def paged_attention_cpu(
                     soft_cap=logits_soft_cap,
                 )
             else:
-                out[start:end] = _prefill_attention_cpu(
-                    query[start:end], key_cache, value_cache, block_table[req], lens[req], scale
-                )
+                flash_reqs.append(req)
+        if flash_reqs:
+            _prefill_chunks(
+                out,
+                query,
+                key_cache,
+                value_cache,
+                block_table,
+                query_start_loc,
+                seq_lens,
+                flash_reqs,
+                starts,
+                lens,
+                scale,
+            )
         decode_reqs = (query_lens == 1).nonzero().squeeze(1)
         if decode_reqs.numel() == 0:
             return out

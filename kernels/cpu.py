@@ -34,7 +34,7 @@ logger = init_logger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("decode_attention.c", "cpu_ops.c", "decode_stack.c")
+    for name in ("decode_attention.c", "cpu_ops.c", "decode_stack.c", "prefill_attention_amx.c")
 ]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _FUNCTIONS = [
@@ -416,6 +416,60 @@ def write_kv_cache(
         ctypes.c_int64(row * item),
     )
     return True
+
+
+def prefill_attention_amx(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    chunk_reqs: Sequence[int],
+    scale: float,
+) -> bool:
+    """Causal attention of the prefill chunks of requests chunk_reqs, all in one call on AMX
+    tiles (bfloat16; csrc/prefill_attention_amx.c), written into their rows of out. Each
+    chunk's rows attend to its context and, causally, to themselves. False, with nothing
+    written, where it does not run: no AMX or AVX512-BF16 on this CPU, the kernel refused
+    (head size not a multiple of 64 or over 256), caches not readable in place.
+
+    Args: as decode_attention's, plus query_start_loc [R + 1] and seq_lens [R], int32.
+    """
+    if query.dtype != torch.bfloat16 or not chunk_reqs or not cpu_has_amx():
+        return False
+    if not kv_readable_in_place(key_cache, value_cache):
+        return False
+    lib = _load()
+    assert lib is not None
+    assert query.stride(2) == 1 and out.is_contiguous() and block_table.stride(1) == 1
+    assert query_start_loc.dtype == seq_lens.dtype == block_table.dtype == torch.int32
+    reqs = torch.tensor(chunk_reqs, dtype=torch.int32)
+    starts, lens = query_start_loc.contiguous(), seq_lens.contiguous()  # alive through the call
+    i64, cint = ctypes.c_int64, ctypes.c_int
+    status = lib.prefill_attention_amx_bf16(
+        _ptr(out),
+        _ptr(query),
+        i64(query.stride(0)),
+        i64(query.stride(1)),
+        _ptr(key_cache),
+        _ptr(value_cache),
+        i64(key_cache.stride(0)),
+        i64(key_cache.stride(1)),
+        _ptr(block_table),
+        i64(block_table.stride(0)),
+        _ptr(reqs),
+        _ptr(starts),
+        _ptr(lens),
+        cint(len(chunk_reqs)),
+        cint(query.shape[1]),
+        cint(key_cache.shape[2]),
+        cint(query.shape[2]),
+        cint(key_cache.shape[1]),
+        ctypes.c_float(scale),
+    )
+    return status == 0
 
 
 def rotary_embedding(

@@ -96,17 +96,18 @@ def test_cpu_path_window_and_soft_cap_match_reference(
 
 
 def _count_flash_calls(monkeypatch) -> list[int]:
-    """A list that grows by one per flash call paged_attention_cpu makes (the calls go on)."""
+    """A list that grows by one per chunk paged_attention_cpu sends down the flash route (AMX
+    tiles where the CPU has them, else torch's flash; the calls go on)."""
     from kvserve.kernels import attention
 
     calls: list[int] = []
-    real_flash = attention._flash
+    real_chunks = attention._prefill_chunks
 
-    def counting_flash(*args, **kwargs):
-        calls.append(1)
-        return real_flash(*args, **kwargs)
+    def counting_chunks(*args, **kwargs):
+        calls.extend(args[7])  # reqs
+        return real_chunks(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_flash", counting_flash)
+    monkeypatch.setattr(attention, "_prefill_chunks", counting_chunks)
     return calls
 
 
@@ -117,8 +118,8 @@ def _count_flash_calls(monkeypatch) -> list[int]:
         (torch.float32, 1e-5, 300, 300, False, False),  # a first chunk: the decode kernel
         (torch.float32, 1e-5, 100, 300, True, True),  # behind a context: flash
         (torch.float32, 1e-5, 600, 600, True, True),  # a long first chunk: flash
-        # bfloat16: the decode kernel up to 1024 keys, but with AMX (torch's flash tiles run
-        # on it) only for chunks of under 64 tokens.
+        # bfloat16: the decode kernel up to 1024 keys, but with AMX (the flash route runs
+        # on its tiles) only for chunks of under 64 tokens.
         (torch.bfloat16, 2e-2, 100, 300, False, True),
         (torch.bfloat16, 2e-2, 600, 600, False, True),
         (torch.bfloat16, 2e-2, 32, 300, False, False),
@@ -214,3 +215,73 @@ def test_measured_prefill_route_sends_chunks_by_the_measured_limit(monkeypatch, 
             got.float(), paged_attention_ref(*args).float(), atol=2e-2, rtol=2e-2
         )
         assert bool(flash_calls) == through_flash
+
+
+needs_amx = pytest.mark.skipif(
+    not cpu.cpu_has_amx(), reason="needs AMX tiles (a Sapphire Rapids or later): this CPU has none"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_size, block_size, chunks",
+    [
+        # (query_len, seq_len) per request; query_len 1 are decodes the call leaves alone.
+        (9, 3, 64, 16, [(256, 256)]),
+        (9, 3, 64, 16, [(17, 17), (1, 40), (33, 100), (100, 1000), (1, 9)]),
+        (8, 8, 128, 16, [(64, 64), (31, 77)]),
+        (4, 1, 256, 32, [(40, 40), (5, 300)]),
+        (6, 2, 64, 1, [(50, 50), (47, 80)]),
+    ],
+)
+def test_amx_prefill_matches_reference(num_heads, num_kv_heads, head_size, block_size, chunks):
+    # The kernel itself, every chunk of a step in one call: GQA groups, head sizes 64 (O^T kept
+    # in tiles) and 128 / 256 (two halves side by side), chunks behind a context, lengths off
+    # the 16-row and 32-key grid, block sizes 1, 16 and 32, q a strided slice of qkv.
+    torch.manual_seed(3)
+    dtype = torch.bfloat16
+    query_lens, seq_lens = [q for q, _ in chunks], [s for _, s in chunks]
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    num_blocks = len(chunks) * max_blocks + 1
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    block_table = torch.randperm(num_blocks - 1).view(len(chunks), max_blocks).int() + 1
+    query_start_loc = torch.tensor([0] + query_lens).cumsum(0).int()
+    qkv = torch.randn(sum(query_lens), num_heads + 2 * num_kv_heads, head_size, dtype=dtype)
+    query = qkv[:, :num_heads]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_size**-0.5
+    out = torch.full_like(query, float("nan"))
+    prefill = [r for r, q in enumerate(query_lens) if q > 1]
+    args = (key_cache, value_cache, block_table, query_start_loc, lens)
+    assert cpu.prefill_attention_amx(out, query, *args, prefill, scale)
+    expected = paged_attention_ref(query, *args, scale, max(query_lens), max(seq_lens))
+    for r in range(len(chunks)):
+        rows = slice(int(query_start_loc[r]), int(query_start_loc[r + 1]))
+        if r in prefill:
+            torch.testing.assert_close(
+                out[rows].float(), expected[rows].float(), atol=2e-2, rtol=2e-2
+            )
+        else:  # not asked for: untouched
+            assert out[rows].isnan().all()
+
+
+@needs_amx
+def test_amx_prefill_refuses_what_it_does_not_cover():
+    # A head size off its 64 grid: False, nothing written, and the caller keeps torch's flash.
+    torch.manual_seed(4)
+    key_cache = torch.randn(3, 16, 2, 96, dtype=torch.bfloat16)
+    query = torch.randn(20, 4, 96, dtype=torch.bfloat16)
+    out = torch.zeros_like(query)
+    args = (
+        key_cache,
+        torch.randn_like(key_cache),
+        torch.tensor([[1, 2]], dtype=torch.int32),
+        torch.tensor([0, 20], dtype=torch.int32),
+        torch.tensor([20], dtype=torch.int32),
+    )
+    assert not cpu.prefill_attention_amx(out, query, *args, [0], 96**-0.5)
+    assert not out.any()
+    got = paged_attention_cpu(query, *args, 96**-0.5, 20, 20)
+    expected = paged_attention_ref(query, *args, 96**-0.5, 20, 20)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
