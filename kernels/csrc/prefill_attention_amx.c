@@ -169,31 +169,61 @@ static inline __m512 softmax_block(half_state *h, const float *st, uint16_t *pt,
     return alpha;
 }
 
+// A 16 x 16 matrix of 32-bit words transposed in registers: x[i] holds row i, then column i.
+static inline void transpose16(__m512i x[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of words
+        t[i] = _mm512_unpacklo_epi32(x[i], x[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(x[i], x[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // 4 x 4
+        x[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        x[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        x[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        x[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // Now x[4 g + m] holds, in its 128-bit lane L, column 4 L + m of rows 4 g .. 4 g + 3:
+    // a 4 x 4 transpose of 128-bit lanes puts column 4 L + m in x[4 L + m].
+    for (int m = 0; m < 4; m++) {
+        const __m512i u0 = _mm512_shuffle_i32x4(x[m], x[4 + m], 0x44);
+        const __m512i u1 = _mm512_shuffle_i32x4(x[m], x[4 + m], 0xee);
+        const __m512i u2 = _mm512_shuffle_i32x4(x[8 + m], x[12 + m], 0x44);
+        const __m512i u3 = _mm512_shuffle_i32x4(x[8 + m], x[12 + m], 0xee);
+        t[m] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[4 + m] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
+        t[8 + m] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + m] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) x[i] = t[i];
+}
+
 // Q^T of up to 16 query rows as D / 32 B tiles: tile t, row r, column n = the pair
 // d = 32 t + 2 r, + 1 of row n (rows past `rows` zero).
 static void pack_queries(uint32_t *qt, const uint16_t *query, int64_t q_token_stride, int rows,
                          int D) {
-    for (int n = 0; n < 16; n++) {
-        const uint32_t *row = (const uint32_t *)(query + (int64_t)n * q_token_stride);
-        for (int w = 0; w < D / 2; w++)
-            qt[(w / 16) * 256 + (w % 16) * 16 + n] = n < rows ? row[w] : 0;
+    for (int t = 0; t < D / 32; t++) {
+        __m512i x[16];
+        for (int n = 0; n < 16; n++)
+            x[n] = n < rows ? _mm512_loadu_si512(query + (int64_t)n * q_token_stride + 32 * t)
+                            : _mm512_setzero_si512();
+        transpose16(x);
+        for (int r = 0; r < 16; r++) _mm512_store_si512(qt + t * 256 + r * 16, x[r]);
     }
 }
 
 // out[i][:] = acc[:][i] / l[i] for the half's rows: O^T's columns back to rows, as bf16.
 static void store_half(uint16_t *out, int64_t out_token_stride, const float *acc, __m512 l,
                        int rows, int D) {
-    float o[16 * MAX_HEAD_SIZE] __attribute__((aligned(64)));
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
-    for (int d = 0; d < D; d++) {
-        float col[16] __attribute__((aligned(64)));
-        _mm512_store_ps(col, _mm512_mul_ps(_mm512_load_ps(acc + 16 * d), inv));
-        for (int i = 0; i < 16; i++) o[i * D + d] = col[i];
+    for (int v = 0; v < D / 16; v++) {  // 16 d at a time
+        __m512i x[16];
+        for (int d = 0; d < 16; d++)
+            x[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(acc + 16 * (16 * v + d)), inv));
+        transpose16(x);
+        for (int i = 0; i < rows; i++)
+            vm_store16_bf16(out + (int64_t)i * out_token_stride + 16 * v, _mm512_castsi512_ps(x[i]),
+                            0xffff);
     }
-    for (int i = 0; i < rows; i++)
-        for (int v = 0; v < D / 16; v++)
-            vm_store16_bf16(out + (int64_t)i * out_token_stride + 16 * v,
-                            _mm512_load_ps(o + i * D + 16 * v), 0xffff);
 }
 
 // One item: up to 32 query rows of one head, rows [0, rows) of `query` (row stride
