@@ -593,8 +593,8 @@ def decode_kernel_max_query_len(
 ) -> int:
     """The longest prefill chunk the decode kernel takes for this dtype and head layout: the
     start-up measurement's where there is one (measure_prefill_route), else the defaults
-    measured in bench/RESULTS.md: bfloat16 63 with AMX (torch's flash runs its tiles there)
-    and 1024 without; float32 512 (a Zen 5's crossover)."""
+    measured in bench/RESULTS.md: bfloat16 63 with AMX (the flash route runs on its tiles
+    there) and 1024 without; float32 512 (a Zen 5's crossover)."""
     measured = _DECODE_KERNEL_MAX_QUERY_LEN.get((dtype, num_heads, num_kv_heads, head_size))
     if measured is not None:
         return measured
@@ -609,9 +609,9 @@ def _prefill_in_decode_kernel(
     """Whether a prefill chunk runs faster through the decode kernel than through flash.
 
     The decode kernel takes each token of the chunk as a query of its own (its context ends at
-    the token: causal), reading K/V in place with AVX-512 dot products; torch's CPU flash
-    attention runs GEMM tiles (on AMX where the CPU has it, for bfloat16) and pays for them on
-    short chunks. max_query_len is decode_kernel_max_query_len's answer. Behind a context, a
+    the token: causal), reading K/V in place with AVX-512 dot products; the flash route
+    (_prefill_chunks: AMX tiles where the CPU has them, for bfloat16, else torch's CPU flash
+    attention) runs GEMM tiles and pays for them on short chunks. max_query_len is decode_kernel_max_query_len's answer. Behind a context, a
     float32 chunk always takes flash (its call over the context is one dense GEMM: the decode
     kernel was 0.6-0.8x as fast there on a Zen 5); bfloat16 chunks take it up to 1024 keys."""
     if query_len > max_query_len:
@@ -749,8 +749,9 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather);
     prefill chunks in the same kernel, a query per token, where that is faster
-    (`_prefill_in_decode_kernel`) and whenever a window or soft cap is set, else through two
-    flash SDPA calls. Same contract as `paged_attention`; the caller (kernels.dispatch)
+    (`_prefill_in_decode_kernel`) and whenever a window or soft cap is set, else through the
+    flash route (`_prefill_chunks`: all of them in one AMX call, or two flash SDPA calls
+    each). Same contract as `paged_attention`; the caller (kernels.dispatch)
     checks that the native kernel is built for the dtype."""
     _check_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_seq_len

@@ -89,6 +89,20 @@ static inline void qk_chunk_bf16(float *scores, const float *q_scaled, const uin
 }
 
 #ifdef QK_AVX512
+#define PREFETCH_ROWS prefetch_rows
+#else
+#define PREFETCH_ROWS(...) ((void)0)
+#endif
+
+// bfloat16: the grouped PV of qk_avx512.h where it applies; float32: never.
+#ifdef QK_AVX512_BF16
+#define PV_GROUP_bf16 pv_grouped_bf16
+#else
+#define PV_GROUP_bf16(...) 0
+#endif
+#define PV_GROUP_f32(...) 0
+
+#ifdef QK_AVX512
 #define PV_FAST(head_size) ((head_size) % 16 == 0 && (head_size) <= 256)
 #else
 #define PV_FAST(head_size) 0
@@ -97,7 +111,7 @@ static inline void qk_chunk_bf16(float *scores, const float *q_scaled, const uin
 #endif
 
 // One request. q: [H, D] float scratch; scores: [H, seq_len] scratch; acc: [H, D] scratch.
-#define DEFINE_ATTEND_ONE(NAME, T, LOAD, STORE, WIDEN, QK_CHUNK, PV)                          \
+#define DEFINE_ATTEND_ONE(NAME, T, LOAD, STORE, WIDEN, QK_CHUNK, PV, PV_GROUP)                \
 static inline __attribute__((always_inline)) void NAME(                                       \
         T *out, const T *query, int64_t q_head_stride, const T *key_cache,                    \
         const T *value_cache, int64_t block_stride, int64_t slot_stride,                      \
@@ -116,6 +130,10 @@ static inline __attribute__((always_inline)) void NAME(                         
             const T *k_block = key_cache + blocks[b] * block_stride + head_offset;            \
             const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size    \
                                                                 : block_size;                 \
+            if (b + 1 < num_blocks)                                                           \
+                PREFETCH_ROWS(key_cache + blocks[b + 1] * block_stride + head_offset,         \
+                              block_size, slot_stride * (int64_t)sizeof(T),                   \
+                              head_size * (int)sizeof(T));                                    \
             for (int o = 0; o < n; o += 16) {                                                 \
                 const int m = n - o < 16 ? n - o : 16;                                        \
                 for (int g = 0; g < group; g++) {                                             \
@@ -138,6 +156,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                 s[t] = soft_cap * (1.f - 2.f / (exp_approx(s[t] * two_over_cap) + 1.f));      \
         }                                                                                     \
         float max = -INFINITY, sum = 0.f;                                                     \
+        _Pragma("omp simd reduction(max:max)")                                                \
         for (int t = num_masked; t < seq_len; t++) max = s[t] > max ? s[t] : max;             \
         _Pragma("omp simd reduction(+:sum)")                                                  \
         for (int t = num_masked; t < seq_len; t++) {                                          \
@@ -148,7 +167,9 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int t = 0; t < num_masked; t++) s[t] = 0.f;                                      \
         for (int t = num_masked; t < seq_len; t++) s[t] *= inv;                               \
     }                                                                                         \
-    if (PV_FAST(head_size)) {                                                                 \
+    if (PV_GROUP(acc, scores, seq_len, value_cache, blocks, block_stride, slot_stride,        \
+                 block_size, num_heads, group, head_size)) {                                  \
+    } else if (PV_FAST(head_size)) {                                                          \
         for (int h = 0; h < num_heads; h++)                                                   \
             PV(acc + h * head_size, scores + (int64_t)h * seq_len,                            \
                value_cache + (int64_t)(h / group) * head_size, blocks, block_stride,          \
@@ -179,9 +200,10 @@ static inline __attribute__((always_inline)) void NAME(                         
             STORE(out + h * head_size, d, acc[h * head_size + d]);                            \
 }
 
-DEFINE_ATTEND_ONE(attend_one_f32, float, load_f32, store_f32, widen_f32, qk_chunk_f32, pv_f32)
+DEFINE_ATTEND_ONE(attend_one_f32, float, load_f32, store_f32, widen_f32, qk_chunk_f32, pv_f32,
+                  PV_GROUP_f32)
 DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, load_bf16, store_bf16, widen_bf16,
-                  qk_chunk_bf16, pv_bf16)
+                  qk_chunk_bf16, pv_bf16, PV_GROUP_bf16)
 
 // The entry point: requests in parallel; head sizes 64 and 128 get specialized bodies.
 #define DEFINE_DECODE_ATTENTION(NAME, T, ATTEND_ONE)                                          \

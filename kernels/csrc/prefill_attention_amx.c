@@ -89,6 +89,34 @@ static inline __mmask16 first_lanes(int n) {
 // The lanes (query rows) that see a key `hidden` rows past the first row's position.
 static inline __mmask16 visible(int hidden) { return (__mmask16)~first_lanes(hidden); }
 
+// A 16 x 16 matrix of 32-bit words transposed in registers: x[i] holds row i, then column i.
+static inline void transpose16(__m512i x[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of words
+        t[i] = _mm512_unpacklo_epi32(x[i], x[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(x[i], x[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // 4 x 4
+        x[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        x[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        x[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        x[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // Now x[4 g + m] holds, in its 128-bit lane L, column 4 L + m of rows 4 g .. 4 g + 3:
+    // a 4 x 4 transpose of 128-bit lanes puts column 4 L + m in x[4 L + m].
+    for (int m = 0; m < 4; m++) {
+        const __m512i u0 = _mm512_shuffle_i32x4(x[m], x[4 + m], 0x44);
+        const __m512i u1 = _mm512_shuffle_i32x4(x[m], x[4 + m], 0xee);
+        const __m512i u2 = _mm512_shuffle_i32x4(x[8 + m], x[12 + m], 0x44);
+        const __m512i u3 = _mm512_shuffle_i32x4(x[8 + m], x[12 + m], 0xee);
+        t[m] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[4 + m] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
+        t[8 + m] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + m] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) x[i] = t[i];
+}
+
 typedef struct {
     const uint16_t *key_cache, *value_cache;
     int64_t kv_block_stride, kv_slot_stride;  // elements
@@ -119,8 +147,28 @@ static void pack_block(const kv_source *s, const int32_t *bt, int kvh, int j, in
             memset(v + n * D, 0, (size_t)D * 2);
         }
     }
-    for (int d = 0; d < D; d++)
-        for (int n = 0; n < 32; n++) vt[(d / 16) * 512 + (d % 16) * 32 + n] = v[n * D + d];
+    // V^T: per 32 d (16 words), the words of keys 0..15 and of keys 16..31 transposed (a row
+    // per d pair, a word per key), then each pair split into its even d and its odd d.
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36,
+                                          34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6,
+                                          4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    for (int w0 = 0; w0 < D / 2; w0 += 16) {
+        __m512i a[16], b[16];
+        for (int n = 0; n < 16; n++) {
+            a[n] = _mm512_load_si512(v + n * D + 2 * w0);
+            b[n] = _mm512_load_si512(v + (16 + n) * D + 2 * w0);
+        }
+        transpose16(a);
+        transpose16(b);
+        for (int w = 0; w < 16; w++) {
+            const int d = 2 * (w0 + w);
+            _mm512_store_si512(vt + (d / 16) * 512 + (d % 16) * 32,
+                               _mm512_permutex2var_epi16(a[w], even, b[w]));
+            _mm512_store_si512(vt + ((d + 1) / 16) * 512 + ((d + 1) % 16) * 32,
+                               _mm512_permutex2var_epi16(a[w], odd, b[w]));
+        }
+    }
 }
 
 // One half of an item: 16 query rows, one per lane.
@@ -167,34 +215,6 @@ static inline __m512 softmax_block(half_state *h, const float *st, uint16_t *pt,
     h->l = _mm512_fmadd_ps(h->l, alpha, sum);
     h->m = m_new;
     return alpha;
-}
-
-// A 16 x 16 matrix of 32-bit words transposed in registers: x[i] holds row i, then column i.
-static inline void transpose16(__m512i x[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of words
-        t[i] = _mm512_unpacklo_epi32(x[i], x[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(x[i], x[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  // 4 x 4
-        x[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        x[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        x[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        x[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    // Now x[4 g + m] holds, in its 128-bit lane L, column 4 L + m of rows 4 g .. 4 g + 3:
-    // a 4 x 4 transpose of 128-bit lanes puts column 4 L + m in x[4 L + m].
-    for (int m = 0; m < 4; m++) {
-        const __m512i u0 = _mm512_shuffle_i32x4(x[m], x[4 + m], 0x44);
-        const __m512i u1 = _mm512_shuffle_i32x4(x[m], x[4 + m], 0xee);
-        const __m512i u2 = _mm512_shuffle_i32x4(x[8 + m], x[12 + m], 0x44);
-        const __m512i u3 = _mm512_shuffle_i32x4(x[8 + m], x[12 + m], 0xee);
-        t[m] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-        t[4 + m] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
-        t[8 + m] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-        t[12 + m] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
-    }
-    for (int i = 0; i < 16; i++) x[i] = t[i];
 }
 
 // Q^T of up to 16 query rows as D / 32 B tiles: tile t, row r, column n = the pair
