@@ -611,9 +611,10 @@ def _prefill_in_decode_kernel(
     The decode kernel takes each token of the chunk as a query of its own (its context ends at
     the token: causal), reading K/V in place with AVX-512 dot products; the flash route
     (_prefill_chunks: AMX tiles where the CPU has them, for bfloat16, else torch's CPU flash
-    attention) runs GEMM tiles and pays for them on short chunks. max_query_len is decode_kernel_max_query_len's answer. Behind a context, a
-    float32 chunk always takes flash (its call over the context is one dense GEMM: the decode
-    kernel was 0.6-0.8x as fast there on a Zen 5); bfloat16 chunks take it up to 1024 keys."""
+    attention) runs GEMM tiles and pays for them on short chunks. max_query_len is
+    decode_kernel_max_query_len's answer. Behind a context, a float32 chunk always takes flash
+    (its call over the context is one dense GEMM: the decode kernel was 0.6-0.8x as fast
+    there on a Zen 5); bfloat16 chunks take the decode kernel up to 1024 keys."""
     if query_len > max_query_len:
         return False
     if dtype == torch.bfloat16:
