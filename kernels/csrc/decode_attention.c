@@ -88,6 +88,9 @@ static inline void qk_chunk_bf16(float *scores, const float *q_scaled, const uin
     qk_chunk_bf16_portable(scores, q_scaled, k, slot_stride, m, head_size, row);
 }
 
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2  // how far ahead the decode loops prefetch
+#endif
 #ifdef QK_AVX512
 #define PREFETCH_ROWS prefetch_rows
 #else
@@ -130,10 +133,14 @@ static inline __attribute__((always_inline)) void NAME(                         
             const T *k_block = key_cache + blocks[b] * block_stride + head_offset;            \
             const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size    \
                                                                 : block_size;                 \
-            if (b + 1 < num_blocks)                                                           \
-                PREFETCH_ROWS(key_cache + blocks[b + 1] * block_stride + head_offset,         \
-                              block_size, slot_stride * (int64_t)sizeof(T),                   \
-                              head_size * (int)sizeof(T));                                    \
+            /* The first KV head's pass brings in whole blocks ahead, K and V of every head   \
+               (a block's slots are contiguous): the other heads' passes and the PV then read \
+               them from cache, and the memory streams while the first pass computes. */      \
+            if (kh == 0 && b + PREFETCH_BLOCKS < num_blocks) {                                \
+                const int64_t ahead = blocks[b + PREFETCH_BLOCKS] * block_stride;             \
+                PREFETCH_ROWS(key_cache + ahead, 1, 0, block_size * slot_stride * sizeof(T)); \
+                PREFETCH_ROWS(value_cache + ahead, 1, 0, block_size * slot_stride * sizeof(T)); \
+            }                                                                                 \
             for (int o = 0; o < n; o += 16) {                                                 \
                 const int m = n - o < 16 ? n - o : 16;                                        \
                 for (int g = 0; g < group; g++) {                                             \

@@ -14,12 +14,16 @@
 
 #define QK_AVX512 1
 
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T1  // into L2: L1's few fill buffers would stall a burst
+#endif
 // Bring a block's rows toward the cache before they are read: the block table scatters a
 // request's blocks over the cache, which the hardware prefetchers do not follow.
-static inline void prefetch_rows(const void *first, int rows, int64_t stride_bytes, int row_bytes) {
+static inline void prefetch_rows(const void *first, int rows, int64_t stride_bytes,
+                                 int64_t row_bytes) {
     const char *p = (const char *)first;
     for (int r = 0; r < rows; r++, p += stride_bytes)
-        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, PREFETCH_HINT);
 }
 
 // r[i] = sum of the 16 lanes of v[i].
