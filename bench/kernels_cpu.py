@@ -4,9 +4,10 @@ Shapes are SmolLM2-135M's: hidden 576, 9 query heads, 3 KV heads, head_dim 64, i
 1536, block_size 16. Prints the best and median milliseconds per call over several timed
 rounds (best is the stable number on a shared machine), for float32 and bfloat16, plus the
 old per-request-loop attention as a baseline, and the CPU fast path the engine runs
-(`paged_attention_cpu`: decodes in the C kernel, prefill chunks in it too or through torch's
-CPU flash attention, kernels.attention._prefill_in_decode_kernel) on the prefill step of the
-concurrency-32 workload and others, with the prefill's GFLOP/s.
+(`paged_attention_cpu`: decodes in the C kernel, prefill chunks in it too or through the
+flash route, kernels.attention._prefill_in_decode_kernel) on the prefill step of the
+concurrency-32 workload and others, with the prefill's GFLOP/s on each route (torch's flash,
+the AMX kernel where bfloat16 runs on AMX tiles, the decode kernel).
 
     .venv/bin/python bench/kernels_cpu.py [--threads N] [--rounds N] [--dtype float32]
 """
@@ -22,7 +23,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import attention
+from kvserve.kernels import attention, cpu
 from kvserve.kernels.activation import silu_and_mul_ref
 from kvserve.kernels.attention import paged_attention_cpu, paged_attention_ref
 from kvserve.kernels.cache import write_kv_cache_ref
@@ -131,8 +132,10 @@ def bench_attention(dtype: torch.dtype, rounds: int) -> None:
         )
 
 
-def prefill_routes(args) -> tuple[Callable[[], object], Callable[[], object]]:
-    """The two ways paged_attention_cpu can run the prefill chunks of `args`: flash, decode."""
+def prefill_routes(args) -> dict[str, Callable[[], object]]:
+    """The ways paged_attention_cpu can run the prefill chunks of `args`: torch's flash chunk by
+    chunk, the AMX kernel all at once (bfloat16, where the CPU has AMX tiles), the decode
+    kernel a query per token."""
     query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale = args[:7]
     chunks = [
         (req, int(start), int(end), int(seq_len))
@@ -143,11 +146,17 @@ def prefill_routes(args) -> tuple[Callable[[], object], Callable[[], object]]:
     ]
     out = torch.empty_like(query)
 
-    def flash() -> None:
+    def torch_flash() -> None:
         for req, start, end, seq_len in chunks:
             out[start:end] = attention._prefill_attention_cpu(
                 query[start:end], key_cache, value_cache, block_table[req], seq_len, scale
             )
+
+    def amx() -> None:
+        reqs = [req for req, *_ in chunks]
+        assert cpu.prefill_attention_amx(
+            out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, reqs, scale
+        )
 
     def decode_kernel() -> None:
         for req, start, end, seq_len in chunks:
@@ -155,7 +164,10 @@ def prefill_routes(args) -> tuple[Callable[[], object], Callable[[], object]]:
                 out, query, key_cache, value_cache, block_table[req], start, end, seq_len, scale
             )
 
-    return flash, decode_kernel
+    routes = {"torch flash": torch_flash, "decode kernel": decode_kernel}
+    if query.dtype == torch.bfloat16 and cpu.cpu_has_amx():
+        routes["AMX"] = amx
+    return routes
 
 
 def bench_attention_cpu(dtype: torch.dtype, rounds: int) -> None:
@@ -170,6 +182,7 @@ def bench_attention_cpu(dtype: torch.dtype, rounds: int) -> None:
         "4 chunks 256 @ ctx 256": [(256, 512)] * 4,
         "2 chunks 256 @ ctx 768": [(256, 1024)] * 2,
         "1 chunk 256 @ ctx 1792": [(256, 2048)],
+        "1 chunk 2048 @ ctx 5482 (a 7,530-token prompt's last)": [(2048, 7530)],
     }
     for name, layout in cases.items():
         args = attention_inputs(layout, dtype)
@@ -178,15 +191,11 @@ def bench_attention_cpu(dtype: torch.dtype, rounds: int) -> None:
         if any(q > 1 for q, _ in layout):
             # QK and PV: the causal half of each chunk's square plus its whole context
             flop = sum(4 * q * (s - q + (q + 1) / 2) * HEAD_SIZE * NUM_HEADS for q, s in layout)
-            flash, decode_kernel = prefill_routes(args)
-            flash_ms, _ = time_ms(flash, rounds)
-            decode_ms, _ = time_ms(decode_kernel, rounds)
-            line += (
-                f"   prefill: flash {flash_ms:7.3f} ms ({flop / flash_ms / 1e6:4.0f} GFLOP/s),"
-                f" decode kernel {decode_ms:7.3f} ms ({flop / decode_ms / 1e6:4.0f} GFLOP/s),"
-                f" flash / decode {flash_ms / decode_ms:4.2f}"
-            )
-        print(line)
+            line += "   prefill:"
+            for route, fn in prefill_routes(args).items():
+                ms, _ = time_ms(fn, rounds)
+                line += f" {route} {ms:7.3f} ms ({flop / ms / 1e6:4.0f} GFLOP/s),"
+        print(line.rstrip(","))
 
 
 def bench_elementwise(dtype: torch.dtype, rounds: int) -> None:

@@ -550,6 +550,11 @@ def _prefill_attention_cpu(
     return out[0].transpose(0, 1)
 
 
+# What ran the flash route last, per (dtype, Hq, Hkv, D): "AMX tiles" or "torch's flash" (the
+# start-up log names it after measure_prefill_route).
+FLASH_ROUTE: dict[tuple[torch.dtype, int, int, int], str] = {}
+
+
 def _prefill_chunks(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -566,10 +571,13 @@ def _prefill_chunks(
     """out's rows of the prefill chunks of requests `reqs` (starts: query_start_loc, lens:
     seq_lens, as lists): all in one call on AMX tiles where the CPU has them (bfloat16,
     cpu.prefill_attention_amx), else chunk by chunk through torch's flash attention."""
+    layout = (query.dtype, query.shape[1], key_cache.shape[2], query.shape[2])
     if cpu.prefill_attention_amx(
         out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, reqs, scale
     ):
+        FLASH_ROUTE[layout] = "AMX tiles"
         return
+    FLASH_ROUTE[layout] = "torch's flash"
     for req in reqs:
         start, end = starts[req], starts[req + 1]
         out[start:end] = _prefill_attention_cpu(

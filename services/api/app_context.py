@@ -5,7 +5,7 @@
     routes_*.py handler(request) ─┘ context_of(request)
 
 It also holds the helpers every handler uses: JSON and error responses, and `with_errors`,
-which turns whatever a handler raises into OpenAI's error body.
+which turns whatever a handler raises into OpenAI's error body (or another API's).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.serving_chat import OpenAIServingChat
 from kvserve.services.api.serving_completions import OpenAIServingCompletion
+from kvserve.services.api.serving_messages import AnthropicServingMessages
 from kvserve.services.api.serving_models import ServingModels
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.config import LoRAConfig
@@ -45,6 +46,7 @@ class AppContext:
         metrics: the Prometheus series.
         completions: the completions handler (and the checks every surface shares).
         chat: the chat handler (and its template).
+        messages: the Anthropic Messages handler (over chat).
     """
 
     engine_client: EngineClient
@@ -54,6 +56,7 @@ class AppContext:
     metrics: ApiMetrics
     completions: OpenAIServingCompletion
     chat: OpenAIServingChat
+    messages: AnthropicServingMessages
 
     @property
     def max_json_depth(self) -> int:
@@ -83,7 +86,14 @@ def make_context(
         logger.info("request defaults from the generation config: %s", defaults)
     completions.generation_defaults = chat.generation_defaults = defaults
     return AppContext(
-        engine_client, served_model_name, frontend, models, metrics, completions, chat
+        engine_client,
+        served_model_name,
+        frontend,
+        models,
+        metrics,
+        completions,
+        chat,
+        AnthropicServingMessages(chat),
     )
 
 
@@ -106,20 +116,23 @@ def error_response(exc: APIError) -> Response:
     return response
 
 
-def with_errors(endpoint: Endpoint) -> Endpoint:
-    """Turn whatever an endpoint raises into OpenAI's error body; the server stays up."""
+def with_errors(
+    endpoint: Endpoint, render: Callable[[APIError], Response] = error_response
+) -> Endpoint:
+    """Turn whatever an endpoint raises into an error body (OpenAI's, or what `render` makes
+    of the APIError: Anthropic's for /v1/messages); the server stays up."""
 
     async def wrapped(request: Request) -> Response:
         try:
             return await endpoint(request)
         except APIError as exc:
-            return error_response(exc)
+            return render(exc)
         except EngineOverloadedError as exc:
-            return error_response(exc.to_api_error())
+            return render(exc.to_api_error())
         except EngineDeadError as exc:
-            return error_response(APIError(503, f"the engine is dead: {exc}"))
+            return render(APIError(503, f"the engine is dead: {exc}"))
         except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the server
             logger.exception("%s %s failed", request.method, request.url.path)
-            return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            return render(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     return wrapped

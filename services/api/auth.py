@@ -1,4 +1,5 @@
-"""API keys: /v1/* needs `Authorization: Bearer <key>` once any key is configured.
+"""API keys: /v1/* needs `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`)
+once any key is configured.
 
 Keys come from --api-key (else $KVSERVE_API_KEY, else $VLLM_API_KEY), named "default", and
 from --api-key-file, a file of `name:key` lines (blank lines and `#` comments skipped). A
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvserve.services.api.anthropic_protocol import error_body
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.request_logger import API_KEY_NAME
 from kvserve.shared.api_config import HTTPConfig
@@ -90,13 +92,18 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not self.route_path(scope).startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        if not given and b"x-api-key" in headers:  # Anthropic's clients send the key so
+            given = b"Bearer " + headers[b"x-api-key"]
         name = match_key(given, self.expected)
         if name is None:
-            exc = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
-            response = Response(
-                msgspec.json.encode(exc.to_body()), status_code=401, media_type="application/json"
-            )
+            message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
+            if self.route_path(scope).startswith("/v1/messages"):  # Anthropic's error body
+                body = msgspec.json.encode(error_body(401, message + " or 'x-api-key: <key>'"))
+            else:
+                body = msgspec.json.encode(APIError(401, message).to_body())
+            response = Response(body, status_code=401, media_type="application/json")
             await response(scope, receive, send)
             return
         self.requests_total.labels(key_name=name).inc()

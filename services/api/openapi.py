@@ -11,6 +11,13 @@ from typing import Any
 
 import msgspec
 
+from kvserve.services.api.anthropic_protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    ErrorBody,
+    MessageResponse,
+    MessagesRequest,
+)
 from kvserve.services.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -40,15 +47,19 @@ def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": _REF.format(name=ref)}}}
 
 
-def _post(summary: str, request: str, response: str, stream: bool = False) -> dict[str, Any]:
+def _post(
+    summary: str,
+    request: str,
+    response: str,
+    stream: bool = False,
+    error: str = "ErrorResponse",
+    events: str = "server-sent events ending data: [DONE]",
+) -> dict[str, Any]:
     ok: dict[str, Any] = {"description": "the result", "content": _json(response)}
     if stream:
         ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
-        ok["description"] += ' (with "stream": true, server-sent events ending data: [DONE])'
-    errors = {
-        code: {"description": why, "content": _json("ErrorResponse")}
-        for code, why in _ERRORS.items()
-    }
+        ok["description"] += f' (with "stream": true, {events})'
+    errors = {code: {"description": why, "content": _json(error)} for code, why in _ERRORS.items()}
     responses = {"200": ok} | errors
     return {
         "post": {
@@ -81,6 +92,11 @@ def openapi_document(version: str) -> dict[str, Any]:
             TokenizeResponse,
             DetokenizeResponse,
             ErrorResponse,
+            MessagesRequest,
+            MessageResponse,
+            CountTokensRequest,
+            CountTokensResponse,
+            ErrorBody,
         ],
         ref_template=_REF,
     )
@@ -92,6 +108,20 @@ def openapi_document(version: str) -> dict[str, Any]:
         ),
         "/v1/chat/completions": _post(
             "OpenAI chat completions", "ChatCompletionRequest", "ChatCompletionResponse", True
+        ),
+        "/v1/messages": _post(
+            "Anthropic's Messages API",
+            "MessagesRequest",
+            "MessageResponse",
+            stream=True,
+            error="ErrorBody",
+            events="Anthropic's events, message_start to message_stop",
+        ),
+        "/v1/messages/count_tokens": _post(
+            "Anthropic's token count",
+            "CountTokensRequest",
+            "CountTokensResponse",
+            error="ErrorBody",
         ),
         "/v1/models": _get("the served model", ref="ModelList"),
         "/tokenize": _post("vLLM's tokenize", "TokenizeRequest", "TokenizeResponse"),

@@ -64,6 +64,7 @@ class APIError(Exception):
         400: "BadRequestError",
         401: "AuthenticationError",
         404: "NotFoundError",
+        405: "MethodNotAllowedError",
         409: "ConflictError",
         413: "BadRequestError",
         429: "RateLimitError",

@@ -4,16 +4,19 @@ An API surface is one module of routes over the shared serving core (app_context
 AppContext, on `app.state.ctx`); build_app registers each module of ROUTE_MODULES:
 
     routes_openai.py   /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize
+    routes_anthropic.py  /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
     routes_admin.py    /health, /ping, /metrics, /version, /openapi.json, /reset_prefix_cache
     routes_lora.py     /v1/load_lora_adapter, /v1/unload_lora_adapter (with --enable-lora)
 
 A route module has module-level handlers, which find the core with `context_of(request)`,
 and `routes(ctx) -> list[Route]`; adding a surface is one more line in ROUTE_MODULES.
 
-Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}`. With API
-keys (services/api/auth.py), /v1/* needs `Authorization: Bearer <key>`; the other routes stay
-open, as in vLLM. Request bounds (body size, n, prompt characters, ...) are
-services/api/limits.py's; a full engine queue is a 429 with Retry-After.
+Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}` (unknown
+routes and methods too), but Anthropic's `{"type": "error", "error": {"type", "message"}}`
+on /v1/messages. With API keys (services/api/auth.py), /v1/* needs `Authorization: Bearer
+<key>` (or `x-api-key`); the other routes stay open, as in vLLM. Request bounds (body size,
+n, prompt characters, ...) are services/api/limits.py's; a full engine queue is a 429 with
+Retry-After.
 With --enable-request-id-headers every response carries `X-Request-Id`: the client's, else
 the id the request got, else a fresh one.
 """
@@ -24,22 +27,26 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.services.api import routes_admin, routes_lora, routes_openai
-from kvserve.services.api.app_context import make_context
+from kvserve.services.api import routes_admin, routes_anthropic, routes_lora, routes_openai
+from kvserve.services.api.app_context import error_response, make_context
 from kvserve.services.api.auth import APIKeyMiddleware
 from kvserve.services.api.engine_client import EngineClient
 from kvserve.services.api.limits import BodySizeLimitMiddleware
 from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.protocol import APIError
 from kvserve.services.api.serving_base import REQUEST_ID_HEADER
 from kvserve.shared.api_config import FrontendConfig, HTTPConfig
 from kvserve.shared.config import LoRAConfig
 
 # The API surfaces: each module's routes(ctx) joins the app.
-ROUTE_MODULES = (routes_openai, routes_admin, routes_lora)
+ROUTE_MODULES = (routes_openai, routes_anthropic, routes_admin, routes_lora)
 
 
 def build_app(
@@ -74,9 +81,24 @@ def build_app(
     app = Starlette(
         routes=[route for module in ROUTE_MODULES for route in module.routes(ctx)],
         middleware=_middleware(http or HTTPConfig(), frontend, keys, ctx.metrics),
+        exception_handlers={404: _routing_error, 405: _routing_error},
     )
     app.state.ctx = ctx
     return app
+
+
+async def _routing_error(request: Request, exc: Exception) -> Response:
+    """An unknown path (404) or a method its route does not take (405, with `Allow`) in the
+    API's JSON error body, not Starlette's plain text: clients parse the body of any error."""
+    assert isinstance(exc, HTTPException)
+    what = "no such route" if exc.status_code == 404 else "method not allowed on this route"
+    return error_response(
+        APIError(
+            exc.status_code,
+            f"{request.method} {request.url.path}: {what}",
+            headers=dict(exc.headers or {}),
+        )
+    )
 
 
 def _middleware(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import msgspec
@@ -103,6 +103,15 @@ def _arguments_object(arguments: str):
         return arguments  # not JSON: the template gets the text
 
 
+class PreparedChat(NamedTuple):
+    """A validated, templated chat request, ready to submit."""
+
+    ids: tuple[str, str]  # (the response's id, the engine's id)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tool_choice: str  # resolved: "none", "auto", "required" or a function's name
+
+
 class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint (see OpenAIServing for the constructor's arguments)."""
 
@@ -135,6 +144,21 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         """Validate, template, submit, and answer with JSON or an SSE stream."""
+        prepared = self.prepare(request, raw_request, "chatcmpl-")
+        if request.stream:
+            results = await self.start(prepared, request)
+            return SSEResponse(
+                self._stream(
+                    prepared.ids[0], request, prepared.params, prepared.tool_choice, results
+                )
+            )
+        return await run_until_disconnected(raw_request, self._complete(prepared, request))
+
+    def prepare(
+        self, request: ChatCompletionRequest, raw_request: Request, id_prefix: str
+    ) -> PreparedChat:
+        """Validate and template a chat request: everything up to submitting it (the other
+        chat-shaped surfaces, /v1/messages, share it)."""
         self.check_model(request.model)
         self.check_request(request)
         tool_choice = resolve_tool_choice(request, self.frontend)
@@ -173,44 +197,35 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs=constraint or structured_outputs,
         )
         self.check_engine(request.n)
-        ids = self.request_ids(raw_request, request, "chatcmpl-")
-        if request.stream:
-            results = self.generate(
-                ids[1],
-                [(None, prompt_token_ids)],
-                [params],
-                request.priority,
-                self.lora_request(request.model),
-            )
-            if params.structured_outputs is not None:
-                results = await first_output_checked(results)
-            return SSEResponse(self._stream(ids[0], request, params, tool_choice, results))
-        return await run_until_disconnected(
-            raw_request, self._complete(ids, request, prompt_token_ids, params, tool_choice)
+        ids = self.request_ids(raw_request, request, id_prefix)
+        return PreparedChat(ids, prompt_token_ids, params, tool_choice)
+
+    async def start(
+        self, prepared: PreparedChat, request: ChatCompletionRequest
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Submit a prepared request for a stream: its outputs, the first already checked
+        where a structured output could fail to compile (the status is not yet sent)."""
+        results = self.generate(
+            prepared.ids[1],
+            [(None, prepared.prompt_token_ids)],
+            [prepared.params],
+            request.priority,
+            self.lora_request(request.model),
         )
+        if prepared.params.structured_outputs is not None:
+            results = await first_output_checked(results)
+        return results
 
-    def _tool_output(self, request: ChatCompletionRequest, tool_choice: str) -> ToolCallOutput:
-        return ToolCallOutput(
-            tool_choice, self.frontend.tool_call_parser, request.parallel_tool_calls
-        )
-
-    # ------------------------------------------------------------------ non-streaming
-
-    async def _complete(
-        self,
-        ids: tuple[str, str],
-        request: ChatCompletionRequest,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        tool_choice: str,
-    ) -> Response:
-        response_id, engine_id = ids
+    async def final_output(
+        self, prepared: PreparedChat, request: ChatCompletionRequest
+    ) -> RequestOutput:
+        """Submit a prepared request and wait for its finished output (failures raised)."""
         final: RequestOutput | None = None
         async with aclosing(
             self.generate(
-                engine_id,
-                [(None, prompt_token_ids)],
-                [params],
+                prepared.ids[1],
+                [(None, prepared.prompt_token_ids)],
+                [prepared.params],
                 request.priority,
                 self.lora_request(request.model),
             )
@@ -219,6 +234,19 @@ class OpenAIServingChat(OpenAIServing):
                 final = output
         assert final is not None and final.finished, "the request's stream ended early"
         raise_if_failed(final)
+        return final
+
+    def _tool_output(self, request: ChatCompletionRequest, tool_choice: str) -> ToolCallOutput:
+        return ToolCallOutput(
+            tool_choice, self.frontend.tool_call_parser, request.parallel_tool_calls
+        )
+
+    # ------------------------------------------------------------------ non-streaming
+
+    async def _complete(self, prepared: PreparedChat, request: ChatCompletionRequest) -> Response:
+        response_id = prepared.ids[0]
+        tool_choice = prepared.tool_choice
+        final = await self.final_output(prepared, request)
         choices = []
         for completion in final.outputs:
             tool_output = self._tool_output(request, tool_choice)
@@ -226,7 +254,8 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(
                 ChatChoice(
                     completion.index,
-                    ChatResponseMessage("assistant", content, tool_calls),
+                    # A reply of calls only has content "" (vLLM's), not null.
+                    ChatResponseMessage("assistant", content or "", tool_calls),
                     self._logprobs(completion.token_ids, completion.logprobs, request)
                     if request.logprobs
                     else None,

@@ -285,7 +285,9 @@ class ToolCallOutput:
         return DeltaToolCall(index, call.id, "function", function)
 
     def finish_reason(self, engine_reason: str | None, num_calls: int) -> str | None:
-        """OpenAI's tool_calls when the output ended normally with calls in it."""
-        if engine_reason == "stop" and num_calls:
+        """OpenAI's tool_calls when the output ended normally with calls in it, but "stop"
+        for a named tool_choice, as OpenAI and vLLM answer it."""
+        named = self.choice not in ("auto", "required", "none")
+        if engine_reason == "stop" and num_calls and not named:
             return "tool_calls"
         return engine_reason

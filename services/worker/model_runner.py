@@ -239,12 +239,16 @@ class ModelRunner:
         limit, timings = attention.measure_prefill_route(
             self.dtype, layer.num_heads, layer.num_kv_heads, layer.head_size, self.block_size
         )
+        flash = attention.FLASH_ROUTE.get(
+            (self.dtype, layer.num_heads, layer.num_kv_heads, layer.head_size), "flash"
+        )
         logger.info(
             "prefill attention route (measured in %.2f s): %s chunks of up to %d tokens through "
-            "the decode kernel, longer through flash (first chunk, decode kernel / flash: %s)",
+            "the decode kernel, longer through %s (first chunk, decode kernel / flash: %s)",
             time.perf_counter() - start,
             str(self.dtype).removeprefix("torch."),
             limit,
+            flash,
             ", ".join(f"{n}: {d:.2f} / {f:.2f} ms" for n, (d, f) in timings.items()),
         )
 

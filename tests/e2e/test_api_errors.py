@@ -158,6 +158,18 @@ def test_unknown_model_is_404_like_vllm(url):
         assert error["type"] == "NotFoundError"
 
 
+def test_unknown_route_and_wrong_method_answer_the_json_error_body(url):
+    # Not Starlette's plain-text "Not Found": clients parse any error's body.
+    error = assert_error(httpx.get(url + "/v1/no-such-route"), 404, None, "no such route")
+    assert error["type"] == "NotFoundError"
+    assert "/v1/no-such-route" in error["message"]
+    response = httpx.get(url + "/v1/chat/completions")
+    error = assert_error(response, 405, None, "method not allowed")
+    assert error["type"] == "MethodNotAllowedError"
+    assert "POST" in response.headers["allow"]
+    assert httpx.get(url + "/health").status_code == 200
+
+
 def test_openai_client_raises_typed_errors(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError):

@@ -91,7 +91,7 @@ def test_forced_calls_have_arguments_that_match_the_schema(client, tool_choice, 
     else:
         choice = client.chat.completions.create(**request).choices[0]
         message, finish_reason = choice.message, choice.finish_reason
-    assert finish_reason == "tool_calls"
+    assert finish_reason == ("stop" if isinstance(tool_choice, dict) else "tool_calls")
     arguments = weather_arguments(message)
     assert isinstance(arguments["location"], str) and arguments["unit"] in ("celsius", "fahrenheit")
 

@@ -186,8 +186,12 @@ def test_measured_prefill_route_sends_chunks_by_the_measured_limit(monkeypatch, 
 
     heads = (9, 3, 64)
     monkeypatch.setattr(attention, "_DECODE_KERNEL_MAX_QUERY_LEN", {})
+    monkeypatch.setattr(attention, "FLASH_ROUTE", {})
     limit, timings = attention.measure_prefill_route(dtype, *heads, block_size=16, rounds=1)
     assert limit == attention.fit_prefill_limit(timings)
+    # The start-up log names what ran the flash side: AMX tiles for bfloat16 where there are.
+    amx = dtype == torch.bfloat16 and cpu.cpu_has_amx()
+    assert attention.FLASH_ROUTE == {(dtype, *heads): "AMX tiles" if amx else "torch's flash"}
     assert list(timings) == list(attention.PREFILL_PROBE_LENS[: len(timings)])
     assert all(d > 0 and f > 0 for d, f in timings.values())
     assert attention.decode_kernel_max_query_len(dtype, *heads) == limit

@@ -19,9 +19,11 @@ from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.config import LoRAConfig
 
-OPENAI_AND_ADMIN = {
+BASE_ROUTES = {
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/models",
     "/tokenize",
     "/detokenize",
@@ -47,11 +49,11 @@ def paths(app) -> set[str]:
 
 def test_routes_are_the_route_modules_and_lora_only_when_enabled(tokenizer_info):
     client = EngineClient(tokenizer_info, 256, "tiny")
-    assert paths(build_app(client, served_model_name="tiny", frontend=QUIET)) == OPENAI_AND_ADMIN
+    assert paths(build_app(client, served_model_name="tiny", frontend=QUIET)) == BASE_ROUTES
     with_lora = build_app(
         client, served_model_name="tiny", frontend=QUIET, lora_config=LoRAConfig(enable_lora=True)
     )
-    assert paths(with_lora) == OPENAI_AND_ADMIN | LORA
+    assert paths(with_lora) == BASE_ROUTES | LORA
 
 
 @pytest.mark.anyio

@@ -193,11 +193,13 @@ def test_streamed_tool_calls_add_up_to_the_whole_result(choice, parser, text, si
     assert all(c.id.startswith("chatcmpl-tool-") for c in calls)
 
 
-def test_finish_reason_is_tool_calls_only_for_complete_outputs_with_calls():
+def test_finish_reason_is_tool_calls_for_complete_outputs_with_unnamed_calls():
     output = ToolCallOutput("required")
     assert output.finish_reason("stop", 1) == "tool_calls"
     assert output.finish_reason("length", 1) == "length"
     assert output.finish_reason("stop", 0) == "stop"
+    # A named tool_choice: "stop", as OpenAI and vLLM say.
+    assert ToolCallOutput("get_weather").finish_reason("stop", 1) == "stop"
 
 
 def test_without_parallel_tool_calls_auto_keeps_the_first_call():
