@@ -36,6 +36,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#define PREFILL_AMX 1
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define MAX_HEAD_SIZE 256
@@ -397,7 +398,8 @@ static void attend_rows_d64(uint16_t *out, int64_t out_token_stride, const uint1
                 _tile_stored(6, acc + 512, 64);
                 _tile_stored(7, acc + 768, 64);
                 for (int d = 0; d < D; d++)
-                    _mm512_store_ps(acc + 16 * d, _mm512_mul_ps(_mm512_load_ps(acc + 16 * d), alpha));
+                    _mm512_store_ps(acc + 16 * d,
+                                    _mm512_mul_ps(_mm512_load_ps(acc + 16 * d), alpha));
                 _tile_loadd(4, acc, 64);
                 _tile_loadd(5, acc + 256, 64);
                 _tile_loadd(6, acc + 512, 64);
@@ -440,6 +442,8 @@ static void attend_rows_d64(uint16_t *out, int64_t out_token_stride, const uint1
     store_half(out, out_token_stride, acc, l, rows, D);
 }
 
+#endif  // AMX tiles, AMX-BF16, AVX512-BF16
+
 int prefill_attention_amx_bf16(uint16_t *out, const uint16_t *query, int64_t q_token_stride,
                                int64_t q_head_stride, const uint16_t *key_cache,
                                const uint16_t *value_cache, int64_t kv_block_stride,
@@ -448,6 +452,7 @@ int prefill_attention_amx_bf16(uint16_t *out, const uint16_t *query, int64_t q_t
                                const int32_t *query_start_loc, const int32_t *seq_lens,
                                int num_chunks, int Hq, int Hkv, int D, int block_size,
                                float scale) {
+#ifdef PREFILL_AMX
     if (D % 64 != 0 || D > MAX_HEAD_SIZE || Hq % Hkv != 0 || !amx_permitted()) return -1;
     const kv_source src = {key_cache, value_cache, kv_block_stride, kv_slot_stride,
                            block_table, bt_stride, Hkv, D, block_size};
@@ -512,17 +517,19 @@ int prefill_attention_amx_bf16(uint16_t *out, const uint16_t *query, int64_t q_t
             const int rows = qlen - row0 < 32 ? qlen - row0 : 32;
             const int64_t head = pack_off[c] + (int64_t)kvh * nb * 32 * D;
             uint16_t *o = out + ((int64_t)(q0 + row0) * Hq + h) * D;
-            const uint16_t *q = query + (int64_t)(q0 + row0) * q_token_stride + (int64_t)h * q_head_stride;
+            const uint16_t *q =
+                query + (int64_t)(q0 + row0) * q_token_stride + (int64_t)h * q_head_stride;
             const int pos0 = seq_lens[r] - qlen + row0;
+            const int64_t out_stride = (int64_t)Hq * D;
             if (D == 64) {
-                attend_rows_d64(o, (int64_t)Hq * D, q, q_token_stride, rows < 16 ? rows : 16, pos0,
+                attend_rows_d64(o, out_stride, q, q_token_stride, rows < 16 ? rows : 16, pos0,
                                 kpack + head, vpack + head, scale_log2);
                 if (rows > 16)
-                    attend_rows_d64(o + 16 * (int64_t)Hq * D, (int64_t)Hq * D, q + 16 * q_token_stride,
-                                    q_token_stride, rows - 16, pos0 + 16, kpack + head, vpack + head,
-                                    scale_log2);
+                    attend_rows_d64(o + 16 * out_stride, out_stride, q + 16 * q_token_stride,
+                                    q_token_stride, rows - 16, pos0 + 16, kpack + head,
+                                    vpack + head, scale_log2);
             } else {
-                attend_rows(o, (int64_t)Hq * D, q, q_token_stride, rows, pos0, kpack + head,
+                attend_rows(o, out_stride, q, q_token_stride, rows, pos0, kpack + head,
                             vpack + head, D, scale_log2);
             }
         }
@@ -530,23 +537,11 @@ int prefill_attention_amx_bf16(uint16_t *out, const uint16_t *query, int64_t q_t
     }
     free(pack_off), free(item_off), free(block_off);
     return 0;
-}
-
 #else
-
-int prefill_attention_amx_bf16(uint16_t *out, const uint16_t *query, int64_t q_token_stride,
-                               int64_t q_head_stride, const uint16_t *key_cache,
-                               const uint16_t *value_cache, int64_t kv_block_stride,
-                               int64_t kv_slot_stride, const int32_t *block_table,
-                               int64_t bt_stride, const int32_t *chunk_reqs,
-                               const int32_t *query_start_loc, const int32_t *seq_lens,
-                               int num_chunks, int Hq, int Hkv, int D, int block_size,
-                               float scale) {
     (void)out, (void)query, (void)q_token_stride, (void)q_head_stride, (void)key_cache;
     (void)value_cache, (void)kv_block_stride, (void)kv_slot_stride, (void)block_table;
     (void)bt_stride, (void)chunk_reqs, (void)query_start_loc, (void)seq_lens, (void)num_chunks;
     (void)Hq, (void)Hkv, (void)D, (void)block_size, (void)scale;
     return -1;  // no AMX tiles (or no AVX512-BF16) on the CPU this was built for
-}
-
 #endif
+}

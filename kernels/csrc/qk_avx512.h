@@ -139,7 +139,8 @@ static inline __attribute__((always_inline)) void pv_pairs_bf16(
             const int pair = (start + o) / 2;  // start is even
             for (int c = 0; c < head_size / 32; c++) {
                 const __m512i a = _mm512_loadu_si512(r0 + 32 * c);
-                const __m512i x = o + 1 < n ? _mm512_loadu_si512(r1 + 32 * c) : _mm512_setzero_si512();
+                const __m512i x =
+                    o + 1 < n ? _mm512_loadu_si512(r1 + 32 * c) : _mm512_setzero_si512();
                 // In-lane interleaves (one shuffle each): lane L of p_lo holds d = 8 L .. 8 L + 3
                 // of this 32, p_hi d = 8 L + 4 .. 8 L + 7; the stores below put d back in order.
                 const __m512bh p_lo = (__m512bh)_mm512_unpacklo_epi16(a, x);
@@ -166,19 +167,23 @@ static inline __attribute__((always_inline)) void pv_pairs_bf16(
         }
 }
 
+// The first min(n, 16) lanes (n > 0).
+static inline __mmask16 first16(int n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
 // p[0 .. n) rewritten in place as bfloat16 pairs (word i = (p[2i], p[2i + 1]), rounded to
 // nearest even; an odd n's last word pairs with 0). Word i is written after floats 2i, 2i + 1
 // are read, so the in-place walk is safe.
 static inline const uint32_t *probability_pairs(float *p, int n) {
     uint32_t *w = (uint32_t *)p;
     for (int t = 0; t < n; t += 32) {
-        const __m512 a = _mm512_maskz_loadu_ps(n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1u), p + t);
-        const int rest = n - t - 16;
-        const __m512 b = rest > 0 ? _mm512_maskz_loadu_ps(rest >= 16 ? 0xffff : (__mmask16)((1u << rest) - 1u), p + t + 16)
+        const int rest = n - t - 16;  // floats past the first 16 of this chunk
+        const __m512 a = _mm512_maskz_loadu_ps(first16(n - t), p + t);
+        const __m512 b = rest > 0 ? _mm512_maskz_loadu_ps(first16(rest), p + t + 16)
                                   : _mm512_setzero_ps();
         const int words = (n - t + 1) / 2;  // this chunk's pairs: none past the row's end
-        _mm512_mask_storeu_epi32(w + t / 2, words >= 16 ? 0xffff : (__mmask16)((1u << words) - 1u),
-                                 (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        _mm512_mask_storeu_epi32(w + t / 2, first16(words), (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
     return w;
 }
