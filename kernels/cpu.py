@@ -433,20 +433,24 @@ def prefill_attention_amx(
     tiles (bfloat16; csrc/prefill_attention_amx.c), written into their rows of out. Each
     chunk's rows attend to its context and, causally, to themselves. False, with nothing
     written, where it does not run: no AMX or AVX512-BF16 on this CPU, the kernel refused
-    (head size not a multiple of 64 or over 256), caches not readable in place.
+    (head size not a multiple of 64 or over 256), caches not readable in place, a block
+    table not int32 with contiguous rows.
 
-    Args: as decode_attention's, plus query_start_loc [R + 1] and seq_lens [R], int32.
+    Args: as decode_attention's, plus query_start_loc [R + 1] and seq_lens [R].
     """
     if query.dtype != torch.bfloat16 or not chunk_reqs or not cpu_has_amx():
         return False
     if not kv_readable_in_place(key_cache, value_cache):
         return False
+    if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        return False
     lib = _load()
     assert lib is not None
-    assert query.stride(2) == 1 and out.is_contiguous() and block_table.stride(1) == 1
-    assert query_start_loc.dtype == seq_lens.dtype == block_table.dtype == torch.int32
+    assert query.stride(2) == 1 and out.is_contiguous()
     reqs = torch.tensor(chunk_reqs, dtype=torch.int32)
-    starts, lens = query_start_loc.contiguous(), seq_lens.contiguous()  # alive through the call
+    # int32 and contiguous, held alive through the call
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
     i64, cint = ctypes.c_int64, ctypes.c_int
     status = lib.prefill_attention_amx_bf16(
         _ptr(out),
