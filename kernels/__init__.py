@@ -31,6 +31,7 @@ if __name__ == "kernels":
     _load_the_shadowed_package()
 else:
     from kvserve.kernels.dispatch import (
+        argmax,
         fused_add_rms_norm,
         linear,
         paged_attention,
@@ -41,6 +42,7 @@ else:
     )
 
     __all__ = [
+        "argmax",
         "fused_add_rms_norm",
         "linear",
         "paged_attention",

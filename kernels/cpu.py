@@ -39,7 +39,7 @@ _SOURCES = [
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _FUNCTIONS = [
     f"{op}_{suffix}"
-    for op in ("decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
+    for op in ("decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "argmax_rows")
     for suffix in ("f32", "bf16")
 ] + ["bind_omp_threads", "decode_stack", "small_linear_f32", "small_linear_bf16"]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -380,6 +380,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         ctypes.c_int64(x.stride(0)),
         ctypes.c_int(num_tokens),
         ctypes.c_int(intermediate_size),
+    )
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, dim=-1) of a 2-D float32 / bfloat16 x with contiguous rows, in one C
+    call (AVX-512 where the CPU has it; the first of equal maxima, NaN counting as the
+    largest, as torch picks); None for other layouts (the caller runs torch's)."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _fn("argmax_rows", x.dtype)(
+        _ptr(out),
+        _ptr(x),
+        ctypes.c_int64(x.stride(0)),
+        ctypes.c_int(x.shape[0]),
+        ctypes.c_int(x.shape[1]),
     )
     return out
 

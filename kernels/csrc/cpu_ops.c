@@ -227,6 +227,72 @@ void write_kv_cache_rows(uint8_t *key_cache, uint8_t *value_cache, const uint8_t
     }
 }
 
+// Each row's argmax as torch.argmax gives it: the first of equal maxima, and the first NaN
+// where a row holds one (NaN counts as the largest). out[r] for row r of x (row stride
+// `stride` elements, `cols` wide). The greedy sampler's pick: torch's CPU argmax ran at
+// ~1.3 G elements/s (f32) and half that on bfloat16.
+static inline float argmax_load(const float *row, int c) { return row[c]; }
+static inline float argmax_load_bf16(const uint16_t *row, int c) { return bf16_to_f32(row[c]); }
+
+#if defined(VEC_MATH_AVX512)
+#define ARGMAX_BODY(LOAD16)                                                                   \
+    {                                                                                         \
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);                                        \
+        __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); \
+        __m512 best = ninf;                                                                   \
+        __m512i best_index = lane;                                                            \
+        int64_t found = -1;                                                                   \
+        for (int c = 0; c < cols && found < 0; c += 16) {                                     \
+            const __mmask16 m = tail16(c, cols);                                              \
+            const __m512 v = _mm512_mask_mov_ps(ninf, m, LOAD16(row + c, m));                 \
+            const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);             \
+            if (nan) {                                                                        \
+                found = c + __builtin_ctz(nan);                                               \
+                break;                                                                        \
+            }                                                                                 \
+            /* Strictly greater: each lane keeps its first maximum. The first chunk always */ \
+            /* lands (a lane's first value, -inf included, is its maximum so far). */        \
+            const __mmask16 gt = c == 0 ? m : _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);        \
+            best = _mm512_mask_mov_ps(best, gt, v);                                           \
+            best_index = _mm512_mask_mov_epi32(best_index, gt, lane);                         \
+            lane = _mm512_add_epi32(lane, _mm512_set1_epi32(16));                             \
+        }                                                                                     \
+        if (found < 0) {                                                                      \
+            const float top = _mm512_reduce_max_ps(best);                                     \
+            const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ); \
+            found = _mm512_mask_reduce_min_epi32(at_top, best_index);                         \
+        }                                                                                     \
+        out[r] = found;                                                                       \
+    }
+#define ARGMAX_ROW_F32 ARGMAX_BODY(vm_load16_f32)
+#define ARGMAX_ROW_BF16 ARGMAX_BODY(vm_load16_bf16)
+#else
+#define ARGMAX_SCALAR(LOAD)                                                                   \
+    {                                                                                         \
+        int64_t found = 0;                                                                    \
+        float top = LOAD(row, 0);                                                             \
+        for (int c = 0; c < cols && top == top; c++) {                                        \
+            const float v = LOAD(row, c);                                                     \
+            if (v != v || v > top) top = v, found = c;                                        \
+        }                                                                                     \
+        out[r] = found;                                                                       \
+    }
+#define ARGMAX_ROW_F32 ARGMAX_SCALAR(argmax_load)
+#define ARGMAX_ROW_BF16 ARGMAX_SCALAR(argmax_load_bf16)
+#endif
+
+#define DEFINE_ARGMAX(NAME, T, ROW_BODY)                                                      \
+void NAME(int64_t *out, const T *x, int64_t stride, int rows, int cols) {                     \
+    _Pragma("omp parallel for schedule(static) if((int64_t)rows * cols >= 65536)")           \
+    for (int r = 0; r < rows; r++) {                                                          \
+        const T *row = x + (int64_t)r * stride;                                               \
+        ROW_BODY                                                                              \
+    }                                                                                         \
+}
+
+DEFINE_ARGMAX(argmax_rows_f32, float, ARGMAX_ROW_F32)
+DEFINE_ARGMAX(argmax_rows_bf16, uint16_t, ARGMAX_ROW_BF16)
+
 // Pins OpenMP thread t of an n-thread team to cpus[t] (the calling thread is thread 0), as
 // vLLM's CPU worker does: a pinned team keeps its caches and is not migrated by the
 // scheduler. The OpenMP runtime is torch's (one libgomp per process), so torch's own

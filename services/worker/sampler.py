@@ -21,6 +21,7 @@ import itertools
 import numpy as np
 import torch
 
+from kvserve import kernels
 from kvserve.services.worker.logits_processors import apply_token_bitmask
 from kvserve.services.worker.sampling_metadata import (
     LogprobsTensors,
@@ -86,7 +87,7 @@ class Sampler(torch.nn.Module):
         if metadata.all_random:
             probs = self._random_probs(logits, metadata)
             return inverse_cdf_sample(probs, metadata.generators)
-        greedy_token_ids = logits.argmax(dim=-1)
+        greedy_token_ids = kernels.argmax(logits)
         if metadata.all_greedy:
             return greedy_token_ids
         assert metadata.temperature is not None

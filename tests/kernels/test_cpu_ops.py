@@ -1,4 +1,5 @@
-"""The native CPU RMSNorm, SiLU-and-mul and rotary kernels against their torch references.
+"""The native CPU RMSNorm, SiLU-and-mul, rotary and argmax kernels against their torch
+references.
 
 bfloat16 must round like the references (a handful of last-bit differences at most, from a
 different summation order); float32 must agree to float rounding.
@@ -132,3 +133,32 @@ def test_write_kv_cache_falls_back_on_caches_it_does_not_copy_into():
     write_kv_cache_ref(key, value, expected[0, :, :, :3], expected[1, :, :, :3], slots)
     dispatch.write_kv_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(wide, expected) and bool(wide.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152])
+def test_argmax_picks_torchs_index(dtype, width):
+    # The greedy sampler's pick must be torch's exactly: random rows, ties (the first of the
+    # equal maxima), a NaN (the first NaN wins), rows of -inf, rows strided in a wider buffer.
+    torch.manual_seed(width)
+    wide = torch.randn(9, width + 7).to(dtype)
+    rows = wide[:, :width]  # row stride width + 7
+    rows[1] = 0.5  # every entry tied
+    rows[2, width // 2 :] = 3.0  # a tie at the top, from the middle on
+    rows[3] = float("-inf")
+    if width > 2:
+        rows[4, width - 1] = float("nan")
+        rows[5, 1] = float("nan")
+        rows[5, width - 1] = float("nan")
+        rows[6, width // 3] = float("inf")
+        rows[6, width - 1] = float("inf")
+    got = dispatch.argmax(rows)
+    assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1)), (got, width)
+    assert torch.equal(cpu.argmax(rows.contiguous()), rows.argmax(dim=-1))
+
+
+def test_argmax_takes_torchs_path_for_other_layouts():
+    x = torch.randn(4, 8)
+    assert cpu.argmax(x.t()) is None  # columns are not contiguous
+    assert torch.equal(dispatch.argmax(x.t()), x.t().argmax(dim=-1))
+    assert torch.equal(dispatch.argmax(x[0]), x[0].argmax(dim=-1))  # 1-D
