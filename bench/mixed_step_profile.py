@@ -9,9 +9,9 @@ default budget). Each of `--steps` such steps runs under `torch.profiler` (CPU; 
 is a few microseconds an op, against steps of hundreds of milliseconds), timed by the clock
 too. The kernel dispatch points (`kvserve.kernels`: norms, rotary, SiLU-and-mul, linear,
 paged attention, KV write, the sampler's argmax) are wrapped in `record_function` ranges
-named `kvserve::<op>`, so the C kernels that ctypes calls (which ATen does not see) are charged to their op: a range's
-self time is its native kernel plus its Python, without the ATen ops inside it. The self CPU
-time is split into GEMMs (torch's mm / addmm and oneDNN's packed linear), attention (the
+named `kvserve::<op>`, so the C kernels that ctypes calls (which ATen does not see) are
+charged to their op: a range's self time is its native kernel plus its Python, without the
+ATen ops inside it. The self CPU time is split into GEMMs (torch's mm / addmm and oneDNN's packed linear), attention (the
 paged-attention ops), the native ops, and the rest; the wall time nothing accounts for
 (the model's Python between ops, the scheduler) is reported as such.
 
