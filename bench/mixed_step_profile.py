@@ -1,25 +1,24 @@
-"""Where a mixed step's time goes: the torch profiler over the concurrency-32 workload's step of
-32 decode rows plus prefill chunks up to the token budget.
+"""Where a mixed step's time goes: the torch profiler over the concurrency-32 workload's step of 32
+decode rows plus prefill chunks up to the token budget.
 
-Runs the default model in-process through the shipped `kvserve.LLM` (its EngineCore,
-scheduler and worker; prefix caching off): 32 requests of INPUT_LEN random tokens are
-prefilled until all 32 decode, then `--new-prompts` more of INPUT_LEN are added, so the next
-steps hold 32 decode rows and prefill chunks up to `--max-num-batched-tokens` (2048, the
-default budget). Each of `--steps` such steps runs under `torch.profiler` (CPU; its own cost
-is a few microseconds an op, against steps of hundreds of milliseconds), timed by the clock
-too. The kernel dispatch points (`kvserve.kernels`: norms, rotary, SiLU-and-mul, linear,
-paged attention, KV write, the sampler's argmax) are wrapped in `record_function` ranges
-named `kvserve::<op>`, so the C kernels that ctypes calls (which ATen does not see) are
-charged to their op: a range's self time is its native kernel plus its Python, without the
-ATen ops inside it. The self CPU time is split into GEMMs (torch's mm / addmm and oneDNN's packed linear), attention (the
-paged-attention ops), the native ops, and the rest; the wall time nothing accounts for
-(the model's Python between ops, the scheduler) is reported as such.
+Runs the default model in-process through the shipped `kvserve.LLM` (its EngineCore, scheduler
+and worker; prefix caching off): 32 requests of INPUT_LEN random tokens are prefilled until all
+32 decode, then `--new-prompts` more of INPUT_LEN are added, so the next steps hold 32 decode
+rows and prefill chunks up to `--max-num-batched-tokens` (2048, the default budget). Each of
+`--steps` such steps runs under `torch.profiler` (CPU; its own cost is a few microseconds an op,
+against steps of hundreds of milliseconds), timed by the clock too. The kernel dispatch points
+(`kvserve.kernels`: norms, rotary, SiLU-and-mul, linear, paged attention, KV write, the
+sampler's argmax) are wrapped in `record_function` ranges named `kvserve::<op>`, so the C
+kernels that ctypes calls (which ATen does not see) are charged to their op: a range's self time
+is its native kernel plus its Python, without the ATen ops inside it. The self CPU time is split
+into GEMMs (torch's mm / addmm and oneDNN's packed linear), attention (the paged-attention ops),
+the native ops, and the rest; the wall time nothing accounts for (the model's Python between
+ops, the scheduler) is reported as such.
 
     .venv/bin/python bench/mixed_step_profile.py --dtype bfloat16
     .venv/bin/python bench/mixed_step_profile.py --dtype float32 --steps 3
 
-Prints one JSON line per step and the top ops by self time of the last profiled step.
-"""
+Prints one JSON line per step and the top ops by self time of the last profiled step."""
 
 from __future__ import annotations
 
