@@ -34,7 +34,10 @@ def test_streams_held_through_a_disconnect_storm_leak_nothing(
             "--endpoint", "completions",
             "--kv-cache-memory", str(TINY_KV_CACHE_MEMORY),
             "--num-streams", str(NUM_STREAMS),
-            "--max-tokens", "32",
+            # Long enough that no running stream finishes before the last of the 64 has
+            # its headers on a CI machine busy with other tests (at 32, 5 of 64 once did):
+            # then all 64 are open at once, as asserted below.
+            "--max-tokens", "96",
             # Half the streams run, half wait: the storm cuts both kinds.
             "--max-num-seqs", str(NUM_STREAMS // 2),
             "--steady-requests", "16",
