@@ -236,7 +236,9 @@ class OpenAIServingChat(OpenAIServing):
         raise_if_failed(final)
         return final
 
-    def _tool_output(self, request: ChatCompletionRequest, tool_choice: str) -> ToolCallOutput:
+    def tool_output(self, request: ChatCompletionRequest, tool_choice: str) -> ToolCallOutput:
+        """How one choice's text becomes content and tool calls (the chat-shaped surfaces
+        share it)."""
         return ToolCallOutput(
             tool_choice, self.frontend.tool_call_parser, request.parallel_tool_calls
         )
@@ -249,7 +251,7 @@ class OpenAIServingChat(OpenAIServing):
         final = await self.final_output(prepared, request)
         choices = []
         for completion in final.outputs:
-            tool_output = self._tool_output(request, tool_choice)
+            tool_output = self.tool_output(request, tool_choice)
             content, tool_calls = tool_output.result(completion.text)
             choices.append(
                 ChatChoice(
@@ -298,7 +300,7 @@ class OpenAIServingChat(OpenAIServing):
 
         final: RequestOutput | None = None
         streamed = [StreamedChoice(stop_holdback(params)) for _ in range(params.n)]
-        tool_outputs = [self._tool_output(request, tool_choice) for _ in range(params.n)]
+        tool_outputs = [self.tool_output(request, tool_choice) for _ in range(params.n)]
         try:
             # OpenAI opens every choice with the role and empty content.
             for index in range(params.n):

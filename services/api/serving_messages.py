@@ -240,7 +240,7 @@ class AnthropicServingMessages:
     async def _complete(self, prepared: PreparedChat, request: ChatCompletionRequest) -> Response:
         final = await self.chat.final_output(prepared, request)
         completion = final.outputs[0]
-        content, calls = self.chat._tool_output(request, prepared.tool_choice).result(
+        content, calls = self.chat.tool_output(request, prepared.tool_choice).result(
             completion.text
         )
         blocks: list[TextOut | ToolUseOut] = [TextOut(content)] if content else []
@@ -281,7 +281,7 @@ class AnthropicServingMessages:
         )
         yield _event("ping", {"type": "ping"})
         streamed = StreamedChoice(stop_holdback(prepared.params))
-        tool_output = self.chat._tool_output(request, prepared.tool_choice)
+        tool_output = self.chat.tool_output(request, prepared.tool_choice)
         index, open_block = -1, False  # the block being written, and whether one is open
 
         def close() -> list[bytes]:
