@@ -8,7 +8,8 @@ own, warms it up, and takes a baseline of its process tree (RSS, open fds, TCP a
 sockets, /dev/shm). Each round then:
 
 1. opens --num-streams streaming chat (or --endpoint completions) requests at once, each
-   generating --max-tokens tokens (ignore_eos);
+   generating --max-tokens tokens (ignore_eos), and reads no body until every one has its
+   response headers: all of them are open at once, however busy the machine;
 2. once every stream has its response headers and the running batch is --storm-at of the way
    through its tokens, cuts --disconnect-fraction of the open streams at once, half with a
    FIN and half with a RST (SO_LINGER 0), running and still-waiting ones alike;
@@ -51,6 +52,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 if __package__ in (None, ""):  # run as a script: the repository root on sys.path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,16 +115,68 @@ class Stream(msgspec.Struct, kw_only=True):
 
 
 class LoadState:
-    """Counters the storm trigger and the report read while the streams run."""
+    """Counters the storm trigger and the report read while the streams run.
 
-    def __init__(self):
+    With `hold_until` set, every stream waits with its body unread until that many requests
+    have their response: the client holds all of them open at once, as a slow reader would,
+    however long the server took to answer the last (on a busy machine the first streams
+    could otherwise end before the last are answered). An armed storm runs in the reader
+    that brings its trigger: a client starved of CPU reads bodies in bursts, and a storm
+    polled for would come after the whole burst.
+    """
+
+    def __init__(self, hold_until: int | None = None):
         self.num_answered = self.num_open = self.peak_open = self.num_chunks = 0
+        self.hold_until = hold_until
+        self.all_answered = asyncio.Event()
+        self.all_answered_at: float | None = None
+        self.responses: dict[int, aiohttp.ClientResponse] = {}
+        self._storm: tuple[int, float, Callable[[], None]] | None = None
 
-    def answered(self, status: int) -> None:
+    def answered(self, stream: Stream, response: aiohttp.ClientResponse) -> None:
+        stream.status = response.status
+        self.responses[stream.index] = response
         self.num_answered += 1
-        if status == 200:
+        if response.status == 200:
             self.num_open += 1
             self.peak_open = max(self.peak_open, self.num_open)
+        if self.hold_until is not None and self.num_answered >= self.hold_until:
+            self.all_answered.set()
+            self.all_answered_at = time.monotonic()
+        self._check_storm()
+
+    def chunk(self) -> None:
+        self.num_chunks += 1
+        self._check_storm()
+
+    def arm_storm(self, num_streams: int, num_chunks: float, storm: Callable[[], None]) -> None:
+        """Run `storm` once `num_streams` requests have their response and `num_chunks` text
+        chunks are read: in the reader that reads the last of them, before its next line."""
+        self._storm = (num_streams, num_chunks, storm)
+        self._check_storm()
+
+    def disarm_storm(self) -> bool:
+        """Whether the storm was still armed (it has not run and now will not)."""
+        armed, self._storm = self._storm is not None, None
+        return armed
+
+    def _check_storm(self) -> None:
+        if self._storm is None:
+            return
+        num_streams, num_chunks, storm = self._storm
+        if self.num_answered >= num_streams and self.num_chunks >= num_chunks:
+            self._storm = None
+            storm()
+
+    async def hold(self, timeout: float) -> None:
+        """Wait until every request held for has its response (at most `timeout` s: one
+        that never gets an answer is reported as lost, not waited for forever)."""
+        if self.hold_until is None:
+            return
+        try:
+            await asyncio.wait_for(self.all_answered.wait(), timeout)
+        except TimeoutError:
+            self.hold_until = None
 
     def ended(self, stream: Stream) -> None:
         stream.ended_at = time.monotonic()
@@ -161,32 +215,33 @@ def _take_event(stream: Stream, data: bytes, state: LoadState) -> None:
             if stream.first_token_at is None:
                 stream.first_token_at = time.monotonic()
             stream.num_chunks += 1
-            state.num_chunks += 1
+            state.chunk()
         stream.finish_reason = choice.get("finish_reason") or stream.finish_reason
     if event.get("usage"):
         stream.num_tokens = event["usage"]["completion_tokens"]
 
 
 async def run_stream(session, url: str, args, stream: Stream, state: LoadState) -> None:
-    """POST one streaming request and read it to its end; the storm cancels this task to cut
-    it, and the cut closes the connection (with a RST when stream.disconnect is "rst")."""
+    """POST one streaming request and read it to its end, unless the storm cuts it: then its
+    connection is closed (with a RST when stream.disconnect is "rst") and the task stops."""
     path, body = request_body(args, stream.index)
     try:
         async with session.post(url + path, json=body) as response:
-            stream.status = response.status
-            state.answered(response.status)
+            state.answered(stream, response)
             if response.status != 200:
                 stream.error = (await response.text())[:300]
                 return
             try:
+                await state.hold(args.storm_timeout)
                 async for line in response.content:
                     line = line.strip()
                     if line.startswith(b"data: "):
                         _take_event(stream, line[len(b"data: ") :], state)
+                    if stream.disconnect is not None:  # this chunk set off the storm
+                        return
             except asyncio.CancelledError:
                 if stream.disconnect is None:
                     raise
-                _cut(response, reset=stream.disconnect == "rst")
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         stream.exception = repr(exc)[:300]
     finally:
@@ -208,27 +263,51 @@ async def disconnect_storm(
 
     The middle: every stream has its headers, and the running batch is --storm-at of the way
     through its tokens (counted in text chunks, chunks_per_token of them a token: a
-    detokenizer holds back bytes of an unfinished character).
+    detokenizer holds back bytes of an unfinished character). By --storm-timeout, or when
+    every stream ended first, it cuts what is open then.
     """
     num_running = min(len(streams), args.max_num_seqs)
     target_chunks = args.storm_at * num_running * args.max_tokens * chunks_per_token
     start = time.monotonic()
-    while not (state.num_answered == len(streams) and state.num_chunks >= target_chunks):
+    figures: dict = {}
+    cut_done = asyncio.Event()
+
+    def storm() -> None:
+        figures.update(_cut_victims(args, streams, tasks, state, rng))
+        figures["storm_after_s"] = round(time.monotonic() - start, 2)
+        cut_done.set()
+
+    state.arm_storm(len(streams), target_chunks, storm)
+    while not cut_done.is_set():
         if time.monotonic() - start > args.storm_timeout or all(t.done() for t in tasks):
+            if state.disarm_storm():
+                storm()
             break
-        await asyncio.sleep(0.02)
+        try:
+            await asyncio.wait_for(cut_done.wait(), 0.05)
+        except TimeoutError:
+            pass
+    answered_at = state.all_answered_at
+    return {
+        "all_answered_after_s": None if answered_at is None else round(answered_at - start, 2),
+        "target_chunks": round(target_chunks),
+    } | figures
+
+
+def _cut_victims(args, streams: list[Stream], tasks, state: LoadState, rng) -> dict:
+    """Pick the victims among the open streams, close their connections and stop their
+    readers (all but the running one, which stops itself on seeing its cut)."""
     open_streams = [s for s in streams if s.is_open]
     num_victims = min(len(open_streams), round(args.disconnect_fraction * len(streams)))
     victims = rng.sample(open_streams, num_victims)
+    num_mid_stream = sum(v.num_chunks > 0 for v in victims)
     for i, victim in enumerate(victims):
         victim.disconnect = "rst" if i % 2 else "fin"
-    num_mid_stream = sum(v.num_chunks > 0 for v in victims)
-    for victim in victims:
-        tasks[victim.index].cancel()
+        _cut(state.responses[victim.index], reset=victim.disconnect == "rst")
+        if tasks[victim.index] is not asyncio.current_task():
+            tasks[victim.index].cancel()
     return {
-        "storm_after_s": round(time.monotonic() - start, 2),
         "chunks_at_storm": state.num_chunks,
-        "target_chunks": round(target_chunks),
         "open_at_storm": len(open_streams),
         "victims": num_victims,
         "victims_mid_stream": num_mid_stream,
@@ -303,7 +382,7 @@ async def load_round(url: str, root_pid: int, args, rng, chunks_per_token: float
     async with _session(args) as session, _session(args) as watch_session:
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch_server(watch_session, url, root_pid, peaks, stop))
-        state = LoadState()
+        state = LoadState(hold_until=args.num_streams)
         start = time.monotonic()
         streams = [Stream(index=i, sent_at=start) for i in range(args.num_streams)]
         tasks = [asyncio.create_task(run_stream(session, url, args, s, state)) for s in streams]
