@@ -43,6 +43,7 @@ LABELLED_OPS = (
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",
+    "rotary_write_kv_cache",
     "silu_and_mul",
     "linear",
     "write_kv_cache",

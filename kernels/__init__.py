@@ -37,6 +37,7 @@ else:
         paged_attention,
         rms_norm,
         rotary_embedding,
+        rotary_write_kv_cache,
         silu_and_mul,
         write_kv_cache,
     )
@@ -48,6 +49,7 @@ else:
         "paged_attention",
         "rms_norm",
         "rotary_embedding",
+        "rotary_write_kv_cache",
         "silu_and_mul",
         "write_kv_cache",
     ]

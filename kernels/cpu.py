@@ -39,7 +39,14 @@ _SOURCES = [
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _FUNCTIONS = [
     f"{op}_{suffix}"
-    for op in ("decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "argmax_rows")
+    for op in (
+        "decode_attention",
+        "rms_norm",
+        "silu_and_mul",
+        "rotary_embedding",
+        "rotary_write_kv_cache",
+        "argmax_rows",
+    )
     for suffix in ("f32", "bf16")
 ] + ["bind_omp_threads", "decode_stack", "small_linear_f32", "small_linear_bf16"]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -528,3 +535,53 @@ def rotary_embedding(
         ctypes.c_int(head_size),
     )
     return q_out, k_out
+
+
+def rotary_write_kv_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor | None:
+    """rotary_embedding and write_kv_cache in one C pass: the rotated key goes straight into
+    the cache. query [T, Hq * D], key and value [T, Hkv * D] rows may be strided (views of a
+    fused qkv). Returns the rotated query, new and contiguous; None, with nothing done, where
+    the caches are not contiguous: the caller then runs the two ops apart."""
+    from kvserve.kernels.rotary import _check_rotary_args
+
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return None
+    _check_rotary_args(positions, query, key, cos_sin_cache, head_size)
+    for rows in (query, key, value):
+        _check_rows(rows)
+    assert value.shape == key.shape and key_cache.dtype == key.dtype == value_cache.dtype
+    assert key_cache.shape[-2] * key_cache.shape[-1] == key.shape[1], "cache rows of Hkv * D"
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    q_out = torch.empty(query.shape, dtype=query.dtype)
+    i64 = ctypes.c_int64
+    _fn("rotary_write_kv_cache", query.dtype)(
+        _ptr(q_out),
+        _ptr(query),
+        i64(query.stride(0)),
+        _ptr(key),
+        i64(key.stride(0)),
+        _ptr(value),
+        i64(value.stride(0)),
+        _ptr(positions),
+        _ptr(cos_sin_cache),
+        _ptr(key_cache),
+        _ptr(value_cache),
+        _ptr(slots),
+        ctypes.c_int(query.shape[0]),
+        ctypes.c_int(query.shape[1] // head_size),
+        ctypes.c_int(key.shape[1] // head_size),
+        ctypes.c_int(head_size),
+    )
+    return q_out

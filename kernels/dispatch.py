@@ -63,6 +63,50 @@ def rotary_embedding(
     return fn(positions, query, key, cos_sin_cache, head_size)
 
 
+def rotary_write_kv_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rotary_embedding of query and key, then write_kv_cache of the rotated key and value;
+    returns the rotated query [T, Hq * D]. On CPU one C pass: the rotated key is written
+    only into the cache. Elsewhere (or caches the C pass does not write) the two ops.
+
+    query: [T, Hq * D]; key, value: [T, Hkv * D]; the caches, slot_mapping and cos_sin_cache
+    as in write_kv_cache and rotary_embedding.
+    """
+    if _use_cpu_kernel(query):
+        rotated = cpu.rotary_write_kv_cache(
+            positions,
+            query,
+            key,
+            value,
+            cos_sin_cache,
+            head_size,
+            key_cache,
+            value_cache,
+            slot_mapping,
+        )
+        if rotated is not None:
+            return rotated
+    query, key = rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+    num_tokens, num_kv_heads = key.shape[0], key.shape[1] // head_size
+    write_kv_cache(
+        key.view(num_tokens, num_kv_heads, head_size),
+        value.view(num_tokens, num_kv_heads, head_size),
+        key_cache,
+        value_cache,
+        slot_mapping,
+    )
+    return query
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] = [gate | up]; returns silu(gate) * up, [T, I]."""
     if _use_cpu_kernel(x):

@@ -212,6 +212,34 @@ void NAME(T *q_out, T *k_out, const T *query, int64_t q_stride, const T *key,   
 DEFINE_ROTARY(rotary_embedding_f32, float, rope_row_f32)
 DEFINE_ROTARY(rotary_embedding_bf16, uint16_t, rope_row_bf16)
 
+// RoPE and the paged KV write in one pass: q_out [T, Hq * D] (contiguous) = RoPE of the query
+// rows; RoPE of token t's key row goes straight to row slots[t] of key_cache, its value row
+// to the same row of value_cache (caches of [slot, Hkv * D] rows, contiguous). A slot < 0
+// writes nothing of that token's K/V (its query still rotates). The rows rotate as in
+// rotary_embedding_*, bit for bit; the rotated keys never exist outside the cache.
+#define DEFINE_ROTARY_KV(NAME, T, ROPE_ROW)                                                   \
+void NAME(T *q_out, const T *query, int64_t q_stride, const T *key, int64_t k_stride,         \
+          const T *value, int64_t v_stride, const int64_t *positions,                         \
+          const float *cos_sin_cache, T *key_cache, T *value_cache, const int64_t *slots,     \
+          int num_tokens, int num_heads, int num_kv_heads, int head_size) {                   \
+    const int64_t kv_row = (int64_t)num_kv_heads * head_size;                                 \
+    _Pragma("omp parallel for if(num_tokens * (num_heads + num_kv_heads) * head_size >= 16384)") \
+    for (int t = 0; t < num_tokens; t++) {                                                    \
+        const float *cos = cos_sin_cache + positions[t] * head_size;                          \
+        const float *sin = cos + head_size / 2;                                               \
+        ROPE_ROW(q_out + (int64_t)t * num_heads * head_size, query + (int64_t)t * q_stride,   \
+                 cos, sin, num_heads, head_size);                                             \
+        const int64_t slot = slots[t];                                                        \
+        if (slot < 0) continue;                                                               \
+        ROPE_ROW(key_cache + slot * kv_row, key + (int64_t)t * k_stride, cos, sin,            \
+                 num_kv_heads, head_size);                                                    \
+        memcpy(value_cache + slot * kv_row, value + (int64_t)t * v_stride, kv_row * sizeof(T)); \
+    }                                                                                         \
+}
+
+DEFINE_ROTARY_KV(rotary_write_kv_cache_f32, float, rope_row_f32)
+DEFINE_ROTARY_KV(rotary_write_kv_cache_bf16, uint16_t, rope_row_bf16)
+
 // The paged KV write: token t's key row (row_bytes, at key + t * key_stride bytes) to slot
 // slots[t] of key_cache (rows of row_bytes, contiguous), the same for value; a slot < 0 is
 // skipped. Any dtype: rows are copied as bytes.

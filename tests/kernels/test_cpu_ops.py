@@ -162,3 +162,62 @@ def test_argmax_takes_torchs_path_for_other_layouts():
     assert cpu.argmax(x.t()) is None  # columns are not contiguous
     assert torch.equal(dispatch.argmax(x.t()), x.t().argmax(dim=-1))
     assert torch.equal(dispatch.argmax(x[0]), x[0].argmax(dim=-1))  # 1-D
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 9, 300])
+def test_rotary_write_kv_cache_is_the_two_ops_bit_for_bit(dtype, num_tokens):
+    """RoPE fused with the KV write: the same rotated query and the same cache bytes as the
+    rotary kernel followed by the KV write (a slot of -1 written nowhere, every other slot
+    untouched); through dispatch, from views of a fused qkv."""
+    torch.manual_seed(num_tokens)
+    num_heads, num_kv_heads, head_size, block_size, num_blocks = 9, 3, 64, 16, 32
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size).to(dtype)
+    query, key, value = qkv.split(
+        [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1
+    )
+    positions = torch.randint(0, 4096, (num_tokens,))
+    freqs = torch.outer(torch.arange(4096).float(), 1e-4 ** (torch.arange(32) / 32))
+    cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[0] = -1
+    fused = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).to(dtype)
+    apart = fused.clone()
+
+    rotated = dispatch.rotary_write_kv_cache(
+        positions, query, key, value, cos_sin_cache, head_size, fused[0], fused[1], slots
+    )
+    expected_q, expected_k = cpu.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+    shape = (num_tokens, num_kv_heads, head_size)
+    assert cpu.write_kv_cache(expected_k.view(shape), value.view(shape), apart[0], apart[1], slots)
+    assert torch.equal(rotated, expected_q) and rotated.is_contiguous()
+    assert torch.equal(fused, apart)
+    _assert_matches(rotated, rotary_embedding_ref(positions, query, key, cos_sin_cache, 64)[0])
+
+
+def test_rotary_write_kv_cache_falls_back_on_caches_it_does_not_write():
+    # Strided cache views: the C pass declines, dispatch runs rotary then the KV write.
+    from kvserve.kernels.cache import write_kv_cache_ref
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(5, 128), torch.randn(5, 64), torch.randn(5, 64)
+    positions = torch.tensor([0, 3, 9, 2, 7])
+    freqs = torch.outer(torch.arange(16).float(), 1e-4 ** (torch.arange(32) / 32))
+    cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    wide = torch.zeros(2, 8, 16, 2, 64)
+    key_cache, value_cache = wide[0, :, :, :1], wide[1, :, :, :1]
+    slots = torch.tensor([3, 17, -1, 40, 0])
+    args = (positions, query, key, value, cos_sin_cache, 64, key_cache, value_cache, slots)
+    assert cpu.rotary_write_kv_cache(*args) is None
+    expected = wide.clone()
+    expected_q, expected_k = rotary_embedding_ref(positions, query, key, cos_sin_cache, 64)
+    write_kv_cache_ref(
+        expected_k.view(5, 1, 64),
+        value.view(5, 1, 64),
+        expected[0, :, :, :1],
+        expected[1, :, :, :1],
+        slots,
+    )
+    _assert_matches(dispatch.rotary_write_kv_cache(*args), expected_q)
+    torch.testing.assert_close(wide, expected, atol=1e-5, rtol=1e-5)
+    assert bool(wide.abs().sum() > 0)

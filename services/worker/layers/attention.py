@@ -13,11 +13,15 @@ decoding 1 token with 6 in context and one prefilling 3 tokens from scratch, blo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvserve import kernels
+
+if TYPE_CHECKING:
+    from kvserve.services.worker.layers.rotary_embedding import RotaryEmbedding
 
 
 @dataclass(slots=True)
@@ -78,20 +82,55 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        rotary: RotaryEmbedding | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq * D]; k, v: [T, Hkv * D]. Returns [T, Hq * D]."""
+        """q: [T, Hq * D]; k, v: [T, Hkv * D]. Returns [T, Hq * D].
+
+        With `rotary` (and the tokens' `positions`), q and k are rotated first: together
+        with the KV-cache write, in one pass where the kernel can (the rotated keys then
+        exist only in the cache).
+        """
         num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_size)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        if rotary is not None and self.kv_cache is None:
+            q, k = rotary(positions, q, k)
         if self.kv_cache is None:
-            out = self._attend_without_cache(q, k, v, attn_metadata)
+            out = self._attend_without_cache(
+                q.view(num_tokens, self.num_heads, self.head_size),
+                k.view(num_tokens, self.num_kv_heads, self.head_size),
+                v.view(num_tokens, self.num_kv_heads, self.head_size),
+                attn_metadata,
+            )
         else:
             key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-            kernels.write_kv_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+            if rotary is not None:
+                assert positions is not None, "rotary needs the tokens' positions"
+                q = kernels.rotary_write_kv_cache(
+                    positions,
+                    q,
+                    k,
+                    v,
+                    rotary.cos_sin_cache,
+                    self.head_size,
+                    key_cache,
+                    value_cache,
+                    attn_metadata.slot_mapping,
+                )
+            else:
+                kernels.write_kv_cache(
+                    k.view(num_tokens, self.num_kv_heads, self.head_size),
+                    v.view(num_tokens, self.num_kv_heads, self.head_size),
+                    key_cache,
+                    value_cache,
+                    attn_metadata.slot_mapping,
+                )
             out = kernels.paged_attention(
-                q,
+                q.view(num_tokens, self.num_heads, self.head_size),
                 key_cache,
                 value_cache,
                 attn_metadata.block_table,

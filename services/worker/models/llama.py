@@ -102,8 +102,10 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # per head: [T * H, D] rows
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        # RoPE is the attention layer's first step: fused there with the KV-cache write.
+        return self.o_proj(
+            self.attn(q, k, v, attn_metadata, rotary=self.rotary_emb, positions=positions)
+        )
 
 
 class LlamaMLP(nn.Module):
