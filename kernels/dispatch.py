@@ -129,12 +129,22 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     prepared: gemm.LinearWeights | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + b. On CPU, the GEMM path the layer's measured plan names (kernels/gemm.py);
-    elsewhere F.linear (cuBLAS)."""
+    """y = x W^T + b (+ add, [T, N]: a residual). On CPU, the GEMM path the layer's measured
+    plan names (kernels/gemm.py), with the add fused into it where `linear_fuses_add` says;
+    elsewhere F.linear (cuBLAS), then the add."""
     if prepared is not None and x.device.type == "cpu":
-        return gemm.linear(x, weight, bias, prepared)
-    return torch.nn.functional.linear(x, weight, bias)
+        return gemm.linear(x, weight, bias, prepared, add)
+    y = torch.nn.functional.linear(x, weight, bias)
+    return y if add is None else y + add
+
+
+def linear_fuses_add(
+    x_device: torch.device, prepared: gemm.LinearWeights | None, num_rows: int
+) -> bool:
+    """Whether linear(..., add=) of num_rows rows adds inside the GEMM (no pass of its own)."""
+    return x_device.type == "cpu" and gemm.adds_in_place_of_output(prepared, num_rows)
 
 
 def write_kv_cache(

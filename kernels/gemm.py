@@ -156,13 +156,36 @@ class LinearWeights:
     packed: torch.Tensor | None = None
 
 
+def adds_in_place_of_output(prepared: LinearWeights | None, num_rows: int) -> bool:
+    """Whether `linear` with an `add` of num_rows rows fuses the add into the GEMM: oneDNN's
+    binary-add post-op, applied to the finished float32 accumulator (in float32 exactly the
+    unfused sum; in bfloat16 one rounding fewer). The other paths add afterwards."""
+    return (
+        prepared is not None
+        and prepared.packed is not None
+        and prepared.plan.path_for(num_rows) == "onednn"
+    )
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     prepared: LinearWeights | None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x W^T + b on the path the plan names for x's row count. x: [T, K]."""
+    """y = x W^T + b (+ add, [T, N]) on the path the plan names for x's row count. x: [T, K]."""
+    if add is not None:
+        if adds_in_place_of_output(prepared, x.shape[0]):
+            assert prepared is not None and prepared.packed is not None
+            return torch.ops.mkldnn._linear_pointwise.binary(
+                x if x.is_contiguous() else x.contiguous(),
+                add if add.is_contiguous() else add.contiguous(),
+                prepared.packed,
+                bias,
+                "add",
+            )
+        return linear(x, weight, bias, prepared) + add
     if prepared is None:
         return F.linear(x, weight, bias)
     path = prepared.plan.path_for(x.shape[0])

@@ -61,6 +61,31 @@ def test_non_contiguous_input_takes_the_onednn_path_correctly():
     torch.testing.assert_close(kernels.linear(x, weight, None, prepared), F.linear(x, weight))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_residual_add_fused_into_the_onednn_gemm(dtype, with_bias):
+    """linear(..., add=residual) on the oneDNN path adds inside the GEMM: float32 bit for bit
+    the unfused sum, bfloat16 within a rounding of it (one rounding fewer); on the other
+    paths it adds afterwards. The plan says which rows fuse."""
+    if not gemm.onednn_available(dtype):
+        pytest.skip(f"oneDNN runs no {dtype} linear on this CPU")
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 40) * 0.2).to(dtype)
+    bias = torch.randn(96).to(dtype) if with_bias else None
+    plan = gemm.ShapePlan(("torch", "torch", "onednn", "onednn", "onednn", "torch"))
+    prepared = gemm.LinearWeights(plan, gemm.pack_onednn(weight))
+    for rows, fused in ((3, False), (40, True), (2000, False)):
+        x, residual = torch.randn(rows, 40).to(dtype), torch.randn(rows, 96).to(dtype)
+        assert kernels.linear_fuses_add(x.device, prepared, rows) is fused
+        got = kernels.linear(x, weight, bias, prepared, add=residual)
+        unfused = kernels.linear(x, weight, bias, prepared) + residual
+        if dtype == torch.float32:
+            assert torch.equal(got, unfused)
+        else:
+            torch.testing.assert_close(got, unfused, atol=0.05, rtol=2**-7)
+    assert not kernels.linear_fuses_add(torch.device("cpu"), None, 40)
+
+
 def test_tune_measures_once_then_reuses_the_machines_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gemm, "cpu_stall_us", lambda: 0)  # quiet cores, whatever else runs

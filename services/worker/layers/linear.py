@@ -115,8 +115,19 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         pass
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None):
+    def apply(
+        self,
+        layer: LinearBase,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        add: torch.Tensor | None = None,
+    ):
+        """x W^T + b, plus `add` ([T, N]) when given: fused where `fuses_add` says."""
         raise NotImplementedError
+
+    def fuses_add(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether apply(..., add=) adds inside the GEMM for x (no pass of its own)."""
+        return False
 
     def weight_bytes(self, layer: LinearBase) -> int:
         raise NotImplementedError
@@ -134,8 +145,11 @@ class UnquantizedLinearMethod(LinearMethod):
     def load_rows(self, layer, row_offset, src):
         _copy_checked(layer.weight.data.narrow(0, row_offset, src.shape[0]), src)
 
-    def apply(self, layer, x, bias):
-        return kernels.linear(x, layer.weight, bias, layer.gemm)
+    def apply(self, layer, x, bias, add=None):
+        return kernels.linear(x, layer.weight, bias, layer.gemm, add)
+
+    def fuses_add(self, layer, x):
+        return kernels.linear_fuses_add(x.device, layer.gemm, x.shape[0])
 
     def weight_bytes(self, layer):
         return layer.weight.numel() * layer.weight.element_size()
@@ -212,7 +226,11 @@ class QuantizedLinearMethod(LinearMethod):
             )
         layer.quant_parts = merged
 
-    def apply(self, layer, x, bias):
+    def apply(self, layer, x, bias, add=None):
+        y = self._apply(layer, x, bias)
+        return y if add is None else y + add
+
+    def _apply(self, layer, x, bias):
         parts = layer.quant_parts
         if len(parts) == 1 and isinstance(parts[0][1], QuantizedTensor):
             return quant_linear(x, parts[0][1], bias)
@@ -419,9 +437,19 @@ class RowParallelLinear(LinearBase):
         cols = self.input_size
         self._load(param, 0, loaded_weight.narrow(1, self.tp_rank * cols, cols))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Every rank would add the bias before the sum: only rank 0 does.
-        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b, summed over the ranks; + residual when given (added once, on rank 0,
+        before the sum, like the bias: into the GEMM where `adds_residual` says)."""
+        rank0 = self.tp_rank == 0
+        y = self.quant_method.apply(
+            self, x, self.bias if rank0 else None, residual if rank0 else None
+        )
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         return y
+
+    def adds_residual(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, residual) adds the residual inside the GEMM, so that the caller
+        should hand it over rather than add it with a norm. One rank: with more, each rank's
+        measured GEMM plan could answer differently, and all must take the same branch."""
+        return self.tp_size == 1 and self.quant_method.fuses_add(self, x)

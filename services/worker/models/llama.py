@@ -95,17 +95,29 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention block's output; with `residual`, residual + that output, the add
+        inside the output GEMM where `adds_residual` says."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:  # per head: [T * H, D] rows
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         # RoPE is the attention layer's first step: fused there with the KV-cache write.
-        return self.o_proj(
-            self.attn(q, k, v, attn_metadata, rotary=self.rotary_emb, positions=positions)
-        )
+        out = self.attn(q, k, v, attn_metadata, rotary=self.rotary_emb, positions=positions)
+        return self.o_proj(out) if residual is None else self.o_proj(out, residual)
+
+    def adds_residual(self, hidden_states: torch.Tensor) -> bool:
+        """Whether forward(..., residual) adds the residual inside the output GEMM (a plain
+        output projection on one rank, on a GEMM path with the add fused; not under LoRA,
+        whose wrapper adds its delta to the projection's output)."""
+        o_proj = self.o_proj
+        return isinstance(o_proj, RowParallelLinear) and o_proj.adds_residual(hidden_states)
 
 
 class LlamaMLP(nn.Module):
@@ -164,6 +176,10 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if not self.sandwich_norms and self.self_attn.adds_residual(hidden_states):
+            # The output GEMM adds the residual: the norm has no add left to fuse.
+            residual = self.self_attn(positions, hidden_states, attn_metadata, residual)
+            return self.mlp(self.post_attention_layernorm(residual)), residual
         hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
         if not self.sandwich_norms:
             hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
