@@ -167,6 +167,16 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
             parse="items",
         ),
     ] = msgspec.field(default_factory=list)
+    responses_store_size: Annotated[
+        int,
+        flag_doc(
+            "responses /v1/responses keeps (store: true) for previous_response_id and GET "
+            "/v1/responses/{id}, in memory, per api process; the oldest go first; 0 keeps none"
+        ),
+    ] = 1024
+    responses_store_ttl: Annotated[
+        float, flag_doc("seconds a stored /v1/responses response is kept")
+    ] = 3600.0
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:

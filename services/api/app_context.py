@@ -26,6 +26,7 @@ from kvserve.services.api.serving_chat import OpenAIServingChat
 from kvserve.services.api.serving_completions import OpenAIServingCompletion
 from kvserve.services.api.serving_messages import AnthropicServingMessages
 from kvserve.services.api.serving_models import ServingModels
+from kvserve.services.api.serving_responses import OpenAIServingResponses, ResponseStore
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.config import LoRAConfig
 from kvserve.shared.logging import init_logger
@@ -47,6 +48,7 @@ class AppContext:
         completions: the completions handler (and the checks every surface shares).
         chat: the chat handler (and its template).
         messages: the Anthropic Messages handler (over chat).
+        responses: the OpenAI Responses handler (over chat) and its response store.
     """
 
     engine_client: EngineClient
@@ -57,6 +59,7 @@ class AppContext:
     completions: OpenAIServingCompletion
     chat: OpenAIServingChat
     messages: AnthropicServingMessages
+    responses: OpenAIServingResponses
 
     @property
     def max_json_depth(self) -> int:
@@ -94,6 +97,9 @@ def make_context(
         completions,
         chat,
         AnthropicServingMessages(chat),
+        OpenAIServingResponses(
+            chat, ResponseStore(frontend.responses_store_size, frontend.responses_store_ttl)
+        ),
     )
 
 

@@ -30,6 +30,7 @@ from kvserve.services.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.services.api.responses_protocol import ResponseObject, ResponsesRequest
 
 _REF = "#/components/schemas/{name}"
 # The errors any POST route may answer, besides its own 200.
@@ -78,6 +79,18 @@ def _get(summary: str, media_type: str = "application/json", ref: str | None = N
     return {"get": {"summary": summary, "responses": {"200": ok}}}
 
 
+def _get_stored_response() -> dict[str, Any]:
+    route = _get("a stored response (store: true)", ref="ResponseObject")
+    route["get"]["parameters"] = [
+        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    route["get"]["responses"]["404"] = {
+        "description": "no such response stored (never, or dropped: size and TTL flags)",
+        "content": _json("ErrorResponse"),
+    }
+    return route
+
+
 def openapi_document(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the app's routes (server.build_app)."""
     _, components = msgspec.json.schema_components(
@@ -97,6 +110,8 @@ def openapi_document(version: str) -> dict[str, Any]:
             CountTokensRequest,
             CountTokensResponse,
             ErrorBody,
+            ResponsesRequest,
+            ResponseObject,
         ],
         ref_template=_REF,
     )
@@ -109,6 +124,14 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/v1/chat/completions": _post(
             "OpenAI chat completions", "ChatCompletionRequest", "ChatCompletionResponse", True
         ),
+        "/v1/responses": _post(
+            "OpenAI's Responses API",
+            "ResponsesRequest",
+            "ResponseObject",
+            stream=True,
+            events="the Responses events, response.created to response.completed",
+        ),
+        "/v1/responses/{response_id}": _get_stored_response(),
         "/v1/messages": _post(
             "Anthropic's Messages API",
             "MessagesRequest",

@@ -201,6 +201,10 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 def _refuse_unsupported_fields(request: msgspec.Struct) -> None:
+    """The chat and completions requests' UNSUPPORTED_FIELDS (others, such as the Responses
+    request, declare and check their own)."""
+    if not isinstance(request, _UnsupportedFields):
+        return
     for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
         value = getattr(request, name, UNSET)
         if value not in harmless:

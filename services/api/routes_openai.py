@@ -1,6 +1,9 @@
-"""The OpenAI surface: completions, chat completions, models, and vLLM's tokenize pair.
+"""The OpenAI surface: completions, chat completions, responses, models, and vLLM's tokenize
+pair.
 
 POST /v1/completions, /v1/chat/completions   JSON, or SSE with "stream": true
+POST /v1/responses                           JSON, or the Responses SSE events (stream: true)
+GET  /v1/responses/{id}                      a stored response
 GET  /v1/models
 POST /tokenize, /detokenize                  vLLM's shapes
 """
@@ -23,6 +26,7 @@ from kvserve.services.api.protocol import (
     TokenizeResponse,
     decode_request,
 )
+from kvserve.services.api.responses_protocol import ResponsesRequest
 from kvserve.services.api.validation import check_prompt_chars
 
 
@@ -36,6 +40,17 @@ async def create_chat_completion(request: Request) -> Response:
     ctx = context_of(request)
     body = decode_request(await request.body(), ChatCompletionRequest, ctx.max_json_depth)
     return await ctx.chat.create_chat_completion(body, request)
+
+
+async def create_response(request: Request) -> Response:
+    ctx = context_of(request)
+    body = decode_request(await request.body(), ResponsesRequest, ctx.max_json_depth)
+    return await ctx.responses.create(body, request)
+
+
+async def retrieve_response(request: Request) -> Response:
+    ctx = context_of(request)
+    return json_response(ctx.responses.retrieve(request.path_params["response_id"]))
 
 
 async def list_models(request: Request) -> Response:
@@ -74,6 +89,8 @@ def routes(ctx: AppContext) -> list[Route]:
     return [
         Route("/v1/completions", with_errors(create_completion), methods=["POST"]),
         Route("/v1/chat/completions", with_errors(create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", with_errors(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", with_errors(retrieve_response), methods=["GET"]),
         Route("/v1/models", with_errors(list_models), methods=["GET"]),
         Route("/tokenize", with_errors(tokenize), methods=["POST"]),
         Route("/detokenize", with_errors(detokenize), methods=["POST"]),

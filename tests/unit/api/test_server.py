@@ -22,6 +22,8 @@ from kvserve.shared.config import LoRAConfig
 BASE_ROUTES = {
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/responses/{response_id}",
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/models",
