@@ -194,6 +194,9 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     # ring message compact (a numpy view on the worker side, no per-token Python objects).
     grammar_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    # Requests whose token in this step is decided already (a thinking budget spent: the
+    # next end-of-thinking token): the sampler allows that token alone.
+    forced_token_ids: dict[str, int] = {}
     # Speculative decoding: the drafts verified in this step and the drafts to propose.
     spec_decode: SpecDecodeMetadata = msgspec.field(default_factory=SpecDecodeMetadata)
     # KV connector: opaque to the core, built by the scheduler-side connector and read by

@@ -61,6 +61,11 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
             bad_words_token_ids, which the sampler reads.
         bad_words_token_ids: the token sequences of bad_words; the last token of a sequence
             is banned when the output ends with the ones before it.
+        reasoning_end_token_ids: the tokens that end the model's thinking (a reasoning
+            parser's end tag, tokenized by the api): until the output holds them, the request
+            is thinking; structured outputs constrain only what follows them.
+        thinking_token_budget: at most this many thinking tokens; then the engine forces
+            reasoning_end_token_ids, one per step, and the answer follows (needs them).
     """
 
     n: int = 1
@@ -86,6 +91,8 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    reasoning_end_token_ids: list[int] | None = None
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -140,6 +147,19 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
             bad("allowed_token_ids", self.allowed_token_ids, "must list token ids (>= 0)")
         if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
             bad("bad_words", self.bad_words, "must not contain empty words")
+        if self.reasoning_end_token_ids is not None and (
+            not self.reasoning_end_token_ids or min(self.reasoning_end_token_ids) < 0
+        ):
+            bad("reasoning_end_token_ids", self.reasoning_end_token_ids, "must list token ids")
+        if self.thinking_token_budget is not None:
+            if self.thinking_token_budget < 0:
+                bad("thinking_token_budget", self.thinking_token_budget, "must be non-negative")
+            if self.reasoning_end_token_ids is None:
+                bad(
+                    "thinking_token_budget",
+                    self.thinking_token_budget,
+                    "needs reasoning_end_token_ids (a reasoning parser)",
+                )
 
     @property
     def greedy(self) -> bool:
@@ -177,6 +197,7 @@ def token_ids_out_of_range(params: SamplingParams, vocab_size: int) -> tuple[str
         ("logit_bias", params.logit_bias or ()),
         ("allowed_token_ids", params.allowed_token_ids or ()),
         ("stop_token_ids", params.stop_token_ids or ()),
+        ("reasoning_end_token_ids", params.reasoning_end_token_ids or ()),
     ):
         if ids and max(ids) >= vocab_size:
             return field, f"{field} names token id {max(ids)}, not in [0, {vocab_size})"

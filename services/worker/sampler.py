@@ -65,6 +65,8 @@ class Sampler(torch.nn.Module):
         if metadata.grammar_bitmask is not None:
             assert metadata.grammar_rows is not None, "a bitmask row per grammar row"
             apply_token_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+        if metadata.forced_tokens:
+            apply_forced_tokens(logits, metadata.forced_tokens)
         # Logprobs describe the model's own distribution (under its grammar), so they are
         # taken before any penalty, mask or temperature touches the logits (vLLM's
         # raw_logprobs mode).
@@ -139,6 +141,15 @@ def _select_rows(metadata: SamplingMetadata, rows: torch.Tensor) -> SamplingMeta
         min_p=select(metadata.min_p),
         generators=generators,
     )
+
+
+def apply_forced_tokens(logits: torch.Tensor, forced: list[tuple[int, int]]) -> None:
+    """Leave each listed row one token: the others' logits become -inf (in place)."""
+    rows = torch.tensor([row for row, _ in forced], device=logits.device)
+    tokens = torch.tensor([token for _, token in forced], device=logits.device)
+    kept = logits[rows, tokens]
+    logits[rows] = float("-inf")
+    logits[rows, tokens] = kept
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[int]]]) -> None:

@@ -71,6 +71,11 @@ def build_sampling_metadata(
             md.prompt_token_ids = _padded_prompts(states, b.vocab_size)
     if so.grammar_req_ids:
         md.grammar_bitmask, md.grammar_rows = _grammar_rows(states, so)
+    if so.forced_token_ids:
+        forced = so.forced_token_ids
+        md.forced_tokens = [
+            (i, forced[s.req_id]) for i, s in enumerate(states) if s.req_id in forced
+        ]
     if b.num_logits_processor_reqs:
         with_processors = [
             (i, s.logits_processors, outputs[i])

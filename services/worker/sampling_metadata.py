@@ -33,6 +33,8 @@ class SamplingMetadata:
         grammar_bitmask: [N, W] int32, the allowed tokens of the N rows that sample under a
             grammar (structured outputs); None when none does.
         grammar_rows: [N] the row of each bitmask row.
+        forced_tokens: (row, token id) of the rows whose token is decided (a thinking budget
+            spent): every other token of the row is set to -inf.
         logits_processors: allowed_token_ids, bad words and logit_bias of the rows that use
             them; None when no row does.
     """
@@ -54,6 +56,7 @@ class SamplingMetadata:
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
     grammar_rows: np.ndarray | None = None
+    forced_tokens: list[tuple[int, int]] = field(default_factory=list)
     logits_processors: LogitsProcessorBatch | None = None
 
 

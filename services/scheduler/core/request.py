@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from kvserve.services.scheduler.core.thinking import ThinkingState
 from kvserve.shared.hashing import HashFn, hash_new_full_blocks, make_extra_keys
 from kvserve.shared.lora import LoRARequest, lora_extra_key
 from kvserve.shared.messages import (
@@ -124,6 +125,12 @@ class Request:
         self.stop_reason: int | None = None
         self.error: str | None = None  # why it ended, when FINISHED_ERROR
         self.structured_output: StructuredOutputState | None = None
+        # Thinking before the answer (reasoning parsers): counted, and its end forced at a
+        # budget (thinking.py); None for a request that does not think.
+        end_ids = sampling_params.reasoning_end_token_ids
+        self.thinking = (
+            ThinkingState(end_ids, sampling_params.thinking_token_budget) if end_ids else None
+        )
         # Speculative decoding: drafts and acceptance (None when the engine has none).
         self.spec: SpecRequestState | None = None
         # KV connector: whether the current tokens came partly from its loads.

@@ -26,6 +26,8 @@ def grammar_bitmask_of(
         state = request.structured_output
         if state is None or state.grammar is None:
             continue
+        if request.thinking is not None and not request.thinking.ended:
+            continue  # the grammar constrains the answer, not the thinking
         if request.num_computed_tokens + num_tokens >= request.num_tokens:
             req_ids.append(req_id)
             grammars.append(state.grammar)
@@ -33,6 +35,21 @@ def grammar_bitmask_of(
         return [], b""
     assert manager is not None, "grammars come from the manager"
     return req_ids, manager.grammar_bitmask(grammars)
+
+
+def forced_tokens_of(plan: StepPlan, requests: dict[str, Request]) -> dict[str, int]:
+    """The requests that sample in this step with a token already decided (a thinking
+    budget spent: the next end-of-thinking token), and that token."""
+    forced = {}
+    for req_id, num_tokens in plan.num_scheduled_tokens.items():
+        request = requests[req_id]
+        thinking = request.thinking
+        if thinking is None or request.num_computed_tokens + num_tokens < request.num_tokens:
+            continue
+        token_id = thinking.forced_token()
+        if token_id is not None:
+            forced[req_id] = token_id
+    return forced
 
 
 def make_request_output(
@@ -52,11 +69,13 @@ def make_request_output(
     for token_id in sampled_token_ids:
         request.append_output_token_ids(token_id)
         new_token_ids.append(token_id)
-        if request.structured_output is not None and not advance_grammar(request, token_id):
+        answering = request.thinking is None or not request.thinking.take(token_id)
+        grammar = request.structured_output is not None and answering
+        if grammar and not advance_grammar(request, token_id):
             break
         if check_stop(request, max_model_len):
             break
-        if request.structured_output is not None and grammar_complete(request):
+        if grammar and grammar_complete(request):
             break
     logprobs = model_runner_output.logprobs.get(request.req_id)
     if logprobs is not None and len(logprobs.ranks) > len(new_token_ids):

@@ -33,6 +33,7 @@ from kvserve.services.scheduler.core.request import (
 )
 from kvserve.services.scheduler.core.request_output import (
     count_adapters,
+    forced_tokens_of,
     grammar_bitmask_of,
     make_request_output,
 )
@@ -145,6 +146,7 @@ class Scheduler:
         # Requests whose external prefix blocks load in the step in flight.
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         self._num_live_grammars = 0  # requests holding a matcher (bitmask work to do)
+        self._num_thinking_budgets = 0  # live requests whose thinking end may be forced
         # Finished or aborted since the last schedule(): the workers drop their state.
         self.finished_req_ids: set[str] = set()
         # Outputs not tied to a step (rejected requests), sent with the next step's outputs.
@@ -182,6 +184,8 @@ class Scheduler:
         assert 0 < len(engine_request.prompt_token_ids) < self.max_model_len
         request = Request.from_engine_core_request(engine_request, self.block_hasher)
         self.requests[request.req_id] = request
+        if request.sampling_params.thinking_token_budget is not None:
+            self._num_thinking_budgets += 1
         if self.spec_decode is not None:
             self.spec_decode.add_request(request)
         params = request.sampling_params.structured_outputs
@@ -238,6 +242,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         assert request.is_finished, f"{request} freed before it finished"
+        if request.sampling_params.thinking_token_budget is not None:
+            self._num_thinking_budgets -= 1
         if request.structured_output is not None and request.structured_output.grammar:
             request.structured_output.grammar = None
             self._num_live_grammars -= 1
@@ -275,6 +281,7 @@ class Scheduler:
             grammar_bitmask,
             SpecDecodeScheduler.make_metadata(plan),
             self.kv_connector.build_connector_meta(plan) if self.kv_connector else b"",
+            forced_tokens_of(plan, self.requests) if self._num_thinking_budgets else None,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens

@@ -63,6 +63,7 @@ def make_scheduler_output(
     grammar_bitmask: bytes,
     spec_decode: SpecDecodeMetadata,
     kv_connector_metadata: bytes,
+    forced_token_ids: dict[str, int] | None = None,
 ) -> SchedulerOutput:
     """The step's SchedulerOutput, built before num_computed_tokens advances (the workers
     get pre-step values)."""
@@ -94,6 +95,7 @@ def make_scheduler_output(
         preempted_req_ids=[request.req_id for request in plan.preempted],
         grammar_req_ids=grammar_req_ids,
         grammar_bitmask=grammar_bitmask,
+        forced_token_ids=forced_token_ids or {},
         spec_decode=spec_decode,
         kv_connector_metadata=kv_connector_metadata,
     )

@@ -129,6 +129,7 @@ class EngineCore:
             self.scheduler.max_model_len,
             structured_outputs=True,
             lora_config=config.lora,
+            speculative=config.speculative_config is not None,
         )
         # The scheduler may cap max_model_len to what the KV cache holds.
         self.ready = EngineReady(

@@ -83,6 +83,8 @@ class RequestChecker:
         max_model_len: the scheduler's effective limit (prompt + at least one token).
         structured_outputs: whether the engine compiles grammars.
         lora_config: with enable_lora, requests may name adapters; else they are refused.
+        speculative: the engine verifies drafts (several tokens a step): a thinking budget,
+            which decides one step's token, is refused there.
     """
 
     def __init__(
@@ -92,11 +94,13 @@ class RequestChecker:
         max_model_len: int,
         structured_outputs: bool,
         lora_config: LoRAConfig | None,
+        speculative: bool = False,
     ):
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
         self.structured_outputs = structured_outputs
+        self.speculative = speculative
         self.lora_config = lora_config if lora_config and lora_config.enable_lora else None
         # (adapter id, path) -> why it cannot run (None: it can); read once per adapter.
         self._lora_errors: dict[tuple[int, str], str | None] = {}
@@ -130,6 +134,8 @@ class RequestChecker:
             return error
         if request.sampling_params.structured_outputs is not None and not self.structured_outputs:
             return "structured outputs are not enabled in this engine"
+        if request.sampling_params.thinking_token_budget is not None and self.speculative:
+            return "a thinking budget is not supported with speculative decoding"
         if request.lora_request is not None:
             return self._check_lora(request)
         return None
