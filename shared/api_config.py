@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvserve.shared.cli_args import flag_doc
+from kvserve.shared.config import ReasoningParserName
 from kvserve.shared.env import API_KEY, VLLM_API_KEY
 from kvserve.shared.lora import LoRAModulePath
 
@@ -154,6 +155,13 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
         flag_doc(
             "how tool calls look in the model's text: hermes (JSON in <tool_call> tags), "
             "llama3_json (JSON objects), pythonic ([f(a=1), g()])"
+        ),
+    ] = None
+    reasoning_parser: Annotated[
+        ReasoningParserName | None,
+        flag_doc(
+            "split the model's thinking from its answer (reasoning_content): deepseek_r1 or "
+            "qwen3 (<think>...</think>); structured outputs then constrain the answer only"
         ),
     ] = None
     exclude_tools_when_tool_choice_none: Annotated[

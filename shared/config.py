@@ -235,6 +235,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return "uni" if self.world_size == 1 else "mp"
 
 
+# The --reasoning-parser names (services/api/reasoning_parsers.py registers each).
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
+ReasoningParserName = Literal["deepseek_r1", "qwen3"]
+
+
 class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Structured outputs (vLLM's --structured-outputs-config): grammars compile with
     xgrammar in the engine core.
@@ -244,7 +249,9 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
         disable_any_whitespace: JSON outputs without optional whitespace, for every request.
         disable_additional_properties: accepted: xgrammar never emits unlisted properties.
         disable_fallback: accepted: there is no other backend to fall back to.
-        reasoning_parser: must stay empty (reasoning parsers are not built).
+        reasoning_parser: accepted empty or naming a known parser (REASONING_PARSER_NAMES):
+            the api's --reasoning-parser splits the thinking and tells the engine, per
+            request, the tokens that end it (after which the grammar applies).
     """
 
     backend: str = "auto"
@@ -259,8 +266,11 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"structured outputs backend {self.backend!r} is not supported: kvserve "
                 f"compiles grammars with xgrammar (backend auto or xgrammar)"
             )
-        if self.reasoning_parser:
-            raise ValueError("reasoning parsers are not built yet (reasoning_parser must be '')")
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(
+                f"reasoning_parser {self.reasoning_parser!r} is not one of "
+                f"{', '.join(REASONING_PARSER_NAMES)}"
+            )
 
 
 SpecMethod = Literal["ngram", "draft_model", "eagle", "medusa"]

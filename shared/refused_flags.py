@@ -22,7 +22,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
     "--kv-cache-dtype": RefusedFlag(
         "the KV cache holds the model's dtype (only `auto`)", accepted=("auto",)
     ),
-    "--reasoning-parser": RefusedFlag(f"reasoning parsers: {_LATER}"),
     "--guided-decoding-backend": RefusedFlag(
         "vLLM replaced it with --structured-outputs-config; kvserve's backend is xgrammar",
         accepted=("auto", "xgrammar"),

@@ -386,6 +386,9 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: str | None = None  # passed to the chat template, as vLLM does
+    # With --reasoning-parser: at most this many thinking tokens, then the engine forces the
+    # end of the thinking and the answer follows.
+    thinking_token_budget: Int64 | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -508,6 +511,8 @@ class ChatResponseMessage(msgspec.Struct):
     role: str
     content: str | None
     tool_calls: list[ToolCall] = []
+    # The thinking, split off by --reasoning-parser (absent without one).
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -546,6 +551,7 @@ class DeltaToolCall(msgspec.Struct, omit_defaults=True):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

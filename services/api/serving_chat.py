@@ -34,6 +34,11 @@ from kvserve.services.api.protocol import (
     UsageInfo,
     now_seconds,
 )
+from kvserve.services.api.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningSplitter,
+    get_reasoning_parser,
+)
 from kvserve.services.api.request_constraints import structured_outputs_of
 from kvserve.services.api.serving_base import (
     MIN_LOGPROB,
@@ -103,6 +108,15 @@ def _arguments_object(arguments: str):
         return arguments  # not JSON: the template gets the text
 
 
+def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | None, str]:
+    """A whole reply as (its reasoning or None, the rest): all of it the rest without a
+    parser."""
+    if parser is None:
+        return None, text
+    reasoning, content = ReasoningSplitter(parser).split(text)
+    return reasoning, content or ""
+
+
 class PreparedChat(NamedTuple):
     """A validated, templated chat request, ready to submit."""
 
@@ -110,10 +124,47 @@ class PreparedChat(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams
     tool_choice: str  # resolved: "none", "auto", "required" or a function's name
+    # The reasoning parser when the reply starts thinking (None: all of it is the answer).
+    reasoning: ReasoningParser | None = None
 
 
 class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint (see OpenAIServing for the constructor's arguments)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.reasoning_parser = get_reasoning_parser(self.frontend.reasoning_parser)
+        self._reasoning_end_ids: list[int] | None = None
+
+    def reasoning_end_token_ids(self) -> list[int]:
+        """The reasoning parser's end tag as token ids (what the engine watches)."""
+        assert self.reasoning_parser is not None
+        if self._reasoning_end_ids is None:
+            ids = self.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False)
+            self._reasoning_end_ids = list(ids)
+        return self._reasoning_end_ids
+
+    def reasoning_of(
+        self, request: ChatCompletionRequest, template_kwargs: dict[str, Any]
+    ) -> tuple[ReasoningParser | None, dict[str, Any]]:
+        """(the parser when the reply starts thinking, the SamplingParams fields that tell the
+        engine); a thinking budget without a parser is a 400."""
+        parser = self.reasoning_parser
+        budget = request.thinking_token_budget
+        if parser is None:
+            if budget is not None:
+                raise APIError(
+                    400,
+                    "thinking_token_budget needs a reasoning parser (--reasoning-parser)",
+                    "thinking_token_budget",
+                )
+            return None, {}
+        if not parser.starts_thinking(template_kwargs):
+            return None, {}
+        fields: dict[str, Any] = {"reasoning_end_token_ids": self.reasoning_end_token_ids()}
+        if budget is not None:
+            fields["thinking_token_budget"] = budget
+        return parser, fields
 
     def apply_chat_template(
         self,
@@ -147,11 +198,7 @@ class OpenAIServingChat(OpenAIServing):
         prepared = self.prepare(request, raw_request, "chatcmpl-")
         if request.stream:
             results = await self.start(prepared, request)
-            return SSEResponse(
-                self._stream(
-                    prepared.ids[0], request, prepared.params, prepared.tool_choice, results
-                )
-            )
+            return SSEResponse(self._stream(prepared, request, results))
         return await run_until_disconnected(raw_request, self._complete(prepared, request))
 
     def prepare(
@@ -174,6 +221,7 @@ class OpenAIServingChat(OpenAIServing):
         template_kwargs = dict(request.chat_template_kwargs or {})
         if request.reasoning_effort is not None:
             template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+        reasoning, reasoning_fields = self.reasoning_of(request, template_kwargs)
         prompt_token_ids = self.apply_chat_template(
             request.messages,
             request.add_generation_prompt,
@@ -195,10 +243,11 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
             structured_outputs=constraint or structured_outputs,
+            **reasoning_fields,
         )
         self.check_engine(request.n)
         ids = self.request_ids(raw_request, request, id_prefix)
-        return PreparedChat(ids, prompt_token_ids, params, tool_choice)
+        return PreparedChat(ids, prompt_token_ids, params, tool_choice, reasoning)
 
     async def start(
         self, prepared: PreparedChat, request: ChatCompletionRequest
@@ -252,12 +301,16 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         for completion in final.outputs:
             tool_output = self.tool_output(request, tool_choice)
-            content, tool_calls = tool_output.result(completion.text)
+            reasoning, text = split_reasoning(prepared.reasoning, completion.text)
+            content, tool_calls = tool_output.result(text)
+            message = ChatResponseMessage("assistant", content or "", tool_calls)
+            if self.reasoning_parser is not None:
+                message.reasoning_content = reasoning
             choices.append(
                 ChatChoice(
                     completion.index,
                     # A reply of calls only has content "" (vLLM's), not null.
-                    ChatResponseMessage("assistant", content or "", tool_calls),
+                    message,
                     self._logprobs(completion.token_ids, completion.logprobs, request)
                     if request.logprobs
                     else None,
@@ -278,12 +331,11 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(
         self,
-        request_id: str,
+        prepared: PreparedChat,
         request: ChatCompletionRequest,
-        params: SamplingParams,
-        tool_choice: str,
         results: AsyncGenerator[tuple[int, RequestOutput], None],
     ):
+        request_id, params, tool_choice = prepared.ids[0], prepared.params, prepared.tool_choice
         created = now_seconds()
         usage: UsageInfo | msgspec.UnsetType | None = None if request.include_usage else UNSET
 
@@ -301,6 +353,10 @@ class OpenAIServingChat(OpenAIServing):
         final: RequestOutput | None = None
         streamed = [StreamedChoice(stop_holdback(params)) for _ in range(params.n)]
         tool_outputs = [self.tool_output(request, tool_choice) for _ in range(params.n)]
+        splitters = [
+            ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
+            for _ in range(params.n)
+        ]
         try:
             # OpenAI opens every choice with the role and empty content.
             for index in range(params.n):
@@ -315,18 +371,37 @@ class OpenAIServingChat(OpenAIServing):
                         if delta is None:
                             continue
                         text, first_token, finish_reason = delta
-                        message = DeltaMessage(content=text)
+                        reasoning = None
+                        splitter = splitters[completion.index]
+                        if splitter is not None:
+                            reasoning, text = splitter.feed(text, finish_reason is not None)
+                            reasoning = reasoning or None
+                        message = DeltaMessage(content=text, reasoning_content=reasoning)
                         tool_output = tool_outputs[completion.index]
                         if tool_output.uses_tools:
                             content, tool_deltas = tool_output.update(
                                 text, finish_reason is not None
                             )
-                            message = DeltaMessage(content=content, tool_calls=tool_deltas or None)
+                            message = DeltaMessage(
+                                content=content,
+                                reasoning_content=reasoning,
+                                tool_calls=tool_deltas or None,
+                            )
                             finish_reason = tool_output.finish_reason(
                                 finish_reason, tool_output.num_calls
                             )
-                            if not (content or tool_deltas or finish_reason or request.logprobs):
+                            if not (
+                                content
+                                or reasoning
+                                or tool_deltas
+                                or finish_reason
+                                or request.logprobs
+                            ):
                                 continue
+                        elif splitter is not None and not (
+                            text or reasoning or finish_reason or request.logprobs
+                        ):
+                            continue  # a tag held back: nothing to send yet
                         logprobs = None
                         if request.logprobs:
                             logprobs = self._logprobs(
