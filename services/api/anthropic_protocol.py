@@ -109,6 +109,11 @@ class TextOut(msgspec.Struct, tag="text", tag_field="type"):
     text: str
 
 
+class ThinkingOut(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""  # kvserve signs nothing: an earlier turn's thinking is dropped anyway
+
+
 class ToolUseOut(msgspec.Struct, tag="tool_use", tag_field="type"):
     id: str
     name: str
@@ -125,7 +130,7 @@ class Usage(msgspec.Struct):
 class MessageResponse(msgspec.Struct, tag="message", tag_field="type"):
     id: str
     model: str
-    content: list[TextOut | ToolUseOut]
+    content: list[ThinkingOut | TextOut | ToolUseOut]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage

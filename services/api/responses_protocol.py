@@ -56,6 +56,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     prompt: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None
+    # vLLM's extra, with --reasoning-parser: the engine ends the thinking after this many.
+    thinking_token_budget: Int64 | None = None
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -95,7 +97,20 @@ class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type"):
     status: str = "completed"
 
 
-OutputItem = MessageItem | FunctionCallItem
+class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, tag="reasoning", tag_field="type"):
+    """The thinking (--reasoning-parser), as is: kvserve writes no summaries."""
+
+    id: str
+    content: list[ReasoningText]
+    summary: list[Any] = msgspec.field(default_factory=list)
+    status: str = "completed"
+
+
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem
 
 
 class IncompleteDetails(msgspec.Struct):

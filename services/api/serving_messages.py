@@ -13,9 +13,12 @@ Mapped: `tool_choice` auto / any / tool / none -> "auto" / "required" / a named 
 "none" (auto needs --enable-auto-tool-choice and --tool-call-parser, as in chat);
 `disable_parallel_tool_use` -> parallel_tool_calls false; `tool_result` blocks -> `tool`
 messages; `tool_use` blocks -> an assistant's tool calls; `metadata.user_id` -> `user`.
-Refused with a 400 naming the field: images and documents (the model reads text), `thinking`
-(no reasoning parser yet), server tools, a `service_tier` other than auto / standard_only.
-Earlier turns' thinking blocks are dropped from the prompt.
+With --reasoning-parser, the reply's thinking comes back as a `thinking` block (streamed as
+`thinking_delta`s); `thinking: {"type": "enabled", "budget_tokens": N}` is the engine's
+thinking budget, `{"type": "disabled"}` asks the template not to think (enable_thinking
+false). Refused with a 400 naming the field: images and documents (the model reads text),
+`thinking` enabled without a reasoning parser, server tools, a `service_tier` other than auto /
+standard_only. Earlier turns' thinking blocks are dropped from the prompt.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvserve.services.api.anthropic_protocol import (
     TextBlock,
     TextOut,
     ThinkingBlock,
+    ThinkingOut,
     ToolResultBlock,
     ToolUseBlock,
     ToolUseOut,
@@ -48,6 +52,7 @@ from kvserve.services.api.anthropic_protocol import (
 )
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.protocol import APIError, ChatCompletionRequest, ToolCall
+from kvserve.services.api.reasoning_parsers import ReasoningSplitter
 from kvserve.services.api.serving_base import (
     SSEResponse,
     StreamedChoice,
@@ -55,7 +60,7 @@ from kvserve.services.api.serving_base import (
     run_until_disconnected,
     stop_holdback,
 )
-from kvserve.services.api.serving_chat import OpenAIServingChat, PreparedChat
+from kvserve.services.api.serving_chat import OpenAIServingChat, PreparedChat, split_reasoning
 from kvserve.services.api.tool_calls import resolve_tool_choice, tools_for_template
 from kvserve.shared.logging import init_logger
 
@@ -123,20 +128,32 @@ def _chat_message(message: InputMessage) -> list[dict[str, Any]]:
     return results + ([{"role": "user", "content": text}] if texts or not results else [])
 
 
-def to_chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
+def to_chat_request(
+    request: CountTokensRequest, reasoning_parser: bool = False
+) -> ChatCompletionRequest:
     """The chat completions request a Messages (or count_tokens) request asks for.
+
+    Args:
+        reasoning_parser: the server splits thinking (--reasoning-parser).
 
     Raises:
         APIError: 400 for what kvserve cannot honour (module docstring).
     """
-    if request.thinking is not None and request.thinking.get("type") != "disabled":
-        raise APIError(
-            400,
-            "extended thinking needs a reasoning parser (--reasoning-parser), which this "
-            "server does not have",
-            "thinking",
-        )
     fields: dict[str, Any] = {"model": request.model, "messages": _chat_messages(request)}
+    thinking = request.thinking or {}
+    if thinking.get("type") == "disabled":
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
+    elif thinking:
+        if not reasoning_parser:
+            raise APIError(
+                400,
+                "extended thinking needs a reasoning parser (--reasoning-parser), which this "
+                "server does not have",
+                "thinking",
+            )
+        budget = thinking.get("budget_tokens")
+        if budget is not None:
+            fields["thinking_token_budget"] = budget
     if request.tools:
         for tool in request.tools:
             if tool.type not in (None, "custom"):
@@ -219,7 +236,7 @@ class AnthropicServingMessages:
         self.chat = chat
 
     def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
-        chat_request = to_chat_request(request)
+        chat_request = to_chat_request(request, self.chat.reasoning_parser is not None)
         self.chat.check_model(chat_request.model)
         tool_choice = resolve_tool_choice(chat_request, self.chat.frontend)
         token_ids = self.chat.apply_chat_template(
@@ -230,7 +247,7 @@ class AnthropicServingMessages:
         return CountTokensResponse(len(token_ids))
 
     async def create_message(self, request: MessagesRequest, raw_request: Request) -> Response:
-        chat_request = to_chat_request(request)
+        chat_request = to_chat_request(request, self.chat.reasoning_parser is not None)
         prepared = self.chat.prepare(chat_request, raw_request, "msg_")
         if request.stream:
             results = await self.chat.start(prepared, chat_request)
@@ -240,10 +257,12 @@ class AnthropicServingMessages:
     async def _complete(self, prepared: PreparedChat, request: ChatCompletionRequest) -> Response:
         final = await self.chat.final_output(prepared, request)
         completion = final.outputs[0]
-        content, calls = self.chat.tool_output(request, prepared.tool_choice).result(
-            completion.text
+        reasoning, text = split_reasoning(prepared.reasoning, completion.text)
+        content, calls = self.chat.tool_output(request, prepared.tool_choice).result(text)
+        blocks: list[ThinkingOut | TextOut | ToolUseOut] = (
+            [ThinkingOut(reasoning)] if reasoning else []
         )
-        blocks: list[TextOut | ToolUseOut] = [TextOut(content)] if content else []
+        blocks += [TextOut(content)] if content else []
         blocks += [ToolUseOut(c.id, c.function.name, _tool_input(c)) for c in calls]
         stop_reason, stop_sequence = _stop(completion, len(calls))
         body = MessageResponse(
@@ -304,6 +323,7 @@ class AnthropicServingMessages:
             return events
 
         block_type: str | None = None
+        splitter = ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
         try:
             async for _, final in results:
                 raise_if_failed(final)
@@ -312,6 +332,22 @@ class AnthropicServingMessages:
                 if delta is None:
                     continue
                 text, _, finish_reason = delta
+                if splitter is not None:
+                    reasoning, text = splitter.feed(text, finish_reason is not None)
+                    if reasoning:
+                        if block_type != "thinking":
+                            opened = {"type": "thinking", "thinking": "", "signature": ""}
+                            for event in start(opened):
+                                yield event
+                            block_type = "thinking"
+                        yield _event(
+                            "content_block_delta",
+                            {
+                                "type": "content_block_delta",
+                                "index": index,
+                                "delta": {"type": "thinking_delta", "thinking": reasoning},
+                            },
+                        )
                 content, tool_deltas = (
                     tool_output.update(text, finish_reason is not None)
                     if tool_output.uses_tools

@@ -14,12 +14,16 @@ output_text, function_call items), a status and usage, or as the Responses strea
 
 Input items: messages (role user / system / developer / assistant; string content or
 input_text / output_text parts), `function_call` and `function_call_output`; earlier turns'
-`reasoning` items are dropped from the prompt (no reasoning parser). `store` (the default)
+`reasoning` items are dropped from the prompt. With --reasoning-parser the reply's thinking
+is a `reasoning` output item (its text as a reasoning_text part, streamed as
+response.reasoning_text.delta events), `reasoning.effort` goes to the chat template and
+`thinking_token_budget` (vLLM's extra) is the engine's thinking budget. `store` (the default)
 keeps the response and its conversation in a bounded in-memory store (--responses-store-size,
 --responses-store-ttl), per api process: `previous_response_id` continues it (its
 instructions are not carried over, as in OpenAI's API) and GET returns it; an id not there is
 a 404. Refused with a 400 naming the field: non-function tools, images and files, `include`
-entries, `truncation: auto`, `reasoning`, `background`, `top_logprobs`, `max_tool_calls`,
+entries, `truncation: auto`, `reasoning` (without a reasoning parser; its summaries always),
+`background`, `top_logprobs`, `max_tool_calls`,
 prompt templates, conversations, `item_reference` items.
 """
 
@@ -37,6 +41,7 @@ from starlette.responses import Response
 
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.protocol import APIError, ChatCompletionRequest, ToolCall
+from kvserve.services.api.reasoning_parsers import ReasoningSplitter
 from kvserve.services.api.responses_protocol import (
     FunctionCallItem,
     IncompleteDetails,
@@ -45,6 +50,8 @@ from kvserve.services.api.responses_protocol import (
     OutputItem,
     OutputText,
     OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -56,7 +63,7 @@ from kvserve.services.api.serving_base import (
     run_until_disconnected,
     stop_holdback,
 )
-from kvserve.services.api.serving_chat import OpenAIServingChat, PreparedChat
+from kvserve.services.api.serving_chat import OpenAIServingChat, PreparedChat, split_reasoning
 from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
@@ -164,12 +171,15 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _refuse_unsupported(request: ResponsesRequest) -> None:
+def _refuse_unsupported(request: ResponsesRequest, reasoning_parser: bool) -> None:
+    reasoning = request.reasoning or {}
     asked = {
         "include": bool(request.include),
         "truncation": request.truncation not in (None, "disabled"),
-        "reasoning": request.reasoning is not None
-        and any(value is not None for value in request.reasoning.values()),
+        # With a reasoning parser the effort goes to the chat template; summaries never.
+        "reasoning": reasoning.get("summary") is not None
+        or reasoning.get("generate_summary") is not None
+        or (not reasoning_parser and any(value is not None for value in reasoning.values())),
         "background": bool(request.background),
         "top_logprobs": bool(request.top_logprobs),
         "max_tool_calls": request.max_tool_calls is not None,
@@ -210,15 +220,18 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
 
 
 def to_chat_request(
-    request: ResponsesRequest, history: list[dict[str, Any]]
+    request: ResponsesRequest, history: list[dict[str, Any]], reasoning_parser: bool = False
 ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
     """The chat completions request a Responses request asks for, and the conversation it
     continues with (history + this input, without the instructions).
 
+    Args:
+        reasoning_parser: the server splits thinking (--reasoning-parser).
+
     Raises:
         APIError: 400 for what kvserve cannot honour (module docstring).
     """
-    _refuse_unsupported(request)
+    _refuse_unsupported(request, reasoning_parser)
     conversation = history + input_messages(request.input)
     messages = list(conversation)
     if request.instructions:
@@ -232,6 +245,8 @@ def to_chat_request(
         "max_tokens": request.max_output_tokens,
         "response_format": _response_format(request.text),
         "user": request.user or request.safety_identifier,
+        "reasoning_effort": (request.reasoning or {}).get("effort"),
+        "thinking_token_budget": request.thinking_token_budget,
     }
     if request.tools:
         for tool in request.tools:
@@ -312,7 +327,9 @@ class OpenAIServingResponses:
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
             history = list(self.store.get(request.previous_response_id).conversation)
-        chat_request, conversation = to_chat_request(request, history)
+        chat_request, conversation = to_chat_request(
+            request, history, self.chat.reasoning_parser is not None
+        )
         prepared = self.chat.prepare(chat_request, raw_request, "resp_")
         if request.stream:
             results = await self.chat.start(prepared, chat_request)
@@ -379,10 +396,11 @@ class OpenAIServingResponses:
         conversation: list[dict[str, Any]],
     ) -> Response:
         final = await self.chat.final_output(prepared, chat_request)
-        content, calls = self.chat.tool_output(chat_request, prepared.tool_choice).result(
-            final.outputs[0].text
-        )
+        reasoning, text = split_reasoning(prepared.reasoning, final.outputs[0].text)
+        content, calls = self.chat.tool_output(chat_request, prepared.tool_choice).result(text)
         output: list[OutputItem] = []
+        if reasoning:
+            output.append(ReasoningItem(_new_id("rs"), [ReasoningText(reasoning)]))
         if content or not calls:
             output.append(MessageItem(_new_id("msg"), [OutputText(content or "")]))
         output += [_function_call(call) for call in calls]
@@ -405,6 +423,21 @@ class OpenAIServingResponses:
         streamed = StreamedChoice(stop_holdback(prepared.params))
         tool_output = self.chat.tool_output(chat_request, prepared.tool_choice)
         call_by_index: dict[int, int] = {}  # the parser's call index -> output index
+
+        splitter = ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
+
+        def close_reasoning() -> list[bytes]:
+            item = output[-1] if output else None
+            if not isinstance(item, ReasoningItem) or item.status == "completed":
+                return []
+            item.status = "completed"
+            index = len(output) - 1
+            where = {"item_id": item.id, "output_index": index, "content_index": 0}
+            text = item.content[0].text
+            return [
+                events.send("response.reasoning_text.done", **where, text=text),
+                events.send("response.output_item.done", output_index=index, item=item),
+            ]
 
         def close_text() -> list[bytes]:
             item = output[-1] if output else None
@@ -447,6 +480,28 @@ class OpenAIServingResponses:
                 if delta is None:
                     continue
                 text, _, finish_reason = delta
+                if splitter is not None:
+                    reasoning, text = splitter.feed(text, finish_reason is not None)
+                    if reasoning:
+                        item = output[-1] if output else None
+                        if not isinstance(item, ReasoningItem):
+                            item = ReasoningItem(
+                                _new_id("rs"), [ReasoningText("")], status="in_progress"
+                            )
+                            output.append(item)
+                            yield events.send(
+                                "response.output_item.added",
+                                output_index=len(output) - 1,
+                                item=msgspec.structs.replace(item, content=[]),
+                            )
+                        item.content[0].text += reasoning
+                        yield events.send(
+                            "response.reasoning_text.delta",
+                            item_id=item.id,
+                            output_index=len(output) - 1,
+                            content_index=0,
+                            delta=reasoning,
+                        )
                 content, tool_deltas = (
                     tool_output.update(text, finish_reason is not None)
                     if tool_output.uses_tools
@@ -455,7 +510,7 @@ class OpenAIServingResponses:
                 if content:
                     item = output[-1] if output else None
                     if not isinstance(item, MessageItem) or item.status == "completed":
-                        for event in close_calls():
+                        for event in close_reasoning() + close_calls():
                             yield event
                         item = MessageItem(_new_id("msg"), [], status="in_progress")
                         output.append(item)
@@ -483,7 +538,7 @@ class OpenAIServingResponses:
                 for call in tool_deltas:
                     function = call.function
                     if call.index not in call_by_index:  # a new call
-                        for event in close_text():
+                        for event in close_reasoning() + close_text():
                             yield event
                         name = function.name if function is not None and function.name else ""
                         item = FunctionCallItem(
@@ -508,13 +563,19 @@ class OpenAIServingResponses:
                             delta=function.arguments,
                         )
                 if finish_reason is not None:
-                    for event in close_text() + close_calls():
+                    for event in close_reasoning() + close_text() + close_calls():
                         yield event
-                    if not output:  # nothing said: one empty message, as a whole response has
+                    if not any(isinstance(item, MessageItem | FunctionCallItem) for item in output):
+                        # Nothing said: one empty message, as a whole response has.
                         item = MessageItem(_new_id("msg"), [OutputText("")])
-                        yield events.send("response.output_item.added", output_index=0, item=item)
+                        index = len(output)
+                        yield events.send(
+                            "response.output_item.added", output_index=index, item=item
+                        )
                         output.append(item)
-                        yield events.send("response.output_item.done", output_index=0, item=item)
+                        yield events.send(
+                            "response.output_item.done", output_index=index, item=item
+                        )
                     response = self._finish(request, prepared, output, final, conversation)
                     name = (
                         "response.completed"

@@ -228,6 +228,14 @@ def test_unsupported_fields_are_refused_by_name(client, url):
         client.responses.create(
             model=MODEL, input=[{"role": "user", "content": [image]}], max_output_tokens=1
         )
+    # A thinking budget needs a reasoning parser, which this server has not.
+    with pytest.raises(openai.BadRequestError, match="reasoning parser"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=1,
+            extra_body={"thinking_token_budget": 4},
+        )
     # A field the API does not have at all: a 400 naming it, never silently dropped.
     response = httpx.post(
         url + "/v1/responses", json={"model": MODEL, "input": "Hi", "max_tokenz": 3}
