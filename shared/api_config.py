@@ -157,6 +157,13 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
             "llama3_json (JSON objects), pythonic ([f(a=1), g()])"
         ),
     ] = None
+    runner: Annotated[
+        Literal["auto", "generate", "pooling"],
+        flag_doc(
+            "pooling: also serve /v1/embeddings (the engine pools prompts' final hidden "
+            "states, batched with generation); auto and generate: generation only"
+        ),
+    ] = "auto"
     reasoning_parser: Annotated[
         ReasoningParserName | None,
         flag_doc(

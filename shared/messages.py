@@ -90,6 +90,9 @@ class EngineCoreOutput(msgspec.Struct, **_HOT):
     error: str | None = None  # set when finish_reason is ERROR
     # Events since the request's last output; None (a nil byte) on most steps.
     events: list[EngineCoreEvent] | None = None
+    # An embedding (SamplingParams.pooling): the pooled, normalised hidden state as float32
+    # bytes, in the output that finishes the request.
+    pooled: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -197,6 +200,8 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     # Requests whose token in this step is decided already (a thinking budget spent: the
     # next end-of-thinking token): the sampler allows that token alone.
     forced_token_ids: dict[str, int] = {}
+    # Some scheduled request is an embedding (SamplingParams.pooling): the runner pools.
+    has_pooling: bool = False
     # Speculative decoding: the drafts verified in this step and the drafts to propose.
     spec_decode: SpecDecodeMetadata = msgspec.field(default_factory=SpecDecodeMetadata)
     # KV connector: opaque to the core, built by the scheduler-side connector and read by
@@ -226,6 +231,8 @@ class ModelRunnerOutput(msgspec.Struct, **_HOT):
     spec_token_ids: dict[str, list[int]] = {}
     # KV connector: the worker-side connector's answer to kv_connector_metadata (opaque).
     kv_connector_output: bytes = b""
+    # Embedding requests whose prompt finished in this step: their pooled vectors (float32).
+    pooled: dict[str, bytes] = {}
 
 
 # --------------------------------------------------------------------------- worker -> executor

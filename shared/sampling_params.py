@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -66,6 +66,10 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
             is thinking; structured outputs constrain only what follows them.
         thinking_token_budget: at most this many thinking tokens; then the engine forces
             reasoning_end_token_ids, one per step, and the answer follows (needs them).
+        pooling: an embedding request: nothing is sampled; once the prompt is computed, its
+            final hidden states are pooled ("last": the last token's; "mean": the mean over
+            the prompt, which must then be computed whole, no prefix-cache hit), L2
+            normalised, returned as EngineCoreOutput.pooled, and the request stops.
     """
 
     n: int = 1
@@ -93,6 +97,7 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
     bad_words_token_ids: list[list[int]] | None = None
     reasoning_end_token_ids: list[int] | None = None
     thinking_token_budget: int | None = None
+    pooling: Literal["last", "mean"] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -147,6 +152,8 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
             bad("allowed_token_ids", self.allowed_token_ids, "must list token ids (>= 0)")
         if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
             bad("bad_words", self.bad_words, "must not contain empty words")
+        if self.pooling is not None and self.n != 1:
+            bad("n", self.n, "must be 1 for an embedding (pooling) request")
         if self.reasoning_end_token_ids is not None and (
             not self.reasoning_end_token_ids or min(self.reasoning_end_token_ids) < 0
         ):

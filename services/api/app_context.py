@@ -24,6 +24,7 @@ from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.serving_chat import OpenAIServingChat
 from kvserve.services.api.serving_completions import OpenAIServingCompletion
+from kvserve.services.api.serving_embeddings import OpenAIServingEmbedding
 from kvserve.services.api.serving_messages import AnthropicServingMessages
 from kvserve.services.api.serving_models import ServingModels
 from kvserve.services.api.serving_responses import OpenAIServingResponses, ResponseStore
@@ -49,6 +50,7 @@ class AppContext:
         chat: the chat handler (and its template).
         messages: the Anthropic Messages handler (over chat).
         responses: the OpenAI Responses handler (over chat) and its response store.
+        embeddings: the embeddings handler (--runner pooling).
     """
 
     engine_client: EngineClient
@@ -60,6 +62,7 @@ class AppContext:
     chat: OpenAIServingChat
     messages: AnthropicServingMessages
     responses: OpenAIServingResponses
+    embeddings: OpenAIServingEmbedding
 
     @property
     def max_json_depth(self) -> int:
@@ -100,6 +103,7 @@ def make_context(
         OpenAIServingResponses(
             chat, ResponseStore(frontend.responses_store_size, frontend.responses_store_ttl)
         ),
+        OpenAIServingEmbedding(engine_client, served_model_name, frontend, models),
     )
 
 

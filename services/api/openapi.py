@@ -31,6 +31,7 @@ from kvserve.services.api.protocol import (
     TokenizeResponse,
 )
 from kvserve.services.api.responses_protocol import ResponseObject, ResponsesRequest
+from kvserve.services.api.serving_embeddings import EmbeddingRequest, EmbeddingResponse
 
 _REF = "#/components/schemas/{name}"
 # The errors any POST route may answer, besides its own 200.
@@ -112,6 +113,8 @@ def openapi_document(version: str) -> dict[str, Any]:
             ErrorBody,
             ResponsesRequest,
             ResponseObject,
+            EmbeddingRequest,
+            EmbeddingResponse,
         ],
         ref_template=_REF,
     )
@@ -132,6 +135,9 @@ def openapi_document(version: str) -> dict[str, Any]:
             events="the Responses events, response.created to response.completed",
         ),
         "/v1/responses/{response_id}": _get_stored_response(),
+        "/v1/embeddings": _post(
+            "OpenAI embeddings (--runner pooling)", "EmbeddingRequest", "EmbeddingResponse"
+        ),
         "/v1/messages": _post(
             "Anthropic's Messages API",
             "MessagesRequest",

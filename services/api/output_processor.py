@@ -186,6 +186,8 @@ class OutputProcessor:
             assert parent.prompt_logprobs is not None  # sent only when the request asks
             parent.prompt_logprobs.extend(self._to_logprob_dicts(out.new_prompt_logprobs))
         comp.token_ids.extend(out.new_token_ids)
+        if out.pooled is not None:
+            comp.pooled = out.pooled
         if out.new_logprobs is not None:
             if comp.logprobs is None:
                 comp.logprobs, comp.cumulative_logprob = [], 0.0
@@ -241,6 +243,7 @@ class OutputProcessor:
                 logprobs=list(c.completion.logprobs) if c.completion.logprobs is not None else None,
                 finish_reason=c.completion.finish_reason,
                 stop_reason=c.completion.stop_reason,
+                pooled=c.completion.pooled,
             )
             for c in parent.children.values()
         ]

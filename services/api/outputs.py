@@ -29,6 +29,7 @@ class CompletionOutput:
         logprobs: per generated token, when asked for.
         finish_reason: "stop", "length", "abort", or None while running.
         stop_reason: the stop string or stop token id that ended it, if any.
+        pooled: an embedding request's pooled, normalised vector (float32 bytes).
     """
 
     index: int
@@ -38,6 +39,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    pooled: bytes | None = None  # an embedding request's vector (float32)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

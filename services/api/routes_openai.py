@@ -4,6 +4,7 @@ pair.
 POST /v1/completions, /v1/chat/completions   JSON, or SSE with "stream": true
 POST /v1/responses                           JSON, or the Responses SSE events (stream: true)
 GET  /v1/responses/{id}                      a stored response
+POST /v1/embeddings                          with --runner pooling
 GET  /v1/models
 POST /tokenize, /detokenize                  vLLM's shapes
 """
@@ -27,6 +28,7 @@ from kvserve.services.api.protocol import (
     decode_request,
 )
 from kvserve.services.api.responses_protocol import ResponsesRequest
+from kvserve.services.api.serving_embeddings import EmbeddingRequest
 from kvserve.services.api.validation import check_prompt_chars
 
 
@@ -46,6 +48,12 @@ async def create_response(request: Request) -> Response:
     ctx = context_of(request)
     body = decode_request(await request.body(), ResponsesRequest, ctx.max_json_depth)
     return await ctx.responses.create(body, request)
+
+
+async def create_embedding(request: Request) -> Response:
+    ctx = context_of(request)
+    body = decode_request(await request.body(), EmbeddingRequest, ctx.max_json_depth)
+    return await ctx.embeddings.create_embedding(body, request)
 
 
 async def retrieve_response(request: Request) -> Response:
@@ -91,6 +99,7 @@ def routes(ctx: AppContext) -> list[Route]:
         Route("/v1/chat/completions", with_errors(create_chat_completion), methods=["POST"]),
         Route("/v1/responses", with_errors(create_response), methods=["POST"]),
         Route("/v1/responses/{response_id}", with_errors(retrieve_response), methods=["GET"]),
+        Route("/v1/embeddings", with_errors(create_embedding), methods=["POST"]),
         Route("/v1/models", with_errors(list_models), methods=["GET"]),
         Route("/tokenize", with_errors(tokenize), methods=["POST"]),
         Route("/detokenize", with_errors(detokenize), methods=["POST"]),

@@ -29,6 +29,8 @@ class RequestState:
     prompt_token_ids: list[int] = field(default_factory=list)
     # logit_bias, allowed_token_ids, bad words as arrays; None when the request has none.
     logits_processors: LogitsProcessorState | None = None
+    # Mean pooling: the sum of the prompt's final hidden states over the chunks so far.
+    pooled_sum: torch.Tensor | None = None
 
 
 class InputBatch:

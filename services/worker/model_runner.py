@@ -464,6 +464,7 @@ class ModelRunner:
         step.hidden = self._forward(step)
         if self.proposer is not None:
             self.proposer.after_forward(step)
+        pooled = self._pool(step) if step.so.has_pooling else {}
         if len(step.sample_idx) and step.verifies_drafts:
             self._verify_drafts(step)
         elif len(step.sample_idx):
@@ -473,8 +474,40 @@ class ModelRunner:
         if self.proposer is not None:
             spec_token_ids = self.proposer.propose(step, self.batch)
         return ModelRunnerOutput(
-            step.req_ids, step.sampled, step.logprobs, prompt_logprobs, spec_token_ids
+            step.req_ids, step.sampled, step.logprobs, prompt_logprobs, spec_token_ids, b"", pooled
         )
+
+    def _pool(self, step: StepBatch) -> dict[str, bytes]:
+        """The embedding requests of the step: each chunk's hidden states pooled (the sum, for
+        "mean"); once the prompt is done, the normalised vector (on the last pipeline stage,
+        which has the hidden states). They sample nothing: on every rank they leave
+        step.sample_idx."""
+        pooled: dict[str, bytes] = {}
+        pooling_idx = []
+        starts = step.query_start_loc
+        for i, state in enumerate(step.states):
+            how = state.sampling_params.pooling
+            if how is None:
+                continue
+            pooling_idx.append(i)
+            if step.hidden is None:
+                continue
+            end = int(step.num_computed[i]) + int(step.num_scheduled[i])
+            rows = step.hidden[int(starts[i]) : int(starts[i + 1])].float()
+            if how == "mean":
+                total = rows.sum(dim=0)
+                state.pooled_sum = total if state.pooled_sum is None else state.pooled_sum + total
+            if end < state.num_prompt_tokens:
+                continue
+            if how == "last":
+                vector = rows[-1]
+            else:
+                assert state.pooled_sum is not None
+                vector = state.pooled_sum / state.num_prompt_tokens
+            vector = torch.nn.functional.normalize(vector, dim=0)
+            pooled[state.req_id] = vector.cpu().numpy().astype(np.float32).tobytes()
+        step.sample_idx = np.setdiff1d(step.sample_idx, pooling_idx)
+        return pooled
 
     def _forward(self, step: StepBatch) -> torch.Tensor | None:
         graphs = self.cuda_graphs

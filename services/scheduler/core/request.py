@@ -218,8 +218,10 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        # Prompt logprobs need the logits of every prompt position, so nothing may be reused.
-        return self.sampling_params.prompt_logprobs is not None
+        # Prompt logprobs need the logits of every prompt position, and mean pooling the
+        # hidden state of every prompt position: nothing may be reused.
+        params = self.sampling_params
+        return params.prompt_logprobs is not None or params.pooling == "mean"
 
     @property
     def is_finished(self) -> bool:

@@ -52,6 +52,22 @@ def forced_tokens_of(plan: StepPlan, requests: dict[str, Request]) -> dict[str, 
     return forced
 
 
+def pooled_output(request: Request, pooled: bytes) -> EngineCoreOutput:
+    """The one output of an embedding request: its pooled vector, and its end."""
+    num_cached_tokens = 0
+    if not request.sent_first_output:
+        request.sent_first_output = True
+        num_cached_tokens = max(request.num_cached_tokens, 0)
+    return EngineCoreOutput(
+        request_id=request.req_id,
+        new_token_ids=[],
+        finish_reason=request.get_finished_reason(),
+        num_cached_tokens=num_cached_tokens,
+        events=request.take_events(),
+        pooled=pooled,
+    )
+
+
 def make_request_output(
     request: Request,
     sampled_token_ids: list[int],

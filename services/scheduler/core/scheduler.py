@@ -36,6 +36,7 @@ from kvserve.services.scheduler.core.request_output import (
     forced_tokens_of,
     grammar_bitmask_of,
     make_request_output,
+    pooled_output,
 )
 from kvserve.services.scheduler.core.request_queue import create_request_queue
 from kvserve.services.scheduler.core.spec_scheduler import SpecDecodeScheduler
@@ -147,6 +148,7 @@ class Scheduler:
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         self._num_live_grammars = 0  # requests holding a matcher (bitmask work to do)
         self._num_thinking_budgets = 0  # live requests whose thinking end may be forced
+        self._num_pooling = 0  # live embedding requests (the runner pools their prompts)
         # Finished or aborted since the last schedule(): the workers drop their state.
         self.finished_req_ids: set[str] = set()
         # Outputs not tied to a step (rejected requests), sent with the next step's outputs.
@@ -186,6 +188,8 @@ class Scheduler:
         self.requests[request.req_id] = request
         if request.sampling_params.thinking_token_budget is not None:
             self._num_thinking_budgets += 1
+        if request.sampling_params.pooling is not None:
+            self._num_pooling += 1
         if self.spec_decode is not None:
             self.spec_decode.add_request(request)
         params = request.sampling_params.structured_outputs
@@ -244,6 +248,8 @@ class Scheduler:
         assert request.is_finished, f"{request} freed before it finished"
         if request.sampling_params.thinking_token_budget is not None:
             self._num_thinking_budgets -= 1
+        if request.sampling_params.pooling is not None:
+            self._num_pooling -= 1
         if request.structured_output is not None and request.structured_output.grammar:
             request.structured_output.grammar = None
             self._num_live_grammars -= 1
@@ -282,6 +288,7 @@ class Scheduler:
             SpecDecodeScheduler.make_metadata(plan),
             self.kv_connector.build_connector_meta(plan) if self.kv_connector else b"",
             forced_tokens_of(plan, self.requests) if self._num_thinking_budgets else None,
+            has_pooling=self._num_pooling > 0,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -579,6 +586,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran
+            pooled = model_runner_output.pooled.get(req_id)
+            if pooled is not None:  # an embedding: its prompt is done, and so is it
+                request.status = RequestStatus.FINISHED_STOPPED
+                outputs.append(pooled_output(request, pooled))
+                stopped.append(request)
+                continue
             row = row_of.get(req_id)
             sampled = model_runner_output.sampled_token_ids[row] if row is not None else []
             output = self._take_sampled(request, sampled, scheduler_output, model_runner_output)

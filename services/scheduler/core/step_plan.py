@@ -64,6 +64,7 @@ def make_scheduler_output(
     spec_decode: SpecDecodeMetadata,
     kv_connector_metadata: bytes,
     forced_token_ids: dict[str, int] | None = None,
+    has_pooling: bool = False,
 ) -> SchedulerOutput:
     """The step's SchedulerOutput, built before num_computed_tokens advances (the workers
     get pre-step values)."""
@@ -96,6 +97,7 @@ def make_scheduler_output(
         grammar_req_ids=grammar_req_ids,
         grammar_bitmask=grammar_bitmask,
         forced_token_ids=forced_token_ids or {},
+        has_pooling=has_pooling,
         spec_decode=spec_decode,
         kv_connector_metadata=kv_connector_metadata,
     )

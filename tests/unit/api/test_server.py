@@ -23,6 +23,7 @@ BASE_ROUTES = {
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/responses",
+    "/v1/embeddings",
     "/v1/responses/{response_id}",
     "/v1/messages",
     "/v1/messages/count_tokens",
