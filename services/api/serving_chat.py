@@ -30,6 +30,7 @@ from kvserve.services.api.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    DeltaToolCall,
     TopLogprob,
     UsageInfo,
     now_seconds,
@@ -115,6 +116,17 @@ def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | No
         return None, text
     reasoning, content = ReasoningSplitter(parser).split(text)
     return reasoning, content or ""
+
+
+class ChatDelta(NamedTuple):
+    """What one step adds to a chat-shaped stream's first choice (`chat_deltas`)."""
+
+    reasoning: str  # new thinking text ("" without a reasoning parser)
+    content: str | None  # new answer text, tool-call markup taken out
+    tool_deltas: list[DeltaToolCall]
+    finish_reason: str | None
+    num_calls: int  # tool calls so far
+    final: RequestOutput  # the cumulative output
 
 
 class PreparedChat(NamedTuple):
@@ -284,6 +296,37 @@ class OpenAIServingChat(OpenAIServing):
         assert final is not None and final.finished, "the request's stream ended early"
         raise_if_failed(final)
         return final
+
+    async def chat_deltas(
+        self,
+        prepared: PreparedChat,
+        request: ChatCompletionRequest,
+        results: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> AsyncGenerator[ChatDelta, None]:
+        """The first choice's new reasoning, content and tool-call pieces as they come, with
+        the stop-string holdback, the reasoning split and the tool parsing applied: what
+        the chat-shaped surfaces (/v1/messages, /v1/responses) render as their own events.
+        Failures raise."""
+        streamed = StreamedChoice(stop_holdback(prepared.params))
+        tool_output = self.tool_output(request, prepared.tool_choice)
+        splitter = ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
+        async for _, final in results:
+            raise_if_failed(final)
+            delta = streamed.next_delta(final.outputs[0], want_tokens=False)
+            if delta is None:
+                continue
+            text, _, finish_reason = delta
+            reasoning = ""
+            if splitter is not None:
+                reasoning, text = splitter.feed(text, finish_reason is not None)
+            content, tool_deltas = (
+                tool_output.update(text, finish_reason is not None)
+                if tool_output.uses_tools
+                else (text or None, [])
+            )
+            yield ChatDelta(
+                reasoning, content, tool_deltas, finish_reason, tool_output.num_calls, final
+            )
 
     def tool_output(self, request: ChatCompletionRequest, tool_choice: str) -> ToolCallOutput:
         """How one choice's text becomes content and tool calls (the chat-shaped surfaces

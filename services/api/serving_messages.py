@@ -52,13 +52,9 @@ from kvserve.services.api.anthropic_protocol import (
 )
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.protocol import APIError, ChatCompletionRequest, ToolCall
-from kvserve.services.api.reasoning_parsers import ReasoningSplitter
 from kvserve.services.api.serving_base import (
     SSEResponse,
-    StreamedChoice,
-    raise_if_failed,
     run_until_disconnected,
-    stop_holdback,
 )
 from kvserve.services.api.serving_chat import OpenAIServingChat, PreparedChat, split_reasoning
 from kvserve.services.api.tool_calls import resolve_tool_choice, tools_for_template
@@ -299,8 +295,6 @@ class AnthropicServingMessages:
             },
         )
         yield _event("ping", {"type": "ping"})
-        streamed = StreamedChoice(stop_holdback(prepared.params))
-        tool_output = self.chat.tool_output(request, prepared.tool_choice)
         index, open_block = -1, False  # the block being written, and whether one is open
 
         def close() -> list[bytes]:
@@ -323,36 +317,23 @@ class AnthropicServingMessages:
             return events
 
         block_type: str | None = None
-        splitter = ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
         try:
-            async for _, final in results:
-                raise_if_failed(final)
-                completion = final.outputs[0]
-                delta = streamed.next_delta(completion, want_tokens=False)
-                if delta is None:
-                    continue
-                text, _, finish_reason = delta
-                if splitter is not None:
-                    reasoning, text = splitter.feed(text, finish_reason is not None)
-                    if reasoning:
-                        if block_type != "thinking":
-                            opened = {"type": "thinking", "thinking": "", "signature": ""}
-                            for event in start(opened):
-                                yield event
-                            block_type = "thinking"
-                        yield _event(
-                            "content_block_delta",
-                            {
-                                "type": "content_block_delta",
-                                "index": index,
-                                "delta": {"type": "thinking_delta", "thinking": reasoning},
-                            },
-                        )
-                content, tool_deltas = (
-                    tool_output.update(text, finish_reason is not None)
-                    if tool_output.uses_tools
-                    else (text or None, [])
-                )
+            async for step in self.chat.chat_deltas(prepared, request, results):
+                content, finish_reason = step.content, step.finish_reason
+                if step.reasoning:
+                    if block_type != "thinking":
+                        opened = {"type": "thinking", "thinking": "", "signature": ""}
+                        for event in start(opened):
+                            yield event
+                        block_type = "thinking"
+                    yield _event(
+                        "content_block_delta",
+                        {
+                            "type": "content_block_delta",
+                            "index": index,
+                            "delta": {"type": "thinking_delta", "thinking": step.reasoning},
+                        },
+                    )
                 if content:
                     if block_type != "text":
                         for event in start({"type": "text", "text": ""}):
@@ -366,7 +347,7 @@ class AnthropicServingMessages:
                             "delta": {"type": "text_delta", "text": content},
                         },
                     )
-                for call in tool_deltas:
+                for call in step.tool_deltas:
                     function = call.function
                     if call.id is not None:  # a new call
                         name = function.name if function is not None else ""
@@ -394,8 +375,9 @@ class AnthropicServingMessages:
                 if finish_reason is not None:
                     for event in close():
                         yield event
-                    stop_reason, stop_sequence = _stop(completion, tool_output.num_calls)
-                    usage = _usage(final, num_prompt_tokens, len(completion.token_ids))
+                    completion = step.final.outputs[0]
+                    stop_reason, stop_sequence = _stop(completion, step.num_calls)
+                    usage = _usage(step.final, num_prompt_tokens, len(completion.token_ids))
                     yield _event(
                         "message_delta",
                         {

@@ -41,7 +41,6 @@ from starlette.responses import Response
 
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.protocol import APIError, ChatCompletionRequest, ToolCall
-from kvserve.services.api.reasoning_parsers import ReasoningSplitter
 from kvserve.services.api.responses_protocol import (
     FunctionCallItem,
     IncompleteDetails,
@@ -58,10 +57,7 @@ from kvserve.services.api.responses_protocol import (
 )
 from kvserve.services.api.serving_base import (
     SSEResponse,
-    StreamedChoice,
-    raise_if_failed,
     run_until_disconnected,
-    stop_holdback,
 )
 from kvserve.services.api.serving_chat import OpenAIServingChat, PreparedChat, split_reasoning
 from kvserve.shared.logging import init_logger
@@ -420,11 +416,7 @@ class OpenAIServingResponses:
         started = self._response(request, prepared, output, "in_progress", None)
         yield events.send("response.created", response=started)
         yield events.send("response.in_progress", response=started)
-        streamed = StreamedChoice(stop_holdback(prepared.params))
-        tool_output = self.chat.tool_output(chat_request, prepared.tool_choice)
         call_by_index: dict[int, int] = {}  # the parser's call index -> output index
-
-        splitter = ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
 
         def close_reasoning() -> list[bytes]:
             item = output[-1] if output else None
@@ -473,40 +465,28 @@ class OpenAIServingResponses:
             return sent
 
         try:
-            async for _, final in results:
-                raise_if_failed(final)
-                completion = final.outputs[0]
-                delta = streamed.next_delta(completion, want_tokens=False)
-                if delta is None:
-                    continue
-                text, _, finish_reason = delta
-                if splitter is not None:
-                    reasoning, text = splitter.feed(text, finish_reason is not None)
-                    if reasoning:
-                        item = output[-1] if output else None
-                        if not isinstance(item, ReasoningItem):
-                            item = ReasoningItem(
-                                _new_id("rs"), [ReasoningText("")], status="in_progress"
-                            )
-                            output.append(item)
-                            yield events.send(
-                                "response.output_item.added",
-                                output_index=len(output) - 1,
-                                item=msgspec.structs.replace(item, content=[]),
-                            )
-                        item.content[0].text += reasoning
-                        yield events.send(
-                            "response.reasoning_text.delta",
-                            item_id=item.id,
-                            output_index=len(output) - 1,
-                            content_index=0,
-                            delta=reasoning,
+            async for step in self.chat.chat_deltas(prepared, chat_request, results):
+                content, finish_reason = step.content, step.finish_reason
+                if step.reasoning:
+                    item = output[-1] if output else None
+                    if not isinstance(item, ReasoningItem):
+                        item = ReasoningItem(
+                            _new_id("rs"), [ReasoningText("")], status="in_progress"
                         )
-                content, tool_deltas = (
-                    tool_output.update(text, finish_reason is not None)
-                    if tool_output.uses_tools
-                    else (text or None, [])
-                )
+                        output.append(item)
+                        yield events.send(
+                            "response.output_item.added",
+                            output_index=len(output) - 1,
+                            item=msgspec.structs.replace(item, content=[]),
+                        )
+                    item.content[0].text += step.reasoning
+                    yield events.send(
+                        "response.reasoning_text.delta",
+                        item_id=item.id,
+                        output_index=len(output) - 1,
+                        content_index=0,
+                        delta=step.reasoning,
+                    )
                 if content:
                     item = output[-1] if output else None
                     if not isinstance(item, MessageItem) or item.status == "completed":
@@ -535,7 +515,7 @@ class OpenAIServingResponses:
                         delta=content,
                         logprobs=[],
                     )
-                for call in tool_deltas:
+                for call in step.tool_deltas:
                     function = call.function
                     if call.index not in call_by_index:  # a new call
                         for event in close_reasoning() + close_text():
@@ -576,7 +556,7 @@ class OpenAIServingResponses:
                         yield events.send(
                             "response.output_item.done", output_index=index, item=item
                         )
-                    response = self._finish(request, prepared, output, final, conversation)
+                    response = self._finish(request, prepared, output, step.final, conversation)
                     name = (
                         "response.completed"
                         if response.status == "completed"

@@ -52,12 +52,17 @@ def forced_tokens_of(plan: StepPlan, requests: dict[str, Request]) -> dict[str, 
     return forced
 
 
+def take_num_cached_tokens(request: Request) -> int:
+    """The prefix-cache hit for the request's first output; 0 for the later ones."""
+    if request.sent_first_output:
+        return 0
+    request.sent_first_output = True
+    return max(request.num_cached_tokens, 0)
+
+
 def pooled_output(request: Request, pooled: bytes) -> EngineCoreOutput:
     """The one output of an embedding request: its pooled vector, and its end."""
-    num_cached_tokens = 0
-    if not request.sent_first_output:
-        request.sent_first_output = True
-        num_cached_tokens = max(request.num_cached_tokens, 0)
+    num_cached_tokens = take_num_cached_tokens(request)
     return EngineCoreOutput(
         request_id=request.req_id,
         new_token_ids=[],
@@ -101,10 +106,7 @@ def make_request_output(
     )
     if not new_token_ids and prompt_logprobs is None and not request.is_finished:
         return None
-    num_cached_tokens = 0
-    if not request.sent_first_output:
-        request.sent_first_output = True
-        num_cached_tokens = max(request.num_cached_tokens, 0)
+    num_cached_tokens = take_num_cached_tokens(request)
     return EngineCoreOutput(
         request_id=request.req_id,
         new_token_ids=new_token_ids,

@@ -10,6 +10,7 @@ from kvserve.services.api.reasoning_parsers import (
     ReasoningSplitter,
     get_reasoning_parser,
 )
+from kvserve.shared.config import REASONING_PARSER_NAMES
 
 R1 = get_reasoning_parser("deepseek_r1")
 
@@ -46,6 +47,7 @@ def test_qwen3_thinks_unless_the_request_turns_it_off():
     assert qwen3.starts_thinking({}) and qwen3.starts_thinking({"enable_thinking": True})
     assert not qwen3.starts_thinking({"enable_thinking": False})
     assert R1.starts_thinking({"enable_thinking": False})  # R1 always thinks
-    assert set(REASONING_PARSERS) >= {"deepseek_r1", "qwen3"}
+    # The flag's choices (shared/config.py) are the registered parsers.
+    assert set(REASONING_PARSERS) == set(REASONING_PARSER_NAMES) >= {"deepseek_r1", "qwen3"}
     with pytest.raises(ValueError, match="deepseek_r1"):
         get_reasoning_parser("nope")

@@ -130,14 +130,14 @@ def test_defaults_are_vllms():
             "backend 'outlines' is not supported",
         ),
         (
-            ["--structured-outputs-config", '{"reasoning_parser": "deepseek_r1"}'],
-            "reasoning parsers are not built yet",
+            ["--structured-outputs-config", '{"reasoning_parser": "granite"}'],
+            "reasoning_parser 'granite' is not one of deepseek_r1, qwen3",
         ),
         (
             ["--guided-decoding-backend", "outlines"],
             "--guided-decoding-backend outlines: not supported by kvserve",
         ),
-        (["--reasoning-parser", "deepseek_r1"], "reasoning parsers: not built yet"),
+        (["--reasoning-parser", "granite"], "invalid choice: 'granite'"),
     ],
 )
 def test_unsupported_and_invalid_flags_are_refused_by_name(argv, message, capsys):
@@ -145,6 +145,12 @@ def test_unsupported_and_invalid_flags_are_refused_by_name(argv, message, capsys
         parse_options(["serve", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_reasoning_parser_and_the_runner_reach_the_front_end():
+    options = _serve("--reasoning-parser", "qwen3", "--runner", "pooling")
+    assert options.frontend.reasoning_parser == "qwen3" and options.frontend.runner == "pooling"
+    assert _serve().frontend.reasoning_parser is None
 
 
 def test_config_file_flags_and_command_line_precedence(tmp_path):
