@@ -511,7 +511,9 @@ class ChatResponseMessage(msgspec.Struct):
     role: str
     content: str | None
     tool_calls: list[ToolCall] = []
-    # The thinking, split off by --reasoning-parser (absent without one).
+    # The thinking, split off by --reasoning-parser (absent without one): `reasoning` as
+    # vLLM >= 0.11 names it, and `reasoning_content`, its older name, which clients still read.
+    reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
     reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -551,6 +553,7 @@ class DeltaToolCall(msgspec.Struct, omit_defaults=True):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # vLLM's name, and its older one below: the same text
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

@@ -348,7 +348,7 @@ class OpenAIServingChat(OpenAIServing):
             content, tool_calls = tool_output.result(text)
             message = ChatResponseMessage("assistant", content or "", tool_calls)
             if self.reasoning_parser is not None:
-                message.reasoning_content = reasoning
+                message.reasoning = message.reasoning_content = reasoning
             choices.append(
                 ChatChoice(
                     completion.index,
@@ -419,7 +419,9 @@ class OpenAIServingChat(OpenAIServing):
                         if splitter is not None:
                             reasoning, text = splitter.feed(text, finish_reason is not None)
                             reasoning = reasoning or None
-                        message = DeltaMessage(content=text, reasoning_content=reasoning)
+                        message = DeltaMessage(
+                            content=text, reasoning=reasoning, reasoning_content=reasoning
+                        )
                         tool_output = tool_outputs[completion.index]
                         if tool_output.uses_tools:
                             content, tool_deltas = tool_output.update(
@@ -427,6 +429,7 @@ class OpenAIServingChat(OpenAIServing):
                             )
                             message = DeltaMessage(
                                 content=content,
+                                reasoning=reasoning,
                                 reasoning_content=reasoning,
                                 tool_calls=tool_deltas or None,
                             )

@@ -64,6 +64,7 @@ def test_the_budget_ends_the_thinking_and_the_answer_follows(client):
     # BUDGET thinking tokens, then the end tag the engine forced, token by token.
     end = next(i for i in range(len(tokens)) if "".join(tokens[BUDGET : i + 1]) == "</think>")
     assert end > BUDGET - 1 and "".join(tokens[:BUDGET]) == reply.message.reasoning_content
+    assert reply.message.reasoning == reply.message.reasoning_content  # vLLM's newer name
     assert reply.message.content == "".join(tokens[end + 1 :]).lstrip("\n")
     assert reply.message.content.strip()
 
@@ -77,13 +78,15 @@ def test_without_a_budget_a_reply_that_never_ends_its_thinking_is_all_reasoning(
 def test_streamed_deltas_add_up_to_the_whole_reply(client):
     body = {"thinking_token_budget": BUDGET}
     whole = ask(client, extra_body=body).choices[0].message
-    reasoning, content = "", ""
+    reasoning, content, newer = "", "", ""
     for chunk in ask(client, extra_body=body, stream=True):
         delta = chunk.choices[0].delta if chunk.choices else None
         if delta is not None:
             reasoning += getattr(delta, "reasoning_content", None) or ""
+            newer += getattr(delta, "reasoning", None) or ""
             content += delta.content or ""
     assert (reasoning, content) == (whole.reasoning_content, whole.content)
+    assert newer == reasoning
 
 
 def test_structured_output_constrains_the_answer_not_the_thinking(client):
