@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from kvserve.services.api.protocol import APIError, Int64
 from kvserve.services.api.serving_base import OpenAIServing, raise_if_failed
+from kvserve.services.api.validation import check_prompt_length
 from kvserve.shared.logging import init_logger
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -105,13 +106,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             if not token_ids:
                 raise APIError(400, "an input is empty", "input")
             self.check_prompt_tokens(token_ids, "input")
-            if len(token_ids) >= self.engine_client.max_model_len:
-                raise APIError(
-                    400,
-                    f"an input has {len(token_ids)} tokens; max_model_len is "
-                    f"{self.engine_client.max_model_len}",
-                    "input",
-                )
+            check_prompt_length(len(token_ids), self.engine_client.max_model_len, "input")
             prompts.append(token_ids)
         return prompts
 

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.support.server import serving
+from tests.support.server import serving_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -38,24 +38,14 @@ HELLO = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("messages") / "serve.log")
-    with serving(
-        [
-            "--served-model-name",
-            MODEL,
-            "--max-model-len",
-            "1024",
-            "--kv-cache-memory",
-            "256M",
-            "--enable-auto-tool-choice",
-            "--tool-call-parser",
-            "hermes",
-            "--api-key",
-            KEY,
-            "--uvicorn-log-level",
-            "warning",
-        ],
-        log_path,
+    with serving_default_model(
+        tmp_path_factory,
+        MODEL,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--api-key",
+        KEY,
     ) as url:
         yield url
 

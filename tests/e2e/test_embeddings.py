@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.support.server import serving
+from tests.support.server import serving_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -29,23 +29,15 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("embeddings") / "serve.log")
-    with serving(
-        [
-            "--served-model-name",
-            MODEL,
-            "--runner",
-            "pooling",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--kv-cache-memory",
-            "256M",
-            "--uvicorn-log-level",
-            "warning",
-        ],
-        log_path,
+    with serving_default_model(
+        tmp_path_factory,
+        MODEL,
+        "--runner",
+        "pooling",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
     ) as url:
         yield url
 
@@ -116,7 +108,7 @@ def test_bad_embedding_requests_are_refused_by_name(client):
         ({"input": [""]}, "empty"),
         ({"input": [{"text": "x"}]}, "token ids"),
         ({"input": "x", "dimensions": 8}, "dimensions"),
-        ({"input": "word " * 600}, "max_model_len"),
+        ({"input": "word " * 600}, "maximum context length is 512 tokens"),
         ({"input": [[10**9]]}, "token ids must be in"),
     ]
     for fields, named in cases:

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.support.server import serving
+from tests.support.server import serving_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -28,22 +28,7 @@ BUDGET = 4
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("reasoning") / "serve.log")
-    with serving(
-        [
-            "--served-model-name",
-            MODEL,
-            "--max-model-len",
-            "1024",
-            "--kv-cache-memory",
-            "256M",
-            "--reasoning-parser",
-            "deepseek_r1",
-            "--uvicorn-log-level",
-            "warning",
-        ],
-        log_path,
-    ) as url:
+    with serving_default_model(tmp_path_factory, MODEL, "--reasoning-parser", "deepseek_r1") as url:
         yield url
 
 

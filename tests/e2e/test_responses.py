@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.support.server import serving
+from tests.support.server import serving_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -42,24 +42,14 @@ HELLO = "Name three colours of the rainbow."
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("responses") / "serve.log")
-    with serving(
-        [
-            "--served-model-name",
-            MODEL,
-            "--max-model-len",
-            "1024",
-            "--kv-cache-memory",
-            "256M",
-            "--enable-auto-tool-choice",
-            "--tool-call-parser",
-            "hermes",
-            "--responses-store-size",
-            "4",
-            "--uvicorn-log-level",
-            "warning",
-        ],
-        log_path,
+    with serving_default_model(
+        tmp_path_factory,
+        MODEL,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--responses-store-size",
+        "4",
     ) as url:
         yield url
 

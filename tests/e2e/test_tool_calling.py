@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.support.metrics import engine_idle, metrics_text
-from tests.support.server import serving
+from tests.support.server import serving_default_model
 from tests.support.streams import collect_stream
 from tests.support.waiting import wait_until
 
@@ -42,22 +42,8 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("tools") / "serve.log")
-    with serving(
-        [
-            "--served-model-name",
-            MODEL,
-            "--max-model-len",
-            "1024",
-            "--kv-cache-memory",
-            "256M",
-            "--enable-auto-tool-choice",
-            "--tool-call-parser",
-            "hermes",
-            "--uvicorn-log-level",
-            "warning",
-        ],
-        log_path,
+    with serving_default_model(
+        tmp_path_factory, MODEL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"
     ) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         assert wait_until(lambda: engine_idle(url), timeout_s=30), metrics_text(url)

@@ -124,6 +124,17 @@ def serving(serve_args: list[str], log_path: str) -> Iterator[str]:
             process.wait()
 
 
+@contextlib.contextmanager
+def serving_default_model(tmp_path_factory, name: str, *flags: str) -> Iterator[str]:
+    """`serving` of the embedded default model as `name`, with the e2e tests' small footprint
+    (max_model_len 1024, a 256 MiB KV cache, uvicorn's warnings only); `flags` come after
+    and win. The log goes to a new temporary folder named after `name`."""
+    log_path = str(tmp_path_factory.mktemp(name) / "serve.log")
+    common = ["--served-model-name", name, "--max-model-len", "1024", "--kv-cache-memory", "256M"]
+    with serving([*common, "--uvicorn-log-level", "warning", *flags], log_path) as url:
+        yield url
+
+
 class ServeProcess:
     """`kvserve serve ARGS` in a session of its own, so cleanup reaches every descendant.
 
