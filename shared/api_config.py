@@ -192,8 +192,29 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     responses_store_ttl: Annotated[
         float, flag_doc("seconds a stored /v1/responses response is kept")
     ] = 3600.0
+    max_request_migrations: Annotated[
+        int,
+        flag_doc(
+            "times a request moves to a live engine core after a death it may have caused (it "
+            "had produced nothing on that engine yet); past it the request is quarantined and "
+            "fails with an error naming why; 0: the requests of a dead engine core fail"
+        ),
+    ] = 2
+    migration_wait_s: Annotated[
+        float,
+        flag_doc(
+            "seconds a request whose engine core died waits for a live one (with one engine "
+            "and --restart-dead-engines: for its restart) before it fails"
+        ),
+    ] = 60.0
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
+        if self.max_request_migrations < 0:
+            raise ValueError(
+                f"--max-request-migrations must be >= 0, got {self.max_request_migrations}"
+            )
+        if self.migration_wait_s < 0:
+            raise ValueError(f"--migration-wait-s must be >= 0, got {self.migration_wait_s}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")

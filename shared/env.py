@@ -219,3 +219,10 @@ INSECURE_TRANSPORT = EnvVar(
     "1 allows tcp:// sockets without keys (plain text, no authentication); "
     "--insecure-transport sets it for the processes a command starts",
 )
+FAULT_POISON_TOKEN_ID = EnvVar(
+    "KVSERVE_FAULT_POISON_TOKEN_ID",
+    None,
+    int,
+    "tests only: an engine core kills itself (SIGKILL) on a request whose prompt holds this "
+    "token id, as a request that crashes every engine it lands on would (a poison request)",
+)

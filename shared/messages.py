@@ -40,6 +40,10 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     priority: int = 0
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None  # the adapter to run with; None: the base model
+    # A migrated request (its engine died): the tokens it had already emitted, which the new
+    # engine recomputes with the prompt and counts as output (max_tokens, penalties, the
+    # grammar, the thinking, the seeded generator's draws), emitting only what follows.
+    resumed_output_token_ids: list[int] = []
 
 
 class Logprobs(msgspec.Struct, **_HOT):

@@ -141,6 +141,8 @@ async def _connected_client(
                     load_table_addr=topology.load_table_addr,
                     kv_store_address=topology.kv_store_address,
                     wait_for_restarts=topology.wait_for_restarts,
+                    max_request_migrations=api.frontend.max_request_migrations,
+                    migration_wait_s=api.frontend.migration_wait_s,
                 ),
                 engine_processes=engines.processes if engines else {},
             ),

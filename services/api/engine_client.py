@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
@@ -24,6 +24,9 @@ from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import EngineReady
+
+if TYPE_CHECKING:
+    from kvserve.services.api.migration import MigrationStats
 
 logger = init_logger(__name__)
 
@@ -180,6 +183,10 @@ class EngineClient:
     def engine_handshakes(self) -> list[EngineReady]:
         """Every engine core's READY message, by engine index (none known here)."""
         return []
+
+    def migration_stats(self) -> MigrationStats | None:
+        """Requests moved off dead engine cores (None: this client moves none)."""
+        return None
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """Raise EngineOverloadedError when no engine can queue `num_requests` more engine

@@ -33,8 +33,9 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from kvserve.services.api.migration import MIGRATION_REASONS, RESUME_BUCKETS
 from kvserve.services.api.stats import IterationStats
 from kvserve.shared.messages import FinishReason, SchedulerStats
 
@@ -287,10 +288,62 @@ class _EngineStatsCollector:
         for engine_index, _, _ in per_engine:
             family.add_metric(self._labels(engine_index), float(states.get(engine_index) != "dead"))
         yield family
+        family = GaugeMetricFamily(
+            "kvserve:engine_suspect",
+            "1 while the engine core is silent past the heartbeat timeout (it gets no new "
+            "requests, keeps its running ones) and not yet declared hung.",
+            labels=LABELS,
+        )
+        for engine_index, _, _ in per_engine:
+            family.add_metric(
+                self._labels(engine_index), float(states.get(engine_index) == "suspect")
+            )
+        yield family
+        yield from self._migrations()
         yield from self._cache_config_info()
         yield from self._gemm_path_info()
         if self.max_loras is not None:
             yield self._lora_requests_info(per_engine)
+
+    def _migrations(self):
+        stats = self.engine_client.migration_stats()
+        counter = CounterMetricFamily(
+            "kvserve:request_migrations",
+            "Requests moved to a live engine core after theirs died, by why it died.",
+            labels=["model_name", "reason"],
+        )
+        moves = stats.moves if stats is not None else {}
+        for reason in MIGRATION_REASONS:
+            counter.add_metric([self.model_name, reason], moves.get(reason, 0))
+        yield counter
+        counter = CounterMetricFamily(
+            "kvserve:request_migrations_failed",
+            "Requests of a dead engine core that could not move: quarantined (past "
+            "--max-request-migrations) or no engine core within --migration-wait-s.",
+            labels=["model_name", "cause"],
+        )
+        counter.add_metric([self.model_name, "quarantined"], stats.quarantined if stats else 0)
+        counter.add_metric([self.model_name, "no_engine"], stats.failed if stats else 0)
+        yield counter
+        histogram = HistogramMetricFamily(
+            "kvserve:request_migration_resume_seconds",
+            "Seconds from an engine core's death to a moved request's first output on its "
+            "new engine core.",
+            labels=["model_name"],
+        )
+        buckets = [
+            (str(bound), count)
+            for bound, count in zip(
+                RESUME_BUCKETS, stats.resume_bucket_counts if stats else [0] * len(RESUME_BUCKETS)
+            )
+        ]
+        count = stats.resume_count if stats else 0
+        histogram.add_metric(
+            [self.model_name],
+            [*buckets, ("+Inf", count)],
+            stats.resume_sum_s if stats else 0.0,
+        )
+        yield histogram
 
     def _labels(self, engine_index: int) -> list[str]:
         return [self.model_name, str(engine_index)]

@@ -13,16 +13,19 @@ the engines, their books, `send`):
                                         (picked once, at start-up, from the engines' roles)
     EngineLiveness  engine_liveness.py  dead processes, silence, readmission after a restart
     UtilityCalls    engine_utility.py   RPCs into an engine's busy loop (stats, ping, reset)
+    RequestMigrator migration.py        a dead engine's requests resume on a live one
 
 and keeps what ties them: the output loop and the handling of one engine's death. With data
 parallelism (N > 1 engine cores on the same two sockets) each request goes to the engine the
-router picks, and every engine is watched on its own. A dead engine fails the requests it
-holds with EngineDeadError naming it; new requests go to the engines left; once none is left
-(with P/D: once a stage has none) the client is dead (`wait_dead`), unless it waits for
-restarts (`--restart-dead-engines`, headless nodes that may rejoin): then it answers 503
-until an engine is back. A loop that is alive but makes no progress while it has work (hung,
-or one step longer than ENGINE_STALL_TIMEOUT_S) gets no new requests while it lasts;
-/health turns 503 only when no engine is serving.
+router picks, and every engine is watched on its own. A dead engine's requests move to a
+live engine and their streams go on (migration.py; those that cannot move fail with
+EngineDeadError naming why); new requests go to the engines left; once none is left (with
+P/D: once a stage has none) the client is dead (`wait_dead`), unless it waits for restarts
+(`--restart-dead-engines`, headless nodes that may rejoin): then it answers 503 until an
+engine is back, and the moving requests wait for it (--migration-wait-s). A loop that is
+alive but makes no progress while it has work (hung, or one step longer than
+ENGINE_STALL_TIMEOUT_S) gets no new requests while it lasts; /health turns 503 only when no
+engine is serving.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvserve.services.api.engine_liveness import EngineLiveness
 from kvserve.services.api.engine_pool import EnginePool
 from kvserve.services.api.engine_routing import EngineRouting, make_router
 from kvserve.services.api.engine_utility import UtilityCalls
+from kvserve.services.api.migration import MigrationStats, RequestMigrator
 from kvserve.services.api.pd_flow import PDFlow, make_flow
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.env import (
@@ -72,6 +76,9 @@ class ClientTopology:
         kv_store_address: the P/D KV store's address, for /health (None: not known here).
         wait_for_restarts: with no engine left, answer 503 and wait for one to say READY
             again rather than die.
+        max_request_migrations: how often a request may move for deaths it may have caused
+            (--max-request-migrations; 0: the requests of a dead engine fail).
+        migration_wait_s: how long a moving request waits for a live engine.
     """
 
     num_engines: int = 1
@@ -79,6 +86,8 @@ class ClientTopology:
     load_table_addr: str | None = None
     kv_store_address: str | None = None
     wait_for_restarts: bool = False
+    max_request_migrations: int = 2
+    migration_wait_s: float = 60.0
 
 
 class MPEngineClient(EngineClient):
@@ -133,6 +142,14 @@ class MPEngineClient(EngineClient):
             ENGINE_HEARTBEAT_TIMEOUT_S.get(),
         )
         self.utilities = UtilityCalls(self.pool)
+        self.migrator = RequestMigrator(
+            self.pool,
+            self.output_processor,
+            self._send_requests,
+            lambda request_id, reason: self._fail_requests([request_id], reason),
+            topology.max_request_migrations,
+            topology.migration_wait_s,
+        )
         self._tasks = [
             asyncio.create_task(self._process_outputs(), name="engine-outputs"),
             asyncio.create_task(self.liveness.watch(), name="engine-liveness"),
@@ -252,6 +269,9 @@ class MPEngineClient(EngineClient):
     def engine_handshakes(self) -> list[EngineReady]:
         return [engine.handshake for engine in self.pool.sorted_engines()]
 
+    def migration_stats(self) -> MigrationStats:
+        return self.migrator.stats
+
     async def check_health(self) -> None:
         """Raise EngineDeadError when dead, EngineStalledError while no engine serves."""
         if self.dead_reason is not None:
@@ -294,6 +314,7 @@ class MPEngineClient(EngineClient):
             if len(self.engines) > 1:
                 logger.debug("request %s -> engine core %d", parent.request_id, engine.engine_index)
         self.pool.assign(requests, engine)
+        self.migrator.on_sent(requests)
 
     async def _send_abort(self, engine_request_ids: list[str]) -> None:
         await self.pool.abort(engine_request_ids)
@@ -303,12 +324,24 @@ class MPEngineClient(EngineClient):
 
     def _forget_request(self, request_id: str, child_ids: list[str]) -> None:
         self.pool.forget(request_id, child_ids)
+        self.migrator.forget(request_id, child_ids)
 
     async def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
         engine = self.engines.get(outputs.engine_index)
         if engine is not None and outputs.scheduler_stats is not None:
             engine.on_stats(outputs.scheduler_stats)
         self.flow.on_outputs(outputs)
+        migrator = self.migrator
+        if migrator.moved_children:
+            outputs.outputs = [
+                output
+                for output in outputs.outputs
+                if not migrator.is_stale(output.request_id, outputs.engine_index)
+            ]
+            if migrator.resuming:
+                now = time.monotonic()
+                for output in outputs.outputs:
+                    migrator.on_output(output.request_id, now)
         await super()._handle_outputs(outputs)
 
     async def _process_outputs(self) -> None:
@@ -356,7 +389,7 @@ class MPEngineClient(EngineClient):
         self.routing.router.remove_engine(engine.engine_index)
         num_alive = len(self.pool.live_ids(self.engines))
         logger.error(
-            "engine core %d is gone (%s); failing its %d in-flight requests; %d of "
+            "engine core %d is gone (%s); moving its %d in-flight requests; %d of "
             "%d engine cores left",
             engine.engine_index,
             reason,
@@ -366,8 +399,9 @@ class MPEngineClient(EngineClient):
         )
         self.utilities.fail_engine(engine.engine_index, reason)
         self.flow.on_engine_died(engine.engine_index, reason)
-        self._fail_requests(list(engine.request_ids), reason)
+        request_ids = list(engine.request_ids)
         self.pool.drop_books(engine.engine_index)
+        self.migrator.move(request_ids, reason)
         if not replaced:
             self._after_death(num_alive, reason)
 
@@ -402,6 +436,7 @@ class MPEngineClient(EngineClient):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.migrator.shutdown()
         # Whatever still waits fails now, and nothing is sent on the closed sockets.
         reason = "the api server is shutting down"
         if self.queues or self.utilities.futures:

@@ -81,6 +81,7 @@ class InputBatch:
         if params.seed is not None:
             generator = torch.Generator()
             generator.manual_seed(params.seed + seed_offset)
+            skip_draws(generator, len(new.output_token_ids))
         state = RequestState(
             new.req_id,
             row,
@@ -128,3 +129,13 @@ class InputBatch:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
         state.output_token_ids.append(token_id)
+
+
+def skip_draws(generator: torch.Generator, num_draws: int) -> None:
+    """Advance a seeded request's generator past the draws its output tokens took (a request
+    resumed after a preemption, or migrated from a dead engine), so that it goes on as the
+    uninterrupted request would. The sampler draws one uniform per sampled token
+    (sampler.inverse_cdf_sample), one at a time; with speculative decoding the count differs
+    (the rejection sampler's draws), and the resumed tokens keep their distribution only."""
+    for _ in range(num_draws):
+        torch.rand(1, generator=generator)

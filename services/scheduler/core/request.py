@@ -154,12 +154,14 @@ class Request:
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
+        # Resumed answer tokens the grammar has yet to walk (it compiles after arrival).
+        self.grammar_replay: list[int] = []
 
     @classmethod
     def from_engine_core_request(
         cls, req: EngineCoreRequest, block_hasher: BlockHasher | None
     ) -> Request:
-        return cls(
+        request = cls(
             req_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling_params=req.sampling_params,
@@ -170,6 +172,19 @@ class Request:
             block_hasher=block_hasher,
             lora_request=req.lora_request,
         )
+        if req.resumed_output_token_ids:
+            request.resume(req.resumed_output_token_ids)
+        return request
+
+    def resume(self, output_token_ids: list[int]) -> None:
+        """Take the tokens a migrated request already emitted elsewhere as its output, as if
+        sampled here: the thinking counts them, and the grammar walks the answer among them
+        once it compiles. Like a preempted request, it recomputes them all before it samples."""
+        for token_id in output_token_ids:
+            answering = self.thinking is None or not self.thinking.take(token_id)
+            if answering and self.sampling_params.structured_outputs is not None:
+                self.grammar_replay.append(token_id)
+        self.append_output_token_ids(output_token_ids)
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens and hash any block they complete."""

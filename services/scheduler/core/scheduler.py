@@ -314,6 +314,12 @@ class Scheduler:
                 self._fail_request(request, str(exc))
                 continue
             self._num_live_grammars += 1
+            replay, request.grammar_replay = request.grammar_replay, []
+            if replay and not state.grammar.accept_tokens(replay):
+                self._fail_request(
+                    request, "the tokens it emitted before it moved do not fit its grammar"
+                )
+                continue
             request.status = RequestStatus.WAITING
             self.waiting.add_request(request)
 

@@ -7,6 +7,7 @@ serves the offline `LLM`; the engine-core process wraps the same object with IO 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -20,6 +21,7 @@ from kvserve.services.scheduler.engine.request_checks import (
 from kvserve.services.scheduler.executors.executor import Executor, UniExecutor
 from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, EngineConfig
+from kvserve.shared.env import FAULT_POISON_TOKEN_ID
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
     EngineCoreOutputs,
@@ -90,6 +92,7 @@ class EngineCore:
         if config.cache.kv_offloading_size is not None:
             config = self._start_offload_tier(config)
         self.config = config
+        self.poison_token_id = FAULT_POISON_TOKEN_ID.get()  # tests only (shared/env.py)
         self.executor = make_executor(config, model_dir)
         num_blocks = self.executor.determine_num_blocks()
         (gemm_plan,) = self.executor.collective_rpc(
@@ -196,6 +199,14 @@ class EngineCore:
         if error is None and self.bound_waiting and self.num_waiting_requests >= max_waiting:
             error = queue_full_error(max_waiting)
         if error is None:
+            if (
+                self.poison_token_id is not None
+                and self.poison_token_id in request.prompt_token_ids
+            ):
+                logger.error(
+                    "request %s is poison (test hook): killing this engine core", request.request_id
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
             self.scheduler.add_request(request)
         else:
             self.scheduler.reject(request.request_id, error)

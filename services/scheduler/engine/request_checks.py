@@ -61,6 +61,7 @@ def check_engine_request(
         vocab_size = _MAX_TOKEN_ID + 1
     id_lists = {
         "prompt_token_ids": request.prompt_token_ids,
+        "resumed_output_token_ids": request.resumed_output_token_ids,
         "stop_token_ids": params.stop_token_ids or (),
         "allowed_token_ids": params.allowed_token_ids or (),
         "logit_bias": params.logit_bias or (),
@@ -123,6 +124,12 @@ class RequestChecker:
         num_prompt_tokens = len(request.prompt_token_ids)
         if not num_prompt_tokens:
             return "the prompt is empty; send at least one token"
+        num_resumed = len(request.resumed_output_token_ids)
+        if num_resumed and num_prompt_tokens + num_resumed >= self.max_model_len:
+            return (
+                f"the migrated request holds {num_prompt_tokens + num_resumed} tokens but "
+                f"max_model_len is {self.max_model_len}"
+            )
         if num_prompt_tokens >= self.max_model_len:
             return (
                 f"the prompt has {num_prompt_tokens} tokens but max_model_len is "

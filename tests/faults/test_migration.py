@@ -1,0 +1,289 @@
+"""Request migration: an engine core's death costs no request (services/api/migration.py).
+
+Real `kvserve serve` processes of the tiny random Llama, real HTTP through the official
+openai client, real SIGKILLs. Each test first runs its requests on an undisturbed server
+(the reference), then again with a death in the middle of the streams, and asserts that
+every stream ended as it does without the death: no error, the same tokens (greedy and
+seeded sampling alike), logprobs for every token, a structured output that validates, and
+no KV block left on the engines that served on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+
+import jsonschema
+import openai
+import psutil
+import pytest
+
+from tests.support.metrics import metrics_text, read_metric
+from tests.support.server import DP_MODEL_NAME, ServeProcess, start_dp_front_end
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}assistant:"
+MAX_TOKENS = 300  # the tiny model holds 512 tokens
+# A long bounded string of ASCII letters (the byte-level tiny tokenizer would write invalid
+# UTF-8 otherwise): the random model's answer is mid-stream at the kill.
+LONG_TEXT = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "pattern": "^[a-z]{150,180}$"}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+
+
+@dataclass
+class Stream:
+    """One streamed request and what came back."""
+
+    kind: str  # greedy, seeded or json
+    index: int
+    text: str = ""
+    tokens: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_chunks: int = 0
+    request_id: str = ""
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _run(url: str, stream: Stream, on_chunk=None) -> None:
+    """Stream one request into `stream` (in a thread): three kinds, each with its checks.
+    `on_chunk(stream)` runs after each chunk."""
+    client = _client(url)
+    try:
+        if stream.kind == "json":
+            chunks = client.chat.completions.create(
+                model=DP_MODEL_NAME,
+                messages=[{"role": "user", "content": f"JSON number {stream.index}"}],
+                max_tokens=MAX_TOKENS,
+                temperature=1.0,
+                seed=1000 + stream.index,
+                stream=True,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "long_text", "schema": LONG_TEXT},
+                },
+            )
+            for chunk in chunks:
+                stream.num_chunks += 1
+                stream.request_id = chunk.id
+                if on_chunk is not None:
+                    on_chunk(stream)
+                if chunk.choices:
+                    stream.text += chunk.choices[0].delta.content or ""
+                    stream.finish_reason = chunk.choices[0].finish_reason or stream.finish_reason
+            return
+        seeded = stream.kind == "seeded"
+        chunks = client.completions.create(
+            model=DP_MODEL_NAME,
+            prompt=f"stream {stream.index}: once upon a time",
+            max_tokens=MAX_TOKENS,
+            temperature=1.0 if seeded else 0.0,
+            seed=stream.index if seeded else None,
+            logprobs=2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in chunks:
+            stream.num_chunks += 1
+            stream.request_id = chunk.id
+            if on_chunk is not None:
+                on_chunk(stream)
+            choice = chunk.choices[0]
+            stream.text += choice.text
+            if choice.logprobs is not None:
+                stream.tokens += choice.logprobs.tokens or []
+                stream.logprobs += choice.logprobs.token_logprobs or []
+            stream.finish_reason = choice.finish_reason or stream.finish_reason
+    except openai.OpenAIError as exc:
+        stream.error = repr(exc)
+
+
+def _streams() -> list[Stream]:
+    return [Stream(kind, i) for i in range(4) for kind in ("greedy", "seeded")] + [
+        Stream("json", 0),
+        Stream("json", 1),
+    ]
+
+
+class KillMidStream:
+    """SIGSTOP `pid` once every stream has KILL_AFTER_CHUNKS chunks (the tiny model streams
+    300 tokens in about a second: every stream is surely in flight then), and SIGKILL it
+    half a second later."""
+
+    KILL_AFTER_CHUNKS = 3
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.streams: list[Stream] = []
+        self.fired = threading.Event()
+        self._lock = threading.Lock()
+        self._killer: threading.Timer | None = None
+
+    def on_chunk(self, stream: Stream) -> None:
+        if self.fired.is_set() or stream.num_chunks < self.KILL_AFTER_CHUNKS:
+            return
+        with self._lock:
+            if self.fired.is_set() or any(
+                s.num_chunks < self.KILL_AFTER_CHUNKS for s in self.streams
+            ):
+                return
+            os.kill(self.pid, signal.SIGSTOP)
+            self.fired.set()
+            self._killer = threading.Timer(0.5, os.kill, (self.pid, signal.SIGKILL))
+            self._killer.start()
+
+    def join(self) -> None:
+        assert self.fired.is_set(), "no stream got far enough to kill the engine"
+        assert self._killer is not None
+        self._killer.join()
+
+
+def _run_all(url: str, kill: KillMidStream | None = None) -> list[Stream]:
+    """Run every stream at once (with `kill`'s SIGSTOP and SIGKILL among them)."""
+    streams = _streams()
+    on_chunk = None
+    if kill is not None:
+        kill.streams, on_chunk = streams, kill.on_chunk
+    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+        futures = [pool.submit(_run, url, stream, on_chunk) for stream in streams]
+        for future in futures:
+            future.result(timeout=180)
+    if kill is not None:
+        kill.join()
+    return streams
+
+
+def _assert_same(streams: list[Stream], reference: list[Stream]) -> None:
+    for stream, expected in zip(streams, reference):
+        name = f"{stream.kind} stream {stream.index}"
+        assert stream.error is None, f"{name}: {stream.error}"
+        assert stream.finish_reason == expected.finish_reason, name
+        assert stream.text == expected.text, f"{name} differs from the undisturbed run"
+        if stream.kind == "json":
+            jsonschema.validate(json.loads(stream.text), LONG_TEXT)
+            continue
+        assert stream.finish_reason == "length"
+        assert len(stream.tokens) == len(stream.logprobs) == MAX_TOKENS, name
+        assert stream.tokens == expected.tokens, name
+        assert stream.logprobs == pytest.approx(expected.logprobs, abs=1e-3), name
+
+
+def _engine_pids(server: ServeProcess) -> list[int]:
+    _, body = server.health()
+    return [engine["pid"] for engine in body["engines"]]
+
+
+def _assert_engine_idle(server: ServeProcess, engine: int) -> None:
+    """The engine holds no request and no KV block (cached ones are free)."""
+
+    def idle() -> bool:
+        text = metrics_text(server.url)
+        return all(
+            read_metric(text, name, engine=str(engine)) == 0
+            for name in (
+                "kvserve:num_requests_running",
+                "kvserve:num_requests_waiting",
+                "kvserve:kv_cache_usage_perc",
+            )
+        )
+
+    assert wait_until(idle, timeout_s=30), f"engine {engine} still holds requests or blocks"
+
+
+def _moved_kinds(server: ServeProcess, streams: list[Stream]) -> set[str]:
+    log = server.log()
+    return {s.kind for s in streams if f"request {s.request_id} moved" in log}
+
+
+def _migrations(server: ServeProcess, reason: str) -> float:
+    return read_metric(
+        metrics_text(server.url), "kvserve:request_migrations_total", reason=reason
+    )
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_llama_dir, tmp_path_factory):
+    server = start_dp_front_end(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("migration-dp"),
+        "--structured-outputs-config",
+        '{"disable_any_whitespace": true}',
+        "--chat-template",
+        CHAT_TEMPLATE,
+    )
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_killed_engine_streams_resume_on_the_other(dp_server):
+    reference = _run_all(dp_server.url)
+    _assert_same(reference, reference)  # no errors, full lengths, valid JSON
+    victim = _engine_pids(dp_server)[1]
+
+    streams = _run_all(dp_server.url, KillMidStream(victim))
+
+    _assert_same(streams, reference)
+    # Placement decides which kinds sat on engine 1; the one-engine test moves them all.
+    assert _moved_kinds(dp_server, streams), "no stream was on the killed engine"
+    assert _migrations(dp_server, "engine_died") >= 1
+    resumed = read_metric(
+        metrics_text(dp_server.url), "kvserve:request_migration_resume_seconds_count"
+    )
+    assert resumed >= 1
+    _assert_engine_idle(dp_server, 0)
+    assert "moved to engine core 0" in dp_server.log()
+    status, body = dp_server.health()
+    assert status == 200 and body["engines"][1]["state"] == "dead", body
+
+
+@pytest.fixture(scope="module")
+def restarting_server(tiny_llama_dir, tmp_path_factory):
+    """One engine core, restarted when it dies."""
+    server = start_dp_front_end(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("migration-restart"),
+        "--data-parallel-size",
+        "1",
+        "--restart-dead-engines",
+        "--structured-outputs-config",
+        '{"disable_any_whitespace": true}',
+        "--chat-template",
+        CHAT_TEMPLATE,
+    )
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_one_engine_streams_wait_for_its_restart(restarting_server):
+    server = restarting_server
+    reference = _run_all(server.url)
+    (victim,) = _engine_pids(server)
+
+    streams = _run_all(server.url, KillMidStream(victim))
+
+    _assert_same(streams, reference)
+    assert _moved_kinds(server, streams) == {"greedy", "seeded", "json"}
+    assert _migrations(server, "engine_died") >= 1
+    (pid,) = _engine_pids(server)
+    assert pid != victim and psutil.pid_exists(pid)
+    _assert_engine_idle(server, 0)
