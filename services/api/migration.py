@@ -157,6 +157,7 @@ class RequestMigrator:
         """The engine holding these api requests died (`reason`): move each, or fail it."""
         died_at = time.monotonic()
         kind = death_kind(reason)
+        reason = reason.splitlines()[0]  # one log line per request (not a traceback each)
         for request_id in request_ids:
             parent = self.output_processor.parents.get(request_id)
             if parent is None:
@@ -180,7 +181,10 @@ class RequestMigrator:
                     refusal,
                     reason,
                 )
-                self._fail(request_id, f"{refusal}; the last engine core died: {reason}")
+                self._fail(
+                    request_id,
+                    f"request quarantined: {refusal}; the last engine core died: {reason}",
+                )
                 continue
             self.stats.moves[kind] = self.stats.moves.get(kind, 0) + 1
             task = asyncio.get_running_loop().create_task(

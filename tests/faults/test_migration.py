@@ -46,6 +46,8 @@ class Stream:
 
     kind: str  # greedy, seeded or json
     index: int
+    prompt: str | list[int] | None = None  # None: "stream {index}: once upon a time"
+    max_tokens: int = MAX_TOKENS
     text: str = ""
     tokens: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -89,8 +91,8 @@ def _run(url: str, stream: Stream, on_chunk=None) -> None:
         seeded = stream.kind == "seeded"
         chunks = client.completions.create(
             model=DP_MODEL_NAME,
-            prompt=f"stream {stream.index}: once upon a time",
-            max_tokens=MAX_TOKENS,
+            prompt=stream.prompt or f"stream {stream.index}: once upon a time",
+            max_tokens=stream.max_tokens,
             temperature=1.0 if seeded else 0.0,
             seed=stream.index if seeded else None,
             logprobs=2,
@@ -177,7 +179,7 @@ def _assert_same(streams: list[Stream], reference: list[Stream]) -> None:
             jsonschema.validate(json.loads(stream.text), LONG_TEXT)
             continue
         assert stream.finish_reason == "length"
-        assert len(stream.tokens) == len(stream.logprobs) == MAX_TOKENS, name
+        assert len(stream.tokens) == len(stream.logprobs) == stream.max_tokens, name
         assert stream.tokens == expected.tokens, name
         assert stream.logprobs == pytest.approx(expected.logprobs, abs=1e-3), name
 
@@ -210,9 +212,7 @@ def _moved_kinds(server: ServeProcess, streams: list[Stream]) -> set[str]:
 
 
 def _migrations(server: ServeProcess, reason: str) -> float:
-    return read_metric(
-        metrics_text(server.url), "kvserve:request_migrations_total", reason=reason
-    )
+    return read_metric(metrics_text(server.url), "kvserve:request_migrations_total", reason=reason)
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +287,128 @@ def test_one_engine_streams_wait_for_its_restart(restarting_server):
     (pid,) = _engine_pids(server)
     assert pid != victim and psutil.pid_exists(pid)
     _assert_engine_idle(server, 0)
+
+
+POISON_TOKEN_ID = 255  # the byte 0xff: no ASCII prompt holds it
+
+
+@pytest.fixture(scope="module")
+def poisoned_server(tiny_llama_dir, tmp_path_factory):
+    """Two engine cores, restarted when they die, which die on a prompt holding
+    POISON_TOKEN_ID (the test hook KVSERVE_FAULT_POISON_TOKEN_ID); a request moves once at
+    most for a death it may have caused."""
+    os.environ["KVSERVE_FAULT_POISON_TOKEN_ID"] = str(POISON_TOKEN_ID)
+    try:
+        server = start_dp_front_end(
+            tiny_llama_dir,
+            tmp_path_factory.mktemp("migration-poison"),
+            "--restart-dead-engines",
+            "--max-request-migrations",
+            "1",
+        )
+    finally:
+        del os.environ["KVSERVE_FAULT_POISON_TOKEN_ID"]
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def _run_greedy(url: str, on_all_started=None, token_prompts: bool = False) -> list[Stream]:
+    """Six greedy streams at once; `on_all_started()` runs (once) when each has 3 chunks.
+
+    Args:
+        token_prompts: prompts of token ids below 100, and 200 tokens (for the
+            tensor-parallel model, which borrows the default model's tokenizer for its 128
+            ids and holds 256 tokens).
+    """
+    streams = [
+        Stream("greedy", i, [1 + i, 2 + i, 3 + i], 200) if token_prompts else Stream("greedy", i)
+        for i in range(6)
+    ]
+    fired = threading.Event()
+    lock = threading.Lock()
+
+    def on_chunk(_: Stream) -> None:
+        if on_all_started is None or fired.is_set():
+            return
+        with lock:
+            if not fired.is_set() and all(s.num_chunks >= 3 for s in streams):
+                fired.set()
+                threading.Thread(target=on_all_started).start()
+
+    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+        for future in [pool.submit(_run, url, stream, on_chunk) for stream in streams]:
+            future.result(timeout=180)
+    assert on_all_started is None or fired.is_set()
+    return streams
+
+
+def test_a_poison_request_is_quarantined_and_the_others_finish(poisoned_server):
+    server = poisoned_server
+    reference = _run_greedy(server.url)
+    first_pids = set(_engine_pids(server))
+    poison: dict = {}
+
+    def send_poison() -> None:
+        try:
+            _client(server.url).completions.create(
+                model=DP_MODEL_NAME, prompt=[65, 66, POISON_TOKEN_ID], max_tokens=8
+            )
+            poison["error"] = None
+        except openai.APIStatusError as exc:
+            poison["error"] = exc
+
+    streams = _run_greedy(server.url, on_all_started=send_poison)
+
+    _assert_same(streams, reference)  # the bystanders moved (twice, some) and finished
+    error = poison["error"]
+    assert isinstance(error, openai.APIStatusError), poison
+    assert error.status_code == 503
+    assert "quarantined" in str(error) and "--max-request-migrations" in str(error)
+    text = metrics_text(server.url)
+    assert read_metric(text, "kvserve:request_migrations_failed_total", cause="quarantined") == 1
+    assert "is quarantined" in server.log()
+    # Both engine cores died of it (the first one it landed on and the one it moved to), were
+    # restarted, and serve again.
+    assert wait_until(lambda: server.health()[1]["status"] == "healthy", timeout_s=60)
+    assert not first_pids & set(_engine_pids(server))
+    assert server.complete("still serving") != ""
+
+
+@pytest.fixture(scope="module")
+def tp_server(default_model_dir, tmp_path_factory):
+    """Two engine cores of two tensor-parallel workers each."""
+    from tests.support.models import save_tiny_parallel_llama
+
+    model_dir = save_tiny_parallel_llama(str(tmp_path_factory.mktemp("tiny-tp-llama")))
+    server = start_dp_front_end(
+        model_dir,
+        tmp_path_factory.mktemp("migration-tp"),
+        "--tokenizer",
+        default_model_dir,  # the TP model's 128 ids are the first of this vocabulary
+        "--tensor-parallel-size",
+        "2",
+    )
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_killed_worker_streams_resume_on_the_other_engine(tp_server):
+    reference = _run_greedy(tp_server.url, token_prompts=True)
+    engine_pid = _engine_pids(tp_server)[1]
+    worker = psutil.Process(engine_pid).children()[-1]
+
+    def kill_worker() -> None:
+        worker.send_signal(signal.SIGKILL)
+
+    streams = _run_greedy(tp_server.url, kill_worker, token_prompts=True)
+
+    _assert_same(streams, reference)
+    assert _moved_kinds(tp_server, streams) == {"greedy"}
+    assert _migrations(tp_server, "worker_died") >= 1
+    _assert_engine_idle(tp_server, 0)
