@@ -23,6 +23,8 @@ import psutil
 import pytest
 
 from tests.support.metrics import metrics_text, read_metric
+from tests.support.models import TINY_KV_CACHE_MEMORY
+from tests.support.ports import free_port
 from tests.support.server import DP_MODEL_NAME, ServeProcess, start_dp_front_end
 from tests.support.waiting import wait_until
 
@@ -412,3 +414,54 @@ def test_a_killed_worker_streams_resume_on_the_other_engine(tp_server):
     assert _moved_kinds(tp_server, streams) == {"greedy"}
     assert _migrations(tp_server, "worker_died") >= 1
     _assert_engine_idle(tp_server, 0)
+
+
+@pytest.fixture(scope="module")
+def pd_server(tiny_llama_dir, tmp_path_factory):
+    """P/D: one prefill engine core and two decode engine cores, a KV store between them."""
+    port = free_port()
+    server = ServeProcess(
+        [
+            tiny_llama_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-cache-memory",
+            str(TINY_KV_CACHE_MEMORY),
+            "--served-model-name",
+            DP_MODEL_NAME,
+            "--uvicorn-log-level",
+            "warning",
+            "--prefill-size",
+            "1",
+            "--decode-size",
+            "2",
+            "--kv-store-size",
+            "64M",
+        ],
+        str(tmp_path_factory.mktemp("migration-pd") / "serve.log"),
+        port,
+    )
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_pd_a_killed_decode_engine_streams_resume_through_the_store(pd_server):
+    reference = _run_greedy(pd_server.url)
+    _, body = pd_server.health()
+    decode = [e for e in body["engines"] if e.get("kv_role") == "kv_consumer"]
+    assert [e["engine"] for e in decode] == [1, 2], body
+    loaded_before = pd_server.metric("kvserve:external_prefix_cache_hits_total", 1)
+
+    streams = _run_greedy(pd_server.url, lambda: os.kill(decode[1]["pid"], signal.SIGKILL))
+
+    _assert_same(streams, reference)
+    assert _moved_kinds(pd_server, streams) == {"greedy"}
+    # The moved streams' prompts and emitted tokens went through a prefill copy into the
+    # store, and the surviving decode engine loaded them rather than computing them.
+    assert pd_server.metric("kvserve:external_prefix_cache_hits_total", 1) > loaded_before
+    _assert_engine_idle(pd_server, 1)
