@@ -13,10 +13,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import threading
 from dataclasses import dataclass, field
 
+import httpx
 import jsonschema
 import openai
 import psutil
@@ -465,3 +467,60 @@ def test_pd_a_killed_decode_engine_streams_resume_through_the_store(pd_server):
     # store, and the surviving decode engine loaded them rather than computing them.
     assert pd_server.metric("kvserve:external_prefix_cache_hits_total", 1) > loaded_before
     _assert_engine_idle(pd_server, 1)
+
+
+@pytest.fixture(scope="module")
+def shared_store_server(tiny_llama_dir, tmp_path_factory):
+    """Two engine cores that both save to and load from one KV store (kv_both)."""
+    from tests.support.kv_store import StoreProcess
+
+    store = StoreProcess("--size", "64M")
+    transfer = {
+        "kv_connector": "KvStoreConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store_address": store.ipc, "timeout_s": 2.0},
+    }
+    server = start_dp_front_end(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("migration-kv-both"),
+        "--kv-transfer-config",
+        json.dumps(transfer),
+    )
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+        store.stop()
+
+
+def test_kv_both_a_moved_stream_loads_its_blocks_from_the_store(shared_store_server):
+    server = shared_store_server
+    reference = _run_greedy(server.url)
+    # The engines forget their own prefixes: what the moved streams find comes from the store.
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 200
+    victim = _engine_pids(server)[1]
+
+    streams = _run_greedy(server.url, lambda: os.kill(victim, signal.SIGKILL))
+
+    _assert_same(streams, reference)
+    log = server.log()
+    moved = [s for s in streams if f"request {s.request_id} moved" in log]
+    assert moved, "no stream was on the killed engine"
+    block_size = 16
+    for stream in moved:
+        emitted = int(
+            re.search(rf"request {stream.request_id} moved .* with (\d+) emitted", log)[1]
+        )
+        prompt, cached = map(
+            int,
+            re.search(
+                rf"request {stream.request_id} finished \(length\): (\d+) prompt \+ \d+ output "
+                rf"tokens, (\d+) cached",
+                log,
+            ).groups(),
+        )
+        # Every full block of prompt + emitted tokens but the last token's was a hit.
+        assert cached >= (prompt + emitted - 1) // block_size * block_size, (prompt, emitted)
+    assert server.metric("kvserve:external_prefix_cache_hits_total", 0) > 0
+    _assert_engine_idle(server, 0)
