@@ -1,7 +1,8 @@
 """Faults survived: every process kind SIGKILLed under load, again and again.
 
     PYTHONPATH=. .venv/bin/python bench/faults.py [--kinds engine,worker,coordinator,kv_store,
-        headless,api] [--repeats 10] [--concurrency 6] [--output-json faults.json]
+        headless,api] [--repeats 10] [--concurrency 6] [--data-parallel-size 2]
+        [--output-json faults.json]
 
 Each kind runs the deployment a user would run (`kvserve serve ...` processes, in sessions of
 their own), keeps --concurrency streaming completions going, and --repeats times SIGKILLs the
@@ -12,12 +13,17 @@ of a process that was serving, which restarts at once, not a crash loop, which b
 
 | kind        | deployment                                         | victim                    |
 |-------------|----------------------------------------------------|---------------------------|
-| engine      | default model, --restart-dead-engines              | the engine core           |
-| worker      | a tiny TP=2 model, --restart-dead-engines          | worker rank 1             |
+| engine      | default model, --restart-dead-engines              | the engine core (the last) |
+| worker      | a tiny TP=2 model, --restart-dead-engines          | worker rank 1 (of the last) |
 | coordinator | default model, DP=2                                | the DP coordinator        |
 | kv_store    | default model, --prefill-size 1 --decode-size 1    | the KV store              |
 | headless    | default model, DP=2: a front end and a headless node | the headless node's session |
 | api         | default model, TP=1, started fresh for each kill   | the api (the launcher)    |
+
+--data-parallel-size N runs the engine and worker kinds with N engine cores (the victim is the
+last one). A request in flight on a killed engine core moves to a live one (with one engine
+core: to its restart) and its stream goes on (services/api/migration.py); its "added latency"
+is its duration less the median duration of the requests no kill overlapped.
 
 Per kill it records what the clients saw: the requests in flight at the kill that ended with
 an error, and the longest time from the kill to such an error (the bound is 5 s); /health
@@ -40,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 if __package__ in (None, ""):  # run as a script: the repository root on sys.path
@@ -67,6 +74,7 @@ class Outcome:
     start: float
     end: float
     kind: str  # completed | error (received: a status or an error event) | broken | lost
+    request_id: str = ""  # the stream's id (its first chunk's), to find it in the log
 
 
 @dataclass
@@ -115,6 +123,7 @@ class Load:
             "stream": True,
         }
         kind = "lost"
+        request_id = ""
         try:
             with httpx.stream(
                 "POST", self.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
@@ -124,6 +133,8 @@ class Load:
                     kind = "error"
                 else:
                     for line in response.iter_lines():
+                        if not request_id and (found := re.search(r'"id":"([^"]+)"', line)):
+                            request_id = found[1]
                         if '"finish_reason":"length"' in line:
                             kind = "completed"
                         elif line.startswith("data: ") and '"error"' in line:
@@ -132,7 +143,7 @@ class Load:
             kind = "lost"  # hung: nothing came for REQUEST_TIMEOUT_S
         except httpx.HTTPError:
             kind = "broken"  # the connection itself failed: the client knows
-        return Outcome(start, time.monotonic(), kind)
+        return Outcome(start, time.monotonic(), kind, request_id)
 
 
 # ---------------------------------------------------------------------- deployments
@@ -202,11 +213,12 @@ class EngineKind(Deployment):
     kind = "engine"
 
     def start(self):
-        self.front = self.front_end("--restart-dead-engines")
+        size = str(self.args.data_parallel_size)
+        self.front = self.front_end("--restart-dead-engines", "--data-parallel-size", size)
         return self.front
 
     def engine_pid(self) -> int:
-        return self.front.health()[1]["engines"][0]["pid"]
+        return self.front.health()[1]["engines"][-1]["pid"]
 
     def kill(self):
         self.victim = self.engine_pid()
@@ -214,7 +226,11 @@ class EngineKind(Deployment):
 
     def recovered(self):
         status, body = self.front.health()
-        return status == 200 and body["engines"][0]["pid"] != self.victim
+        return (
+            status == 200
+            and body["status"] == "healthy"
+            and body["engines"][-1]["pid"] != self.victim
+        )
 
 
 class WorkerKind(EngineKind):
@@ -366,6 +382,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict:
     kills: list[dict] = []
     orphans: list[str] = []
     loads: list[Load] = []
+    logs: list[str] = []
     fresh_each_time = kind == "api"
     deployment = None
     try:
@@ -403,18 +420,29 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict:
             print(f"{kind} kill {repeat + 1}/{args.repeats}: {kills[-1]}", flush=True)
             if fresh_each_time:
                 load.finish()
+                logs.append(deployment.front.log())
                 orphans += deployment.stop()
         time.sleep(args.settle_s)
     finally:
         for load in loads:
             load.finish()
         if deployment is not None:
+            logs.append(deployment.front.log())
             orphans += deployment.stop()
-    return summarize(kind, kills, [o for load in loads for o in load.outcomes], orphans)
+    moved = set(re.findall(r"request (\S+) moved to engine core", "\n".join(logs)))
+    outcomes = [o for load in loads for o in load.outcomes]
+    return summarize(kind, kills, outcomes, orphans, moved)
 
 
-def summarize(kind: str, kills: list[dict], outcomes: list[Outcome], orphans: list[str]) -> dict:
-    """Once every request ended: which ones each kill hit, and the totals."""
+def summarize(
+    kind: str,
+    kills: list[dict],
+    outcomes: list[Outcome],
+    orphans: list[str],
+    moved: Collection[str] = (),
+) -> dict:
+    """Once every request ended: which ones each kill hit, the streams that moved to a live
+    engine core (their request ids in `moved`) and what that added, and the totals."""
     for k in kills:
         in_flight = [o for o in outcomes if o.start < k["kill_time"] <= o.end]
         hit = [o for o in in_flight if o.kind != "completed"]
@@ -440,6 +468,18 @@ def summarize(kind: str, kills: list[dict], outcomes: list[Outcome], orphans: li
     counts["other_errors"] = (
         counts["error"] + counts["broken"] - len(refused) - counts["hit_by_a_kill"]
     )
+    undisturbed = [
+        o.end - o.start
+        for o in outcomes
+        if o.kind == "completed" and not any(o.start < k["kill_time"] <= o.end for k in kills)
+    ]
+    migrated = [o for o in outcomes if o.request_id in moved]
+    counts["migrated"] = len(migrated)
+    counts["migrated_completed"] = sum(o.kind == "completed" for o in migrated)
+    median_added_s = None
+    if migrated and undisturbed:
+        baseline = statistics.median(undisturbed)
+        median_added_s = round(statistics.median(o.end - o.start - baseline for o in migrated), 2)
     max_error_after_s = max((k["error_after_s"] for k in kills if k["hit"]), default=0.0)
     all_recovered = all(k["recovered"] for k in kills)
     return {
@@ -447,6 +487,7 @@ def summarize(kind: str, kills: list[dict], outcomes: list[Outcome], orphans: li
         "kills": kills,
         "requests": counts,
         "max_error_after_s": max_error_after_s,
+        "median_migration_added_s": median_added_s,
         "median_unhealthy_s": statistics.median(k["unhealthy_s"] for k in kills),
         "median_recovery_s": statistics.median(k["recovery_s"] for k in kills),
         "all_recovered": all_recovered,
@@ -459,19 +500,23 @@ def summarize(kind: str, kills: list[dict], outcomes: list[Outcome], orphans: li
 
 
 TABLE_HEADER = (
-    "| kind | kills | requests under load | longest kill -> client error | median /health "
-    "non-200 | median kill -> serving again | orphans | as defined |\n"
-    "|---|---|---|---|---|---|---|---|"
+    "| kind | kills | requests under load | moved to a live engine core (median added "
+    "latency) | longest kill -> client error | median /health non-200 | median kill -> "
+    "serving again | orphans | as defined |\n"
+    "|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def table_row(result: dict) -> str:
     counts = result["requests"]
+    added_s = result["median_migration_added_s"]
+    added = "-" if added_s is None else f"+{added_s:.1f} s"
     return (
         f"| {result['kind']} | {len(result['kills'])} | {counts['completed']} completed; "
         f"{counts['hit_by_a_kill']} in flight at a kill ended in an error the client got; "
         f"{counts['refused_while_recovering']} refused (503 or connection refused) while it "
         f"recovered; {counts['other_errors']} other errors; {counts['lost']} lost | "
+        f"{counts['migrated']} ({counts['migrated_completed']} completed; {added}) | "
         f"{result['max_error_after_s']:.1f} s | {result['median_unhealthy_s']:.1f} s | "
         f"{result['median_recovery_s']:.1f} s | {len(result['orphans'])} | "
         f"{'yes' if result['ok'] else 'NO'} |"
@@ -485,6 +530,12 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--model", default=None, help="default: the embedded default model")
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine cores of the engine and worker kinds",
+    )
     # Longer than the supervisor's RESTART_WINDOW_S (10 s): each kill is then a fault of a
     # process that was serving, not a crash loop (which backs off, 1 s doubling to 30 s).
     parser.add_argument("--settle-s", type=float, default=11.0)
