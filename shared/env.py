@@ -64,6 +64,23 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def read_hung_timeout_s(hung: EnvVar[float], heartbeat: EnvVar[float]) -> float:
+    """The value of `hung`, the budget that follows the silence `heartbeat` allows, so it
+    must be at least as long.
+
+    Raises:
+        ValueError: it is shorter than the heartbeat timeout.
+    """
+    hung_s, heartbeat_s = hung.get(), heartbeat.get()
+    if hung_s < heartbeat_s:
+        raise ValueError(
+            f"{hung.name}={hung_s:g} is shorter than {heartbeat.name}={heartbeat_s:g}: a "
+            f"process is declared hung only after it was silent for the heartbeat timeout; "
+            f"raise {hung.name}"
+        )
+    return hung_s
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -81,7 +98,17 @@ ENGINE_HEARTBEAT_TIMEOUT_S = EnvVar(
     "KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S",
     3.0,
     _positive_float,
-    "seconds without any message from an engine core before the api declares it dead",
+    "seconds without any message from an engine core before the api takes it for suspect: it "
+    "gets no new requests while another engine serves, and keeps its running ones",
+)
+ENGINE_HUNG_TIMEOUT_S = EnvVar(
+    "KVSERVE_ENGINE_HUNG_TIMEOUT_S",
+    30.0,
+    _positive_float,
+    "seconds a silent engine core may go without progress (on this host: no CPU time used "
+    "and no wait for a CPU, so a slow or starved engine is not hung; on another host: no "
+    "message) before the api declares it hung and dead; at least "
+    "KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S",
 )
 ENGINE_STALL_TIMEOUT_S = EnvVar(
     "KVSERVE_ENGINE_STALL_TIMEOUT_S",
@@ -107,8 +134,15 @@ WORKER_HEARTBEAT_TIMEOUT_S = EnvVar(
     "KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S",
     10.0,
     _positive_float,
-    "seconds a worker process may go without beating (frozen, e.g. SIGSTOP) before its "
-    "engine core fails",
+    "seconds a worker process may go without beating before its engine core logs it as suspect",
+)
+WORKER_HUNG_TIMEOUT_S = EnvVar(
+    "KVSERVE_WORKER_HUNG_TIMEOUT_S",
+    30.0,
+    _positive_float,
+    "seconds a silent worker process may go without using CPU time or waiting for a CPU "
+    "(stopped or blocked, e.g. SIGSTOP; a Ray rank, maybe on another node: silent) before "
+    "its engine core fails; at least KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S",
 )
 RAY_ADDRESS = EnvVar(
     "RAY_ADDRESS",

@@ -81,8 +81,9 @@ class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=T
     """Progress of the engine's busy loop, so the api tells a hung loop from a busy one.
 
     The output thread sends it every interval whatever the main loop does: silence means the
-    process is gone; heartbeats with a frozen `num_iterations` and `idle=False` mean the loop
-    is stuck (or in one very long step).
+    process is gone, frozen or starved of CPU (shared/progress.py tells which); heartbeats
+    with a frozen `num_iterations` and `idle=False` mean the loop is stuck (or in one very
+    long step). The last fields came later: with defaults, so the peers before them decode.
     """
 
     engine_index: int
@@ -90,6 +91,10 @@ class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=T
     num_steps: int  # engine steps since start
     idle: bool  # the loop is blocked waiting for input (nothing to do)
     num_unfinished_reqs: int
+    # The engine process's ns on a CPU and waiting on a run queue, summed over its threads
+    # (shared/progress.py; wait 0 where the kernel does not say).
+    cpu_ns: int = 0
+    wait_ns: int = 0
 
 
 class EngineStats(msgspec.Struct, frozen=True, tag="stats", array_like=True):

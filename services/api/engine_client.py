@@ -11,22 +11,19 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.request_logger import key_name_suffix
-from kvserve.services.api.stats import IterationStats
+from kvserve.services.api.stats import IterationStats, MigrationStats
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import EngineReady
-
-if TYPE_CHECKING:
-    from kvserve.services.api.migration import MigrationStats
 
 logger = init_logger(__name__)
 
@@ -184,9 +181,10 @@ class EngineClient:
         """Every engine core's READY message, by engine index (none known here)."""
         return []
 
-    def migration_stats(self) -> MigrationStats | None:
-        """Requests moved off dead engine cores (None: this client moves none)."""
-        return None
+    def migration_stats(self) -> dict[int, MigrationStats]:
+        """Requests moved off dead engine cores, by the index of the engine that died
+        (none here: this client moves none)."""
+        return {}
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """Raise EngineOverloadedError when no engine can queue `num_requests` more engine

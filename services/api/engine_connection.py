@@ -2,7 +2,8 @@
 wait) and EngineConnection (what the api knows about one engine core behind them).
 
 Its identity (the DEALER routing id), its READY handshake, the processes to watch when it
-runs on this host, when it last spoke and advanced, its latest stats, and the requests it
+runs on this host, when it last spoke and advanced, whether its silence makes it suspect
+(and what its processes did meanwhile: SilenceWatch), its latest stats, and the requests it
 holds, so that its death fails exactly those.
 """
 
@@ -20,6 +21,7 @@ from kvserve.services.api.engine_client import EngineDeadError, StatsTotals
 from kvserve.shared.env import ENGINE_HEARTBEAT_INTERVAL_S, ENGINE_READY_TIMEOUT_S
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import SchedulerStats
+from kvserve.shared.progress import ProcessProgress, SilenceWatch
 from kvserve.shared.transport import (
     EngineAddresses,
     MessageDecoder,
@@ -166,6 +168,12 @@ class EngineConnection:
         self.last_message_time = now
         self.last_progress_time = now
         self.last_heartbeat: EngineHeartbeat | None = None
+        # Its processes on this host: a silent engine that uses CPU time, or waits for it,
+        # is slow or starved, not hung (EngineLiveness).
+        self.silence = SilenceWatch(
+            [ProcessProgress(p.pid) for _, p in self.watched_processes if p is not None], now
+        )
+        self.suspect_reason: str | None = None  # set by EngineLiveness while it is silent
         self.dead_reason: str | None = None
         self.latest_stats: SchedulerStats | None = None
         self.stats_totals = StatsTotals()
@@ -174,6 +182,12 @@ class EngineConnection:
     @property
     def is_alive(self) -> bool:
         return self.dead_reason is None
+
+    @property
+    def is_suspect(self) -> bool:
+        """Silent past the heartbeat timeout, not yet declared hung: it gets no new requests
+        while another engine serves, and keeps its running ones."""
+        return self.suspect_reason is not None and self.dead_reason is None
 
     def stall_reason(self, stall_timeout_s: float) -> str | None:
         """Why the engine looks hung, or None while its loop advances (or has no work)."""
@@ -186,15 +200,35 @@ class EngineConnection:
         )
 
     def state(self, stall_timeout_s: float) -> str:
-        """serving, stalled or dead (for /health)."""
+        """serving, suspect, stalled or dead (for /health)."""
         if self.dead_reason is not None:
             return "dead"
+        if self.suspect_reason is not None:
+            return "suspect"  # silent: its loop cannot be judged
         return "serving" if self.stall_reason(stall_timeout_s) is None else "stalled"
 
-    def on_message(self, now: float, progress: bool) -> None:
+    def on_message(
+        self, now: float, progress: bool, heartbeat: EngineHeartbeat | None = None
+    ) -> None:
+        """It spoke: a silence is over, and a suspect engine serves again.
+
+        Args:
+            progress: its loop advanced (or has nothing to do).
+            heartbeat: the message, when a heartbeat (what it did while silent, for the log).
+        """
+        silent_s = now - self.last_message_time
         self.last_message_time = now
+        self.silence.heard(now)
         if progress:
             self.last_progress_time = now
+        if self.suspect_reason is not None and self.dead_reason is None:
+            self.suspect_reason = None
+            logger.warning(
+                "engine core %d is healthy again: it spoke after %.1f s of silence%s",
+                self.engine_index,
+                silent_s,
+                _meanwhile(self.last_heartbeat, heartbeat),
+            )
 
     def on_heartbeat(self, heartbeat: EngineHeartbeat, now: float) -> None:
         # An idle loop is not stuck: it has nothing to do.
@@ -204,12 +238,23 @@ class EngineConnection:
             or previous is None
             or (heartbeat.num_iterations != previous.num_iterations)
         )
-        self.on_message(now, progress)
+        self.on_message(now, progress, heartbeat)
         self.last_heartbeat = heartbeat
 
     def on_stats(self, stats: SchedulerStats) -> None:
         self.latest_stats = stats
         self.stats_totals.add(stats)
+
+    def kill_local_processes(self) -> None:
+        """SIGKILL the engine core's processes on this host (a hung engine, declared dead)."""
+        for name, process in self.watched_processes:
+            if process is None:
+                continue
+            try:
+                process.kill()
+                logger.warning("killed %s: its engine core was declared hung", name)
+            except psutil.Error:
+                pass  # gone already
 
     def find_dead_process(self) -> str | None:
         """The name of a watched process (the engine or one of its workers) that is gone."""
@@ -229,7 +274,7 @@ class EngineConnection:
             "num_running": stats.num_running_reqs if stats else 0,
             "num_waiting": stats.num_waiting_reqs if stats else 0,
         }
-        reason = self.dead_reason or self.stall_reason(stall_timeout_s)
+        reason = self.dead_reason or self.suspect_reason or self.stall_reason(stall_timeout_s)
         if reason is not None:
             entry["reason"] = reason
         return entry
@@ -258,6 +303,15 @@ def _processes_to_watch(
         except psutil.NoSuchProcess:
             watched.append((process_name, None))  # died between READY and now
     return watched
+
+
+def _meanwhile(before: EngineHeartbeat | None, after: EngineHeartbeat | None) -> str:
+    """What the engine process did between two of its heartbeats, as its host measured it."""
+    if before is None or after is None or not after.cpu_ns or after.cpu_ns < before.cpu_ns:
+        return ""  # no heartbeat to compare, or a peer that does not measure
+    cpu_s = (after.cpu_ns - before.cpu_ns) / 1e9
+    wait_s = (after.wait_ns - before.wait_ns) / 1e9
+    return f" (meanwhile it used {cpu_s:.2f} s of CPU and waited {wait_s:.2f} s for one)"
 
 
 def _is_alive(process: psutil.Process | None) -> bool:

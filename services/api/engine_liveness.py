@@ -1,11 +1,23 @@
-"""EngineLiveness: which engine cores are gone, and which come back.
+"""EngineLiveness: which engine cores are gone, which are only slow, and which come back.
 
-Liveness (`watch`, a task), each of which drops one engine and fails the requests it holds
-with EngineDeadError naming it:
-  - a watched process (the engine core, its workers, when on this host) is gone;
+Liveness (`watch`, a task, every heartbeat interval). Each of these drops one engine and
+fails the requests it holds with EngineDeadError naming it:
+  - a watched process (the engine core, its workers, when on this host) is gone: known at
+    once, from the process itself;
   - the engine sent its DEAD sentinel (seen by the client's output loop);
-  - nothing arrived from it for ENGINE_HEARTBEAT_TIMEOUT_S (its output thread beats every
-    interval, whatever the busy loop does, so silence means the process is gone or frozen).
+  - it is hung: silent, and no progress for ENGINE_HUNG_TIMEOUT_S (below).
+Silence alone is not death. The output thread beats every interval whatever the busy loop
+does, but a busy host (load above the cores, a cgroup CPU quota, memory reclaim) can keep a
+live engine from beating for seconds. So an engine that sent nothing for
+ENGINE_HEARTBEAT_TIMEOUT_S is only *suspect*: it gets no new requests while another engine
+serves (while none does, it still queues them), keeps its running ones, and /health shows it
+"suspect" with the reason; its next message clears that. It is hung once it made no progress
+for ENGINE_HUNG_TIMEOUT_S: for an engine on this host, neither its processes' CPU time nor
+their run-queue wait grew (shared/progress.py: a stopped or blocked process shows neither; a
+slow one shows CPU time, a starved one waits for a CPU); for an engine on another host,
+nothing but its silence can be known, so silence for the whole budget is hung. A hung engine
+on this host is then killed (SIGKILL, the engine core and its workers): it cannot wake up and
+act on requests that moved meanwhile, and --restart-dead-engines starts it again.
 Engines that are not the api's children watch it in turn: it sends every engine a
 FRONTEND_HEARTBEAT every interval, and they shut down after KVSERVE_FRONTEND_TIMEOUT_S
 without a word from it.
@@ -32,6 +44,7 @@ from kvserve.services.api.dp_router import DPRouter
 from kvserve.services.api.engine_client import EngineDeadError
 from kvserve.services.api.engine_connection import EngineConnection
 from kvserve.services.api.engine_pool import EnginePool
+from kvserve.shared.env import ENGINE_HEARTBEAT_TIMEOUT_S, ENGINE_HUNG_TIMEOUT_S
 from kvserve.shared.logging import init_logger
 from kvserve.shared.transport import MessageDecoder
 from kvserve.shared.wire import EngineReady, MsgType
@@ -52,7 +65,9 @@ class EngineLiveness:
         engine_processes: engine index -> process, for the engines that are our children
             (the launcher replaces an entry when it restarts that engine).
         heartbeat_interval_s: how often to look, and to send FRONTEND_HEARTBEATs.
-        heartbeat_timeout_s: the silence after which an engine is taken for dead.
+        heartbeat_timeout_s: the silence after which an engine is suspect.
+        hung_timeout_s: how long a silent engine may make no progress before it is hung
+            (at least heartbeat_timeout_s; None: KVSERVE_ENGINE_HUNG_TIMEOUT_S).
     """
 
     def __init__(
@@ -64,7 +79,15 @@ class EngineLiveness:
         engine_processes: dict[int, Any],
         heartbeat_interval_s: float,
         heartbeat_timeout_s: float,
+        hung_timeout_s: float | None = None,
     ):
+        hung_timeout_s = ENGINE_HUNG_TIMEOUT_S.get() if hung_timeout_s is None else hung_timeout_s
+        if hung_timeout_s < heartbeat_timeout_s:
+            raise ValueError(
+                f"{ENGINE_HUNG_TIMEOUT_S.name}={hung_timeout_s:g} is shorter than "
+                f"{ENGINE_HEARTBEAT_TIMEOUT_S.name}={heartbeat_timeout_s:g}: an engine is "
+                f"declared hung only after its silence made it suspect; raise the first"
+            )
         self.pool = pool
         self.router = router
         self.engine_died = engine_died
@@ -72,12 +95,14 @@ class EngineLiveness:
         self.engine_processes = engine_processes
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.hung_timeout_s = hung_timeout_s
         self.num_readmissions = 0
 
     # ------------------------------------------------------------------ liveness
 
     async def watch(self) -> None:
-        """Every interval: drop the engines whose processes are gone or that went silent."""
+        """Every interval: drop the engines whose processes are gone or that hung; mark
+        the silent ones suspect."""
         while self.pool.closed_reason() is None:
             await asyncio.sleep(self.heartbeat_interval_s)
             # Messages already waiting mean the engines spoke and this loop was busy.
@@ -97,13 +122,51 @@ class EngineLiveness:
             await self.pool.send(engine, MsgType.FRONTEND_HEARTBEAT, None)
         except EngineDeadError:
             return
-        silence_s = now - engine.last_message_time
-        if silence_s > self.heartbeat_timeout_s and not messages_waiting:
-            self.engine_died(
-                engine,
-                f"engine core {engine.engine_index} sent nothing for {silence_s:.1f} s: its "
-                f"process is gone or frozen",
+        if messages_waiting:
+            return
+        silence = engine.silence
+        silent_s = silence.silent_s(now)
+        if silent_s > self.heartbeat_interval_s:
+            # A heartbeat is late: a look every check from now on, so that the window
+            # without progress opens with the silence (and costs nothing while it beats).
+            silence.look(now)
+        if silent_s <= self.heartbeat_timeout_s:
+            return
+        if silence.is_hung(now, self.hung_timeout_s):
+            self.engine_died(engine, self._hung_reason(engine, now))
+            engine.kill_local_processes()
+            return
+        reason = (
+            f"engine core {engine.engine_index} sent nothing for {silent_s:.1f} s (limit "
+            f"{self.heartbeat_timeout_s:g} s, {ENGINE_HEARTBEAT_TIMEOUT_S.name}): suspect, "
+            f"no new requests while another engine serves"
+        )
+        if silence.finding:
+            reason += f"; {silence.finding}"
+        if engine.suspect_reason is None:
+            logger.warning(
+                "%s; declared hung after %g s without progress (%s)",
+                reason,
+                self.hung_timeout_s,
+                ENGINE_HUNG_TIMEOUT_S.name,
             )
+        engine.suspect_reason = reason
+
+    def _hung_reason(self, engine: EngineConnection, now: float) -> str:
+        silence = engine.silence
+        budget = f"{self.hung_timeout_s:g} s, {ENGINE_HUNG_TIMEOUT_S.name}"
+        if not silence.processes:
+            return (
+                f"engine core {engine.engine_index} on {engine.handshake.hostname} sent "
+                f"nothing for {silence.silent_s(now):.1f} s (hung budget {budget}): it is "
+                f"gone or hung"
+            )
+        return (
+            f"engine core {engine.engine_index} sent nothing for {silence.silent_s(now):.1f} s "
+            f"and its processes used no CPU time and waited for none for "
+            f"{silence.quiet_s(now):.1f} s (hung budget {budget}): it is hung (stopped or "
+            f"blocked)"
+        )
 
     # ------------------------------------------------------------------ readmission
 

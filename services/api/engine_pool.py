@@ -60,11 +60,13 @@ class EnginePool:
         return [index for index in pool if self.engines[index].is_alive]
 
     def serving_engines(self) -> list[EngineConnection]:
-        """The engines that are alive and not stalled."""
+        """The engines that are alive and not stalled. Suspect ones (silent, maybe only
+        slow) count: routing prefers the others (EngineRouting), and a server whose engines
+        are all suspect still takes requests, which wait for them."""
         return [
             engine
             for engine in self.engines.values()
-            if engine.state(self.stall_timeout_s) == "serving"
+            if engine.state(self.stall_timeout_s) in ("serving", "suspect")
         ]
 
     def no_engine_error(self) -> EngineDeadError:

@@ -2,7 +2,9 @@
 
 EngineRouting picks the least loaded serving engine (the DPRouter, fed by the DP
 coordinator's load tables when there is one) among those whose queue has room, and sends
-there, moving on to another engine when the chosen one turns out unreachable.
+there, moving on to another engine when the chosen one turns out unreachable. A suspect
+engine (silent past the heartbeat timeout: engine_liveness.py) gets no new request while
+another engine of the pool serves; while none does, requests queue to it rather than fail.
 
 A RequestFlow is how the n children of one request reach the engines; the client picks one
 at start-up. DirectFlow sends them to one engine of all (this module); PDFlow runs a
@@ -45,19 +47,25 @@ class EngineRouting:
     def _num_waiting(self, engine: EngineConnection) -> int:
         return estimate_waiting(self.pool.num_in_flight[engine.engine_index], engine.latest_stats)
 
+    def _candidates(self) -> list[EngineConnection]:
+        """The serving engines new requests go to: those not suspect, or, while every one
+        is, all of them."""
+        serving = self.pool.serving_engines()
+        return [engine for engine in serving if not engine.is_suspect] or serving
+
     def _engines_with_room(self, num_requests: int) -> list[EngineConnection]:
-        """The serving engines that can queue num_requests more within their
+        """The candidate engines that can queue num_requests more within their
         --max-waiting-requests (an idle engine always can)."""
         return [
             engine
-            for engine in self.pool.serving_engines()
+            for engine in self._candidates()
             if (num_waiting := self._num_waiting(engine)) == 0
             or num_waiting + num_requests <= engine.handshake.max_waiting_requests
         ]
 
     def check_capacity(self, num_requests: int) -> None:
-        """Raise EngineOverloadedError when no serving engine has room for num_requests."""
-        serving = self.pool.serving_engines()
+        """Raise EngineOverloadedError when no candidate engine has room for num_requests."""
+        serving = self._candidates()
         if serving and not self._engines_with_room(num_requests):
             engine = min(serving, key=self._num_waiting)
             raise overloaded(self._num_waiting(engine), engine.handshake.max_waiting_requests)
@@ -69,7 +77,7 @@ class EngineRouting:
         first = requests[0]
         # Engines with room first; when none has (a race with check_capacity), the
         # engine refuses past its bound itself.
-        candidates = self._engines_with_room(len(requests)) or self.pool.serving_engines()
+        candidates = self._engines_with_room(len(requests)) or self._candidates()
         candidate_ids = [e.engine_index for e in candidates]
         if not candidate_ids and not self.pool.live_ids(self.pool.engines):
             raise self.pool.no_engine_error()
@@ -191,10 +199,12 @@ class RequestFlow(Protocol):
         ...
 
 
-def engines_status(num_serving: int, num_engines: int) -> str:
-    if num_serving == num_engines:
-        return "healthy"
-    return "degraded" if num_serving else "unhealthy"
+def engines_status(num_serving: int, num_engines: int, client_healthy: bool) -> str:
+    """healthy: every engine serves; degraded: requests are taken, but some engine is not
+    serving (dead, stalled, or suspect: then perhaps only slow); unhealthy: they are not."""
+    if not client_healthy:
+        return "unhealthy"
+    return "healthy" if num_serving == num_engines else "degraded"
 
 
 class DirectFlow:
@@ -219,4 +229,4 @@ class DirectFlow:
         return None
 
     def health_status(self, num_serving: int, num_engines: int, client_healthy: bool) -> str:
-        return engines_status(num_serving, num_engines)
+        return engines_status(num_serving, num_engines, client_healthy)

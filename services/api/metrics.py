@@ -35,8 +35,12 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from kvserve.services.api.migration import MIGRATION_REASONS, RESUME_BUCKETS
-from kvserve.services.api.stats import IterationStats
+from kvserve.services.api.stats import (
+    MIGRATION_REASONS,
+    RESUME_BUCKETS,
+    IterationStats,
+    MigrationStats,
+)
 from kvserve.shared.messages import FinishReason, SchedulerStats
 
 LABELS = ["model_name", "engine"]
@@ -299,51 +303,46 @@ class _EngineStatsCollector:
                 self._labels(engine_index), float(states.get(engine_index) == "suspect")
             )
         yield family
-        yield from self._migrations()
+        yield from self._migrations(per_engine)
         yield from self._cache_config_info()
         yield from self._gemm_path_info()
         if self.max_loras is not None:
             yield self._lora_requests_info(per_engine)
 
-    def _migrations(self):
-        stats = self.engine_client.migration_stats()
-        counter = CounterMetricFamily(
+    def _migrations(self, per_engine):
+        """The requests that moved off each engine core when it died (engine: the one that
+        died), those that could not, and the time to their resumed streams."""
+        all_stats = self.engine_client.migration_stats()
+        moved = CounterMetricFamily(
             "kvserve:request_migrations",
             "Requests moved to a live engine core after theirs died, by why it died.",
-            labels=["model_name", "reason"],
+            labels=[*LABELS, "reason"],
         )
-        moves = stats.moves if stats is not None else {}
-        for reason in MIGRATION_REASONS:
-            counter.add_metric([self.model_name, reason], moves.get(reason, 0))
-        yield counter
-        counter = CounterMetricFamily(
+        failed = CounterMetricFamily(
             "kvserve:request_migrations_failed",
             "Requests of a dead engine core that could not move: quarantined (past "
             "--max-request-migrations) or no engine core within --migration-wait-s.",
-            labels=["model_name", "cause"],
+            labels=[*LABELS, "cause"],
         )
-        counter.add_metric([self.model_name, "quarantined"], stats.quarantined if stats else 0)
-        counter.add_metric([self.model_name, "no_engine"], stats.failed if stats else 0)
-        yield counter
-        histogram = HistogramMetricFamily(
+        resume = HistogramMetricFamily(
             "kvserve:request_migration_resume_seconds",
             "Seconds from an engine core's death to a moved request's first output on its "
             "new engine core.",
-            labels=["model_name"],
+            labels=LABELS,
         )
-        buckets = [
-            (str(bound), count)
-            for bound, count in zip(
-                RESUME_BUCKETS, stats.resume_bucket_counts if stats else [0] * len(RESUME_BUCKETS)
-            )
-        ]
-        count = stats.resume_count if stats else 0
-        histogram.add_metric(
-            [self.model_name],
-            [*buckets, ("+Inf", count)],
-            stats.resume_sum_s if stats else 0.0,
-        )
-        yield histogram
+        for engine_index, _, _ in per_engine:
+            labels = self._labels(engine_index)
+            stats = all_stats.get(engine_index) or MigrationStats()
+            for reason in MIGRATION_REASONS:
+                moved.add_metric([*labels, reason], stats.moves.get(reason, 0))
+            failed.add_metric([*labels, "quarantined"], stats.quarantined)
+            failed.add_metric([*labels, "no_engine"], stats.failed)
+            buckets = [
+                (str(bound), count)
+                for bound, count in zip(RESUME_BUCKETS, stats.resume_bucket_counts)
+            ]
+            resume.add_metric(labels, [*buckets, ("+Inf", stats.resume_count)], stats.resume_sum_s)
+        yield from (moved, failed, resume)
 
     def _labels(self, engine_index: int) -> list[str]:
         return [self.model_name, str(engine_index)]

@@ -30,13 +30,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
 from kvserve.services.api.engine_client import EngineDeadError
 from kvserve.services.api.engine_pool import EnginePool
 from kvserve.services.api.output_processor import OutputProcessor
+from kvserve.services.api.stats import MigrationStats
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreRequest
 
@@ -44,11 +45,6 @@ logger = init_logger(__name__)
 
 BYSTANDER_MOVES_PER_LIMIT = 3
 _RETRY_INTERVAL_S = 0.25  # how often a move waiting for an engine tries again
-# Seconds from an engine's death to a moved request's first output on its new engine.
-RESUME_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-
-
-MIGRATION_REASONS = ("engine_died", "worker_died", "engine_hung", "engine_replaced")
 
 
 def death_kind(reason: str) -> str:
@@ -61,25 +57,6 @@ def death_kind(reason: str) -> str:
     if "replaced" in reason:
         return "engine_replaced"
     return "engine_died"
-
-
-@dataclass(slots=True)
-class MigrationStats:
-    """Counts for /metrics: moves by reason, and the resume-time histogram's buckets."""
-
-    moves: dict[str, int] = field(default_factory=dict)
-    quarantined: int = 0
-    failed: int = 0
-    resume_bucket_counts: list[int] = field(default_factory=lambda: [0] * len(RESUME_BUCKETS))
-    resume_count: int = 0
-    resume_sum_s: float = 0.0
-
-    def observe_resume(self, seconds: float) -> None:
-        self.resume_count += 1
-        self.resume_sum_s += seconds
-        for i, bound in enumerate(RESUME_BUCKETS):
-            if seconds <= bound:
-                self.resume_bucket_counts[i] += 1
 
 
 @dataclass(slots=True)
@@ -118,9 +95,10 @@ class RequestMigrator:
         self.sent: dict[str, EngineCoreRequest] = {}  # child id -> as last sent
         self._moves: dict[str, _Moves] = {}  # api request id -> its moves so far
         self.moved_children: set[str] = set()  # children sent again (checked by is_stale)
-        self._resuming: dict[str, float] = {}  # child id -> when its engine died
+        # child id -> (when its engine died, that engine's index)
+        self._resuming: dict[str, tuple[float, int]] = {}
         self._tasks: set[asyncio.Task] = set()
-        self.stats = MigrationStats()
+        self.stats: dict[int, MigrationStats] = {}  # by the index of the engine that died
 
     # ------------------------------------------------------------------ books
 
@@ -143,9 +121,10 @@ class RequestMigrator:
 
     def on_output(self, child_id: str, now: float) -> None:
         """A child's output arrived (call only while `resuming`)."""
-        died_at = self._resuming.pop(child_id, None)
-        if died_at is not None:
-            self.stats.observe_resume(now - died_at)
+        resuming = self._resuming.pop(child_id, None)
+        if resuming is not None:
+            died_at, engine_index = resuming
+            self._stats(engine_index).observe_resume(now - died_at)
 
     @property
     def resuming(self) -> bool:
@@ -153,8 +132,16 @@ class RequestMigrator:
 
     # ------------------------------------------------------------------ moving
 
-    def move(self, request_ids: list[str], reason: str) -> None:
-        """The engine holding these api requests died (`reason`): move each, or fail it."""
+    def _stats(self, engine_index: int) -> MigrationStats:
+        stats = self.stats.get(engine_index)
+        if stats is None:
+            stats = self.stats[engine_index] = MigrationStats()
+        return stats
+
+    def move(self, request_ids: list[str], engine_index: int, reason: str) -> None:
+        """Engine `engine_index`, which held these api requests, died (`reason`): move
+        each, or fail it."""
+        stats = self._stats(engine_index)
         died_at = time.monotonic()
         kind = death_kind(reason)
         reason = reason.splitlines()[0]  # one log line per request (not a traceback each)
@@ -174,7 +161,7 @@ class RequestMigrator:
             moves.suspect += not produced
             refusal = self._refusal(moves)
             if refusal is not None:
-                self.stats.quarantined += 1
+                stats.quarantined += 1
                 logger.error(
                     "request %s is quarantined: %s (its engine core died: %s)",
                     request_id,
@@ -186,9 +173,10 @@ class RequestMigrator:
                     f"request quarantined: {refusal}; the last engine core died: {reason}",
                 )
                 continue
-            self.stats.moves[kind] = self.stats.moves.get(kind, 0) + 1
+            stats.moves[kind] = stats.moves.get(kind, 0) + 1
             task = asyncio.get_running_loop().create_task(
-                self._move(request_id, reason, died_at), name=f"migrate-{request_id}"
+                self._move(request_id, reason, died_at, engine_index),
+                name=f"migrate-{request_id}",
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -236,7 +224,7 @@ class RequestMigrator:
             )
         return resumed
 
-    async def _move(self, request_id: str, reason: str, died_at: float) -> None:
+    async def _move(self, request_id: str, reason: str, died_at: float, engine_index: int) -> None:
         deadline = died_at + self.wait_s
         while True:
             children = self._resumed_children(request_id)
@@ -244,14 +232,14 @@ class RequestMigrator:
                 return
             for child in children:  # before the send: its first output may come at once
                 self.moved_children.add(child.request_id)
-                self._resuming[child.request_id] = died_at
+                self._resuming[child.request_id] = (died_at, engine_index)
             try:
                 await self._send(children)
             except EngineDeadError as exc:
                 if time.monotonic() < deadline and self.pool.closed_reason() is None:
                     await asyncio.sleep(_RETRY_INTERVAL_S)
                     continue
-                self.stats.failed += 1
+                self._stats(engine_index).failed += 1
                 self._fail(
                     request_id,
                     f"its engine core died ({reason}) and no engine core took it within "
@@ -266,12 +254,11 @@ class RequestMigrator:
             self.pool.forget(request_id, child_ids)
             self.forget(request_id, child_ids)
             return
-        engine_index = self.pool.child_engine.get(child_ids[0])
         logger.info(
             "request %s moved to engine core %s with %s emitted tokens (%.2f s after its "
             "engine core died: %s)",
             request_id,
-            engine_index,
+            self.pool.child_engine.get(child_ids[0]),
             "+".join(str(len(c.resumed_output_token_ids)) for c in children),
             time.monotonic() - died_at,
             reason,

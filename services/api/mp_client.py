@@ -11,7 +11,8 @@ the engines, their books, `send`):
     RequestFlow     engine_routing.py   DirectFlow: the children go to one engine of all;
                     pd_flow.py          PDFlow: a prefill copy on a kv_producer first
                                         (picked once, at start-up, from the engines' roles)
-    EngineLiveness  engine_liveness.py  dead processes, silence, readmission after a restart
+    EngineLiveness  engine_liveness.py  dead processes, suspect (silent) and hung engines,
+                                        readmission after a restart
     UtilityCalls    engine_utility.py   RPCs into an engine's busy loop (stats, ping, reset)
     RequestMigrator migration.py        a dead engine's requests resume on a live one
 
@@ -22,7 +23,11 @@ live engine and their streams go on (migration.py; those that cannot move fail w
 EngineDeadError naming why); new requests go to the engines left; once none is left (with
 P/D: once a stage has none) the client is dead (`wait_dead`), unless it waits for restarts
 (`--restart-dead-engines`, headless nodes that may rejoin): then it answers 503 until an
-engine is back, and the moving requests wait for it (--migration-wait-s). A loop that is
+engine is back, and the moving requests wait for it (--migration-wait-s). An engine silent
+past ENGINE_HEARTBEAT_TIMEOUT_S is suspect (a busy host can delay a live engine's
+heartbeats): it keeps its running requests and gets no new ones while another engine
+serves; it dies as hung only after it also made no progress (on this host: no CPU time, no
+wait for a CPU) for ENGINE_HUNG_TIMEOUT_S. Only a death moves its requests. A loop that is
 alive but makes no progress while it has work (hung, or one step longer than
 ENGINE_STALL_TIMEOUT_S) gets no new requests while it lasts; /health turns 503 only when no
 engine is serving.
@@ -42,12 +47,14 @@ from kvserve.services.api.engine_liveness import EngineLiveness
 from kvserve.services.api.engine_pool import EnginePool
 from kvserve.services.api.engine_routing import EngineRouting, make_router
 from kvserve.services.api.engine_utility import UtilityCalls
-from kvserve.services.api.migration import MigrationStats, RequestMigrator
+from kvserve.services.api.migration import RequestMigrator
 from kvserve.services.api.pd_flow import PDFlow, make_flow
+from kvserve.services.api.stats import MigrationStats
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.env import (
     ENGINE_HEARTBEAT_INTERVAL_S,
     ENGINE_HEARTBEAT_TIMEOUT_S,
+    ENGINE_HUNG_TIMEOUT_S,
     ENGINE_READY_TIMEOUT_S,
     ENGINE_STALL_TIMEOUT_S,
 )
@@ -140,6 +147,7 @@ class MPEngineClient(EngineClient):
             engine_processes if engine_processes is not None else {},
             ENGINE_HEARTBEAT_INTERVAL_S.get(),
             ENGINE_HEARTBEAT_TIMEOUT_S.get(),
+            ENGINE_HUNG_TIMEOUT_S.get(),
         )
         self.utilities = UtilityCalls(self.pool)
         self.migrator = RequestMigrator(
@@ -269,7 +277,7 @@ class MPEngineClient(EngineClient):
     def engine_handshakes(self) -> list[EngineReady]:
         return [engine.handshake for engine in self.pool.sorted_engines()]
 
-    def migration_stats(self) -> MigrationStats:
+    def migration_stats(self) -> dict[int, MigrationStats]:
         return self.migrator.stats
 
     async def check_health(self) -> None:
@@ -401,7 +409,7 @@ class MPEngineClient(EngineClient):
         self.flow.on_engine_died(engine.engine_index, reason)
         request_ids = list(engine.request_ids)
         self.pool.drop_books(engine.engine_index)
-        self.migrator.move(request_ids, reason)
+        self.migrator.move(request_ids, engine.engine_index, reason)
         if not replaced:
             self._after_death(num_alive, reason)
 

@@ -140,9 +140,8 @@ class PDFlow:
         return None
 
     def health_status(self, num_serving: int, num_engines: int, client_healthy: bool) -> str:
-        if not client_healthy:
-            return "unhealthy"  # one of the two stages has no engine
-        return engines_status(num_serving, num_engines)
+        # Unhealthy when one of the two stages has no engine.
+        return engines_status(num_serving, num_engines, client_healthy)
 
     # ------------------------------------------------------------------ prefill
 

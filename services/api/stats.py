@@ -145,3 +145,28 @@ class IterationStats:
     def observe_finished_parent(self, n: int, max_num_generation_tokens: int) -> None:
         self.n_params.append(n)
         self.max_num_generation_tokens.append(max_num_generation_tokens)
+
+
+# Why a request moved: the `reason` of kvserve:request_migrations_total (migration.death_kind).
+MIGRATION_REASONS = ("engine_died", "worker_died", "engine_hung", "engine_replaced")
+# Seconds from an engine's death to a moved request's first output on its new engine.
+RESUME_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass(slots=True)
+class MigrationStats:
+    """Counts for /metrics: moves by reason, and the resume-time histogram's buckets."""
+
+    moves: dict[str, int] = field(default_factory=dict)
+    quarantined: int = 0
+    failed: int = 0
+    resume_bucket_counts: list[int] = field(default_factory=lambda: [0] * len(RESUME_BUCKETS))
+    resume_count: int = 0
+    resume_sum_s: float = 0.0
+
+    def observe_resume(self, seconds: float) -> None:
+        self.resume_count += 1
+        self.resume_sum_s += seconds
+        for i, bound in enumerate(RESUME_BUCKETS):
+            if seconds <= bound:
+                self.resume_bucket_counts[i] += 1

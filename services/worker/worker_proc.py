@@ -23,8 +23,9 @@ the type byte and the msgpack body. A worker whose engine process is gone exits 
 
 Heartbeats: a daemon thread of every worker writes time.monotonic() (one clock for the whole
 host) into its slot of a shared array every HEARTBEAT_INTERVAL_S, whatever the rank is doing;
-the executor reads the slots while it waits, so a frozen worker (SIGSTOP, a stopped VM) is
-told from a slow step within KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S.
+the executor reads the slots while it waits: a worker silent for
+KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S is suspect, and hung once it also used no CPU time and
+waited for none for KVSERVE_WORKER_HUNG_TIMEOUT_S (SIGSTOP, a stopped VM).
 
 `worker_main(WorkerOptions)` is both the multiprocessing target and the `kvserve worker` entry
 point.

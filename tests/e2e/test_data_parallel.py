@@ -70,7 +70,7 @@ def test_concurrent_requests_are_served_by_both_engines(load_server):
     assert sum(served) == 40 and min(served) > 0, served
 
 
-def test_a_killed_engine_is_dropped_and_the_other_serves_on(load_server):
+def test_a_killed_engine_is_dropped_its_stream_moves_and_the_other_serves_on(load_server):
     _, body = load_server.health()
     victim = body["engines"][1]
     # The earlier tests' requests are over on both engines, and the coordinator has had time
@@ -106,25 +106,48 @@ def test_a_killed_engine_is_dropped_and_the_other_serves_on(load_server):
         if thread.is_alive():
             break
     assert len(streams) <= 2, "no request went to the frozen engine"
+    # Silent past the heartbeat timeout (3 s here), the frozen engine is only suspect: it
+    # keeps the stream it holds, and new requests go to engine 0 alone.
+    assert wait_until(
+        lambda: load_server.health()[1]["engines"][1]["state"] == "suspect",
+        timeout_s=10,
+        interval_s=0.2,
+    ), load_server.health()
+    status, body = load_server.health()
+    assert status == 200 and body["status"] == "degraded", body
+    assert body["engines"][0]["state"] == "serving", body
+    assert "sent nothing for" in body["engines"][1]["reason"], body
+    assert load_server.metric("kvserve:engine_suspect", 1) == 1
+    assert load_server.metric("kvserve:engine_up", 1) == 1
+    before = load_server.metric("kvserve:prefix_cache_queries_total", 0)
+    for i in range(4):  # one sent to the frozen engine would time out here
+        assert load_server.complete(f"while engine 1 is suspect {i}")
+    assert load_server.metric("kvserve:prefix_cache_queries_total", 0) > before
+    assert streams[-1][0].is_alive(), "the suspect engine's stream ended"
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
     for thread, _ in streams:
         thread.join(timeout=30)
         assert not thread.is_alive(), "a stream hung after the engine was killed"
 
-    errors = [[(t, e) for t, e in events if '"error"' in str(e)] for _, events in streams]
-    assert [len(e) for e in errors] == [0] * (len(streams) - 1) + [1], streams
-    for _, healthy_events in streams[:-1]:
-        assert healthy_events[-1][1] == "[DONE]"
-        assert json.loads(healthy_events[-2][1])["choices"][0]["finish_reason"] == "length"
-    failed_events = streams[-1][1]
-    error_time, error_body = errors[-1][0]
-    assert error_time - killed_at < 5, "the killed engine's request failed too slowly"
-    error = json.loads(error_body)["error"]
-    assert f"EngineCore_1 (pid {victim['pid']}) died" in error["message"], error
-    # The stream had started (status 200) when its engine died: the error comes in the
-    # stream, with the dead engine's 503.
-    assert failed_events[0][1] == 200 and error["code"] == 503, failed_events
+    # No stream failed: the killed engine's one moved to engine 0 and went on from the tokens
+    # it had sent (services/api/migration.py).
+    for _, events in streams:
+        assert not [e for _, e in events if '"error"' in str(e)], events[-3:]
+        assert events[0][1] == 200 and events[-1][1] == "[DONE]", events[-3:]
+        assert json.loads(events[-2][1])["choices"][0]["finish_reason"] == "length"
+    moved_events = streams[-1][1]
+    moved_id = json.loads(moved_events[1][1])["id"]
+    log = load_server.log()
+    assert f"request {moved_id} moved to engine core 0" in log, log
+    assert f"EngineCore_1 (pid {victim['pid']}) died" in log
+    resumed_at = moved_events[-1][0]
+    assert resumed_at - killed_at < 10, "the moved stream took too long to finish"
+    text = metrics_text(load_server.url)
+    assert (
+        read_metric(text, "kvserve:request_migrations_total", engine="1", reason="engine_died") == 1
+    )
+    assert read_metric(text, "kvserve:request_migration_resume_seconds_count", engine="1") == 1
 
     status, body = load_server.health()
     assert status == 200 and body["status"] == "degraded", body

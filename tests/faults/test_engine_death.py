@@ -1,5 +1,6 @@
 """A real engine-core process that dies, freezes or fails to start: the api side notices
-within seconds and fails what is in flight with EngineDeadError."""
+within seconds (a frozen one: suspect within the heartbeat timeout, hung after the hung
+budget) and fails what is in flight with EngineDeadError."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvserve.shared.config import EngineConfig
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.transport import EngineAddresses
 from tests.support.engine import start_engine
+from tests.support.waiting import wait_until_async
 
 # Long enough to still be running when the engine is killed after its first tokens.
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -32,9 +34,14 @@ def tokenizer_info(tiny_llama_dir) -> TokenizerInfo:
     return TokenizerInfo(tiny_llama_dir)
 
 
-async def _first_output_then(client, action):
+async def _first_output_then(client, action, meanwhile=None):
     """Start a long request, run action() after its first output, return (error, seconds)
-    from the action until the request failed."""
+    from the action until the request failed.
+
+    Args:
+        meanwhile: awaited as meanwhile(client, the task draining the request) after the
+            action, before the failure is awaited.
+    """
     stream = client.generate("victim", None, [1, 2, 3, 4], LONG)
     await asyncio.wait_for(stream.__anext__(), 60)
     action()
@@ -44,8 +51,11 @@ async def _first_output_then(client, action):
         async for _ in stream:
             pass
 
+    task = asyncio.create_task(drain())
+    if meanwhile is not None:
+        await meanwhile(client, task)
     with pytest.raises(EngineDeadError) as info:
-        await asyncio.wait_for(drain(), 30)  # a missed death would hang here
+        await asyncio.wait_for(task, 30)  # a missed death would hang here
     return info.value, time.monotonic() - start
 
 
@@ -94,22 +104,40 @@ def test_kill9_of_a_worker_fails_inflight_requests_within_5s(tiny_llama_dir, tok
     asyncio.run(main())
 
 
-def test_frozen_engine_is_declared_dead(tiny_llama_dir, tokenizer_info, monkeypatch):
+HEARTBEAT_INTERVAL_S = 0.5  # KVSERVE_ENGINE_HEARTBEAT_INTERVAL_S's default
+HUNG_TIMEOUT_S = 6.0
+
+
+def test_frozen_engine_is_suspect_then_declared_hung(tiny_llama_dir, tokenizer_info, monkeypatch):
     monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", "2")
+    monkeypatch.setenv("KVSERVE_ENGINE_HUNG_TIMEOUT_S", str(HUNG_TIMEOUT_S))
 
     async def main():
         client, process = await start_engine(tiny_llama_dir, tokenizer_info)
         try:
-            # SIGSTOP freezes every thread: the process lives on, its heartbeats stop.
+            # SIGSTOP freezes every thread: the process lives on, its heartbeats stop, and it
+            # neither runs nor waits for a CPU.
             error, seconds = await _first_output_then(
-                client, lambda: os.kill(process.pid, signal.SIGSTOP)
+                client, lambda: os.kill(process.pid, signal.SIGSTOP), _while_suspect
             )
-            assert seconds < 5
-            assert "sent nothing" in str(error)
+            # Hung once no progress was seen for the budget: from the last look before the
+            # stop at the earliest (the looks come every heartbeat interval).
+            assert HUNG_TIMEOUT_S - HEARTBEAT_INTERVAL_S <= seconds < HUNG_TIMEOUT_S + 4
+            assert "used no CPU time and waited for none" in str(error)
+            assert "KVSERVE_ENGINE_HUNG_TIMEOUT_S): it is hung (stopped or blocked)" in str(error)
+            assert not client.is_healthy
         finally:
             await client.shutdown()
             process.kill()
             process.join(10)
+
+    async def _while_suspect(client, drain: asyncio.Task) -> None:
+        waited = await wait_until_async(lambda: client.engines[0].is_suspect, timeout_s=5)
+        assert waited < 4, f"suspect after {waited:.1f} s"
+        assert not drain.done()  # a suspect engine keeps its running request
+        (entry,) = client.health_report()["engines"]
+        assert entry["state"] == "suspect" and "sent nothing for" in entry["reason"], entry
+        assert client.is_healthy  # it may be only slow: the server still takes requests
 
     asyncio.run(main())
 

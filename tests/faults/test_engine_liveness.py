@@ -2,13 +2,22 @@
 
 A real engine cannot be made to hang its loop while its IO threads live on, so the test plays
 the engine's side of the real wire protocol (real sockets, real codec) and decides what a
-busy, hung, silent or dying engine looks like. Kills of a real engine are in
-test_engine_death.py.
+busy, hung, silent or dying engine looks like. A silent engine is suspect first, then hung:
+on another host after the hung budget of silence; on this host (the READY names a real
+child process, stopped or busy) only when that process made no progress for the budget.
+Kills and freezes of a real engine are in test_engine_death.py and test_engine_starved.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -35,11 +44,13 @@ from kvserve.shared.wire import (
     MsgType,
     Ping,
     UtilityOutput,
+    this_hostname,
 )
 from tests.support.waiting import wait_until_async
 
 HEARTBEAT_INTERVAL_S = 0.1
 HEARTBEAT_TIMEOUT_S = 1.0
+HUNG_TIMEOUT_S = 3.0
 STALL_TIMEOUT_S = 1.0
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
@@ -53,6 +64,7 @@ def tokenizer_info(tiny_llama_dir) -> TokenizerInfo:
 def fast_liveness(monkeypatch):
     monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_INTERVAL_S", str(HEARTBEAT_INTERVAL_S))
     monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", str(HEARTBEAT_TIMEOUT_S))
+    monkeypatch.setenv("KVSERVE_ENGINE_HUNG_TIMEOUT_S", str(HUNG_TIMEOUT_S))
     monkeypatch.setenv("KVSERVE_ENGINE_STALL_TIMEOUT_S", str(STALL_TIMEOUT_S))
 
 
@@ -60,11 +72,18 @@ class ScriptedEngine:
     """The engine side of the protocol, driven by the test.
 
     Heartbeats go out every interval while `beating`; `advancing` makes each one report a new
-    busy-loop iteration; `idle` is what the loop claims to be doing.
+    busy-loop iteration; `idle` is what the loop claims to be doing. The READY names `pid` on
+    `hostname`: another host by default, so only heartbeats can be watched.
     """
 
-    def __init__(self, addresses: EngineAddresses, pid: int = 1, block_size: int = 16):
-        self.pid, self.block_size = pid, block_size
+    def __init__(
+        self,
+        addresses: EngineAddresses,
+        pid: int = 1,
+        block_size: int = 16,
+        hostname: str = "scripted-host",
+    ):
+        self.pid, self.block_size, self.hostname = pid, block_size, hostname
         self.ctx = zmq.asyncio.Context()
         self.dealer = make_socket(
             self.ctx, addresses.input_addr, zmq.DEALER, bind=False, identity=engine_identity(0)
@@ -85,7 +104,7 @@ class ScriptedEngine:
             num_blocks=64,
             max_model_len=128,
             block_size=self.block_size,
-            hostname="scripted-host",
+            hostname=self.hostname,
             pid=self.pid,
         )
         await self.dealer.send_multipart(self.encoder.encode(MsgType.READY, handshake))
@@ -119,19 +138,23 @@ class ScriptedEngine:
         self.ctx.destroy(linger=0)
 
 
-async def _connect(tokenizer_info) -> tuple[MPEngineClient, ScriptedEngine]:
+async def _connect(tokenizer_info, **engine_args) -> tuple[MPEngineClient, ScriptedEngine]:
     channel = EngineChannel(EngineAddresses.local())
-    engine = ScriptedEngine(channel.addresses)
+    engine = ScriptedEngine(channel.addresses, **engine_args)
     await engine.start()
     client = await MPEngineClient.connect(channel, tokenizer_info, "tiny", ready_timeout_s=5)
     return client, engine
 
 
-def _scenario(tokenizer_info, body):
-    """Run body(client, engine) on a fresh event loop, always closing both ends."""
+def _scenario(tokenizer_info, body, **engine_args):
+    """Run body(client, engine) on a fresh event loop, always closing both ends.
+
+    Args:
+        engine_args: for the ScriptedEngine (a pid and hostname to watch).
+    """
 
     async def main():
-        client, engine = await _connect(tokenizer_info)
+        client, engine = await _connect(tokenizer_info, **engine_args)
         try:
             await body(client, engine)
         finally:
@@ -206,18 +229,119 @@ def test_hung_loop_turns_unhealthy_and_recovers(tokenizer_info):
     _scenario(tokenizer_info, body)
 
 
-def test_silent_engine_is_dead_and_fails_inflight_requests(tokenizer_info):
+def _state(client: MPEngineClient) -> tuple[str, str]:
+    """Engine 0's /health state and reason ("" when none)."""
+    (entry,) = client.health_report()["engines"]
+    return entry["state"], entry.get("reason", "")
+
+
+def test_a_silent_remote_engine_is_suspect_then_hung_and_fails_inflight_requests(
+    tokenizer_info,
+):
     async def body(client, engine):
         task = asyncio.create_task(_collect(client, "r1"))
         assert (await engine.recv())[0] == MsgType.ADD
         engine.beating = False
-        with pytest.raises(EngineDeadError, match="sent nothing"):
-            await asyncio.wait_for(task, HEARTBEAT_TIMEOUT_S + 3)
+        silent_since = time.monotonic()
+        waited = await wait_until_async(lambda: client.engines[0].is_suspect, timeout_s=5)
+        assert HEARTBEAT_TIMEOUT_S <= waited < HEARTBEAT_TIMEOUT_S + 1
+        state, reason = _state(client)
+        assert state == "suspect" and "sent nothing for" in reason, reason
+        assert "only its silence is known" in reason, reason
+        # The only engine is suspect: a new request waits for it rather than fail.
+        assert client.is_healthy and client.health_report()["status"] == "degraded"
+        queued = asyncio.create_task(_collect(client, "r2"))
+        msg_type, request = await engine.recv()
+        assert msg_type == MsgType.ADD and request.request_id.startswith("r2")
+        assert not task.done()  # it keeps its running request
+
+        # Another host: silence for the whole hung budget is all there is to go by.
+        for pending in (task, queued):
+            with pytest.raises(EngineDeadError, match=r"sent nothing for .*hung budget 3 s"):
+                await asyncio.wait_for(pending, HUNG_TIMEOUT_S + 3)
+        assert time.monotonic() - silent_since >= HUNG_TIMEOUT_S
+        assert "KVSERVE_ENGINE_HUNG_TIMEOUT_S" in client.engines[0].dead_reason
         assert not client.is_healthy
         with pytest.raises(EngineDeadError):
-            await _collect(client, "r2")  # refused at once, never sent
+            await _collect(client, "r3")  # refused at once, never sent
 
     _scenario(tokenizer_info, body)
+
+
+def test_a_suspect_engine_serves_again_on_its_next_message(tokenizer_info):
+    async def body(client, engine):
+        task = asyncio.create_task(_collect(client, "r1"))
+        _, request = await engine.recv()
+        engine.beating = False
+        await wait_until_async(lambda: client.engines[0].is_suspect, timeout_s=5)
+        await engine.send(  # a late output is a message like any other
+            MsgType.OUTPUTS, EngineCoreOutputs(outputs=[EngineCoreOutput(request.request_id, [65])])
+        )
+        await wait_until_async(lambda: not client.engines[0].is_suspect, timeout_s=2)
+        assert _state(client) == ("serving", "")
+        engine.beating = True
+        await asyncio.sleep(HUNG_TIMEOUT_S)  # past the hung budget, beating: not hung
+        assert client.engines[0].is_alive and not client.engines[0].is_suspect
+        await engine.send(
+            MsgType.OUTPUTS,
+            EngineCoreOutputs(
+                outputs=[
+                    EngineCoreOutput(request.request_id, [66], finish_reason=FinishReason.LENGTH)
+                ]
+            ),
+        )
+        outputs = await asyncio.wait_for(task, 5)
+        assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == [65, 66]
+
+    _scenario(tokenizer_info, body)
+
+
+@contextlib.contextmanager
+def _child(code: str) -> Iterator[subprocess.Popen]:
+    """A Python child process running `code`, killed on exit."""
+    process = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_silent_local_engine_whose_process_is_stopped_is_hung(tokenizer_info):
+    with _child("while True: pass") as process:
+
+        async def body(client, engine):
+            engine.beating = False
+            process.send_signal(signal.SIGSTOP)  # neither runs nor waits for a CPU
+            silent_since = time.monotonic()
+            await wait_until_async(lambda: client.engines[0].is_suspect, timeout_s=5)
+            _, reason = _state(client)
+            assert "it used no CPU time and waited for none" in reason, reason
+            await wait_until_async(lambda: not client.engines[0].is_alive, HUNG_TIMEOUT_S + 3)
+            assert time.monotonic() - silent_since >= HUNG_TIMEOUT_S
+            reason = client.engines[0].dead_reason
+            assert "its processes used no CPU time and waited for none" in reason, reason
+            assert "it is hung (stopped or blocked)" in reason, reason
+
+        _scenario(tokenizer_info, body, pid=process.pid, hostname=this_hostname())
+
+
+def test_a_silent_local_engine_whose_process_runs_is_never_hung(tokenizer_info):
+    with _child("while True: pass") as process:
+
+        async def body(client, engine):
+            engine.beating = False  # silent, but its process uses CPU time: slow, not hung
+            await wait_until_async(lambda: client.engines[0].is_suspect, timeout_s=5)
+            await asyncio.sleep(HUNG_TIMEOUT_S * 1.5)
+            assert client.engines[0].is_alive
+            state, reason = _state(client)
+            assert state == "suspect", reason
+            # Running, or waiting for one of this busy host's CPUs: either is a sign of life.
+            assert re.search(r"it runs, slowly|it is starved of CPU", reason), reason
+            engine.beating = True
+            await wait_until_async(lambda: not client.engines[0].is_suspect, timeout_s=2)
+
+        _scenario(tokenizer_info, body, pid=process.pid, hostname=this_hostname())
 
 
 def test_dead_sentinel_fails_inflight_requests_and_utilities(tokenizer_info):
@@ -272,25 +396,29 @@ def test_a_restarted_engine_is_readmitted_in_place_of_its_predecessor(tokenizer_
         successor = ScriptedEngine(client.channel.addresses, pid=2)
         try:
             await successor.start()  # READY again, from a new process of index 0
-            with pytest.raises(EngineDeadError, match=r"replaced by a new process \(pid 2"):
-                await asyncio.wait_for(task, 5)
             await wait_until_async(lambda: client.engines[0].handshake.pid == 2, timeout_s=5)
             assert client.is_healthy and client.num_readmissions == 1
-            task = asyncio.create_task(_collect(client, "r2"))
+            # The replaced engine's request moves to its successor, which finishes it.
+            msg_type, moved = await successor.recv()
+            assert msg_type == MsgType.ADD and moved.request_id.startswith("r1")
+            assert moved.resumed_output_token_ids == []
+            stats = client.migration_stats()[0]
+            assert stats.moves == {"engine_replaced": 1}
+            task2 = asyncio.create_task(_collect(client, "r2"))
             msg_type, request = await successor.recv()  # the route is the successor's
             assert msg_type == MsgType.ADD and request.request_id.startswith("r2")
-            await successor.send(
-                MsgType.OUTPUTS,
-                EngineCoreOutputs(
-                    outputs=[
-                        EngineCoreOutput(
-                            request.request_id, [65], finish_reason=FinishReason.LENGTH
-                        )
-                    ]
-                ),
-            )
-            outputs = await asyncio.wait_for(task, 5)
-            assert outputs[-1].finished
+            for request_id in (moved.request_id, request.request_id):
+                await successor.send(
+                    MsgType.OUTPUTS,
+                    EngineCoreOutputs(
+                        outputs=[
+                            EngineCoreOutput(request_id, [65], finish_reason=FinishReason.LENGTH)
+                        ]
+                    ),
+                )
+            for finished in (task, task2):
+                outputs = await asyncio.wait_for(finished, 5)
+                assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == [65]
         finally:
             successor.close()
 

@@ -3,7 +3,9 @@
 Engines say their kv_role in READY, as local, compose and headless engines all do: a request
 goes to a kv_producer first as a one-token copy, then, once that finished, to a consumer. A
 client gone during the prefill aborts it there; a prefill engine that dies is retried on
-another; with none left the request fails with EngineDeadError.
+another; with none left the request fails with EngineDeadError. An engine silent past the
+heartbeat timeout is suspect: it gets no new request (nor prefill copy) while another of its
+pool serves, and the next message from it puts it back.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from kvserve.shared.transport import (
     make_socket,
 )
 from kvserve.shared.wire import EngineDead, EngineHeartbeat, EngineReady, MsgType
+from tests.support.waiting import wait_until_async
 
 HEARTBEAT_INTERVAL_S = 0.1
+SHORT_HEARTBEAT_TIMEOUT_S = 0.5  # for the suspect-engine tests
 PROMPT = [1, 2, 3, 4, 5]
 PARAMS = SamplingParams(temperature=0.7, max_tokens=3, stop=["x"], logprobs=2, min_tokens=2)
 
@@ -45,7 +49,8 @@ def fast_liveness(monkeypatch):
 
 
 class RoleEngine:
-    """One engine's side of the protocol, with a kv_role, beating until closed."""
+    """One engine's side of the protocol, with a kv_role, beating while `beating`, until
+    closed."""
 
     def __init__(self, addresses: EngineAddresses, engine_index: int, kv_role: str | None):
         self.engine_index, self.kv_role = engine_index, kv_role
@@ -63,6 +68,7 @@ class RoleEngine:
             (MsgType.ADD, MsgType.ABORT, MsgType.UTILITY, MsgType.FRONTEND_HEARTBEAT)
         )
         self.num_frontend_heartbeats = 0
+        self.beating = True
         self.beat_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -80,7 +86,9 @@ class RoleEngine:
 
     async def _beat(self) -> None:
         while True:
-            await self.send(MsgType.HEARTBEAT, EngineHeartbeat(self.engine_index, 0, 0, True, 0))
+            if self.beating:
+                heartbeat = EngineHeartbeat(self.engine_index, 0, 0, True, 0)
+                await self.send(MsgType.HEARTBEAT, heartbeat)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def send(self, msg_type: MsgType, payload) -> None:
@@ -236,3 +244,73 @@ async def _engine_that_got(engines: list[RoleEngine], request_id: str) -> RoleEn
     msg_type, request = task.result()
     assert msg_type == MsgType.ADD and request.request_id == request_id
     return receives[task]
+
+
+async def _silence(client: MPEngineClient, engine: RoleEngine) -> None:
+    """Stop the engine's heartbeats and wait until the client takes it for suspect."""
+    engine.beating = False
+    index = engine.engine_index
+    await wait_until_async(lambda: client.engines[index].is_suspect, timeout_s=5)
+    entry = client.health_report()["engines"][index]
+    assert entry["state"] == "suspect" and "sent nothing for" in entry["reason"], entry
+
+
+def test_a_suspect_engine_gets_no_new_requests_while_another_serves(tokenizer_info, monkeypatch):
+    monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", str(SHORT_HEARTBEAT_TIMEOUT_S))
+
+    async def body(client, engines):
+        serving, suspect = engines
+        await _silence(client, suspect)
+        report = client.health_report()
+        assert report["status"] == "degraded" and client.is_healthy, report
+        for i in range(4):  # idle engines tie, and ties go round-robin: both would get some
+            task = asyncio.create_task(_collect(client, f"r{i}"))
+            _, request = await serving.recv()
+            assert request.request_id.startswith(f"r{i}")
+            await serving.finish(request.request_id, [65, 66, 67])
+            assert (await asyncio.wait_for(task, 5))[-1].finished
+        await suspect.assert_silent()
+
+        suspect.beating = True  # its next message puts it back
+        await wait_until_async(lambda: not client.engines[1].is_suspect, timeout_s=2)
+        assert client.health_report()["status"] == "healthy"
+        # The router's own estimates (no coordinator here) now favour it: it takes the next.
+        task = asyncio.create_task(_collect(client, "s0"))
+        _, request = await suspect.recv()
+        assert request.request_id.startswith("s0")
+        await suspect.finish(request.request_id, [65, 66, 67])
+        assert (await asyncio.wait_for(task, 5))[-1].finished
+
+    _scenario(tokenizer_info, [None, None], body)
+
+
+def test_a_suspect_prefill_engine_is_passed_over_but_a_lone_one_still_gets_work(
+    tokenizer_info, monkeypatch
+):
+    monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", str(SHORT_HEARTBEAT_TIMEOUT_S))
+
+    async def body(client, engines):
+        first, second, decode = engines
+        await _silence(client, first)
+        for i in range(2):
+            task = asyncio.create_task(_collect(client, f"r{i}"))
+            _, copy = await second.recv()
+            assert copy.request_id == f"r{i}-prefill"
+            await second.finish(copy.request_id, [9])
+            _, request = await decode.recv()
+            await decode.finish(request.request_id, [65, 66, 67])
+            assert (await asyncio.wait_for(task, 5))[-1].finished
+        await first.assert_silent()
+
+        # Every prefill engine suspect: the copy waits on one of them rather than fail.
+        await _silence(client, second)
+        assert client.is_healthy
+        task = asyncio.create_task(_collect(client, "r2"))
+        holder = await _engine_that_got([first, second], "r2-prefill")
+        holder.beating = True  # it was only slow
+        await holder.finish("r2-prefill", [9])
+        _, request = await decode.recv()
+        await decode.finish(request.request_id, [65, 66, 67])
+        assert (await asyncio.wait_for(task, 5))[-1].finished
+
+    _scenario(tokenizer_info, ["kv_producer", "kv_producer", "kv_consumer"], body)

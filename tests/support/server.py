@@ -30,7 +30,8 @@ from tests.support.models import TINY_KV_CACHE_MEMORY
 from tests.support.ports import free_port
 from tests.support.processes import wait_gone
 
-# The tiny model's engines answer in milliseconds: declare a silent one dead after 3 s.
+# The tiny model's engines answer in milliseconds: take a silent one for suspect after 3 s
+# (dead only once hung: KVSERVE_ENGINE_HUNG_TIMEOUT_S, 30 s by default).
 FAST_HEARTBEAT_ENV = {"KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S": "3"}
 DP_MODEL_NAME = "tiny-dp"
 NUM_DP_ENGINES = 2
@@ -145,6 +146,7 @@ class ServeProcess:
         log_path: where its stdout and stderr go.
         port: its HTTP port (None: a headless node).
         served_model_name: the model name its completions ask for.
+        env: environment variables that win over this process's and FAST_HEARTBEAT_ENV.
     """
 
     def __init__(
@@ -153,10 +155,11 @@ class ServeProcess:
         log_path: str,
         port: int | None,
         served_model_name: str = DP_MODEL_NAME,
+        env: dict[str, str] | None = None,
     ):
         self.port, self.log_path = port, log_path
         self.served_model_name = served_model_name
-        env = {**os.environ, **FAST_HEARTBEAT_ENV}
+        env = {**os.environ, **FAST_HEARTBEAT_ENV, **(env or {})}
         env.pop("OMP_NUM_THREADS", None)
         self.process = start_kvserve(["serve", *args], log_path, env=env, new_session=True)
 

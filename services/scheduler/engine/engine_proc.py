@@ -31,6 +31,7 @@ from kvserve.shared.env import (
 )
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from kvserve.shared.progress import ProcessProgress
 from kvserve.shared.transport import (
     EngineAddresses,
     MessageDecoder,
@@ -107,6 +108,8 @@ class EngineCoreProc:
         self.num_iterations = 0
         self.num_steps = 0
         self.idle = False
+        # CPU time and run-queue wait, in every heartbeat: a remote api's view of this host.
+        self._progress = ProcessProgress(os.getpid())
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         # The output thread starts first: it heartbeats through a long model load, and can
@@ -238,8 +241,15 @@ class EngineCoreProc:
     def make_heartbeat(self) -> EngineHeartbeat:
         core = self.engine_core
         num_unfinished = core.scheduler.get_num_unfinished_requests() if core else 0
+        progress = self._progress.sample()
         return EngineHeartbeat(
-            self.engine_index, self.num_iterations, self.num_steps, self.idle, num_unfinished
+            self.engine_index,
+            self.num_iterations,
+            self.num_steps,
+            self.idle,
+            num_unfinished,
+            progress.cpu_ns,
+            progress.wait_ns,
         )
 
     def make_load(self) -> EngineLoad:

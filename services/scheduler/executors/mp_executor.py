@@ -11,9 +11,12 @@ rendezvous the ranks meet at: --master-addr, and --master-port or a free port.
 Every wait here polls the result socket together with the workers' process sentinels, so a
 dead worker turns the next call into a RuntimeError naming its rank within a second or so,
 never a hang; it also reads the workers' heartbeats (a shared array each rank writes every
-second), so a frozen worker does the same after KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S. Once
-a worker has died or failed, the executor stays dead: every later call
-raises the same error (the engine core then dies and the api answers 503).
+second). A rank silent for KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S is only suspect (logged): on a
+busy host it may be slow or starved of CPU. It is hung, and fails the call as a dead one
+does, once it went KVSERVE_WORKER_HUNG_TIMEOUT_S without using CPU time or waiting for a
+CPU (shared/progress.py: stopped or blocked). Once a worker has died, hung or failed, the
+executor stays dead: every later call raises the same error (the engine core then dies and
+the api answers 503).
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ from kvserve.services.worker import worker_proc
 from kvserve.services.worker.parallel_check import load_hf_config, verify_parallel_sizes
 from kvserve.services.worker.parallel_state import driver_rank
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.env import WORKER_HEARTBEAT_TIMEOUT_S
+from kvserve.shared.env import (
+    WORKER_HEARTBEAT_TIMEOUT_S,
+    WORKER_HUNG_TIMEOUT_S,
+    read_hung_timeout_s,
+)
 from kvserve.shared.launch_options import WorkerOptions
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
@@ -50,12 +57,15 @@ from kvserve.shared.messages import (
     WorkerFailure,
     WorkerReady,
 )
+from kvserve.shared.progress import ProcessProgress, SilenceWatch
 from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
 from kvserve.shared.transport import make_socket
 
 logger = init_logger(__name__)
 
 _POLL_INTERVAL_S = 1.0  # the longest a wait goes without looking at the deadline
+# A rank silent this long has missed a beat: from then on each check samples its CPU use.
+_SILENT_AFTER_S = 2 * worker_proc.HEARTBEAT_INTERVAL_S
 
 
 class MpExecutor(RankedExecutor):
@@ -91,6 +101,10 @@ class MpExecutor(RankedExecutor):
             )
         self.start_timeout_s = start_timeout_s
         self.execute_timeout_s = execute_timeout_s
+        self._heartbeat_timeout_s = WORKER_HEARTBEAT_TIMEOUT_S.get()
+        self._hung_timeout_s = read_hung_timeout_s(
+            WORKER_HUNG_TIMEOUT_S, WORKER_HEARTBEAT_TIMEOUT_S
+        )
         self._dead_reason: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._send_buf = bytearray()  # reused for every ring message
@@ -107,12 +121,14 @@ class MpExecutor(RankedExecutor):
         self._procs: list[BaseProcess] = []
         # Each rank's last heartbeat (time.monotonic(); 0 until its first).
         self._beats = multiprocessing.get_context("spawn").Array("d", self.world_size, lock=False)
-        self._heartbeat_timeout_s = WORKER_HEARTBEAT_TIMEOUT_S.get()
         try:
             self._start_workers(config, model_dir, result_addr, worker_cls)
         except BaseException:
             _release(self._procs, self._ring, self._results, self._zmq_ctx, self._ipc_dir)
             raise
+        # Each rank's silence: slow or starved, or hung (see the module docstring).
+        self._silences = [SilenceWatch([ProcessProgress(pid)], now=0.0) for pid in self.worker_pids]
+        self._suspect_ranks: set[int] = set()
         # Processes, socket and segment are released even if shutdown() is never called
         # (the object is collected, or the interpreter exits).
         self._finalizer = weakref.finalize(
@@ -262,17 +278,11 @@ class MpExecutor(RankedExecutor):
     # ------------------------------------------------------------------ liveness
 
     def _check_workers(self) -> None:
-        """Raise RuntimeError naming the first dead (or frozen) rank, if any."""
+        """Raise RuntimeError naming the first dead (or hung) rank, if any."""
         now = time.monotonic()
         for rank, proc in enumerate(self._procs):
-            last_beat = self._beats[rank]
-            if proc.exitcode is None and last_beat and now - last_beat > self._heartbeat_timeout_s:
-                self._die(
-                    f"worker rank {rank} (pid {proc.pid}) has not beaten for "
-                    f"{now - last_beat:.0f} s (limit {self._heartbeat_timeout_s:g} s, "
-                    f"{WORKER_HEARTBEAT_TIMEOUT_S.name}): it is frozen (stopped?)"
-                )
             if proc.exitcode is None:
+                self._check_silence(rank, now)
                 continue
             # It may have sent its traceback just before dying: prefer that message.
             if self._results.poll(100):
@@ -280,6 +290,44 @@ class MpExecutor(RankedExecutor):
                 if kind_frame.bytes == worker_proc.FAILURE:
                     self._raise_failure(body_frame)
             self._die(f"worker rank {rank} (pid {proc.pid}) died: {_describe_exit(proc)}")
+
+    def _check_silence(self, rank: int, now: float) -> None:
+        """Log a rank silent past the heartbeat timeout as suspect, and again when it beats
+        again; die once it is hung."""
+        last_beat, silence = self._beats[rank], self._silences[rank]
+        if not last_beat:
+            return  # not started beating yet
+        silence.heard(last_beat)
+        silent_s = silence.silent_s(now)
+        if silent_s > _SILENT_AFTER_S:  # a beat is missing: the window of no progress opens
+            silence.look(now)
+        if silent_s <= self._heartbeat_timeout_s:
+            if rank in self._suspect_ranks:
+                self._suspect_ranks.discard(rank)
+                logger.warning("worker rank %d beats again: healthy", rank)
+            return
+        pid = self._procs[rank].pid
+        if silence.is_hung(now, self._hung_timeout_s):
+            self._die(
+                f"worker rank {rank} (pid {pid}) has not beaten for {silent_s:.0f} s and used "
+                f"no CPU time and waited for none for {silence.quiet_s(now):.0f} s (limit "
+                f"{self._hung_timeout_s:g} s, {WORKER_HUNG_TIMEOUT_S.name}): it is hung "
+                f"(stopped or blocked)"
+            )
+        if rank not in self._suspect_ranks:
+            self._suspect_ranks.add(rank)
+            logger.warning(
+                "worker rank %d (pid %s) has not beaten for %.0f s (limit %g s, %s): suspect; "
+                "%s; it fails its engine core once it made no progress for %g s (%s)",
+                rank,
+                pid,
+                silent_s,
+                self._heartbeat_timeout_s,
+                WORKER_HEARTBEAT_TIMEOUT_S.name,
+                silence.finding or "looking at its CPU use",
+                self._hung_timeout_s,
+                WORKER_HUNG_TIMEOUT_S.name,
+            )
 
     def _raise_if_dead(self) -> None:
         if self._dead_reason is not None:

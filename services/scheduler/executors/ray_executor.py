@@ -21,10 +21,12 @@ engine, reach only this node, and hide a mistyped RAY_ADDRESS; on one node the m
 does the same work with less.
 
 Liveness as in the mp executor: every wait polls at most a second at a time; a dead actor
-(RayActorError) turns the call into a RuntimeError naming its rank, and so does a rank that
-answers no ping (a concurrency group of its own, so a busy rank answers) for
-KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S. Once dead, always dead: the engine core then dies and
-the api answers 503.
+(RayActorError) turns the call into a RuntimeError naming its rank. A rank that answers no
+ping (a concurrency group of its own, so a busy rank answers) for
+KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S is suspect (logged), and hung, which fails the call the
+same way, after KVSERVE_WORKER_HUNG_TIMEOUT_S: an actor may run on another node, whose CPU
+use this process cannot read, so silence for the whole budget is all there is to go by.
+Once dead, always dead: the engine core then dies and the api answers 503.
 """
 
 from __future__ import annotations
@@ -46,7 +48,12 @@ from kvserve.services.worker.parallel_check import load_hf_config, verify_parall
 from kvserve.services.worker.parallel_state import driver_rank
 from kvserve.services.worker.ray_worker import RayActorPlacement, RayWorker
 from kvserve.shared.config import EngineConfig
-from kvserve.shared.env import RAY_ADDRESS, WORKER_HEARTBEAT_TIMEOUT_S
+from kvserve.shared.env import (
+    RAY_ADDRESS,
+    WORKER_HEARTBEAT_TIMEOUT_S,
+    WORKER_HUNG_TIMEOUT_S,
+    read_hung_timeout_s,
+)
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerReady
 
@@ -87,6 +94,9 @@ class RayExecutor(RankedExecutor):
         self.start_timeout_s = start_timeout_s
         self.execute_timeout_s = execute_timeout_s
         self._heartbeat_timeout_s = WORKER_HEARTBEAT_TIMEOUT_S.get()
+        self._hung_timeout_s = read_hung_timeout_s(
+            WORKER_HUNG_TIMEOUT_S, WORKER_HEARTBEAT_TIMEOUT_S
+        )
         self.driver_rank = driver_rank(
             parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         )
@@ -95,6 +105,7 @@ class RayExecutor(RankedExecutor):
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self._pings: dict[ray.ObjectRef, int] = {}  # unanswered ping -> rank
         self._pings_sent_at = 0.0
+        self._suspect_rank: int | None = None  # logged as suspect in this round of pings
         self._actors: list[Any] = []  # RayWorker handles, by rank
         self.placements: list[RayActorPlacement] = []  # where each rank's actor runs
 
@@ -286,8 +297,12 @@ class RayExecutor(RankedExecutor):
 
     def _check_pings(self) -> None:
         """Collect the last round of pings, sending the next once every rank answered; a
-        dead rank raises at once, one silent for the heartbeat limit is frozen."""
+        dead rank raises at once, one silent for the heartbeat limit is suspect, one silent
+        for the hung budget is hung."""
         if not self._pings:
+            if self._suspect_rank is not None:
+                logger.warning("worker rank %d answers pings again: healthy", self._suspect_rank)
+                self._suspect_rank = None
             self._pings = {actor.ping.remote(): rank for rank, actor in enumerate(self._actors)}
             self._pings_sent_at = time.monotonic()
             return
@@ -295,12 +310,27 @@ class RayExecutor(RankedExecutor):
         for ref in ready:
             self._get(ref, self._pings.pop(ref))
         silent_s = time.monotonic() - self._pings_sent_at
-        if self._pings and silent_s > self._heartbeat_timeout_s:
-            rank = min(self._pings.values())
+        if not self._pings or silent_s <= self._heartbeat_timeout_s:
+            return
+        rank = min(self._pings.values())
+        if silent_s > self._hung_timeout_s:
             self._die(
                 f"worker rank {rank} ({self._describe(rank)}) answered no ping for "
-                f"{silent_s:.0f} s (limit {self._heartbeat_timeout_s:g} s, "
-                f"{WORKER_HEARTBEAT_TIMEOUT_S.name}): it is frozen (stopped?)"
+                f"{silent_s:.0f} s (limit {self._hung_timeout_s:g} s, "
+                f"{WORKER_HUNG_TIMEOUT_S.name}): it is hung (stopped?)"
+            )
+        if self._suspect_rank is None:
+            self._suspect_rank = rank
+            logger.warning(
+                "worker rank %d (%s) answered no ping for %.0f s (limit %g s, %s): suspect; "
+                "it fails its engine core after %g s of silence (%s)",
+                rank,
+                self._describe(rank),
+                silent_s,
+                self._heartbeat_timeout_s,
+                WORKER_HEARTBEAT_TIMEOUT_S.name,
+                self._hung_timeout_s,
+                WORKER_HUNG_TIMEOUT_S.name,
             )
 
     # ------------------------------------------------------------------ liveness

@@ -1,6 +1,7 @@
 """Executor.collective_rpc: a named Worker method runs on the ranks asked, through the uni and
-mp executors alike, and a rank that fails, dies or freezes during a call raises the same
-RuntimeError a step would (those tests start worker processes of their own: slow).
+mp executors alike, and a rank that fails, dies or hangs during a call raises the same
+RuntimeError a step would, while one frozen for less than the hung budget only delays the
+call (those tests start worker processes of their own: slow).
 
 The workers here are a Worker subclass with no model (`FactWorker`): a new start-up fact is
 one method on the worker and one collective_rpc where it is wanted, nothing in between.
@@ -21,8 +22,9 @@ from kvserve.services.scheduler.executors.executor import UniExecutor
 from kvserve.services.scheduler.executors.mp_executor import MpExecutor
 from kvserve.services.worker.worker import Worker
 from kvserve.shared.config import CacheConfig, EngineConfig, ParallelConfig
-from kvserve.shared.env import WORKER_HEARTBEAT_TIMEOUT_S
+from kvserve.shared.env import WORKER_HEARTBEAT_TIMEOUT_S, WORKER_HUNG_TIMEOUT_S
 from tests.support.processes import wait_gone
+from tests.support.waiting import wait_until
 
 
 class Point(msgspec.Struct, frozen=True):
@@ -204,15 +206,53 @@ def test_mp_rank_killed_during_a_call_fails_it_fast(tiny_llama_dir):
 
 
 @pytest.mark.slow  # a fresh pair of worker processes each
-def test_mp_rank_frozen_during_a_call_is_declared_frozen(tiny_llama_dir, monkeypatch):
+def test_mp_rank_frozen_during_a_call_is_suspect_then_hung(tiny_llama_dir, monkeypatch, caplog):
     monkeypatch.setenv(WORKER_HEARTBEAT_TIMEOUT_S.name, "2")
+    monkeypatch.setenv(WORKER_HUNG_TIMEOUT_S.name, "5")
     executor = _mp_executor(tiny_llama_dir)
     try:
         os.kill(executor.worker_pids[1], signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) has not beaten for"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"worker rank 1 \(pid \d+\) has not beaten for \d+ s and used no CPU time "
+            r"and waited for none for \d+ s \(limit 5 s, KVSERVE_WORKER_HUNG_TIMEOUT_S\): it "
+            r"is hung",
+        ):
             executor.collective_rpc("allocated_blocks", timeout_s=60)
-        assert time.monotonic() - start < 10.0
+        # The hung budget counts from the first look at its CPU use, which comes once a beat
+        # (every second) is missing.
+        assert 5.0 <= time.monotonic() - start < 12.0
+        assert "worker rank 1 (pid" in caplog.text and "suspect" in caplog.text, caplog.text
+    finally:
+        executor.shutdown()
+    _assert_released(executor)
+
+
+@pytest.mark.slow  # a fresh pair of worker processes each
+def test_mp_rank_frozen_for_less_than_the_hung_budget_only_delays_a_call(
+    tiny_llama_dir, monkeypatch, caplog
+):
+    monkeypatch.setenv(WORKER_HEARTBEAT_TIMEOUT_S.name, "2")
+    monkeypatch.setenv(WORKER_HUNG_TIMEOUT_S.name, "30")
+    executor = _mp_executor(tiny_llama_dir)
+    try:
+        executor.initialize_kv_cache(12)
+        frozen = executor.worker_pids[1]
+        os.kill(frozen, signal.SIGSTOP)
+        thaw = threading.Timer(5.0, os.kill, (frozen, signal.SIGCONT))
+        thaw.start()
+        start = time.monotonic()
+        assert executor.collective_rpc("allocated_blocks", timeout_s=60) == [12, 12]
+        assert time.monotonic() - start >= 4.5  # it waited for the frozen rank
+        thaw.join()
+        assert f"worker rank 1 (pid {frozen}) has not beaten for" in caplog.text, caplog.text
+        # It beats again: healthy (check_health would raise for a dead executor).
+        assert wait_until(
+            lambda: executor.check_health() or "worker rank 1 beats again: healthy" in caplog.text,
+            timeout_s=5,
+        ), caplog.text
+        assert executor.collective_rpc("allocated_blocks") == [12, 12]
     finally:
         executor.shutdown()
     _assert_released(executor)
