@@ -26,9 +26,7 @@ import psutil
 import pytest
 
 from tests.support.cgroups import cpu_quota, quota_unavailable
-from tests.support.models import TINY_KV_CACHE_MEMORY
-from tests.support.ports import free_port
-from tests.support.server import DP_MODEL_NAME, ServeProcess, stream_completion
+from tests.support.server import DP_MODEL_NAME, ServeProcess, start_tiny_server, stream_completion
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -56,28 +54,10 @@ def _serve(
     Args:
         hung_timeout_s: KVSERVE_ENGINE_HUNG_TIMEOUT_S (None: its default, 30 s).
     """
-    port = free_port()
     env = {"KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S": str(heartbeat_timeout_s)}
     if hung_timeout_s is not None:
         env["KVSERVE_ENGINE_HUNG_TIMEOUT_S"] = str(hung_timeout_s)
-    return ServeProcess(
-        [
-            model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--kv-cache-memory",
-            str(TINY_KV_CACHE_MEMORY),
-            "--served-model-name",
-            DP_MODEL_NAME,
-            "--uvicorn-log-level",
-            "warning",
-        ],
-        str(log_dir / f"serve-{port}.log"),
-        port,
-        env=env,
-    )
+    return start_tiny_server(model_dir, log_dir, env=env)
 
 
 @pytest.fixture

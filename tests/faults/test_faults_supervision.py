@@ -25,6 +25,7 @@ from tests.support.server import (
     NUM_DP_ENGINES,
     ServeProcess,
     start_dp_front_end,
+    start_tiny_server,
     stream_completion,
 )
 from tests.support.waiting import wait_until
@@ -49,25 +50,7 @@ def tiny_llama_for_tp(tmp_path_factory) -> str:
 
 
 def _single_engine_server(model_dir: str, tmp_path, *extra: str) -> ServeProcess:
-    port = free_port()
-    return ServeProcess(
-        [
-            model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--kv-cache-memory",
-            str(TINY_KV_CACHE_MEMORY),
-            "--served-model-name",
-            DP_MODEL_NAME,
-            "--uvicorn-log-level",
-            "warning",
-            *extra,
-        ],
-        str(tmp_path / f"serve-{port}.log"),
-        port,
-    )
+    return start_tiny_server(model_dir, tmp_path, *extra)
 
 
 def _stream_hit_by(server: ServeProcess, fault, **body) -> tuple[list, float]:

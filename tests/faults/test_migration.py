@@ -11,11 +11,13 @@ no KV block left on the engines that served on.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -25,9 +27,7 @@ import psutil
 import pytest
 
 from tests.support.metrics import metrics_text, read_metric
-from tests.support.models import TINY_KV_CACHE_MEMORY
-from tests.support.ports import free_port
-from tests.support.server import DP_MODEL_NAME, ServeProcess, start_dp_front_end
+from tests.support.server import DP_MODEL_NAME, ServeProcess, start_dp_front_end, start_tiny_server
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -210,6 +210,16 @@ def _assert_engine_idle(server: ServeProcess, engine: int) -> None:
     assert wait_until(idle, timeout_s=30), f"engine {engine} still holds requests or blocks"
 
 
+@contextlib.contextmanager
+def _healthy(server: ServeProcess) -> Iterator[ServeProcess]:
+    """The server once healthy; stopped on the way out."""
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
 def _moved_kinds(server: ServeProcess, streams: list[Stream]) -> set[str]:
     log = server.log()
     return {s.kind for s in streams if f"request {s.request_id} moved" in log}
@@ -240,11 +250,8 @@ def dp_server(tiny_llama_dir, tmp_path_factory):
         "--chat-template",
         CHAT_TEMPLATE,
     )
-    try:
-        server.wait_healthy()
+    with _healthy(server):
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_killed_engine_streams_resume_on_the_other(dp_server):
@@ -271,22 +278,17 @@ def test_a_killed_engine_streams_resume_on_the_other(dp_server):
 @pytest.fixture(scope="module")
 def restarting_server(tiny_llama_dir, tmp_path_factory):
     """One engine core, restarted when it dies."""
-    server = start_dp_front_end(
+    server = start_tiny_server(
         tiny_llama_dir,
         tmp_path_factory.mktemp("migration-restart"),
-        "--data-parallel-size",
-        "1",
         "--restart-dead-engines",
         "--structured-outputs-config",
         '{"disable_any_whitespace": true}',
         "--chat-template",
         CHAT_TEMPLATE,
     )
-    try:
-        server.wait_healthy()
+    with _healthy(server):
         yield server
-    finally:
-        server.stop()
 
 
 def test_one_engine_streams_wait_for_its_restart(restarting_server):
@@ -323,11 +325,8 @@ def poisoned_server(tiny_llama_dir, tmp_path_factory):
         )
     finally:
         del os.environ["KVSERVE_FAULT_POISON_TOKEN_ID"]
-    try:
-        server.wait_healthy()
+    with _healthy(server):
         yield server
-    finally:
-        server.stop()
 
 
 def _run_greedy(url: str, on_all_started=None, token_prompts: bool = False) -> list[Stream]:
@@ -406,11 +405,8 @@ def tp_server(default_model_dir, tmp_path_factory):
         "--tensor-parallel-size",
         "2",
     )
-    try:
-        server.wait_healthy()
+    with _healthy(server):
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_killed_worker_streams_resume_on_the_other_engine(tp_server):
@@ -432,35 +428,18 @@ def test_a_killed_worker_streams_resume_on_the_other_engine(tp_server):
 @pytest.fixture(scope="module")
 def pd_server(tiny_llama_dir, tmp_path_factory):
     """P/D: one prefill engine core and two decode engine cores, a KV store between them."""
-    port = free_port()
-    server = ServeProcess(
-        [
-            tiny_llama_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--kv-cache-memory",
-            str(TINY_KV_CACHE_MEMORY),
-            "--served-model-name",
-            DP_MODEL_NAME,
-            "--uvicorn-log-level",
-            "warning",
-            "--prefill-size",
-            "1",
-            "--decode-size",
-            "2",
-            "--kv-store-size",
-            "64M",
-        ],
-        str(tmp_path_factory.mktemp("migration-pd") / "serve.log"),
-        port,
+    server = start_tiny_server(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("migration-pd"),
+        "--prefill-size",
+        "1",
+        "--decode-size",
+        "2",
+        "--kv-store-size",
+        "64M",
     )
-    try:
-        server.wait_healthy()
+    with _healthy(server):
         yield server
-    finally:
-        server.stop()
 
 
 def test_pd_a_killed_decode_engine_streams_resume_through_the_store(pd_server):
@@ -498,10 +477,9 @@ def shared_store_server(tiny_llama_dir, tmp_path_factory):
         json.dumps(transfer),
     )
     try:
-        server.wait_healthy()
-        yield server
+        with _healthy(server):
+            yield server
     finally:
-        server.stop()
         store.stop()
 
 

@@ -224,13 +224,16 @@ class ServeProcess:
         return exit_code
 
 
-def start_dp_front_end(model_dir: str, log_dir, *extra: str) -> ServeProcess:
-    """`kvserve serve` of a tiny model with NUM_DP_ENGINES engines on a free port, served as
-    DP_MODEL_NAME, not waited for.
+def start_tiny_server(
+    model_dir: str, log_dir, *extra: str, env: dict[str, str] | None = None
+) -> ServeProcess:
+    """`kvserve serve` of a tiny model (one engine core unless `extra` says otherwise) on a
+    free port, served as DP_MODEL_NAME, not waited for.
 
     Args:
         log_dir: a folder (pathlib) for its log.
         extra: more flags.
+        env: environment variables to set for it, over ServeProcess's.
     """
     port = free_port()
     return ServeProcess(
@@ -246,12 +249,18 @@ def start_dp_front_end(model_dir: str, log_dir, *extra: str) -> ServeProcess:
             DP_MODEL_NAME,
             "--uvicorn-log-level",
             "warning",
-            "--data-parallel-size",
-            str(NUM_DP_ENGINES),
             *extra,
         ],
         str(log_dir / f"serve-{port}.log"),
         port,
+        env=env,
+    )
+
+
+def start_dp_front_end(model_dir: str, log_dir, *extra: str) -> ServeProcess:
+    """start_tiny_server with NUM_DP_ENGINES engine cores."""
+    return start_tiny_server(
+        model_dir, log_dir, "--data-parallel-size", str(NUM_DP_ENGINES), *extra
     )
 
 
