@@ -22,11 +22,14 @@ JSON_TEXT = {
     "properties": {"text": {"type": "string", "pattern": "^[a-z]{20,40}$"}},
     "required": ["text"],
 }
+# Sampled kinds keep the top 8 tokens: the random model's distribution is flat, so a draw
+# would otherwise sit near one of 257 boundaries that float32 rounding between the original
+# decode and the recompute moves (~1e-7).
 PARAMS = {
     "greedy": SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
-    "seeded": SamplingParams(max_tokens=60, temperature=1.0, seed=7, ignore_eos=True),
+    "seeded": SamplingParams(max_tokens=60, temperature=1.0, top_k=8, seed=7, ignore_eos=True),
     "penalties": SamplingParams(
-        max_tokens=60, temperature=0.8, seed=3, frequency_penalty=1.5, ignore_eos=True
+        max_tokens=60, temperature=0.8, top_k=8, seed=3, frequency_penalty=1.5, ignore_eos=True
     ),
     "json": SamplingParams(
         max_tokens=200,
@@ -38,6 +41,7 @@ PARAMS = {
     "thinking": SamplingParams(
         max_tokens=40,
         temperature=1.0,
+        top_k=8,
         seed=5,
         ignore_eos=True,
         reasoning_end_token_ids=[ord("!")],

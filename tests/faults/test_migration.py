@@ -17,7 +17,7 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -101,7 +101,10 @@ def _run(url: str, stream: Stream, on_chunk=None) -> None:
             seed=stream.index if seeded else None,
             logprobs=2,
             stream=True,
-            extra_body={"ignore_eos": True},
+            # top_k: the random model's flat distribution puts a token boundary of the draw
+            # every 1/257; float32 rounding between the original decode and the recompute
+            # moves them (~1e-7), which a draw at a boundary would feel. 8 of them are few.
+            extra_body={"ignore_eos": True, **({"top_k": 8} if seeded else {})},
         )
         for chunk in chunks:
             stream.num_chunks += 1
@@ -126,15 +129,17 @@ def _streams() -> list[Stream]:
 
 
 class KillMidStream:
-    """SIGSTOP `pid` once every stream has KILL_AFTER_CHUNKS chunks (the tiny model streams
-    300 tokens in about a second: every stream is surely in flight then), and SIGKILL it
-    half a second later."""
+    """When the first stream has KILL_AFTER_CHUNKS chunks, SIGSTOP the engine core running
+    the most requests (by /health; ties: the highest index): none of its streams can end
+    now, and those that were to start there wait there. SIGKILL it half a second later
+    (`victim`: its /health entry). The tiny model streams 300 tokens in about a second, so
+    a later trigger could miss streams that end first."""
 
     KILL_AFTER_CHUNKS = 3
 
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.streams: list[Stream] = []
+    def __init__(self, server: ServeProcess):
+        self.server = server
+        self.victim: dict = {}
         self.fired = threading.Event()
         self._lock = threading.Lock()
         self._killer: threading.Timer | None = None
@@ -143,13 +148,13 @@ class KillMidStream:
         if self.fired.is_set() or stream.num_chunks < self.KILL_AFTER_CHUNKS:
             return
         with self._lock:
-            if self.fired.is_set() or any(
-                s.num_chunks < self.KILL_AFTER_CHUNKS for s in self.streams
-            ):
+            if self.fired.is_set():
                 return
-            os.kill(self.pid, signal.SIGSTOP)
+            self.victim = _busiest(self.server)
+            pid = self.victim["pid"]
+            os.kill(pid, signal.SIGSTOP)
             self.fired.set()
-            self._killer = threading.Timer(0.5, os.kill, (self.pid, signal.SIGKILL))
+            self._killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
             self._killer.start()
 
     def join(self) -> None:
@@ -161,9 +166,7 @@ class KillMidStream:
 def _run_all(url: str, kill: KillMidStream | None = None) -> list[Stream]:
     """Run every stream at once (with `kill`'s SIGSTOP and SIGKILL among them)."""
     streams = _streams()
-    on_chunk = None
-    if kill is not None:
-        kill.streams, on_chunk = streams, kill.on_chunk
+    on_chunk = kill.on_chunk if kill is not None else None
     with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
         futures = [pool.submit(_run, url, stream, on_chunk) for stream in streams]
         for future in futures:
@@ -220,6 +223,14 @@ def _healthy(server: ServeProcess) -> Iterator[ServeProcess]:
         server.stop()
 
 
+def _busiest(server: ServeProcess, engines: Collection[int] | None = None) -> dict:
+    """The /health entry of the engine core running the most requests now (of `engines`;
+    ties: the highest index): the victim that surely holds streams."""
+    _, body = server.health()
+    candidates = [e for e in body["engines"] if engines is None or e["engine"] in engines]
+    return max(candidates, key=lambda e: (e["num_running"], e["engine"]))
+
+
 def _moved_kinds(server: ServeProcess, streams: list[Stream]) -> set[str]:
     log = server.log()
     return {s.kind for s in streams if f"request {s.request_id} moved" in log}
@@ -257,22 +268,26 @@ def dp_server(tiny_llama_dir, tmp_path_factory):
 def test_a_killed_engine_streams_resume_on_the_other(dp_server):
     reference = _run_all(dp_server.url)
     _assert_same(reference, reference)  # no errors, full lengths, valid JSON
-    victim = _engine_pids(dp_server)[1]
+    kill = KillMidStream(dp_server)
 
-    streams = _run_all(dp_server.url, KillMidStream(victim))
+    streams = _run_all(dp_server.url, kill)
 
     _assert_same(streams, reference)
-    # Placement decides which kinds sat on engine 1; the one-engine test moves them all.
+    victim = kill.victim["engine"]
+    survivor = 1 - victim
+    # Placement decides which kinds sat on the victim; the one-engine test moves them all.
     assert _moved_kinds(dp_server, streams), "no stream was on the killed engine"
     assert _migrations(dp_server, "engine_died") >= 1
     text = metrics_text(dp_server.url)
-    assert read_metric(text, "kvserve:request_migrations_total", engine="0") == 0  # survivor
-    resumed = read_metric(text, "kvserve:request_migration_resume_seconds_count", engine="1")
+    assert read_metric(text, "kvserve:request_migrations_total", engine=str(survivor)) == 0
+    resumed = read_metric(
+        text, "kvserve:request_migration_resume_seconds_count", engine=str(victim)
+    )
     assert resumed == _migrations(dp_server, "engine_died")  # each moved stream resumed
-    _assert_engine_idle(dp_server, 0)
-    assert "moved to engine core 0" in dp_server.log()
+    _assert_engine_idle(dp_server, survivor)
+    assert f"moved to engine core {survivor}" in dp_server.log()
     status, body = dp_server.health()
-    assert status == 200 and body["engines"][1]["state"] == "dead", body
+    assert status == 200 and body["engines"][victim]["state"] == "dead", body
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +311,7 @@ def test_one_engine_streams_wait_for_its_restart(restarting_server):
     reference = _run_all(server.url)
     (victim,) = _engine_pids(server)
 
-    streams = _run_all(server.url, KillMidStream(victim))
+    streams = _run_all(server.url, KillMidStream(server))
 
     _assert_same(streams, reference)
     assert _moved_kinds(server, streams) == {"greedy", "seeded", "json"}
@@ -329,8 +344,9 @@ def poisoned_server(tiny_llama_dir, tmp_path_factory):
         yield server
 
 
-def _run_greedy(url: str, on_all_started=None, token_prompts: bool = False) -> list[Stream]:
-    """Six greedy streams at once; `on_all_started()` runs (once) when each has 3 chunks.
+def _run_greedy(url: str, on_started=None, token_prompts: bool = False) -> list[Stream]:
+    """Six greedy streams at once; `on_started()` runs (once) when the first has 3
+    chunks.
 
     Args:
         token_prompts: prompts of token ids below 100, and 200 tokens (for the
@@ -341,21 +357,24 @@ def _run_greedy(url: str, on_all_started=None, token_prompts: bool = False) -> l
         Stream("greedy", i, [1 + i, 2 + i, 3 + i], 200) if token_prompts else Stream("greedy", i)
         for i in range(6)
     ]
-    fired = threading.Event()
+    fired: list[threading.Thread] = []
     lock = threading.Lock()
 
-    def on_chunk(_: Stream) -> None:
-        if on_all_started is None or fired.is_set():
+    def on_chunk(stream: Stream) -> None:
+        if on_started is None or fired or stream.num_chunks < 3:
             return
         with lock:
-            if not fired.is_set() and all(s.num_chunks >= 3 for s in streams):
-                fired.set()
-                threading.Thread(target=on_all_started).start()
+            if not fired:
+                fired.append(threading.Thread(target=on_started))
+                fired[0].start()
 
     with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
         for future in [pool.submit(_run, url, stream, on_chunk) for stream in streams]:
             future.result(timeout=180)
-    assert on_all_started is None or fired.is_set()
+    if on_started is not None:
+        assert fired, "the streams never got going"
+        fired[0].join(180)
+        assert not fired[0].is_alive(), "on_started() never returned"
     return streams
 
 
@@ -371,10 +390,10 @@ def test_a_poison_request_is_quarantined_and_the_others_finish(poisoned_server):
                 model=DP_MODEL_NAME, prompt=[65, 66, POISON_TOKEN_ID], max_tokens=8
             )
             poison["error"] = None
-        except openai.APIStatusError as exc:
+        except openai.OpenAIError as exc:
             poison["error"] = exc
 
-    streams = _run_greedy(server.url, on_all_started=send_poison)
+    streams = _run_greedy(server.url, on_started=send_poison)
 
     _assert_same(streams, reference)  # the bystanders moved (twice, some) and finished
     error = poison["error"]
@@ -411,18 +430,18 @@ def tp_server(default_model_dir, tmp_path_factory):
 
 def test_a_killed_worker_streams_resume_on_the_other_engine(tp_server):
     reference = _run_greedy(tp_server.url, token_prompts=True)
-    engine_pid = _engine_pids(tp_server)[1]
-    worker = psutil.Process(engine_pid).children()[-1]
+    victim: dict = {}
 
     def kill_worker() -> None:
-        worker.send_signal(signal.SIGKILL)
+        victim.update(_busiest(tp_server))
+        psutil.Process(victim["pid"]).children()[-1].send_signal(signal.SIGKILL)
 
     streams = _run_greedy(tp_server.url, kill_worker, token_prompts=True)
 
     _assert_same(streams, reference)
     assert _moved_kinds(tp_server, streams) == {"greedy"}
     assert _migrations(tp_server, "worker_died") >= 1
-    _assert_engine_idle(tp_server, 0)
+    _assert_engine_idle(tp_server, 1 - victim["engine"])
 
 
 @pytest.fixture(scope="module")
@@ -447,16 +466,25 @@ def test_pd_a_killed_decode_engine_streams_resume_through_the_store(pd_server):
     _, body = pd_server.health()
     decode = [e for e in body["engines"] if e.get("kv_role") == "kv_consumer"]
     assert [e["engine"] for e in decode] == [1, 2], body
-    loaded_before = pd_server.metric("kvserve:external_prefix_cache_hits_total", 1)
+    loaded_before = {
+        i: pd_server.metric("kvserve:external_prefix_cache_hits_total", i) for i in (1, 2)
+    }
+    victim: dict = {}
 
-    streams = _run_greedy(pd_server.url, lambda: os.kill(decode[1]["pid"], signal.SIGKILL))
+    def kill_decode_engine() -> None:
+        victim.update(_busiest(pd_server, (1, 2)))
+        os.kill(victim["pid"], signal.SIGKILL)
+
+    streams = _run_greedy(pd_server.url, kill_decode_engine)
 
     _assert_same(streams, reference)
     assert _moved_kinds(pd_server, streams) == {"greedy"}
     # The moved streams' prompts and emitted tokens went through a prefill copy into the
     # store, and the surviving decode engine loaded them rather than computing them.
-    assert pd_server.metric("kvserve:external_prefix_cache_hits_total", 1) > loaded_before
-    _assert_engine_idle(pd_server, 1)
+    survivor = 3 - victim["engine"]
+    loaded = pd_server.metric("kvserve:external_prefix_cache_hits_total", survivor)
+    assert loaded > loaded_before[survivor]
+    _assert_engine_idle(pd_server, survivor)
 
 
 @pytest.fixture(scope="module")
@@ -488,9 +516,13 @@ def test_kv_both_a_moved_stream_loads_its_blocks_from_the_store(shared_store_ser
     reference = _run_greedy(server.url)
     # The engines forget their own prefixes: what the moved streams find comes from the store.
     assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 200
-    victim = _engine_pids(server)[1]
+    victim: dict = {}
 
-    streams = _run_greedy(server.url, lambda: os.kill(victim, signal.SIGKILL))
+    def kill_busiest() -> None:
+        victim.update(_busiest(server))
+        os.kill(victim["pid"], signal.SIGKILL)
+
+    streams = _run_greedy(server.url, kill_busiest)
 
     _assert_same(streams, reference)
     log = server.log()
@@ -511,5 +543,6 @@ def test_kv_both_a_moved_stream_loads_its_blocks_from_the_store(shared_store_ser
         )
         # Every full block of prompt + emitted tokens but the last token's was a hit.
         assert cached >= (prompt + emitted - 1) // block_size * block_size, (prompt, emitted)
-    assert server.metric("kvserve:external_prefix_cache_hits_total", 0) > 0
-    _assert_engine_idle(server, 0)
+    survivor = 1 - victim["engine"]
+    assert server.metric("kvserve:external_prefix_cache_hits_total", survivor) > 0
+    _assert_engine_idle(server, survivor)
