@@ -110,6 +110,45 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
+class TenantConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Tenants: who a request is served for (services/api/tenants.py). A tenant is the name
+    of the API key a request used, or the `tenant_header` when one is trusted, else
+    "default". Quotas given here apply to each tenant; a key file line's own columns
+    (`name:key weight=2 max_concurrent=4 ...`) override them for that key's tenant."""
+
+    tenant_header: Annotated[
+        str | None,
+        flag_doc(
+            "a request header that names the tenant (e.g. X-Tenant), trusted as given: only "
+            "for a trusted front end in front of the server (default: off, the key's name)"
+        ),
+    ] = None
+    tenant_max_concurrent: Annotated[
+        int | None, flag_doc("requests in flight per tenant at most (429 past it)")
+    ] = None
+    tenant_tokens_per_minute: Annotated[
+        int | None,
+        flag_doc("prompt + completion tokens per tenant in any 60 s at most (429 past it)"),
+    ] = None
+    tenant_requests_per_minute: Annotated[
+        int | None, flag_doc("requests per tenant in any 60 s at most (429 past it)")
+    ] = None
+    usage_admin_keys: Annotated[
+        list[str], flag_doc("names of the API keys that may read GET /v1/usage", parse="json")
+    ] = msgspec.field(default_factory=lambda: ["admin"])
+
+    def __post_init__(self) -> None:
+        for name in ("tenant_max_concurrent", "tenant_tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.tenant_requests_per_minute is not None and self.tenant_requests_per_minute < 1:
+            raise ValueError(
+                f"--tenant-requests-per-minute must be positive, got "
+                f"{self.tenant_requests_per_minute}"
+            )
+
+
 class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The OpenAI front end: chat template, request defaults, API details, request logs."""
 
@@ -208,6 +247,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = 60.0
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    tenants: TenantConfig = msgspec.field(default_factory=TenantConfig)
 
     def __post_init__(self) -> None:
         if self.max_request_migrations < 0:

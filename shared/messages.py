@@ -44,6 +44,10 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     # engine recomputes with the prompt and counts as output (max_tokens, penalties, the
     # grammar, the thinking, the seeded generator's draws), emitting only what follows.
     resumed_output_token_ids: list[int] = []
+    # Who the request is served for (services/api/tenants.py) and that tenant's weight: the
+    # fair scheduler serves tenants in proportion to their weights.
+    tenant: str = "default"
+    tenant_weight: float = 1.0
 
 
 class Logprobs(msgspec.Struct, **_HOT):
@@ -123,6 +127,9 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     # LoRA: requests per adapter name, running and waiting (vLLM's lora_requests_info).
     running_lora_adapters: dict[str, int] = {}
     waiting_lora_adapters: dict[str, int] = {}
+    # Tenants: requests per tenant name, running and waiting (those with none left out).
+    running_by_tenant: dict[str, int] = {}
+    waiting_by_tenant: dict[str, int] = {}
     # Speculative decoding in this step: requests that verified drafts, the drafts, those
     # accepted, and accepted counts per draft position (index 0: the first draft).
     spec_num_drafts: int = 0

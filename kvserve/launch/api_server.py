@@ -208,20 +208,20 @@ async def serve_http(client: MPEngineClient, api: APIServer, stop: asyncio.Event
 
 
 def _build_app(client: MPEngineClient, api: APIServer) -> Any:
-    from kvserve.services.api.auth import load_api_keys
     from kvserve.services.api.server import build_app as default_build_app
+    from kvserve.services.api.tenants import TenantDirectory
 
     build_app: AppFactory = api.build_app or default_build_app
-    api_keys = load_api_keys(api.http)
-    if api_keys:
-        logger.info("/v1/* needs one of %d API keys: %s", len(api_keys), sorted(api_keys))
+    tenants = TenantDirectory(api.http, api.frontend.tenants)
+    if tenants.keys:
+        logger.info("/v1/* needs one of %d API keys: %s", len(tenants.keys), sorted(tenants.keys))
     return build_app(
         client,
         served_model_name=client.model_name,
         http=api.http,
         frontend=api.frontend,
-        api_keys=api_keys,
         lora_config=api.lora,
+        tenants=tenants,
     )
 
 

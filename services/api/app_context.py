@@ -28,6 +28,7 @@ from kvserve.services.api.serving_embeddings import OpenAIServingEmbedding
 from kvserve.services.api.serving_messages import AnthropicServingMessages
 from kvserve.services.api.serving_models import ServingModels
 from kvserve.services.api.serving_responses import OpenAIServingResponses, ResponseStore
+from kvserve.services.api.tenants import TenantDirectory
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.config import LoRAConfig
 from kvserve.shared.logging import init_logger
@@ -51,6 +52,7 @@ class AppContext:
         messages: the Anthropic Messages handler (over chat).
         responses: the OpenAI Responses handler (over chat) and its response store.
         embeddings: the embeddings handler (--runner pooling).
+        tenants: the keys and tenants (weights, quotas), reloaded on SIGHUP.
     """
 
     engine_client: EngineClient
@@ -63,6 +65,7 @@ class AppContext:
     messages: AnthropicServingMessages
     responses: OpenAIServingResponses
     embeddings: OpenAIServingEmbedding
+    tenants: TenantDirectory
 
     @property
     def max_json_depth(self) -> int:
@@ -74,6 +77,7 @@ def make_context(
     served_model_name: str,
     frontend: FrontendConfig,
     lora_config: LoRAConfig | None,
+    tenants: TenantDirectory,
 ) -> AppContext:
     """The serving core over one engine client (see build_app for the arguments)."""
     models = ServingModels(
@@ -104,6 +108,7 @@ def make_context(
             chat, ResponseStore(frontend.responses_store_size, frontend.responses_store_ttl)
         ),
         OpenAIServingEmbedding(engine_client, served_model_name, frontend, models),
+        tenants,
     )
 
 

@@ -10,6 +10,7 @@ key's name, never the key, is what the server shows: in the request log line
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
@@ -19,9 +20,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve.services.api.anthropic_protocol import error_body
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.request_logger import API_KEY_NAME
-from kvserve.shared.api_config import HTTPConfig
+from kvserve.services.api.tenants import DEFAULT_KEY_NAME, TenantDirectory
+from kvserve.shared.api_config import HTTPConfig, TenantConfig
 
-DEFAULT_KEY_NAME = "default"
+__all__ = ["DEFAULT_KEY_NAME", "APIKeyMiddleware", "load_api_keys", "match_key"]
 
 
 def load_api_keys(http: HTTPConfig) -> dict[str, str]:
@@ -31,27 +33,7 @@ def load_api_keys(http: HTTPConfig) -> dict[str, str]:
         ValueError: a malformed key file line (its number is named, its key never), an
             empty key, or a name or key given twice.
     """
-    keys: dict[str, str] = {}
-    if http.effective_api_key:
-        keys[DEFAULT_KEY_NAME] = http.effective_api_key
-    if http.api_key_file is None:
-        return keys
-    with open(http.api_key_file, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for line_number, line in enumerate(lines, start=1):
-        text = line.strip()
-        if not text or text.startswith("#"):
-            continue
-        name, sep, key = (part.strip() for part in text.partition(":"))
-        where = f"{http.api_key_file} line {line_number}"
-        if not sep or not name or not key:
-            raise ValueError(f"{where}: expected 'name:key' with a non-empty name and key")
-        if name in keys:
-            raise ValueError(f"{where}: the key name {name!r} is used twice")
-        if key in keys.values():
-            raise ValueError(f"{where}: this key is given twice (named {name!r} here)")
-        keys[name] = key
-    return keys
+    return TenantDirectory(http, TenantConfig()).keys
 
 
 def match_key(given: bytes, expected: dict[str, bytes]) -> str | None:
@@ -69,15 +51,26 @@ class APIKeyMiddleware:
 
     Args:
         app: the app behind it.
-        keys: name -> key.
+        keys: name -> key; a dict that TenantDirectory.reload replaces (SIGHUP) is read
+            again through `current_keys` when given.
         registry: where kvserve:api_key_requests_total (by key_name) is registered.
         route_path: the request's path without the root path (server._route_path).
+        current_keys: returns the keys now (the tenant directory's, reloaded on SIGHUP).
     """
 
-    def __init__(self, app: ASGIApp, keys: dict[str, str], registry: CollectorRegistry, route_path):
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: dict[str, str],
+        registry: CollectorRegistry,
+        route_path,
+        current_keys: Callable[[], dict[str, str]] | None = None,
+    ):
         assert keys, "APIKeyMiddleware needs at least one key"
         self.app = app
-        self.expected = {name: f"Bearer {key}".encode() for name, key in keys.items()}
+        self.current_keys = current_keys or (lambda: keys)
+        self._keys: dict[str, str] = {}
+        self.expected: dict[str, bytes] = {}
         self.route_path = route_path
         self.requests_total = Counter(
             "kvserve:api_key_requests",
@@ -85,6 +78,15 @@ class APIKeyMiddleware:
             ["key_name"],
             registry=registry,
         )
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Follow a reload of the keys (the same dict object: nothing to do)."""
+        keys = self.current_keys()
+        if keys is self._keys:
+            return
+        self._keys = keys
+        self.expected = {name: f"Bearer {key}".encode() for name, key in keys.items()}
         for name in keys:  # every key's series exists from the start, at 0
             self.requests_total.labels(key_name=name)
 
@@ -92,6 +94,7 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not self.route_path(scope).startswith("/v1/"):
             await self.app(scope, receive, send)
             return
+        self._refresh()
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"")
         if not given and b"x-api-key" in headers:  # Anthropic's clients send the key so

@@ -18,6 +18,7 @@ from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.request_logger import key_name_suffix
 from kvserve.services.api.stats import IterationStats, MigrationStats
+from kvserve.services.api.tenants import TenantSpec
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import LoRARequest
@@ -205,8 +206,10 @@ class EngineClient:
         params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tenant: TenantSpec | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield cumulative RequestOutputs until the last one (finished=True).
+        """Yield cumulative RequestOutputs until the last one (finished=True); `tenant`:
+        who it is served for (None: "default").
 
         Closing the generator early (a client that went away) aborts the request.
         """
@@ -219,7 +222,13 @@ class EngineClient:
         try:
             await self._send_requests(
                 make_engine_requests(
-                    child_ids, prompt_token_ids, params, priority, self.tokenizer_info, lora_request
+                    child_ids,
+                    prompt_token_ids,
+                    params,
+                    priority,
+                    self.tokenizer_info,
+                    lora_request,
+                    tenant,
                 )
             )
             while not finished:

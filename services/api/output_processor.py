@@ -15,6 +15,7 @@ import msgspec
 from kvserve.services.api.detokenizer import Detokenizer, check_stop_strings, make_detokenizer
 from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.services.api.stats import IterationStats, RequestTimes
+from kvserve.services.api.tenants import DEFAULT_TENANT, TenantSpec
 from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from kvserve.shared.sampling_params import SamplingParams
@@ -31,9 +32,12 @@ def make_engine_requests(
     priority: int,
     tokenizer_info,
     lora_request: LoRARequest | None = None,
+    tenant: TenantSpec | None = None,
 ) -> list[EngineCoreRequest]:
     """One EngineCoreRequest per child; child i of a seeded request gets seed + i; all
-    run with `lora_request`'s adapter (None: the base model)."""
+    run with `lora_request`'s adapter (None: the base model), for `tenant` (None:
+    "default", weight 1)."""
+    tenant = tenant or TenantSpec(name=DEFAULT_TENANT)
     if tokenizer_info.extra_stop_token_ids and not params.ignore_eos:
         stop_ids = list(params.stop_token_ids or ()) + tokenizer_info.extra_stop_token_ids
         params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
@@ -53,6 +57,8 @@ def make_engine_requests(
                 now,
                 priority,
                 lora_request=lora_request,
+                tenant=tenant.name,
+                tenant_weight=tenant.weight,
             )
         )
     return requests

@@ -42,6 +42,7 @@ from kvserve.services.api.limits import BodySizeLimitMiddleware
 from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.serving_base import REQUEST_ID_HEADER
+from kvserve.services.api.tenants import TenantDirectory, TenantMiddleware
 from kvserve.shared.api_config import FrontendConfig, HTTPConfig
 from kvserve.shared.config import LoRAConfig
 
@@ -58,6 +59,7 @@ def build_app(
     frontend: FrontendConfig | None = None,
     api_keys: dict[str, str] | None = None,
     lora_config: LoRAConfig | None = None,
+    tenants: TenantDirectory | None = None,
 ) -> Starlette:
     """The HTTP app over one engine client.
 
@@ -72,15 +74,20 @@ def build_app(
         lora_config: the engines' LoRA options: with enable_lora, --lora-modules are served,
             `model` may name an adapter, and /v1/load_lora_adapter and
             /v1/unload_lora_adapter exist.
+        tenants: the keys and tenants (TenantDirectory, reloaded on SIGHUP); None builds
+            one from `http` and `frontend.tenants`, with api_key and api_keys added.
     """
     frontend = frontend or FrontendConfig()
-    ctx = make_context(engine_client, served_model_name, frontend, lora_config)
-    keys = dict(api_keys or {})
-    if api_key:
-        keys.setdefault("default", api_key)
+    http = http or HTTPConfig()
+    if tenants is None:
+        tenants = TenantDirectory(http, frontend.tenants)
+        tenants.keys = dict(api_keys or {}) | tenants.keys
+        if api_key:
+            tenants.keys.setdefault("default", api_key)
+    ctx = make_context(engine_client, served_model_name, frontend, lora_config, tenants)
     app = Starlette(
         routes=[route for module in ROUTE_MODULES for route in module.routes(ctx)],
-        middleware=_middleware(http or HTTPConfig(), frontend, keys, ctx.metrics),
+        middleware=_middleware(http, frontend, tenants, ctx.metrics),
         exception_handlers={404: _routing_error, 405: _routing_error},
     )
     app.state.ctx = ctx
@@ -102,7 +109,7 @@ async def _routing_error(request: Request, exc: Exception) -> Response:
 
 
 def _middleware(
-    http: HTTPConfig, frontend: FrontendConfig, keys: dict[str, str], metrics: ApiMetrics
+    http: HTTPConfig, frontend: FrontendConfig, tenants: TenantDirectory, metrics: ApiMetrics
 ) -> list[Middleware]:
     """Outermost first."""
     # CORS outermost, so a browser's preflight (OPTIONS, no credentials) is answered before
@@ -119,12 +126,18 @@ def _middleware(
     if frontend.enable_request_id_headers:
         # Outside the API-key check, so a 401 carries the id too.
         middleware.append(Middleware(_RequestIdMiddleware))
-    if keys:
+    if tenants.keys:
         middleware.append(
             Middleware(
-                APIKeyMiddleware, keys=keys, registry=metrics.registry, route_path=_route_path
+                APIKeyMiddleware,
+                keys=tenants.keys,
+                registry=metrics.registry,
+                route_path=_route_path,
+                current_keys=lambda: tenants.keys,
             )
         )
+    # Inside the key check: the tenant is the key's name.
+    middleware.append(Middleware(TenantMiddleware, directory=tenants))
     # Inside the key check: a client without a key cannot make the server buffer a body.
     middleware.append(
         Middleware(BodySizeLimitMiddleware, max_bytes=frontend.limits.max_request_body_bytes)

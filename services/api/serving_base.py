@@ -36,6 +36,7 @@ from kvserve.services.api.protocol import (
 from kvserve.services.api.request_constraints import logits_processor_kwargs
 from kvserve.services.api.request_logger import RequestLogger
 from kvserve.services.api.serving_models import ServingModels
+from kvserve.services.api.tenants import CURRENT_TENANT
 from kvserve.services.api.validation import (
     check_prompt_tokens,
     check_request,
@@ -218,8 +219,10 @@ class OpenAIServing:
         """Submit every prompt (all with `lora_request`'s adapter, None: the base model);
         yield (prompt index, cumulative RequestOutput) as they come.
 
-        Closing the returned generator aborts whatever is still running.
+        Closing the returned generator aborts whatever is still running. The requests are
+        the current tenant's (tenants.CURRENT_TENANT, set per HTTP request).
         """
+        tenant = CURRENT_TENANT.get()
         streams = []
         for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
             engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
@@ -228,7 +231,7 @@ class OpenAIServing:
                 logged_text = text if text is not None else self.tokenizer.decode(token_ids)
                 self.request_logger.log_inputs(engine_request_id, logged_text, token_ids, params)
             stream = self.engine_client.generate(
-                engine_request_id, text, token_ids, params, priority, lora_request
+                engine_request_id, text, token_ids, params, priority, lora_request, tenant
             )
             streams.append(stream)
         return merge_async_iterators(streams)

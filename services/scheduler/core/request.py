@@ -95,6 +95,8 @@ class Request:
         block_hasher: hashes full blocks as tokens arrive; None when prefix caching is off.
         lora_request: the adapter it runs with (None: the base model); part of its block
             hashes, so adapters never share cached blocks.
+        tenant: who it is served for; the fair policy serves tenants by weighted service.
+        tenant_weight: the tenant's weight (its share under the fair policy).
     """
 
     def __init__(
@@ -108,8 +110,12 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str = "default",
+        tenant_weight: float = 1.0,
     ) -> None:
         self.req_id = req_id
+        self.tenant = tenant
+        self.tenant_weight = tenant_weight
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -171,6 +177,8 @@ class Request:
             cache_salt=req.cache_salt,
             block_hasher=block_hasher,
             lora_request=req.lora_request,
+            tenant=req.tenant,
+            tenant_weight=req.tenant_weight,
         )
         if req.resumed_output_token_ids:
             request.resume(req.resumed_output_token_ids)

@@ -154,6 +154,14 @@ def take_new_prompt_logprobs(request: Request, prompt_logprobs: Logprobs | None)
     return slice_logprobs(prompt_logprobs, first_new_row, num_rows)
 
 
+def count_tenants(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per tenant name."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        counts[request.tenant] = counts.get(request.tenant, 0) + 1
+    return counts
+
+
 def count_adapters(requests: Iterable[Request]) -> dict[str, int]:
     """Requests per adapter name (the base model's are not counted)."""
     counts: dict[str, int] = {}

@@ -33,6 +33,7 @@ from kvserve.services.scheduler.core.request import (
 )
 from kvserve.services.scheduler.core.request_output import (
     count_adapters,
+    count_tenants,
     forced_tokens_of,
     grammar_bitmask_of,
     make_request_output,
@@ -683,6 +684,8 @@ class Scheduler:
             grammar_compile_times=compile_times,
             running_lora_adapters=count_adapters(self.running) if self.lora_config else {},
             waiting_lora_adapters=count_adapters(self.waiting) if self.lora_config else {},
+            running_by_tenant=count_tenants(self.running),
+            waiting_by_tenant=count_tenants([*self.waiting, *self.waiting_for_grammar.values()]),
             **(self.spec_decode.take_stats() if self.spec_decode is not None else {}),
             **(self.kv_connector.take_stats() if self.kv_connector is not None else {}),
         )
