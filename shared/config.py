@@ -166,7 +166,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
         int, flag_doc("cap on one request's prompt tokens per step (0 = none)")
     ] = 0
     scheduling_policy: Annotated[
-        Literal["fcfs", "priority"], flag_doc("fcfs, or priority (lower value first, then arrival)")
+        Literal["fcfs", "priority", "fair"],
+        flag_doc(
+            "fcfs; priority (lower value first, then arrival); or fair (tenants served by "
+            "their weighted token counters, priority inside a tenant)"
+        ),
     ] = "fcfs"
     max_waiting_requests: Annotated[
         int,

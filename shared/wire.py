@@ -28,6 +28,7 @@ class MsgType(enum.IntEnum):
     ABORT = 1  # list of request ids
     UTILITY = 2  # UtilityCall
     FRONTEND_HEARTBEAT = 3  # no payload: the api lives (engines not its children watch it)
+    TENANT_SERVICE = 4  # TenantService: the other engines' tenant counters (fair policy, DP)
     # engine core -> api
     READY = 10  # EngineReady, on the DEALER, once, before anything else
     OUTPUTS = 11  # EngineCoreOutputs, one per engine step
@@ -151,11 +152,19 @@ class UtilityOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     result: UtilityResult = None
 
 
+class TenantService(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The tenant counters of every other engine core, summed: api -> engine core, as load
+    tables arrive, so the fair policy counts what a tenant got on the others."""
+
+    remote: dict[str, float]
+
+
 PAYLOAD_TYPES: dict[MsgType, type] = {
     MsgType.ADD: EngineCoreRequest,
     MsgType.ABORT: list[str],
     MsgType.UTILITY: UtilityCall,
     MsgType.FRONTEND_HEARTBEAT: type(None),
+    MsgType.TENANT_SERVICE: TenantService,
     MsgType.READY: EngineReady,
     MsgType.OUTPUTS: EngineCoreOutputs,
     MsgType.UTILITY_OUTPUT: UtilityOutput,
@@ -173,6 +182,9 @@ class EngineLoad(msgspec.Struct, frozen=True, array_like=True, gc=False):
     engine_index: int
     num_waiting: int
     num_running: int
+    # --scheduling-policy fair: this engine's virtual token counter per tenant
+    # (services/scheduler/core/fair_share.py); empty under the other policies.
+    tenant_service: dict[str, float] = {}
 
 
 class LoadTable(msgspec.Struct, frozen=True, array_like=True, gc=False):

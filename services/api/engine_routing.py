@@ -2,7 +2,9 @@
 
 EngineRouting picks the least loaded serving engine (the DPRouter, fed by the DP
 coordinator's load tables when there is one) among those whose queue has room, and sends
-there, moving on to another engine when the chosen one turns out unreachable. A suspect
+there, moving on to another engine when the chosen one turns out unreachable. With the fair
+policy the load tables carry each engine's tenant counters, and every engine gets the sum of
+the others' (TenantService), so its scheduler sees the tenants' cluster-wide service. A suspect
 engine (silent past the heartbeat timeout: engine_liveness.py) gets no new request while
 another engine of the pool serves; while none does, requests queue to it rather than fail.
 
@@ -28,7 +30,7 @@ from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import lora_extra_key
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
 from kvserve.shared.transport import make_socket
-from kvserve.shared.wire import LoadTable, MsgType
+from kvserve.shared.wire import EngineLoad, LoadTable, MsgType, TenantService
 
 logger = init_logger(__name__)
 
@@ -132,8 +134,26 @@ class EngineRouting:
                     logger.error("dropped a malformed load table: %s", exc)
                     continue
                 self.router.update_loads(table.loads)
+                await self._share_tenant_service(table.loads)
         finally:
             socket.close()
+
+    async def _share_tenant_service(self, loads: list[EngineLoad]) -> None:
+        """Hand each engine core the others' tenant counters (the fair policy's cluster
+        view: fair_share.py); nothing to do while no engine reports any."""
+        reporting = [load for load in loads if load.tenant_service]
+        if not reporting:
+            return
+        for engine in self.pool.serving_engines():
+            remote: dict[str, float] = {}
+            for load in reporting:
+                if load.engine_index != engine.engine_index:
+                    for tenant, served in load.tenant_service.items():
+                        remote[tenant] = remote.get(tenant, 0.0) + served
+            try:
+                await self.pool.send(engine, MsgType.TENANT_SERVICE, TenantService(remote))
+            except EngineDeadError:
+                continue  # its death is handled where it is noticed
 
 
 def make_router(engines: list[EngineConnection], routing: DPRouting) -> DPRouter:

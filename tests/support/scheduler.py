@@ -83,10 +83,13 @@ def create_request(
     arrival_time: float = 0.0,
     eos_token_id: int | None = EOS_TOKEN_ID,
     cache_salt: str | None = None,
+    tenant: str = "default",
+    tenant_weight: float = 1.0,
     **sampling_kwargs,
 ) -> EngineCoreRequest:
-    """A request; unless `prompt_token_ids` is given, its prompt is `num_tokens` ids that no
-    other request shares, so prefix hits happen only where a test asks for them."""
+    """A request (of `tenant`); unless `prompt_token_ids` is given, its prompt is
+    `num_tokens` ids that no other request shares, so prefix hits happen only where a test
+    asks for them."""
     if prompt_token_ids is None:
         first_id = 100 + 10_000 * next(_prompt_counter)
         prompt_token_ids = list(range(first_id, first_id + num_tokens))
@@ -98,6 +101,8 @@ def create_request(
         arrival_time=arrival_time,
         priority=priority,
         cache_salt=cache_salt,
+        tenant=tenant,
+        tenant_weight=tenant_weight,
     )
 
 

@@ -112,7 +112,8 @@ class PriorityRequestQueue(RequestQueue):
 
 
 def create_request_queue(policy: str) -> RequestQueue:
-    """The waiting queue for a `--scheduling-policy` ("fcfs" or "priority")."""
+    """The waiting queue for a `--scheduling-policy` ("fcfs" or "priority"; "fair" has
+    fair_share.FairRequestQueue, over the scheduler's tenant counters)."""
     if policy == "fcfs":
         return FcfsRequestQueue()
     if policy == "priority":

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvserve.services.kv_store.connector import SchedulerConnector
 from kvserve.services.scheduler.core.block_pool import KVCacheBlock
+from kvserve.services.scheduler.core.fair_share import FairRequestQueue, TenantLedger
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.core.request import (
     Request,
@@ -39,7 +40,7 @@ from kvserve.services.scheduler.core.request_output import (
     make_request_output,
     pooled_output,
 )
-from kvserve.services.scheduler.core.request_queue import create_request_queue
+from kvserve.services.scheduler.core.request_queue import RequestQueue, create_request_queue
 from kvserve.services.scheduler.core.spec_scheduler import SpecDecodeScheduler
 from kvserve.services.scheduler.core.step_plan import StepPlan, make_scheduler_output
 from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
@@ -141,7 +142,13 @@ class Scheduler:
         if kv_connector is not None:
             kv_connector.bind(self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(scheduler_config.scheduling_policy)
+        # --scheduling-policy fair: the tenants' virtual token counters (fair_share.py).
+        self.fair: TenantLedger | None = None
+        if scheduler_config.scheduling_policy == "fair":
+            self.fair = TenantLedger()
+            self.waiting: RequestQueue = FairRequestQueue(self.fair)
+        else:
+            self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
         # Structured-output requests whose grammar is compiling, in arrival order.
         self.waiting_for_grammar: dict[str, Request] = {}
@@ -187,6 +194,8 @@ class Scheduler:
         assert 0 < len(engine_request.prompt_token_ids) < self.max_model_len
         request = Request.from_engine_core_request(engine_request, self.block_hasher)
         self.requests[request.req_id] = request
+        if self.fair is not None:
+            self.fair.add(request)
         if request.sampling_params.thinking_token_budget is not None:
             self._num_thinking_budgets += 1
         if request.sampling_params.pooling is not None:
@@ -257,6 +266,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(request)
+        if self.fair is not None:
+            self.fair.remove(request)
         self.finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
 
@@ -267,10 +278,13 @@ class Scheduler:
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
-        self._schedule_running(plan)
-        # A step that had to preempt is short of blocks: admitting more would thrash.
-        if not plan.preempted:
-            self._schedule_waiting(plan)
+        if self.fair is not None:
+            self._schedule_fair(plan)
+        else:
+            self._schedule_running(plan, self.running)
+            # A step that had to preempt is short of blocks: admitting more would thrash.
+            if not plan.preempted:
+                self._schedule_waiting(plan)
         if self.spec_decode is not None:
             self.spec_decode.plan_proposals(plan, len(self.running), self.kv_cache_manager)
         finished_req_ids, self.finished_req_ids = sorted(self.finished_req_ids), set()
@@ -293,6 +307,8 @@ class Scheduler:
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
+        if self.fair is not None:
+            self.fair.publish()
         if self.log_stats:
             plan.record_events(time.monotonic())
             self._num_step_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
@@ -345,9 +361,37 @@ class Scheduler:
             if r.structured_output is not None
         ]
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_fair(self, plan: StepPlan) -> None:
+        """The fair policy's step: running requests first, except those still in their
+        prompt whose tenant is more served than the waiting head's; they wait until the
+        less served tenants' waiting requests are admitted (fair_share.py)."""
+        assert self.fair is not None and isinstance(self.waiting, FairRequestQueue)
+        rank = self.fair.rank
+        head = self.waiting.head_rank()
+        deferred = [
+            r
+            for r in self.running
+            if head is not None
+            and r.num_tokens - r.num_computed_tokens > 1
+            and rank(r.tenant) > head
+        ]
+        deferred_ids = {id(r) for r in deferred}
+        self._schedule_running(plan, [r for r in self.running if id(r) not in deferred_ids])
+        if plan.preempted:
+            return  # short of blocks: admitting more would thrash
+        if deferred:
+            self._schedule_waiting(plan, below=min(rank(r.tenant) for r in deferred))
+            # Admitted requests hold their blocks: these take what is left, preempting none.
+            self._schedule_running(plan, deferred, may_preempt=False)
+        self._schedule_waiting(plan)
+
+    def _schedule_running(
+        self, plan: StepPlan, requests: list[Request], may_preempt: bool = True
+    ) -> None:
+        """Schedule `requests` (running ones) in their order, preempting others for blocks
+        (`may_preempt`; else the first that does not fit ends the pass)."""
         # Iterate over a snapshot: preemption removes requests from self.running.
-        for request in list(self.running):
+        for request in list(requests):
             if plan.token_budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -364,28 +408,37 @@ class Scheduler:
                     request, plan.token_budget - num_new_tokens
                 )
                 num_new_tokens += len(draft_token_ids)
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if may_preempt:
+                new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            else:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is None:
-                break  # the request itself was preempted: the cache is full
-            plan.add(request, num_new_tokens, new_blocks)
+                break  # the cache is full (the request itself was preempted, if it may be)
+            self._plan_add(plan, request, num_new_tokens, new_blocks)
             plan.scheduled_running.append(request)
             if draft_token_ids:
                 plan.spec_token_ids[request.req_id] = draft_token_ids
 
-    def _schedule_waiting(self, plan: StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan, below: tuple[float, int] | None = None) -> None:
+        """Admit waiting requests while budget, seats and blocks last (`below`: the fair
+        policy's bound: only tenants ranked under it, TenantLedger.rank)."""
         # Requests whose adapter would be one too many wait, in their order, for the next step.
         skipped: list[Request] = []
         try:
-            self._admit_waiting(plan, skipped)
+            self._admit_waiting(plan, skipped, below)
         finally:
             for request in reversed(skipped):
                 self.waiting.prepend_request(request)
 
-    def _admit_waiting(self, plan: StepPlan, skipped: list[Request]) -> None:
+    def _admit_waiting(
+        self, plan: StepPlan, skipped: list[Request], below: tuple[float, int] | None
+    ) -> None:
         config = self.scheduler_config
         lora_ids = self._running_lora_ids()
         while self.waiting and plan.token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
+            if below is not None and self._rank(request) >= below:
+                break
             if request.kv_loaded and request.num_computed_tokens > 0:
                 if not self._admit_loaded(request, plan, lora_ids):
                     break
@@ -418,10 +471,23 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            plan.add(request, num_new_tokens, new_blocks)
+            self._plan_add(plan, request, num_new_tokens, new_blocks)
             plan.scheduled_new.append(request)
             if request.lora_int_id:
                 lora_ids.add(request.lora_int_id)
+
+    def _plan_add(
+        self, plan: StepPlan, request: Request, num_new_tokens: int, new_blocks: list[KVCacheBlock]
+    ) -> None:
+        """Schedule `num_new_tokens` of `request` in this step (its tenant is charged)."""
+        plan.add(request, num_new_tokens, new_blocks)
+        if self.fair is not None:
+            self.fair.charge(request, num_new_tokens)
+
+    def _rank(self, request: Request) -> tuple[float, int]:
+        """The request's tenant's rank under the fair policy (TenantLedger.rank)."""
+        assert self.fair is not None
+        return self.fair.rank(request.tenant)
 
     def _running_lora_ids(self) -> set[int]:
         """The adapters of the running requests (the ones the workers hold)."""
@@ -465,6 +531,13 @@ class Scheduler:
                 return None
 
     def _pick_preemption_victim(self) -> Request:
+        if self.fair is not None:
+            # The most served tenant's; inside it as the priority policy (the last admitted
+            # on exact ties).
+            return max(
+                reversed(self.running),
+                key=lambda r: (self._rank(r), r.priority, r.arrival_time),
+            )
         if self.scheduler_config.scheduling_policy == "priority":
             # Largest (priority, arrival_time): least important, then latest; on exact ties
             # the last admitted (max keeps the first maximum it meets).
@@ -553,7 +626,7 @@ class Scheduler:
         self.waiting.pop_request()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
-        plan.add(request, num_new_tokens, new_blocks)
+        self._plan_add(plan, request, num_new_tokens, new_blocks)
         plan.scheduled_new.append(request)
         if request.lora_int_id:
             lora_ids.add(request.lora_int_id)

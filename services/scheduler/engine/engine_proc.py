@@ -196,6 +196,10 @@ class EngineCoreProc:
             self._core.abort_requests(payload)
         elif msg_type == MsgType.UTILITY:
             self.output_queue.put_nowait((MsgType.UTILITY_OUTPUT, self._run_utility(payload)))
+        elif msg_type == MsgType.TENANT_SERVICE:
+            fair = self._core.scheduler.fair
+            if fair is not None:
+                fair.set_remote(payload.remote)
         else:
             assert msg_type is None, msg_type
             raise EngineFailure(payload)
@@ -259,14 +263,21 @@ class EngineCoreProc:
         if scheduler is None:
             return EngineLoad(self.engine_index, 0, 0)
         num_waiting = len(scheduler.waiting) + len(scheduler.waiting_for_grammar)
-        return EngineLoad(self.engine_index, num_waiting, len(scheduler.running))
+        tenant_service = scheduler.fair.reported if scheduler.fair is not None else {}
+        return EngineLoad(self.engine_index, num_waiting, len(scheduler.running), tenant_service)
 
     # ------------------------------------------------------------------ IO threads
 
     def _process_input_socket(self, handshake: EngineReady) -> None:
         """Send READY, then decode every message into the input queue."""
         decoder = MessageDecoder(
-            (MsgType.ADD, MsgType.ABORT, MsgType.UTILITY, MsgType.FRONTEND_HEARTBEAT)
+            (
+                MsgType.ADD,
+                MsgType.ABORT,
+                MsgType.UTILITY,
+                MsgType.FRONTEND_HEARTBEAT,
+                MsgType.TENANT_SERVICE,
+            )
         )
         sock = make_socket(
             self._ctx,
