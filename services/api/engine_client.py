@@ -18,7 +18,7 @@ from kvserve.services.api.outputs import RequestOutput
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.request_logger import key_name_suffix
 from kvserve.services.api.stats import IterationStats, MigrationStats
-from kvserve.services.api.tenants import TenantSpec
+from kvserve.services.api.tenants import DEFAULT_TENANT, TenantSpec
 from kvserve.services.api.tokenizer import TokenizerInfo
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import LoRARequest
@@ -216,7 +216,9 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         queue: asyncio.Queue = asyncio.Queue()
-        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        child_ids = self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, params, tenant.name if tenant else DEFAULT_TENANT
+        )
         self.queues[request_id] = queue
         finished = False
         try:
@@ -258,10 +260,11 @@ class EngineClient:
         return 0
 
     async def abort(self, request_id: str) -> None:
-        child_ids = self.output_processor.abort_request(request_id)
-        if child_ids and self.stat_loggers:
-            now = time.monotonic()
-            aborted = IterationStats(now, now, num_aborted=len(child_ids))
+        now = time.monotonic()
+        aborted = IterationStats(now, now) if self.stat_loggers else None
+        child_ids = self.output_processor.abort_request(request_id, aborted)
+        if child_ids and aborted is not None:
+            aborted.num_aborted = len(child_ids)
             for stat_logger in self.stat_loggers:
                 stat_logger.record(self._engine_index_of(child_ids[0]), None, aborted)
         if child_ids and self.dead_reason is None:

@@ -13,6 +13,9 @@ and `finished_reason` on `request_success`. So a vLLM Grafana board works once i
   (services/api/stats.py says which clock each comes from);
 - structured outputs (kvserve's own series): requests waiting for their grammar, grammar
   cache queries and hits, and each grammar's compile time;
+- per tenant (services/api/tenant_metrics.py): tokens and requests as the responses' `usage`
+  counts them, queue time, TTFT, running and waiting requests; the same ended requests feed
+  the usage ledger of GET /v1/usage (services/api/usage.py);
 - LoRA (with --enable-lora): vLLM's `lora_requests_info`, the adapters of running and
   waiting requests in its labels, at scrape time;
 - prometheus_client's process, platform and GC collectors (`process_*`, `python_*`).
@@ -41,6 +44,8 @@ from kvserve.services.api.stats import (
     IterationStats,
     MigrationStats,
 )
+from kvserve.services.api.tenant_metrics import TenantMetrics
+from kvserve.services.api.usage import UsageLedger
 from kvserve.shared.messages import FinishReason, SchedulerStats
 
 LABELS = ["model_name", "engine"]
@@ -405,6 +410,9 @@ class ApiMetrics:
         engine_client: the EngineClient whose engines and requests the series show.
         model_name: the served model name (the `model_name` label).
         max_loras: --max-loras with --enable-lora (adds lora_requests_info), else None.
+
+    Attributes:
+        usage: the per-tenant usage ledger GET /v1/usage reads.
     """
 
     def __init__(self, engine_client, model_name: str, max_loras: int | None = None):
@@ -432,6 +440,8 @@ class ApiMetrics:
             [*LABELS, "finished_reason"],
             registry=self.registry,
         )
+        self.tenants = TenantMetrics(self.registry, engine_client, _TTFT_BUCKETS, _REQUEST_BUCKETS)
+        self.usage = UsageLedger()
         self._per_engine: dict[int, SimpleNamespace] = {}
         # Every known engine's series exist from the start, at zero, as vLLM's do.
         for engine_index, _, _ in engine_client.per_engine_stats():
@@ -464,6 +474,8 @@ class ApiMetrics:
         iteration_stats: IterationStats,
     ) -> None:
         """Take one engine step's figures."""
+        self.tenants.record(iteration_stats)
+        self.usage.record(engine_index, scheduler_stats, iteration_stats)
         s = self._engine_series(engine_index)
         if scheduler_stats is not None:
             if scheduler_stats.num_scheduled_tokens > 0:

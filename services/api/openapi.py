@@ -32,6 +32,7 @@ from kvserve.services.api.protocol import (
 )
 from kvserve.services.api.responses_protocol import ResponseObject, ResponsesRequest
 from kvserve.services.api.serving_embeddings import EmbeddingRequest, EmbeddingResponse
+from kvserve.services.api.usage import UsageReport
 
 _REF = "#/components/schemas/{name}"
 # The errors any POST route may answer, besides its own 200.
@@ -92,6 +93,26 @@ def _get_stored_response() -> dict[str, Any]:
     return route
 
 
+def _get_usage() -> dict[str, Any]:
+    route = _get("each tenant's requests and tokens, in whole minutes", ref="UsageReport")
+    seconds = {"type": "number", "minimum": 0, "maximum": 1e12}
+    route["get"]["parameters"] = [
+        {"name": bound, "in": "query", "required": False, "schema": seconds, "description": why}
+        for bound, why in (
+            ("start", "unix seconds (default: the oldest bucket kept)"),
+            ("end", "unix seconds, not included (default: now)"),
+        )
+    ]
+    errors = {
+        "400": "start or end not unix seconds, or start after end",
+        "401": _ERRORS["401"],
+        "403": "the API key is not one of --usage-admin-keys",
+    }
+    for code, why in errors.items():
+        route["get"]["responses"][code] = {"description": why, "content": _json("ErrorResponse")}
+    return route
+
+
 def openapi_document(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the app's routes (server.build_app)."""
     _, components = msgspec.json.schema_components(
@@ -115,6 +136,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             ResponseObject,
             EmbeddingRequest,
             EmbeddingResponse,
+            UsageReport,
         ],
         ref_template=_REF,
     )
@@ -153,6 +175,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             error="ErrorBody",
         ),
         "/v1/models": _get("the served model", ref="ModelList"),
+        "/v1/usage": _get_usage(),
         "/tokenize": _post("vLLM's tokenize", "TokenizeRequest", "TokenizeResponse"),
         "/detokenize": _post("vLLM's detokenize", "DetokenizeRequest", "DetokenizeResponse"),
         "/health": health,

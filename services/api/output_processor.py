@@ -14,7 +14,7 @@ import msgspec
 
 from kvserve.services.api.detokenizer import Detokenizer, check_stop_strings, make_detokenizer
 from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
-from kvserve.services.api.stats import IterationStats, RequestTimes
+from kvserve.services.api.stats import IterationStats, RequestTimes, RequestUsage
 from kvserve.services.api.tenants import DEFAULT_TENANT, TenantSpec
 from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
@@ -81,6 +81,17 @@ class _Parent:
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
     num_unfinished: int = 0
+    tenant: str = DEFAULT_TENANT
+
+    def usage(self) -> RequestUsage:
+        """The tokens its response's `usage` counts (serving_base.count_usage): the prompt
+        once, every choice's tokens; a choice still unfinished counts as aborted."""
+        return RequestUsage(
+            self.tenant,
+            len(self.prompt_token_ids),
+            sum(len(c.completion.token_ids) for c in self.children.values()),
+            tuple(c.completion.finish_reason or "abort" for c in self.children.values()),
+        )
 
 
 class OutputProcessor:
@@ -100,11 +111,15 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        tenant: str = DEFAULT_TENANT,
     ) -> list[str]:
-        """Track a request; returns the engine-core ids of its n children."""
+        """Track a request served for `tenant`; returns the engine-core ids of its n
+        children."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        parent = _Parent(request_id, prompt, prompt_token_ids, params, num_unfinished=params.n)
+        parent = _Parent(
+            request_id, prompt, prompt_token_ids, params, num_unfinished=params.n, tenant=tenant
+        )
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         arrival_time = time.monotonic()
@@ -125,11 +140,19 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
-    def abort_request(self, request_id: str) -> list[str]:
-        """Forget a request; returns its children's engine-core ids (to abort there)."""
+    def abort_request(
+        self, request_id: str, iteration_stats: IterationStats | None = None
+    ) -> list[str]:
+        """Forget a request; returns its children's engine-core ids (to abort there).
+
+        Args:
+            iteration_stats: gets the request's usage so far (None: not taken).
+        """
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return []
+        if iteration_stats is not None:
+            iteration_stats.request_usages.append(parent.usage())
         for child_id in parent.children:
             self.child_to_parent.pop(child_id, None)
         return list(parent.children)
@@ -155,7 +178,7 @@ class OutputProcessor:
                 to_abort.append(out.request_id)
             num_prompt_tokens = len(parent.prompt_token_ids)
             if iteration_stats is not None:
-                iteration_stats.observe_output(child.times, out, num_prompt_tokens)
+                iteration_stats.observe_output(child.times, out, num_prompt_tokens, parent.tenant)
             if child.completion.finished():
                 self.child_to_parent.pop(out.request_id, None)
                 parent.num_unfinished -= 1
@@ -166,6 +189,7 @@ class OutputProcessor:
                         child.completion.finish_reason,
                         num_prompt_tokens,
                         parent.params.max_tokens,
+                        parent.tenant,
                     )
             changed[parent.request_id] = parent
         results = []
@@ -178,6 +202,7 @@ class OutputProcessor:
                         parent.params.n,
                         max(c.times.num_generation_tokens for c in parent.children.values()),
                     )
+                    iteration_stats.request_usages.append(parent.usage())
             results.append(self._make_output(parent, finished))
         return results, to_abort
 

@@ -7,6 +7,7 @@ AppContext, on `app.state.ctx`); build_app registers each module of ROUTE_MODULE
     routes_anthropic.py  /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
     routes_admin.py    /health, /ping, /metrics, /version, /openapi.json, /reset_prefix_cache
     routes_lora.py     /v1/load_lora_adapter, /v1/unload_lora_adapter (with --enable-lora)
+    routes_usage.py    /v1/usage (each tenant's requests and tokens; admin keys only)
 
 A route module has module-level handlers, which find the core with `context_of(request)`,
 and `routes(ctx) -> list[Route]`; adding a surface is one more line in ROUTE_MODULES.
@@ -34,7 +35,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.services.api import routes_admin, routes_anthropic, routes_lora, routes_openai
+from kvserve.services.api import (
+    routes_admin,
+    routes_anthropic,
+    routes_lora,
+    routes_openai,
+    routes_usage,
+)
 from kvserve.services.api.app_context import error_response, make_context
 from kvserve.services.api.auth import APIKeyMiddleware
 from kvserve.services.api.engine_client import EngineClient
@@ -47,7 +54,7 @@ from kvserve.shared.api_config import FrontendConfig, HTTPConfig
 from kvserve.shared.config import LoRAConfig
 
 # The API surfaces: each module's routes(ctx) joins the app.
-ROUTE_MODULES = (routes_openai, routes_anthropic, routes_admin, routes_lora)
+ROUTE_MODULES = (routes_openai, routes_anthropic, routes_admin, routes_lora, routes_usage)
 
 
 def build_app(

@@ -69,6 +69,7 @@ class FinishedRequestStats:
     num_generation_tokens: int
     max_tokens_param: int | None
     phases: PhaseTimes | None  # None for a request that never produced a token
+    tenant: str = "default"
 
     @property
     def mean_time_per_output_token(self) -> float | None:
@@ -76,6 +77,25 @@ class FinishedRequestStats:
         if self.phases is None or self.num_generation_tokens < 2:
             return None
         return self.phases.decode_time / (self.num_generation_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUsage:
+    """What one api request (one prompt and its n choices) used, counted as its response's
+    `usage` counts: the prompt once, the tokens of every choice.
+
+    Args:
+        tenant: who it was served for.
+        num_prompt_tokens: the prompt's length (`usage.prompt_tokens`).
+        num_completion_tokens: the tokens of all its choices (`usage.completion_tokens`);
+            those made before the client went away for an aborted request.
+        finish_reasons: one per choice ("abort" for a choice the client left unfinished).
+    """
+
+    tenant: str
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    finish_reasons: tuple[str, ...]
 
 
 @dataclass(slots=True)
@@ -92,6 +112,7 @@ class IterationStats:
     num_prompt_tokens: int = 0  # prompts of the requests that got their first token
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
+    first_token_tenants: list[str] = field(default_factory=list)  # parallel to the above
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     # One entry per finished api request (all its n children done): its longest child.
@@ -99,9 +120,15 @@ class IterationStats:
     n_params: list[int] = field(default_factory=list)
     # Engine requests whose client went away (request_success{finished_reason="abort"}).
     num_aborted: int = 0
+    # One entry per api request that ended (finished or aborted): the per-tenant usage.
+    request_usages: list[RequestUsage] = field(default_factory=list)
 
     def observe_output(
-        self, times: RequestTimes, output: EngineCoreOutput, num_prompt_tokens: int
+        self,
+        times: RequestTimes,
+        output: EngineCoreOutput,
+        num_prompt_tokens: int,
+        tenant: str = "default",
     ) -> None:
         """Take one engine request's output of this step: its events, then its tokens."""
         for event in output.events or ():
@@ -115,6 +142,7 @@ class IterationStats:
         if times.first_token_ts is None:
             self.num_prompt_tokens += num_prompt_tokens
             self.time_to_first_tokens.append(self.now - times.arrival_time)
+            self.first_token_tenants.append(tenant)
             times.first_token_ts = self.engine_timestamp
         else:
             assert times.last_token_ts is not None
@@ -130,6 +158,7 @@ class IterationStats:
         finish_reason: str,
         num_prompt_tokens: int,
         max_tokens_param: int | None,
+        tenant: str = "default",
     ) -> None:
         self.finished_requests.append(
             FinishedRequestStats(
@@ -139,6 +168,7 @@ class IterationStats:
                 num_generation_tokens=times.num_generation_tokens,
                 max_tokens_param=max_tokens_param,
                 phases=PhaseTimes.of(times),
+                tenant=tenant,
             )
         )
 

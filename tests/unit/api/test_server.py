@@ -28,6 +28,7 @@ BASE_ROUTES = {
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/models",
+    "/v1/usage",
     "/tokenize",
     "/detokenize",
     "/health",
