@@ -4,6 +4,8 @@ Mirrors `vllm bench serve`: a dataset of prompts, sent as streaming requests tha
 Poisson (or gamma) process at --request-rate, at most --max-concurrency at a time; prints the
 same result block and can save the same JSON. When the server exposes kvserve's (or vLLM's)
 Prometheus metrics, the run's preemptions, prefix-cache hit rate and peak KV use are added.
+With --tenants, several traffic sources run at once, one per tenant, and each tenant's
+figures follow the totals (tenants.py).
 The run itself lives in serve_runner.py, so that building the CLI imports no aiohttp.
 """
 
@@ -91,6 +93,32 @@ def add_parser(kinds) -> None:
     )
     load.add_argument("--disable-tqdm", action="store_true")
 
+    mix = p.add_argument_group("tenants")
+    mix.add_argument(
+        "--tenants",
+        default=None,
+        metavar="SPEC",
+        help="a mix of traffic sources, one per tenant, all at once, random prompts: "
+        "'heavy:rate=inf,conc=32,input=1024,output=64,num=200;light:rate=1,input=128,"
+        "output=32,num=20'; fields rate, conc, input, output, num, key (bearer token), "
+        "weight (not used by the client); a field not given takes its flag's value "
+        "(--request-rate, --max-concurrency, --random-input-len, --random-output-len, "
+        "--num-prompts, --api-key)",
+    )
+    mix.add_argument(
+        "--tenants-only",
+        default=None,
+        metavar="NAMES",
+        help="run only these tenants of --tenants (a comma list), with the prompts and "
+        "arrivals they have in the mix",
+    )
+    mix.add_argument(
+        "--tenant-header",
+        default="X-Tenant",
+        metavar="HEADER",
+        help="the header that names each request's tenant under --tenants (empty: none)",
+    )
+
     report = p.add_argument_group("report")
     report.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     report.add_argument("--metric-percentiles", default="99")
@@ -115,17 +143,17 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.benchmarks import datasets
     from kvserve.benchmarks.serve_runner import (
         benchmark,
+        build_sources,
         parse_run_options,
         result_path,
-        sample_requests,
     )
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     try:
         options = parse_run_options(args)
         tokenizer = datasets.load_tokenizer(args.tokenizer)
-        requests = sample_requests(args, tokenizer)
-        result = asyncio.run(benchmark(args, options, base_url, requests, tokenizer))
+        sources = build_sources(args, options, tokenizer)
+        result = asyncio.run(benchmark(args, options, base_url, sources, tokenizer))
     except ValueError as exc:
         raise SystemExit(f"kvserve bench serve: {exc}") from None
     if args.save_result:

@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import aiohttp
@@ -23,6 +23,12 @@ from kvserve.benchmarks.metrics import (
     parse_percentile_metrics,
 )
 from kvserve.benchmarks.server_metrics import ServerMetricsWatcher, format_server_report
+from kvserve.benchmarks.tenants import (
+    TenantTraffic,
+    format_tenant_report,
+    summarize_tenant,
+    tenants_of_args,
+)
 from kvserve.shared.logging import init_logger
 
 logger = init_logger("kvserve.benchmarks")
@@ -106,8 +112,9 @@ class RunOptions:
         percentiles: --metric-percentiles as numbers.
         metric_names: --percentile-metrics as a list.
         slos: --goodput as {metric: ms}.
-        gaps: seconds between consecutive requests.
+        gaps: seconds between consecutive requests (empty under --tenants: each has its own).
         metadata: --metadata as a dict.
+        tenants: the --tenants to run (after --tenants-only); empty: one source, the flags'.
     """
 
     percentiles: list[float]
@@ -115,6 +122,7 @@ class RunOptions:
     slos: dict[str, float]
     gaps: list[float]
     metadata: dict[str, str]
+    tenants: list[TenantTraffic] = field(default_factory=list)
 
 
 def parse_run_options(args: argparse.Namespace) -> RunOptions:
@@ -129,105 +137,235 @@ def parse_run_options(args: argparse.Namespace) -> RunOptions:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    tenants = tenants_of_args(args)
+    gaps = (
+        []
+        if tenants
+        else arrival_gaps(args.num_prompts, args.request_rate, args.burstiness, args.seed)
+    )
     return RunOptions(
         parse_metric_percentiles(args.metric_percentiles),
         parse_percentile_metrics(args.percentile_metrics),
         parse_goodput(args.goodput),
-        arrival_gaps(args.num_prompts, args.request_rate, args.burstiness, args.seed),
+        gaps,
         metadata,
+        tenants,
     )
+
+
+@dataclass
+class TrafficSource:
+    """One stream of requests: its prompts, arrivals, concurrency cap and headers.
+
+    Args:
+        tenant: the tenant it sends for (None: the one source of a run without --tenants).
+        requests: its dataset.
+        gaps: seconds to wait after each request before sending the next.
+        max_concurrency: its requests in flight at most (None: no cap).
+        headers: Authorization and the tenant header.
+    """
+
+    tenant: TenantTraffic | None
+    requests: list[datasets.SampleRequest]
+    gaps: list[float]
+    max_concurrency: int | None
+    headers: dict[str, str]
+
+
+def _bearer(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def build_sources(args: argparse.Namespace, options: RunOptions, tokenizer) -> list[TrafficSource]:
+    """The run's traffic sources: one per tenant under --tenants, else the flags' one."""
+    if not options.tenants:
+        requests = sample_requests(args, tokenizer)
+        return [
+            TrafficSource(
+                None,
+                requests,
+                options.gaps[: len(requests)],
+                args.max_concurrency,
+                _bearer(args.api_key),
+            )
+        ]
+    sources = []
+    for tenant in options.tenants:
+        # Seeded by the spec position, not the run's order: --tenants-only keeps the prompts.
+        seed = args.seed + tenant.index
+        headers = _bearer(tenant.api_key or args.api_key)
+        if args.tenant_header:
+            headers[args.tenant_header] = tenant.name
+        requests = datasets.random_requests(
+            tokenizer,
+            tenant.num_prompts,
+            tenant.input_len,
+            tenant.output_len,
+            args.random_range_ratio,
+            seed,
+        )
+        gaps = arrival_gaps(tenant.num_prompts, tenant.request_rate, args.burstiness, seed)
+        sources.append(TrafficSource(tenant, requests, gaps, tenant.max_concurrency, headers))
+    return sources
+
+
+async def _run_source(
+    session: aiohttp.ClientSession,
+    source: TrafficSource,
+    specs: list[RequestSpec],
+    progress,
+) -> tuple[list[RequestRecord], float]:
+    """Send one source's requests; (their records, perf_counter() when the last one ended)."""
+    semaphore = asyncio.Semaphore(source.max_concurrency) if source.max_concurrency else None
+
+    async def limited(spec: RequestSpec) -> RequestRecord:
+        if semaphore is None:
+            record = await send_request(session, spec, source.headers)
+        else:
+            async with semaphore:
+                record = await send_request(session, spec, source.headers)
+        if progress is not None:
+            progress.update(1)
+        return record
+
+    tasks = [asyncio.create_task(limited(spec)) async for spec in _arrivals(specs, source.gaps)]
+    records = await asyncio.gather(*tasks)
+    return records, time.perf_counter()
 
 
 async def benchmark(
     args: argparse.Namespace,
     options: RunOptions,
     base_url: str,
-    requests: list[datasets.SampleRequest],
+    sources: list[TrafficSource],
     tokenizer,
 ) -> dict:
-    """Send every request, then return the result (config, summary, server figures, detail).
+    """Send every source's requests at once, then return the result (config, summary, server
+    figures, per-tenant figures, detail).
 
     Args:
         args: the `kvserve bench serve` flags.
         options: the parsed flags.
         base_url: the server's URL, without a trailing slash.
-        requests: the dataset.
+        sources: the traffic sources (build_sources).
         tokenizer: counts output tokens when the server sends no usage.
     """
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     percentiles, metric_names, slos = options.percentiles, options.metric_names, options.slos
-    gaps = options.gaps[: len(requests)]
+    # /v1/models and /metrics are asked with the first source's key.
+    headers = sources[0].headers
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = args.model or await _resolve_model(session, base_url, headers)
-        specs = [
-            RequestSpec(
-                base_url + args.endpoint,
-                args.endpoint.endswith("chat/completions"),
-                model,
-                r.prompt,
-                r.prompt_len,
-                r.expected_output_len,
-                args.ignore_eos,
-                args.temperature,
-                args.extra_body or {},
-            )
-            for r in requests
+        specs_of_sources = [
+            [
+                RequestSpec(
+                    base_url + args.endpoint,
+                    args.endpoint.endswith("chat/completions"),
+                    model,
+                    r.prompt,
+                    r.prompt_len,
+                    r.expected_output_len,
+                    args.ignore_eos,
+                    args.temperature,
+                    args.extra_body or {},
+                )
+                for r in source.requests
+            ]
+            for source in sources
         ]
+        num_requests = sum(len(specs) for specs in specs_of_sources)
         watcher = ServerMetricsWatcher(session, base_url + "/metrics", headers)
         await watcher.start()
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         progress = None
         if not args.disable_tqdm:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(specs))
-
-        async def limited(spec: RequestSpec) -> RequestRecord:
-            if semaphore is None:
-                record = await send_request(session, spec, headers)
-            else:
-                async with semaphore:
-                    record = await send_request(session, spec, headers)
-            if progress is not None:
-                progress.update(1)
-            return record
-
-        logger.info(
-            "bench serve: %d requests to %s%s, rate %s, max concurrency %s",
-            len(specs),
-            base_url,
-            args.endpoint,
-            args.request_rate,
-            args.max_concurrency,
-        )
+            progress = tqdm(total=num_requests)
+        for source, specs in zip(sources, specs_of_sources):
+            logger.info(
+                "bench serve: %s%d requests to %s%s, rate %s, max concurrency %s",
+                f"tenant {source.tenant.name}: " if source.tenant else "",
+                len(specs),
+                base_url,
+                args.endpoint,
+                source.tenant.request_rate if source.tenant else args.request_rate,
+                source.max_concurrency,
+            )
         bench_start = time.perf_counter()
-        tasks = [asyncio.create_task(limited(spec)) async for spec in _arrivals(specs, gaps)]
-        records = await asyncio.gather(*tasks)
+        runs = await asyncio.gather(
+            *(
+                _run_source(session, source, specs, progress)
+                for source, specs in zip(sources, specs_of_sources)
+            )
+        )
         duration = time.perf_counter() - bench_start
         if progress is not None:
             progress.close()
         server = await watcher.stop()
+    records = [record for source_records, _ in runs for record in source_records]
     summary, detail = compute_metrics(records, tokenizer, duration, percentiles, slos, bench_start)
-    print(
-        format_report(summary, metric_names, percentiles, args.max_concurrency, args.request_rate)
-    )
+    tenant_part = {}
+    if options.tenants:
+        tenant_part = _tenant_results(sources, runs, tokenizer, options, bench_start)
+        # The flags' rate and concurrency are only the tenants' defaults: not printed.
+        print(format_report(summary, metric_names, percentiles, None, float("inf")))
+        print(format_tenant_report(tenant_part["tenants"], metric_names))
+    else:
+        print(
+            format_report(
+                summary, metric_names, percentiles, args.max_concurrency, args.request_rate
+            )
+        )
     if server is not None:
         print(format_server_report(server))
     for error in sorted({e for e in detail["errors"] if e})[:5]:
         logger.warning("failed requests, e.g.: %s", error)
     return {
-        **_run_config(args, base_url, model, len(requests)),
+        **_run_config(args, options, base_url, model, len(records)),
         **options.metadata,
         **summary,
         **(server or {}),
+        **tenant_part,
         **detail,
     }
 
 
-def _run_config(args: argparse.Namespace, base_url: str, model: str, num_prompts: int) -> dict:
-    return {
+def _tenant_results(
+    sources: list[TrafficSource],
+    runs: list[tuple[list[RequestRecord], float]],
+    tokenizer,
+    options: RunOptions,
+    bench_start: float,
+) -> dict:
+    """The result's tenant part: each tenant's figures, and each request's tenant."""
+    tenants: dict[str, dict] = {}
+    request_tenants: list[str] = []
+    for source, (records, end_time) in zip(sources, runs):
+        assert source.tenant is not None, "every source of a --tenants run has a tenant"
+        tenants[source.tenant.name] = summarize_tenant(
+            source.tenant,
+            records,
+            end_time - bench_start,
+            tokenizer,
+            options.percentiles,
+            options.slos,
+            bench_start,
+        )
+        request_tenants += [source.tenant.name] * len(records)
+    return {"tenants": tenants, "request_tenants": request_tenants}
+
+
+def _run_config(
+    args: argparse.Namespace, options: RunOptions, base_url: str, model: str, num_prompts: int
+) -> dict:
+    if options.tenants:
+        # Each tenant has its own rate and concurrency (the result's "tenants").
+        request_rate, max_concurrency = None, None
+    else:
+        request_rate = args.request_rate if args.request_rate != float("inf") else "inf"
+        max_concurrency = args.max_concurrency
+    config = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if args.endpoint.endswith("chat/completions") else "openai",
         "label": args.label,
@@ -237,17 +375,25 @@ def _run_config(args: argparse.Namespace, base_url: str, model: str, num_prompts
         "tokenizer_id": args.tokenizer,
         "dataset_name": args.dataset_name,
         "num_prompts": num_prompts,
-        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "request_rate": request_rate,
         "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency,
+        "max_concurrency": max_concurrency,
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
     }
+    if options.tenants:
+        config["tenant_header"] = args.tenant_header or None
+    return config
 
 
 def result_path(args: argparse.Namespace, result: dict) -> str:
     if args.result_filename:
         name = args.result_filename
+    elif "tenants" in result:
+        name = (
+            f"{args.label or 'openai'}-tenants-{'+'.join(result['tenants'])}-"
+            f"{os.path.basename(str(result['model_id']))}-{result['date']}.json"
+        )
     else:
         rate = result["request_rate"]
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""

@@ -236,12 +236,12 @@ def _bench_args(args: argparse.Namespace, port: int, rate: float, slos: dict) ->
 
 
 def _bench(bench_args: argparse.Namespace, tokenizer) -> dict:
-    from kvserve.benchmarks.serve_runner import benchmark, parse_run_options, sample_requests
+    from kvserve.benchmarks.serve_runner import benchmark, build_sources, parse_run_options
 
     options = parse_run_options(bench_args)
-    requests = sample_requests(bench_args, tokenizer)
+    sources = build_sources(bench_args, options, tokenizer)
     base_url = f"http://127.0.0.1:{bench_args.port}"
-    return asyncio.run(benchmark(bench_args, options, base_url, requests, tokenizer))
+    return asyncio.run(benchmark(bench_args, options, base_url, sources, tokenizer))
 
 
 _SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput")
