@@ -3,6 +3,14 @@
 `run_api_server` is the api of `kvserve serve` (engine cores in child processes) and of
 `kvserve api` (engine cores started elsewhere): what it serves is an `APIServer`, the engine
 cores it waits for and routes over an `EngineTopology`.
+
+Signals: SIGTERM/SIGINT stop it (uvicorn drains while it serves). SIGHUP reads the key file
+again (TenantDirectory.reload: keys, weights, quotas; a file that does not parse leaves the
+old one in force, with an error line in the log); before the server is up it does nothing.
+In `kvserve serve` this process is the launcher itself (engine cores, coordinator and KV
+store are its children), so `kill -HUP <the kvserve serve pid>` reaches it and nothing needs
+forwarding; send it to that pid alone, not the process group: the children, spawned, keep
+SIGHUP's default action (exit).
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -25,6 +33,9 @@ from kvserve.shared.launch_options import APIOptions, DPRouting
 from kvserve.shared.logging import init_logger
 from kvserve.shared.transport import EngineAddresses
 
+if TYPE_CHECKING:
+    from kvserve.services.api.tenants import TenantDirectory
+
 logger = init_logger(__name__)
 
 AppFactory = Callable[..., Any]  # services/api/server.py's build_app and its keywords
@@ -33,6 +44,7 @@ AppFactory = Callable[..., Any]  # services/api/server.py's build_app and its ke
 _TIMEOUT_KEEP_ALIVE_S = 5
 _MAX_HEADER_BYTES = 16 << 10
 _LIMIT_CONCURRENCY = 8192
+_SIGHUP_IGNORED = "SIGHUP while the server is not serving: nothing to reload"
 
 
 class APIServer(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,12 +87,25 @@ class EngineTopology(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def install_stop_handlers() -> asyncio.Event:
-    """SIGTERM/SIGINT before the server runs (uvicorn takes them over while it serves)."""
+    """SIGTERM/SIGINT before the server runs (uvicorn takes them over while it serves);
+    SIGHUP does nothing until serve_http makes it reload the key file (its default action
+    would end the launcher)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, logger.info, _SIGHUP_IGNORED)
     return stop
+
+
+def reload_key_file(tenants: TenantDirectory) -> None:
+    """SIGHUP's handler: read the key file again; on an error the old one stays in force."""
+    try:
+        tenants.reload()
+    except (OSError, ValueError) as exc:
+        logger.error("SIGHUP: the key file was not reloaded (the old one stays): %s", exc)
+        return
+    logger.info("reloaded the key file: %d keys", len(tenants.keys))
 
 
 async def run_api_server(
@@ -180,7 +205,8 @@ async def serve_http(client: MPEngineClient, api: APIServer, stop: asyncio.Event
     """
     import uvicorn
 
-    server = uvicorn.Server(_uvicorn_config(_build_app(client, api), api.http))
+    app = _build_app(client, api)
+    server = uvicorn.Server(_uvicorn_config(app, api.http))
 
     async def stop_on_engine_death() -> None:
         reason = await client.wait_dead()
@@ -195,12 +221,18 @@ async def serve_http(client: MPEngineClient, api: APIServer, stop: asyncio.Event
         asyncio.create_task(stop_on_engine_death()),
         asyncio.create_task(stop_on_early_signal()),
     ]
+    loop = asyncio.get_running_loop()
+    ctx = getattr(app.state, "ctx", None)  # a custom build_app may have none
+    if ctx is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_key_file, ctx.tenants)
     try:
         # uvicorn handles SIGTERM/SIGINT here: stop accepting, drain, return.
         await server.serve()
     finally:
         for watcher in watchers:
             watcher.cancel()
+        if ctx is not None:
+            loop.add_signal_handler(signal.SIGHUP, logger.info, _SIGHUP_IGNORED)
     if client.dead_reason is not None:
         logger.error("exiting with code 1: %s", client.dead_reason)
         return 1

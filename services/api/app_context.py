@@ -22,6 +22,7 @@ from kvserve.services.api.generation_config import load_generation_defaults
 from kvserve.services.api.log_stats import LoggingStatLogger
 from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.protocol import APIError
+from kvserve.services.api.quotas import TenantQuotas
 from kvserve.services.api.serving_chat import OpenAIServingChat
 from kvserve.services.api.serving_completions import OpenAIServingCompletion
 from kvserve.services.api.serving_embeddings import OpenAIServingEmbedding
@@ -53,6 +54,8 @@ class AppContext:
         responses: the OpenAI Responses handler (over chat) and its response store.
         embeddings: the embeddings handler (--runner pooling).
         tenants: the keys and tenants (weights, quotas), reloaded on SIGHUP.
+        quotas: what each tenant has in flight and used in the last minute (every
+            handler's `quotas`).
     """
 
     engine_client: EngineClient
@@ -66,6 +69,7 @@ class AppContext:
     responses: OpenAIServingResponses
     embeddings: OpenAIServingEmbedding
     tenants: TenantDirectory
+    quotas: TenantQuotas
 
     @property
     def max_json_depth(self) -> int:
@@ -95,6 +99,10 @@ def make_context(
     if defaults:
         logger.info("request defaults from the generation config: %s", defaults)
     completions.generation_defaults = chat.generation_defaults = defaults
+    embeddings = OpenAIServingEmbedding(engine_client, served_model_name, frontend, models)
+    # One object for all: a tenant's quotas count its requests on every surface.
+    quotas = TenantQuotas()
+    completions.quotas = chat.quotas = embeddings.quotas = quotas
     return AppContext(
         engine_client,
         served_model_name,
@@ -107,8 +115,9 @@ def make_context(
         OpenAIServingResponses(
             chat, ResponseStore(frontend.responses_store_size, frontend.responses_store_ttl)
         ),
-        OpenAIServingEmbedding(engine_client, served_model_name, frontend, models),
+        embeddings,
         tenants,
+        quotas,
     )
 
 

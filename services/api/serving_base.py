@@ -33,10 +33,11 @@ from kvserve.services.api.protocol import (
     PromptLogprobsBody,
     UsageInfo,
 )
+from kvserve.services.api.quotas import SettledResults, TenantQuotas, has_quotas
 from kvserve.services.api.request_constraints import logits_processor_kwargs
 from kvserve.services.api.request_logger import RequestLogger
 from kvserve.services.api.serving_models import ServingModels
-from kvserve.services.api.tenants import CURRENT_TENANT
+from kvserve.services.api.tenants import CURRENT_TENANT, TenantSpec
 from kvserve.services.api.validation import (
     check_prompt_tokens,
     check_request,
@@ -75,10 +76,12 @@ class OpenAIServing:
             (default: the base model alone).
 
     `generation_defaults` are the SamplingParams defaults of --generation-config (set by
-    build_app); a request's own values win.
+    build_app); a request's own values win. `quotas` are the tenants' quotas, one object for
+    every handler (set by make_context; None: no quotas).
     """
 
     generation_defaults: dict[str, Any] = {}
+    quotas: TenantQuotas | None = None
 
     def __init__(
         self,
@@ -220,9 +223,42 @@ class OpenAIServing:
         yield (prompt index, cumulative RequestOutput) as they come.
 
         Closing the returned generator aborts whatever is still running. The requests are
-        the current tenant's (tenants.CURRENT_TENANT, set per HTTP request).
+        the current tenant's (tenants.CURRENT_TENANT, set per HTTP request); when it has
+        quotas, they admit the request here, before anything is submitted (a stream's status
+        is not sent yet), and the results settle its ticket when they end.
+
+        Raises:
+            APIError: 429 past one of the tenant's quotas (400: a request that may use more
+                tokens than its whole tokens_per_minute); see services/api/quotas.py.
         """
         tenant = CURRENT_TENANT.get()
+        ticket = None
+        if self.quotas is not None and tenant is not None and has_quotas(tenant):
+            ticket = self.quotas.admit(
+                tenant,
+                sum(len(token_ids) for _, token_ids in prompts),
+                sum(params.n * (params.max_tokens or 0) for params in params_list),
+            )
+        try:
+            results = self._submit(request_id, prompts, params_list, priority, lora_request, tenant)
+        except BaseException:
+            if ticket is not None:
+                ticket.settle(0)
+            raise
+        if ticket is None:
+            return results
+        return SettledResults(results, ticket, [len(token_ids) for _, token_ids in prompts])
+
+    def _submit(
+        self,
+        request_id: str,
+        prompts: list[PromptInput],
+        params_list: list[SamplingParams],
+        priority: int,
+        lora_request: LoRARequest | None,
+        tenant: TenantSpec | None,
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """One EngineClient.generate per prompt, merged (see generate)."""
         streams = []
         for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
             engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
