@@ -363,8 +363,9 @@ class Scheduler:
 
     def _schedule_fair(self, plan: StepPlan) -> None:
         """The fair policy's step: running requests first, except those still in their
-        prompt whose tenant is more served than the waiting head's; they wait until the
-        less served tenants' waiting requests are admitted (fair_share.py)."""
+        prompt whose tenant is more served than the waiting head's; they wait while the
+        less served tenants' waiting requests are admitted, and for the next step if any
+        was (fair_share.py)."""
         assert self.fair is not None and isinstance(self.waiting, FairRequestQueue)
         rank = self.fair.rank
         head = self.waiting.head_rank()
@@ -376,13 +377,25 @@ class Scheduler:
             and rank(r.tenant) > head
         ]
         deferred_ids = {id(r) for r in deferred}
-        self._schedule_running(plan, [r for r in self.running if id(r) not in deferred_ids])
+        # Decodes first (a token each), then prompts from the least served tenant's.
+        self._schedule_running(
+            plan,
+            sorted(
+                (r for r in self.running if id(r) not in deferred_ids),
+                key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, rank(r.tenant)),
+            ),
+        )
         if plan.preempted:
             return  # short of blocks: admitting more would thrash
         if deferred:
+            num_admitted = len(plan.scheduled_new)
             self._schedule_waiting(plan, below=min(rank(r.tenant) for r in deferred))
-            # Admitted requests hold their blocks: these take what is left, preempting none.
-            self._schedule_running(plan, deferred, may_preempt=False)
+            if len(plan.scheduled_new) > num_admitted:
+                # The less served tenants' prompts get a short step to themselves (with the
+                # decodes): on a CPU a step's time grows with its tokens, so their first
+                # tokens come sooner, and the deferred prompts lose one step, not throughput.
+                return
+            self._schedule_running(plan, deferred)
         self._schedule_waiting(plan)
 
     def _schedule_running(

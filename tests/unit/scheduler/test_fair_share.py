@@ -130,9 +130,11 @@ def test_a_heavy_running_prompt_waits_for_a_light_tenants_prompt():
 
     scheduler_output, _ = step(scheduler)
 
-    # Light's whole prompt goes first; heavy's next chunk takes what is left.
-    assert scheduler_output.num_scheduled_tokens == {"light": 8, "heavy": 8}
+    # Light's whole prompt goes first, in a step of its own; heavy's next chunk follows.
+    assert scheduler_output.num_scheduled_tokens == {"light": 8}
     assert [new.req_id for new in scheduler_output.scheduled_new_reqs] == ["light"]
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens == {"light": 1, "heavy": 15}
     run_to_completion(scheduler)
     assert_no_leaked_blocks(scheduler)
 
