@@ -123,3 +123,66 @@ def test_fcfs_makes_the_light_tenant_wait_for_the_backlog(tiny_llama_dir, tmp_pa
 def _light_positions(order: list[str]) -> list[int]:
     """Where the light requests were scheduled (the two were sent at once: either first)."""
     return [i for i, name in enumerate(order) if name.startswith("light")]
+
+
+def _closed_loop(
+    client: openai.OpenAI, prompts, stop: threading.Event, served: dict, tenant: str
+) -> None:
+    """Send one request after another (32 tokens each) until `stop`; count the tokens."""
+    for prompt in prompts:
+        if stop.is_set():
+            return
+        completion = client.completions.create(
+            model=DP_MODEL_NAME, prompt=prompt, max_tokens=32, extra_body={"ignore_eos": True}
+        )
+        served[tenant] += completion.usage.completion_tokens
+
+
+def test_dp_a_tenant_pinned_to_one_engine_keeps_its_cluster_share(tiny_llama_dir, tmp_path):
+    # Heavy's prompts share 48 tokens (3 blocks of the tiny model's 16): prefix routing keeps
+    # them on one engine. Light sends three times as many at once and fills both engines.
+    # Each engine on its own would split its seats between the tenants it sees, giving heavy
+    # a quarter of the cluster; counting what light gets on the other engine, heavy takes
+    # its engine's seats and holds about half.
+    prefix = list(range(20, 68))
+    with _serving(
+        tiny_llama_dir,
+        tmp_path,
+        "--scheduling-policy",
+        "fair",
+        "--data-parallel-size",
+        "2",
+        "--dp-routing",
+        "prefix",
+        "--max-num-seqs",
+        "2",
+    ) as server:
+        served = {"heavy": 0, "light": 0}
+        stop = threading.Event()
+        heavy, light = _client(server, "heavy"), _client(server, "light")
+        heavy_prompts = [[*prefix, 100 + i, 7] for i in range(10_000)]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = [
+                pool.submit(_closed_loop, heavy, heavy_prompts[i::4], stop, served, "heavy")
+                for i in range(4)
+            ] + [
+                pool.submit(
+                    _closed_loop,
+                    light,
+                    [[5 + i, 200 + j % 50, 9] for j in range(10_000)],
+                    stop,
+                    served,
+                    "light",
+                )
+                for i in range(12)
+            ]
+            assert wait_until(lambda: sum(served.values()) >= 32 * 150, timeout_s=240), served
+            stop.set()
+            for future in futures:
+                future.result(timeout=120)
+        hits = [server.metric("kvserve:prefix_cache_hits_total", i) for i in (0, 1)]
+    # Heavy did stay on one engine: nearly all prefix hits (only heavy's prompts share
+    # blocks) are that engine's.
+    assert max(hits) >= 0.9 * sum(hits) > 0, hits
+    share = served["heavy"] / sum(served.values())
+    assert 0.4 < share < 0.6, served
