@@ -73,6 +73,7 @@ class EngineTopology(msgspec.Struct, frozen=True, kw_only=True):
     Args:
         num_engines: engine cores that connect (serving starts when all are READY).
         routing: how requests pick an engine core (--dp-routing).
+        prefix_slack: --dp-prefix-slack, prefix routing's load margin.
         load_table_addr: the DP coordinator's load table, or None.
         kv_store_address: the P/D KV store this launcher runs (shown in /health), or None.
         wait_for_restarts: with no engine core left, answer 503 rather than exit (engines
@@ -81,6 +82,7 @@ class EngineTopology(msgspec.Struct, frozen=True, kw_only=True):
 
     num_engines: int = 1
     routing: DPRouting = "load"
+    prefix_slack: int = 8  # services/api/dp_router.py PREFIX_LOAD_SLACK
     load_table_addr: str | None = None
     kv_store_address: str | None = None
     wait_for_restarts: bool = False
@@ -163,6 +165,7 @@ async def _connected_client(
                 topology=ClientTopology(
                     num_engines=topology.num_engines,
                     routing=topology.routing,
+                    prefix_slack=topology.prefix_slack,
                     load_table_addr=topology.load_table_addr,
                     kv_store_address=topology.kv_store_address,
                     wait_for_restarts=topology.wait_for_restarts,
@@ -298,6 +301,7 @@ def run_api(options: APIOptions) -> int:
     topology = EngineTopology(
         num_engines=options.data_parallel_size,
         routing=options.dp_routing,
+        prefix_slack=options.dp_prefix_slack,
         load_table_addr=options.load_table_addr,
     )
     sockets = EngineAddresses(options.sockets.input_addr, options.sockets.output_addr)

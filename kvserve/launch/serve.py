@@ -157,6 +157,7 @@ class FrontEnd:
         return EngineTopology(
             num_engines=self.num_engines,
             routing=dp.dp_routing,
+            prefix_slack=dp.dp_prefix_slack,
             load_table_addr=coordinator.publish_addr if coordinator else None,
             kv_store_address=store_address,
             # Engines restart here, or on a headless node that may rejoin.

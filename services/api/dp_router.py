@@ -92,6 +92,8 @@ class DPRouter:
     ):
         if routing not in ("load", "prefix"):
             raise ValueError(f"unknown DP routing {routing!r}: use 'load' or 'prefix'")
+        if prefix_slack < 0:
+            raise ValueError(f"--dp-prefix-slack must be >= 0, got {prefix_slack}")
         assert block_size > 0, block_size
         self.routing = routing
         self.block_size = block_size

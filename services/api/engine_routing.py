@@ -21,7 +21,7 @@ from typing import Protocol, cast
 import msgspec
 import zmq
 
-from kvserve.services.api.dp_router import DPRouter, DPRouting
+from kvserve.services.api.dp_router import PREFIX_LOAD_SLACK, DPRouter, DPRouting
 from kvserve.services.api.engine_client import EngineDeadError, estimate_waiting, overloaded
 from kvserve.services.api.engine_connection import EngineConnection
 from kvserve.services.api.engine_pool import EnginePool
@@ -156,8 +156,11 @@ class EngineRouting:
                 continue  # its death is handled where it is noticed
 
 
-def make_router(engines: list[EngineConnection], routing: DPRouting) -> DPRouter:
-    """A router that hashes prompts as every engine does (they must agree)."""
+def make_router(
+    engines: list[EngineConnection], routing: DPRouting, prefix_slack: int = PREFIX_LOAD_SLACK
+) -> DPRouter:
+    """A router that hashes prompts as every engine does (they must agree); `prefix_slack`:
+    --dp-prefix-slack."""
     first = engines[0].handshake
     hashing = {
         (
@@ -179,7 +182,7 @@ def make_router(engines: list[EngineConnection], routing: DPRouting) -> DPRouter
         if routing == "prefix" and first.enable_prefix_caching
         else None
     )
-    router = DPRouter(routing, first.block_size, hash_fn)
+    router = DPRouter(routing, first.block_size, hash_fn, prefix_slack)
     for engine in engines:
         router.add_engine(
             engine.engine_index, engine.handshake.num_blocks, engine.handshake.kv_role

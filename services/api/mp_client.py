@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.services.api.dp_router import DPRouting
+from kvserve.services.api.dp_router import PREFIX_LOAD_SLACK, DPRouting
 from kvserve.services.api.engine_client import EngineClient, EngineDeadError, StatsTotals
 from kvserve.services.api.engine_connection import EngineChannel, EngineConnection
 from kvserve.services.api.engine_liveness import EngineLiveness
@@ -79,6 +79,7 @@ class ClientTopology:
     Args:
         num_engines: engine cores 0..num_engines-1 whose READY the client waits for.
         routing: how requests pick an engine ("load" or "prefix"; see DPRouter).
+        prefix_slack: prefix routing's load margin (--dp-prefix-slack).
         load_table_addr: the DP coordinator's PUB address (None: no coordinator).
         kv_store_address: the P/D KV store's address, for /health (None: not known here).
         wait_for_restarts: with no engine left, answer 503 and wait for one to say READY
@@ -90,6 +91,7 @@ class ClientTopology:
 
     num_engines: int = 1
     routing: DPRouting = "load"
+    prefix_slack: int = PREFIX_LOAD_SLACK
     load_table_addr: str | None = None
     kv_store_address: str | None = None
     wait_for_restarts: bool = False
@@ -137,7 +139,9 @@ class MPEngineClient(EngineClient):
             closed_reason=lambda: self.dead_reason,
             engine_lost=self._engine_died,
         )
-        self.routing = EngineRouting(self.pool, make_router(engines, topology.routing))
+        self.routing = EngineRouting(
+            self.pool, make_router(engines, topology.routing, topology.prefix_slack)
+        )
         self.flow = make_flow(self.pool, self.routing)
         self.liveness = EngineLiveness(
             self.pool,

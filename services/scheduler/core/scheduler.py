@@ -362,41 +362,41 @@ class Scheduler:
         ]
 
     def _schedule_fair(self, plan: StepPlan) -> None:
-        """The fair policy's step: running requests first, except those still in their
-        prompt whose tenant is more served than the waiting head's; they wait while the
-        less served tenants' waiting requests are admitted, and for the next step if any
-        was (fair_share.py)."""
+        """The fair policy's step (fair_share.py). While requests wait whose tenant ranks
+        below some running request's, the running requests of the tenants ranked no higher
+        than the waiting head's go first, then those waiting requests are admitted, and if
+        any was, the step ends there: the less served tenants get a short step of their own
+        (a CPU step's time grows with its tokens, so their first tokens come sooner; the
+        others lose one step, not throughput). Otherwise every running request, decodes
+        first, then prompts by rank; then the waiting queue."""
         assert self.fair is not None and isinstance(self.waiting, FairRequestQueue)
         rank = self.fair.rank
         head = self.waiting.head_rank()
-        deferred = [
-            r
-            for r in self.running
-            if head is not None
-            and r.num_tokens - r.num_computed_tokens > 1
-            and rank(r.tenant) > head
-        ]
-        deferred_ids = {id(r) for r in deferred}
-        # Decodes first (a token each), then prompts from the least served tenant's.
-        self._schedule_running(
-            plan,
-            sorted(
-                (r for r in self.running if id(r) not in deferred_ids),
-                key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, rank(r.tenant)),
-            ),
-        )
-        if plan.preempted:
-            return  # short of blocks: admitting more would thrash
-        if deferred:
+        above = [r for r in self.running if head is not None and rank(r.tenant) > head]
+        if above:
+            above_ids = {id(r) for r in above}
+            self._schedule_running(
+                plan, self._fair_order(r for r in self.running if id(r) not in above_ids)
+            )
+            if plan.preempted:
+                return  # short of blocks: admitting more would thrash
             num_admitted = len(plan.scheduled_new)
-            self._schedule_waiting(plan, below=min(rank(r.tenant) for r in deferred))
+            self._schedule_waiting(plan, below=min(rank(r.tenant) for r in above))
             if len(plan.scheduled_new) > num_admitted:
-                # The less served tenants' prompts get a short step to themselves (with the
-                # decodes): on a CPU a step's time grows with its tokens, so their first
-                # tokens come sooner, and the deferred prompts lose one step, not throughput.
                 return
-            self._schedule_running(plan, deferred)
-        self._schedule_waiting(plan)
+            self._schedule_running(plan, self._fair_order(above))
+        else:
+            self._schedule_running(plan, self._fair_order(self.running))
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+
+    def _fair_order(self, requests: Iterable[Request]) -> list[Request]:
+        """Decodes first (a token each), then prompts, the least served tenant's first."""
+        assert self.fair is not None
+        rank = self.fair.rank
+        return sorted(
+            requests, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, rank(r.tenant))
+        )
 
     def _schedule_running(
         self, plan: StepPlan, requests: list[Request], may_preempt: bool = True

@@ -133,8 +133,13 @@ def test_a_heavy_running_prompt_waits_for_a_light_tenants_prompt():
     # Light's whole prompt goes first, in a step of its own; heavy's next chunk follows.
     assert scheduler_output.num_scheduled_tokens == {"light": 8}
     assert [new.req_id for new in scheduler_output.scheduled_new_reqs] == ["light"]
+    # Light, lifted to heavy's counter and then charged its prompt, is now the more served:
+    # heavy's chunk goes first and fills the budget; light's decode follows when it ranks
+    # below again.
     scheduler_output, _ = step(scheduler)
-    assert scheduler_output.num_scheduled_tokens == {"light": 1, "heavy": 15}
+    assert scheduler_output.num_scheduled_tokens == {"heavy": 16}
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens["light"] == 1
     run_to_completion(scheduler)
     assert_no_leaked_blocks(scheduler)
 
@@ -173,3 +178,26 @@ def test_counters_weigh_output_tokens_and_divide_by_the_weight():
     assert scheduler.fair.local["t"] == pytest.approx((10 + 2 * OUTPUT_TOKEN_COST) / 2.0)
     assert scheduler.fair.reported == scheduler.fair.local
     assert scheduler.fair.num_live == {}
+
+
+def test_a_light_tenants_prompt_gets_a_step_without_the_heavy_decodes():
+    scheduler = create_scheduler(scheduling_policy="fair")
+    for i in range(3):
+        scheduler.add_request(create_request(f"heavy{i}", 16, max_tokens=20, tenant="heavy"))
+    step(scheduler)
+    step(scheduler)  # the heavy requests decode
+    scheduler.add_request(create_request("light", 8, max_tokens=4, tenant="light"))
+
+    scheduler_output, _ = step(scheduler)
+
+    assert scheduler_output.num_scheduled_tokens == {"light": 8}
+    # The next step has everyone again, decodes first.
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens == {
+        "light": 1,
+        "heavy0": 1,
+        "heavy1": 1,
+        "heavy2": 1,
+    }
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
