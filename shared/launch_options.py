@@ -29,6 +29,15 @@ DPRoutingOption = Annotated[
     ),
 ]
 
+DPPrefixSlackOption = Annotated[
+    int,
+    flag_doc(
+        "--dp-routing prefix: how far above the least loaded engine's score (4 x waiting + "
+        "running) the engine holding a prompt's prefix may be and still get it (a large "
+        "value pins a prefix to its engine)"
+    ),
+]
+
 
 class DataParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where the data-parallel engine cores run (their count is --data-parallel-size)."""
@@ -49,14 +58,7 @@ class DataParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
         bool, flag_doc("run engine cores only, registering with the front-end node")
     ] = False
     dp_routing: DPRoutingOption = "load"
-    dp_prefix_slack: Annotated[
-        int,
-        flag_doc(
-            "--dp-routing prefix: how far above the least loaded engine's score (4 x waiting "
-            "+ running) the engine holding a prompt's prefix may be and still get it (a large "
-            "value pins a prefix to its engine)"
-        ),
-    ] = 8
+    dp_prefix_slack: DPPrefixSlackOption = 8
     restart_dead_engines: Annotated[
         bool,
         flag_doc(
@@ -281,14 +283,7 @@ class APIOptions(msgspec.Struct, frozen=True, kw_only=True):
         str | None, flag_doc("the DP coordinator's --publish-addr, e.g. tcp://coordinator:5558")
     ] = None
     dp_routing: DPRoutingOption = "load"
-    dp_prefix_slack: Annotated[
-        int,
-        flag_doc(
-            "--dp-routing prefix: how far above the least loaded engine's score (4 x waiting "
-            "+ running) the engine holding a prompt's prefix may be and still get it (a large "
-            "value pins a prefix to its engine)"
-        ),
-    ] = 8
+    dp_prefix_slack: DPPrefixSlackOption = 8
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:

@@ -101,7 +101,7 @@ def make_context(
     completions.generation_defaults = chat.generation_defaults = defaults
     embeddings = OpenAIServingEmbedding(engine_client, served_model_name, frontend, models)
     # One object for all: a tenant's quotas count its requests on every surface.
-    quotas = TenantQuotas()
+    quotas = TenantQuotas(on_refused=metrics.tenants.quota_refused)
     completions.quotas = chat.quotas = embeddings.quotas = quotas
     return AppContext(
         engine_client,

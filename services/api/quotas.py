@@ -114,10 +114,17 @@ class TenantQuotas:
 
     Args:
         clock: seconds, monotonic (tests pass a fake one).
+        on_refused: called with (tenant, limit name) for each request a limit refused
+            (the kvserve:tenant_quota_refusals_total series).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[str, str], None] | None = None,
+    ):
         self.clock = clock
+        self.on_refused = on_refused
         self._usage: dict[str, _TenantUsage] = {}
         self._next_sweep_at = clock() + WINDOW_S
 
@@ -144,7 +151,12 @@ class TenantQuotas:
         else:
             usage.expire(now)
         num_reserved_tokens = num_prompt_tokens + max_new_tokens
-        self._check(spec, usage, num_reserved_tokens, now)
+        try:
+            self._check(spec, usage, num_reserved_tokens, now)
+        except _Refused as refused:
+            if self.on_refused is not None:
+                self.on_refused(spec.name, refused.limit)
+            raise refused.error from None
         charge = _TokenCharge(now, num_reserved_tokens)
         usage.num_in_flight += 1
         usage.admitted_at.append(now)
@@ -160,6 +172,7 @@ class TenantQuotas:
         limit = spec.max_concurrent
         if limit is not None and usage.num_in_flight >= limit:
             raise _too_many(
+                "max_concurrent",
                 f"tenant {name!r} has {usage.num_in_flight} requests in flight, its "
                 f"max_concurrent limit {limit} ({_set_by('max_concurrent')})",
                 1,
@@ -169,6 +182,7 @@ class TenantQuotas:
             # Room comes when all but limit - 1 of the window's requests have left it.
             leaves_at = usage.admitted_at[len(usage.admitted_at) - limit]
             raise _too_many(
+                "requests_per_minute",
                 f"tenant {name!r} reached its requests_per_minute limit {limit} "
                 f"({_set_by('requests_per_minute')}): {len(usage.admitted_at)} requests in the "
                 f"last 60 s",
@@ -178,7 +192,7 @@ class TenantQuotas:
         if limit is None:
             return
         if num_reserved_tokens > limit:
-            raise APIError(
+            error = APIError(
                 400,
                 f"this request may use {num_reserved_tokens} tokens (prompt + max_tokens x n), "
                 f"more than tenant {name!r}'s whole tokens_per_minute limit {limit} "
@@ -186,9 +200,11 @@ class TenantQuotas:
                 f"(without it, the rest of the context is reserved) or shorten the prompt",
                 param="max_tokens",
             )
+            raise _Refused("tokens_per_minute", error)
         num_over = usage.num_window_tokens + num_reserved_tokens - limit
         if num_over > 0:
             raise _too_many(
+                "tokens_per_minute",
                 f"tenant {name!r} reached its tokens_per_minute limit {limit} "
                 f"({_set_by('tokens_per_minute')}): {usage.num_window_tokens} tokens in the "
                 f"last 60 s (reserved while running), and this request may use "
@@ -240,9 +256,19 @@ def _seconds_until_freed(charges: deque[_TokenCharge], num_tokens: int) -> float
     raise AssertionError("a reservation within the limit always fits an empty window")
 
 
-def _too_many(message: str, retry_after_s: float) -> APIError:
+class _Refused(Exception):
+    """A limit refused the request: which one, and the error the client gets."""
+
+    def __init__(self, limit: str, error: APIError):
+        super().__init__(limit)
+        self.limit = limit
+        self.error = error
+
+
+def _too_many(limit: str, message: str, retry_after_s: float) -> _Refused:
     seconds = max(1, math.ceil(retry_after_s))
-    return APIError(429, f"{message}; retry in {seconds} s", headers={"Retry-After": str(seconds)})
+    error = APIError(429, f"{message}; retry in {seconds} s", headers={"Retry-After": str(seconds)})
+    return _Refused(limit, error)
 
 
 class SettledResults(Results):

@@ -97,6 +97,13 @@ class TenantMetrics:
             buckets=queue_buckets,
             registry=registry,
         )
+        self.quota_refusals = Counter(
+            "kvserve:tenant_quota_refusals",
+            "Requests a tenant quota refused (429, or 400 past the whole tokens_per_minute), "
+            "by tenant and limit.",
+            ["tenant", "limit"],
+            registry=registry,
+        )
         self.time_to_first_token = Histogram(
             "kvserve:tenant_time_to_first_token_seconds",
             "Histogram of time to first token in seconds, by tenant.",
@@ -104,6 +111,11 @@ class TenantMetrics:
             buckets=ttft_buckets,
             registry=registry,
         )
+
+    def quota_refused(self, tenant: str, limit: str) -> None:
+        """A quota (`limit`: max_concurrent, requests_per_minute, tokens_per_minute) refused
+        one of the tenant's requests."""
+        self.quota_refusals.labels(self.tenant_of(tenant), limit).inc()
 
     def record(self, iteration_stats: IterationStats) -> None:
         """Take one engine step's (or abort's) figures."""

@@ -87,20 +87,29 @@ def _engine_pids(server: ServeProcess) -> list[int]:
     return [engine["pid"] for engine in server.health()[1]["engines"]]
 
 
+class EndOrder(list[str]):
+    """The names of streams in the order they ended (thread-safe appends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def ended(self, name: str):
+        """A callback that records `name` as ended."""
+
+        def mark() -> None:
+            with self._lock:
+                self.append(name)
+
+        return mark
+
+
 def _scheduling_order(server: ServeProcess) -> tuple[list[str], int]:
     """A heavy backlog, queued whole, then two light requests while it runs; the order the
     engine scheduled them in (with one seat: the order their streams ended), and how many
     heavy requests had ended when the light ones were sent."""
-    order: list[str] = []
-    lock = threading.Lock()
-
-    def ended(name: str):
-        def mark() -> None:
-            with lock:
-                order.append(name)
-
-        return mark
-
+    order = EndOrder()
+    ended = order.ended
     heavy, light = _client(server, "heavy"), _client(server, "light")
     with concurrent.futures.ThreadPoolExecutor(HEAVY_BACKLOG + 2) as pool:
         with _paused(_engine_pids(server)):
@@ -108,8 +117,7 @@ def _scheduling_order(server: ServeProcess) -> tuple[list[str], int]:
                 pool.submit(_stream, heavy, [5 + i, 6, 7], 400, ended(f"heavy{i}"))
                 for i in range(HEAVY_BACKLOG)
             ]
-        with lock:
-            num_ended_before = len(order)
+        num_ended_before = len(order)  # len() of a list is atomic
         futures += [
             pool.submit(_stream, light, [9, 10 + i], 100, ended(f"light{i}")) for i in range(2)
         ]
@@ -168,15 +176,8 @@ def test_dp_a_tenant_pinned_to_one_engine_keeps_its_cluster_share(tiny_llama_dir
         "1",
     ) as server:
         heavy, light = _client(server, "heavy"), _client(server, "light")
-        order: list[str] = []
-        lock = threading.Lock()
-
-        def ended(name: str):
-            def mark() -> None:
-                with lock:
-                    order.append(name)
-
-            return mark
+        order = EndOrder()
+        ended = order.ended
 
         with concurrent.futures.ThreadPoolExecutor(52) as pool:
             with _paused(_engine_pids(server)):
@@ -238,8 +239,7 @@ def test_weights_two_to_one_serve_tokens_two_to_one(tiny_llama_dir, tmp_path):
             )
             for tenant in ("gold", "bronze")
         }
-        order: list[str] = []
-        lock = threading.Lock()
+        order = EndOrder()
 
         def run(tenant: str, index: int) -> None:
             completion = clients[tenant].completions.create(
@@ -249,8 +249,7 @@ def test_weights_two_to_one_serve_tokens_two_to_one(tiny_llama_dir, tmp_path):
                 extra_body={"ignore_eos": True},
             )
             assert completion.usage.completion_tokens == 64
-            with lock:
-                order.append(tenant)
+            order.ended(tenant)()
 
         with concurrent.futures.ThreadPoolExecutor(120) as pool:
             with _paused(_engine_pids(server)):

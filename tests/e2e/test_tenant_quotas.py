@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.metrics import metrics_text, read_metric
 from tests.support.server import DP_MODEL_NAME, ServeProcess, start_tiny_server
 from tests.support.waiting import wait_until
 
@@ -128,6 +129,14 @@ def test_max_concurrent_refuses_the_request_past_it(server):
         body = response.json()
         assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
     assert read_to_end(first) == "length" and read_to_end(second) == "length"
+    # The three refusals (completions, chat, messages) are counted for the tenant's limit.
+    refusals = read_metric(
+        metrics_text(server.url),
+        "kvserve:tenant_quota_refusals_total",
+        tenant="conc",
+        limit="max_concurrent",
+    )
+    assert refusals == 3
     # Both slots were freed when the streams ended.
     assert complete(server, "sk-conc").choices[0].finish_reason == "length"
     assert complete(server, "sk-conc").choices[0].finish_reason == "length"

@@ -251,15 +251,21 @@ def _migrations(server: ServeProcess, reason: str) -> float:
     return _summed(metrics_text(server.url), "kvserve:request_migrations_total", reason=reason)
 
 
+# The streams' JSON kind needs a compact grammar; the chat kind, a template.
+JSON_AND_CHAT_FLAGS = (
+    "--structured-outputs-config",
+    '{"disable_any_whitespace": true}',
+    "--chat-template",
+    CHAT_TEMPLATE,
+)
+
+
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama_dir, tmp_path_factory):
     server = start_dp_front_end(
         tiny_llama_dir,
         tmp_path_factory.mktemp("migration-dp"),
-        "--structured-outputs-config",
-        '{"disable_any_whitespace": true}',
-        "--chat-template",
-        CHAT_TEMPLATE,
+        *JSON_AND_CHAT_FLAGS,
     )
     with _healthy(server):
         yield server
@@ -297,10 +303,7 @@ def restarting_server(tiny_llama_dir, tmp_path_factory):
         tiny_llama_dir,
         tmp_path_factory.mktemp("migration-restart"),
         "--restart-dead-engines",
-        "--structured-outputs-config",
-        '{"disable_any_whitespace": true}',
-        "--chat-template",
-        CHAT_TEMPLATE,
+        *JSON_AND_CHAT_FLAGS,
     )
     with _healthy(server):
         yield server

@@ -256,3 +256,22 @@ def test_settled_results_dropped_unclosed(quotas):
     del results
     gc.collect()
     assert quotas.in_use("t") == (0, 1, 30)
+
+
+def test_each_refusal_is_reported_with_its_limit(clock):
+    refusals: list[tuple[str, str]] = []
+    quotas = TenantQuotas(clock, on_refused=lambda tenant, limit: refusals.append((tenant, limit)))
+    quotas.admit(TenantSpec(name="a", max_concurrent=1), 1, 1)
+    refused(quotas, TenantSpec(name="a", max_concurrent=1))
+    quotas.admit(TenantSpec(name="b", requests_per_minute=1), 1, 1)
+    refused(quotas, TenantSpec(name="b", requests_per_minute=1))
+    quotas.admit(TenantSpec(name="c", tokens_per_minute=10), 4, 4)
+    refused(quotas, TenantSpec(name="c", tokens_per_minute=10), 2, 2)
+    too_big = refused(quotas, TenantSpec(name="d", tokens_per_minute=10), 20, 1)
+    assert too_big.status_code == 400
+    assert refusals == [
+        ("a", "max_concurrent"),
+        ("b", "requests_per_minute"),
+        ("c", "tokens_per_minute"),
+        ("d", "tokens_per_minute"),
+    ]
