@@ -155,9 +155,16 @@ def test_metrics_of_a_few_requests(server):
         == length.usage.prompt_tokens + stop.usage.prompt_tokens + 2 * pair.usage.prompt_tokens
     )
 
-    # vLLM's labels on every series, engine "0" without data parallelism.
-    ours = [s for s in end if s.name.startswith("kvserve:")]
+    # vLLM's labels on every series, engine "0" without data parallelism; the per-tenant
+    # series are the api's, across engines, labelled by tenant alone.
+    ours = [
+        s for s in end if s.name.startswith("kvserve:") and not s.name.startswith("kvserve:tenant_")
+    ]
     assert {s.labels.get("engine") for s in ours} == {"0"}
+    tenant_series = [s for s in end if s.name.startswith("kvserve:tenant_")]
+    assert tenant_series and all(
+        s.labels.get("tenant") == "default" and "engine" not in s.labels for s in tenant_series
+    )
     info_series = ("kvserve:cache_config_info", "kvserve:gemm_path_info")
     assert {s.labels.get("model_name") for s in ours if s.name not in info_series} == {MODEL}
     (info,) = [s for s in end if s.name == "kvserve:cache_config_info"]
