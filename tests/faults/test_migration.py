@@ -188,7 +188,12 @@ def _assert_same(streams: list[Stream], reference: list[Stream]) -> None:
         assert stream.finish_reason == "length"
         assert len(stream.tokens) == len(stream.logprobs) == stream.max_tokens, name
         assert stream.tokens == expected.tokens, name
-        assert stream.logprobs == pytest.approx(expected.logprobs, abs=1e-3), name
+        # The same positions' logprobs (a shifted or repeated token would be off by O(1)).
+        # A moved stream decodes in other batches than the undisturbed run, so its steps
+        # can take other float32 kernel paths (decode stack, torch, oneDNN by row count):
+        # they agree to ~1e-6, with a rare position measured 4e-4 apart (relative), far
+        # after the resume point; the resume itself is exact to ~3e-6 (engine side).
+        assert stream.logprobs == pytest.approx(expected.logprobs, rel=1e-3, abs=1e-5), name
 
 
 def _engine_pids(server: ServeProcess) -> list[int]:
