@@ -16,24 +16,28 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import re
 import signal
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import openai
 import pytest
 
 from tests.support.server import DP_MODEL_NAME, ServeProcess, start_tiny_server
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 HEAVY_BACKLOG = 8
+RECEIVED = "Received request"  # the api's --enable-log-requests line
 
 
 @contextlib.contextmanager
 def _serving(model_dir: str, log_dir, *flags: str) -> Iterator[ServeProcess]:
-    server = start_tiny_server(model_dir, log_dir, "--tenant-header", "X-Tenant", *flags)
+    server = start_tiny_server(
+        model_dir, log_dir, "--tenant-header", "X-Tenant", "--enable-log-requests", *flags
+    )
     try:
         server.wait_healthy()
         yield server
@@ -52,7 +56,7 @@ def _client(server: ServeProcess, tenant: str) -> openai.OpenAI:
 
 
 def _stream(client: openai.OpenAI, prompt: list[int], max_tokens: int, on_end) -> int:
-    """One streamed completion; on_end() once it ended; returns its tokens."""
+    """One streamed completion; on_end(its id) once it ended; returns its tokens."""
     chunks = client.completions.create(
         model=DP_MODEL_NAME,
         prompt=prompt,
@@ -61,23 +65,34 @@ def _stream(client: openai.OpenAI, prompt: list[int], max_tokens: int, on_end) -
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
-    completion_tokens = 0
+    completion_tokens, request_id = 0, ""
     for chunk in chunks:
+        request_id = chunk.id
         if chunk.usage is not None:
             completion_tokens = chunk.usage.completion_tokens
-    on_end()
+    on_end(request_id)
     return completion_tokens
 
 
 @contextlib.contextmanager
-def _paused(pids: list[int]) -> Iterator[None]:
+def _paused(server: ServeProcess) -> Iterator[Callable[[int], None]]:
     """The engine cores stopped (SIGSTOP) inside: what is sent meanwhile queues at their
-    sockets, and they take it all in at once when they go on (SIGCONT)."""
+    sockets, and they take it all in at once when they go on (SIGCONT). Yields
+    `submitted(n)`, which waits until the api took n requests since the pause (its
+    --enable-log-requests lines) and sent them on."""
+    pids = _engine_pids(server)
+    num_before = server.log().count(RECEIVED)
+
+    def submitted(num_requests: int) -> None:
+        assert wait_until(
+            lambda: server.log().count(RECEIVED) >= num_before + num_requests, timeout_s=60
+        ), f"the api took {server.log().count(RECEIVED) - num_before} of {num_requests}"
+        time.sleep(1.0)  # from the log line to the engine's socket: a few awaits
+
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
-        yield
-        time.sleep(1.0)  # the requests reach the api and the engines' sockets (local: ms)
+        yield submitted
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
@@ -87,21 +102,28 @@ def _engine_pids(server: ServeProcess) -> list[int]:
     return [engine["pid"] for engine in server.health()[1]["engines"]]
 
 
-class EndOrder(list[str]):
-    """The names of streams in the order they ended (thread-safe appends)."""
+# The api's line as a request ends (with its key's name when it used one).
+FINISHED = re.compile(r"request (\S+)(?: \(API key '[^']*'\))? finished \(")
+
+
+class EndOrder:
+    """Names requests by id as their clients see them end; `names` puts them in the order
+    the server ended them (its log: the order the engine's outputs came, which no client
+    thread's scheduling can shuffle)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
+        self._names: dict[str, str] = {}
 
-    def ended(self, name: str):
-        """A callback that records `name` as ended."""
+    def ended(self, name: str) -> Callable[[str], None]:
+        """A callback that names the request id it is given `name`."""
+        return lambda request_id: self._names.__setitem__(request_id, name)
 
-        def mark() -> None:
-            with self._lock:
-                self.append(name)
-
-        return mark
+    def names(self, server: ServeProcess) -> list[str]:
+        return [
+            self._names[match[1]]
+            for match in FINISHED.finditer(server.log())
+            if match[1] in self._names
+        ]
 
 
 def _scheduling_order(server: ServeProcess) -> tuple[list[str], int]:
@@ -110,22 +132,25 @@ def _scheduling_order(server: ServeProcess) -> tuple[list[str], int]:
     heavy requests had ended when the light ones were sent."""
     order = EndOrder()
     ended = order.ended
+    num_finished_before = len(FINISHED.findall(server.log()))
     heavy, light = _client(server, "heavy"), _client(server, "light")
     with concurrent.futures.ThreadPoolExecutor(HEAVY_BACKLOG + 2) as pool:
-        with _paused(_engine_pids(server)):
+        with _paused(server) as submitted:
             futures = [
                 pool.submit(_stream, heavy, [5 + i, 6, 7], 400, ended(f"heavy{i}"))
                 for i in range(HEAVY_BACKLOG)
             ]
-        num_ended_before = len(order)  # len() of a list is atomic
+            submitted(HEAVY_BACKLOG)
+        num_ended_before = len(FINISHED.findall(server.log())) - num_finished_before
         futures += [
             pool.submit(_stream, light, [9, 10 + i], 100, ended(f"light{i}")) for i in range(2)
         ]
         for future in futures:
             assert future.result(timeout=120) > 0
-    assert len(order) == HEAVY_BACKLOG + 2, order
-    assert num_ended_before < HEAVY_BACKLOG - 2, f"{order}: make the heavy requests longer"
-    return order, num_ended_before
+    names = order.names(server)
+    assert len(names) == HEAVY_BACKLOG + 2, names
+    assert num_ended_before < HEAVY_BACKLOG - 2, f"{names}: make the heavy requests longer"
+    return names, num_ended_before
 
 
 def test_fair_admits_the_light_tenant_ahead_of_the_heavy_backlog(tiny_llama_dir, tmp_path):
@@ -180,7 +205,7 @@ def test_dp_a_tenant_pinned_to_one_engine_keeps_its_cluster_share(tiny_llama_dir
         ended = order.ended
 
         with concurrent.futures.ThreadPoolExecutor(52) as pool:
-            with _paused(_engine_pids(server)):
+            with _paused(server) as submitted:
                 # Engine A: light's own prefix, long prompts (each charged for ~400
                 # tokens), a backlog that outlasts B's queue.
                 futures = [
@@ -193,7 +218,7 @@ def test_dp_a_tenant_pinned_to_one_engine_keeps_its_cluster_share(tiny_llama_dir
                     )
                     for i in range(40)
                 ]
-                time.sleep(0.5)  # the router counts them on A before the others come
+                submitted(40)  # routed to A before the others come
                 for i in range(6):
                     futures.append(
                         pool.submit(_stream, light, [*shared_prefix, i], 450, ended(f"light-B{i}"))
@@ -207,13 +232,15 @@ def test_dp_a_tenant_pinned_to_one_engine_keeps_its_cluster_share(tiny_llama_dir
                             ended(f"heavy-B{i}"),
                         )
                     )
+                submitted(52)
             for future in futures:
                 assert future.result(timeout=240) in (60, 450)
         hits = [server.metric("kvserve:prefix_cache_hits_total", i) for i in (0, 1)]
         engines = server.health()[1]["engines"]
+        names = order.names(server)
     assert all(hits), hits  # each engine served one prefix again and again
     assert len(engines) == 2
-    on_b = [name for name in order if name.endswith(tuple(f"-B{i}" for i in range(6)))]
+    on_b = [name for name in names if name.endswith(tuple(f"-B{i}" for i in range(6)))]
     # B's first seven: at most the first (the two tenants start even) and one more light.
     assert sum(name.startswith("light") for name in on_b[:7]) <= 2, on_b
 
@@ -249,15 +276,18 @@ def test_weights_two_to_one_serve_tokens_two_to_one(tiny_llama_dir, tmp_path):
                 extra_body={"ignore_eos": True},
             )
             assert completion.usage.completion_tokens == 64
-            order.ended(tenant)()
+            order.ended(tenant)(completion.id)
 
         with concurrent.futures.ThreadPoolExecutor(120) as pool:
-            with _paused(_engine_pids(server)):
+            with _paused(server) as submitted:
                 futures = [
                     pool.submit(run, tenant, i) for i in range(60) for tenant in ("gold", "bronze")
                 ]
+                submitted(120)
             for future in futures:
                 future.result(timeout=240)
-    first_half = order[:60]  # both tenants still had requests waiting
+        names = order.names(server)
+    assert len(names) == 120, names
+    first_half = names[:60]  # both tenants still had requests waiting
     ratio = first_half.count("gold") / first_half.count("bronze")
-    assert ratio == pytest.approx(2.0, rel=0.1), order
+    assert ratio == pytest.approx(2.0, rel=0.1), names

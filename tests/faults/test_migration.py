@@ -230,10 +230,18 @@ def _healthy(server: ServeProcess) -> Iterator[ServeProcess]:
 
 def _busiest(server: ServeProcess, engines: Collection[int] | None = None) -> dict:
     """The /health entry of the engine core running the most requests now (of `engines`;
-    ties: the highest index): the victim that surely holds streams."""
-    _, body = server.health()
-    candidates = [e for e in body["engines"] if engines is None or e["engine"] in engines]
-    return max(candidates, key=lambda e: (e["num_running"], e["engine"]))
+    ties: the highest index), once one runs any (10 s at most; with P/D the streams reach
+    the decode engines after their prefill): the victim that surely holds streams."""
+    found: dict = {}
+
+    def running() -> bool:
+        _, body = server.health()
+        candidates = [e for e in body["engines"] if engines is None or e["engine"] in engines]
+        found.update(max(candidates, key=lambda e: (e["num_running"], e["engine"])))
+        return found["num_running"] > 0
+
+    assert wait_until(running, timeout_s=10, interval_s=0.01), found
+    return found
 
 
 def _moved_kinds(server: ServeProcess, streams: list[Stream]) -> set[str]:
@@ -265,7 +273,7 @@ JSON_AND_CHAT_FLAGS = (
 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dp_server(tiny_llama_dir, tmp_path_factory):
     server = start_dp_front_end(
         tiny_llama_dir,
@@ -301,7 +309,7 @@ def test_a_killed_engine_streams_resume_on_the_other(dp_server):
     assert status == 200 and body["engines"][victim]["state"] == "dead", body
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def restarting_server(tiny_llama_dir, tmp_path_factory):
     """One engine core, restarted when it dies."""
     server = start_tiny_server(
@@ -332,7 +340,7 @@ def test_one_engine_streams_wait_for_its_restart(restarting_server):
 POISON_TOKEN_ID = 255  # the byte 0xff: no ASCII prompt holds it
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def poisoned_server(tiny_llama_dir, tmp_path_factory):
     """Two engine cores, restarted when they die, which die on a prompt holding
     POISON_TOKEN_ID (the test hook KVSERVE_FAULT_POISON_TOKEN_ID); a request moves once at
@@ -418,7 +426,7 @@ def test_a_poison_request_is_quarantined_and_the_others_finish(poisoned_server):
     assert server.complete("still serving") != ""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tp_server(default_model_dir, tmp_path_factory):
     """Two engine cores of two tensor-parallel workers each."""
     from tests.support.models import save_tiny_parallel_llama
@@ -452,7 +460,7 @@ def test_a_killed_worker_streams_resume_on_the_other_engine(tp_server):
     _assert_engine_idle(tp_server, 1 - victim["engine"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pd_server(tiny_llama_dir, tmp_path_factory):
     """P/D: one prefill engine core and two decode engine cores, a KV store between them."""
     server = start_tiny_server(
@@ -495,7 +503,7 @@ def test_pd_a_killed_decode_engine_streams_resume_through_the_store(pd_server):
     _assert_engine_idle(pd_server, survivor)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def shared_store_server(tiny_llama_dir, tmp_path_factory):
     """Two engine cores that both save to and load from one KV store (kv_both)."""
     from tests.support.kv_store import StoreProcess
