@@ -15,6 +15,12 @@ keys p - W < t <= p (Mistral, Gemma); a logits soft cap c squashes every score s
 c * tanh(s / c) before the softmax (Gemma 2). The cache keeps every block: keys older than the
 window are masked, not freed.
 
+A third, chunked local attention (Llama 4's `attention_chunk_size` C), splits positions into
+chunks [0, C), [C, 2C), ... and lets query position p see only the keys of its own chunk:
+p // C * C <= t <= p. It is a window whose start depends on the query, and every path
+computes it as one: the first key a query reads is the later of the window's start and its
+chunk's start.
+
 The Triton path may be captured in a CUDA graph (services/worker/cuda_graphs.py): it reads
 the request bounds on the device and takes from the host only shapes and max_query_len (which
 picks the tile), so a decode step of fixed size launches the same grid every time. The torch
@@ -73,6 +79,7 @@ if HAS_TRITON:
         scale,
         sliding_window,
         soft_cap,
+        chunk_size,
         num_reqs,
         query_token_stride,
         query_head_stride,
@@ -92,6 +99,7 @@ if HAS_TRITON:
         DOT_PRECISION: tl.constexpr,
         USE_WINDOW: tl.constexpr,
         USE_SOFT_CAP: tl.constexpr,
+        USE_CHUNK: tl.constexpr,
     ):
         # Grid: (q block, KV head). A program's BLOCK_M rows are (query token, query head of
         # this KV head) pairs, row m = token m // G, head m % G, so every K/V tile it loads
@@ -134,6 +142,10 @@ if HAS_TRITON:
         if USE_WINDOW:
             # Keys before the window of this block's first query are invisible to all its rows.
             first_key = tl.maximum(context_len + q_block_in_req * BLOCK_Q - sliding_window + 1, 0)
+        if USE_CHUNK:
+            # Keys before the chunk of this block's first query are invisible to all its rows.
+            block_first_position = context_len + q_block_in_req * BLOCK_Q
+            first_key = tl.maximum(first_key, block_first_position // chunk_size * chunk_size)
         for tile_start in range(first_key, num_keys, TILE_N):
             keys = tile_start + tl.arange(0, TILE_N)
             key_mask = keys < num_keys
@@ -160,6 +172,9 @@ if HAS_TRITON:
             visible = (keys[None, :] <= query_positions[:, None]) & key_mask[None, :]
             if USE_WINDOW:
                 visible = visible & (keys[None, :] > query_positions[:, None] - sliding_window)
+            if USE_CHUNK:
+                chunk_starts = query_positions // chunk_size * chunk_size
+                visible = visible & (keys[None, :] >= chunk_starts[:, None])
             scores = tl.where(visible, scores, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
             # Rows with nothing visible yet (padding rows) keep a finite shift: no inf - inf.
@@ -222,6 +237,7 @@ def paged_attention(
     max_seq_len: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; contract in kernels.dispatch.paged_attention.
 
@@ -231,7 +247,8 @@ def paged_attention(
         block_table: [R, max_blocks] int32, rows contiguous.
         query_start_loc: [R + 1] int32; seq_lens: [R] int32.
         scale: softmax scale; max_query_len, max_seq_len: host-side maxima.
-        sliding_window, logits_soft_cap: the options of the module docstring (None: off).
+        sliding_window, logits_soft_cap, attention_chunk_size: the options of the module
+            docstring (None: off).
     Returns:
         [T, Hq, D] contiguous, query's dtype.
     """
@@ -265,6 +282,7 @@ def paged_attention(
         scale,
         sliding_window or 0,
         logits_soft_cap or 0.0,
+        attention_chunk_size or 1,
         num_reqs,
         query.stride(0),
         query.stride(1),
@@ -285,6 +303,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=bool(sliding_window),
         USE_SOFT_CAP=bool(logits_soft_cap),
+        USE_CHUNK=bool(attention_chunk_size),
     )
     return out
 
@@ -355,6 +374,7 @@ def _decode_attention_ref(
     num_blocks: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     # query: [R, Hq, D], one token per request, the last of its context. Gather the first
     # num_blocks blocks of every request into a padded [R, Hkv, S_pad, D] view and run one
@@ -369,6 +389,8 @@ def _decode_attention_ref(
     visible = key_positions < seq_lens.unsqueeze(1)  # [R, S_pad]
     if sliding_window:
         visible &= key_positions >= (seq_lens - sliding_window).unsqueeze(1)
+    if chunk_size:  # the query (position seq_len - 1) sees its own chunk only
+        visible &= key_positions >= ((seq_lens - 1) // chunk_size * chunk_size).unsqueeze(1)
     # Slots past a request's end hold stale or never-written data (NaN in an uninitialized
     # cache), and a masked NaN still poisons SDPA (0 * NaN): zero those rows after the gather.
     hidden_slots = (~visible).view(-1).nonzero().squeeze(1)
@@ -396,6 +418,7 @@ def _prefill_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     # query: [L, Hq, D], the last L tokens of a seq_len context; block_ids: its table row.
     query_len, num_heads = query.shape[:2]
@@ -403,6 +426,8 @@ def _prefill_attention_ref(
     context_len = seq_len - query_len
     # With a window, keys before the first query's window are read by no query.
     first_key = max(context_len - sliding_window + 1, 0) if sliding_window else 0
+    if chunk_size:  # and keys before the first query's chunk
+        first_key = max(first_key, context_len // chunk_size * chunk_size)
     first_block = first_key // block_size
     used_block_ids = block_ids[first_block : -(-seq_len // block_size)]
     num_keys = seq_len - first_block * block_size
@@ -411,13 +436,15 @@ def _prefill_attention_ref(
         for cache in (key_cache, value_cache)
     )
     mask = None
-    if query_len < num_keys or sliding_window:
+    if query_len < num_keys or sliding_window or chunk_size:
         # A chunk starting mid-sequence: SDPA's is_causal aligns top-left, we need bottom-right.
         positions = torch.arange(context_len, seq_len, device=query.device).unsqueeze(1)
         key_positions = torch.arange(first_block * block_size, seq_len, device=query.device)
         mask = key_positions <= positions
         if sliding_window:
             mask &= key_positions > positions - sliding_window
+        if chunk_size:
+            mask &= key_positions >= positions // chunk_size * chunk_size
     out = _attention(
         query.transpose(0, 1),
         keys,
@@ -442,6 +469,7 @@ def paged_attention_ref(
     max_seq_len: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Torch paged attention (the CPU hot path); same contract as `paged_attention`.
 
@@ -473,6 +501,7 @@ def paged_attention_ref(
                 scale,
                 sliding_window,
                 logits_soft_cap,
+                attention_chunk_size,
             )
     max_group_tokens = _DECODE_GROUP_BYTES // (
         2 * num_kv_heads * head_size * key_cache.element_size()
@@ -491,6 +520,7 @@ def paged_attention_ref(
                 num_blocks,
                 sliding_window,
                 logits_soft_cap,
+                attention_chunk_size,
             )
         req_indices = torch.tensor(group, device=query.device)
         token_indices = torch.tensor([query_starts[req] for req in group], device=query.device)
@@ -504,6 +534,7 @@ def paged_attention_ref(
             num_blocks,
             sliding_window,
             logits_soft_cap,
+            attention_chunk_size,
         )
         out.index_copy_(0, token_indices, group_out)
     return out
@@ -730,6 +761,7 @@ def _prefill_as_decodes(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    chunk_size: int | None = None,
 ) -> None:
     """out[start:end] for one prefill chunk through the decode kernel: token i of the chunk is
     one query over keys [0, context_len + i], every token sharing the chunk's block-table row
@@ -739,7 +771,17 @@ def _prefill_as_decodes(
     lens = torch.arange(seq_len - query_len + 1, seq_len + 1, dtype=torch.int32)
     rows = torch.arange(start, end, dtype=torch.int64)
     cpu.decode_attention(
-        out, query, key_cache, value_cache, table, lens, rows, scale, sliding_window, soft_cap
+        out,
+        query,
+        key_cache,
+        value_cache,
+        table,
+        lens,
+        rows,
+        scale,
+        sliding_window,
+        soft_cap,
+        chunk_size,
     )
 
 
@@ -755,6 +797,7 @@ def paged_attention_cpu(
     max_seq_len: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather);
     prefill chunks in the same kernel, a query per token, where that is faster
@@ -773,9 +816,9 @@ def paged_attention_cpu(
     else:
         bounds = torch.cat((query_start_loc, seq_lens)).tolist()
         starts, lens = bounds[: num_reqs + 1], bounds[num_reqs + 1 :]
-        # A window or a soft cap sends every chunk to the decode kernel: the other choice is
-        # the reference's masked math path.
-        windowed = bool(sliding_window or logits_soft_cap)
+        # A window, a soft cap or chunked local attention sends every chunk to the decode
+        # kernel: the other choice is the reference's masked math path.
+        windowed = bool(sliding_window or logits_soft_cap or attention_chunk_size)
         # Not true of the memory-profile pass's K/V views.
         in_place = cpu.kv_readable_in_place(key_cache, value_cache)
         max_decode_chunk = decode_kernel_max_query_len(
@@ -802,6 +845,7 @@ def paged_attention_cpu(
                     scale,
                     sliding_window,
                     logits_soft_cap,
+                    attention_chunk_size,
                 )
             elif windowed:
                 out[start:end] = _prefill_attention_ref(
@@ -813,6 +857,7 @@ def paged_attention_cpu(
                     scale,
                     sliding_window=sliding_window,
                     soft_cap=logits_soft_cap,
+                    chunk_size=attention_chunk_size,
                 )
             else:
                 flash_reqs.append(req)
@@ -853,5 +898,6 @@ def paged_attention_cpu(
         scale,
         sliding_window,
         logits_soft_cap,
+        attention_chunk_size,
     )
     return out

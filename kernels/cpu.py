@@ -271,6 +271,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    attention_chunk_size: int | None = None,
 ) -> None:
     """Attention of one query token per request, written into out[token_rows].
 
@@ -283,6 +284,8 @@ def decode_attention(
         token_rows: [R] int64, the query row of each request.
         sliding_window: attend to only the last this many keys; None for all.
         soft_cap: scores become soft_cap * tanh(score / soft_cap); None for none.
+        attention_chunk_size: attend to only the keys of the query's own chunk of this
+            many positions (Llama 4's chunked local attention); None for all.
     """
     lib = _load()
     assert lib is not None
@@ -293,7 +296,11 @@ def decode_attention(
     token_rows = token_rows.to(torch.int64).contiguous()
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    fn = lib.decode_attention_f32 if query.dtype == torch.float32 else lib.decode_attention_bf16
+    fn = (
+        lib.decode_attention_f32_chunked
+        if query.dtype == torch.float32
+        else lib.decode_attention_bf16_chunked
+    )
     i64 = ctypes.c_int64
     fn(
         ctypes.c_void_p(out.data_ptr()),
@@ -316,6 +323,7 @@ def decode_attention(
         ctypes.c_float(scale),
         ctypes.c_int(sliding_window or 0),
         ctypes.c_float(soft_cap or 0.0),
+        ctypes.c_int(attention_chunk_size or 0),
     )
 
 

@@ -12,7 +12,9 @@
 // Options (0 = off): a sliding window keeps only the last `sliding_window` keys (t >=
 // seq_len - sliding_window; the blocks wholly before it are skipped, the keys before it in its
 // first block get weight 0), and a soft cap squashes each score to cap * tanh(score / cap)
-// before the softmax (Gemma 2).
+// before the softmax (Gemma 2). Chunked local attention (Llama 4, the `_chunked` entry points)
+// keeps only the keys of the query's own chunk of `chunk_size` positions: t >= (seq_len - 1)
+// rounded down to a multiple of chunk_size, a window start like the sliding one's.
 //
 // Loops run KV head by KV head: each K/V row is read once for the `group` query heads that
 // share it (float32 rows in place, bfloat16 rows widened once into a small buffer). The head
@@ -214,12 +216,12 @@ DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, load_bf16, store_bf16, widen_bf16,
 
 // The entry point: requests in parallel; head sizes 64 and 128 get specialized bodies.
 #define DEFINE_DECODE_ATTENTION(NAME, T, ATTEND_ONE)                                          \
-void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,              \
+void NAME##_chunked(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,    \
           const T *key_cache, const T *value_cache, int64_t block_stride,                    \
           int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
           const int32_t *seq_lens, const int64_t *token_rows, int num_reqs, int num_heads,   \
           int num_kv_heads, int head_size, int block_size, float scale, int sliding_window,  \
-          float soft_cap) {                                                                  \
+          float soft_cap, int chunk_size) {                                                  \
     const int group = num_heads / num_kv_heads;                                              \
     _Pragma("omp parallel")                                                                  \
     {                                                                                        \
@@ -230,8 +232,13 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
         _Pragma("omp for schedule(dynamic, 4)")                                              \
         for (int r = 0; r < num_reqs; r++) {                                                 \
             /* A window that starts mid-block: attend from that block on, mask its head. */  \
-            const int window_start = sliding_window > 0 && seq_lens[r] > sliding_window      \
-                                     ? seq_lens[r] - sliding_window : 0;                     \
+            int window_start = sliding_window > 0 && seq_lens[r] > sliding_window            \
+                               ? seq_lens[r] - sliding_window : 0;                           \
+            /* Chunked local attention: the query's own chunk starts the same way. */         \
+            if (chunk_size > 0 && seq_lens[r] > 0) {                                         \
+                const int chunk_start = (seq_lens[r] - 1) / chunk_size * chunk_size;          \
+                if (chunk_start > window_start) window_start = chunk_start;                  \
+            }                                                                                \
             const int first_block = window_start / block_size;                               \
             const int num_masked = window_start - first_block * block_size;                  \
             const int seq_len = seq_lens[r] - first_block * block_size;                      \
@@ -261,6 +268,17 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
         free(q);                                                                             \
         free(acc);                                                                           \
     }                                                                                        \
+}                                                                                            \
+void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,              \
+          const T *key_cache, const T *value_cache, int64_t block_stride,                    \
+          int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
+          const int32_t *seq_lens, const int64_t *token_rows, int num_reqs, int num_heads,   \
+          int num_kv_heads, int head_size, int block_size, float scale, int sliding_window,  \
+          float soft_cap) {                                                                  \
+    NAME##_chunked(out, query, q_token_stride, q_head_stride, key_cache, value_cache,        \
+                   block_stride, slot_stride, block_table, table_stride, seq_lens,           \
+                   token_rows, num_reqs, num_heads, num_kv_heads, head_size, block_size,     \
+                   scale, sliding_window, soft_cap, 0);                                      \
 }
 
 DEFINE_DECODE_ATTENTION(decode_attention_f32, float, attend_one_f32)

@@ -33,6 +33,8 @@ def verify_parallel_sizes(
         raise ValueError(
             f"tensor_parallel_size ({tp}) and pipeline_parallel_size ({pp}) must be at least 1"
         )
+    if hasattr(hf_config, "get_text_config"):  # a multimodal config: its language model's
+        hf_config = hf_config.get_text_config()
     num_heads = hf_config.num_attention_heads
     sizes = {
         "num_attention_heads": num_heads,
@@ -42,6 +44,8 @@ def verify_parallel_sizes(
     }
     if getattr(hf_config, "moe_intermediate_size", None):  # Qwen3-MoE's experts
         sizes["moe_intermediate_size"] = hf_config.moe_intermediate_size
+    if getattr(hf_config, "intermediate_size_mlp", None):  # Llama 4's dense layers
+        sizes["intermediate_size_mlp"] = hf_config.intermediate_size_mlp
     bad = [f"{name}={size}" for name, size in sizes.items() if size % tp]
     if bad:
         fitting = [

@@ -2,8 +2,9 @@
 tests/support/models.py), to compare our forward against and to save as checkpoints.
 
 Every config is small (hidden 64, 2-3 layers, vocab 128) and sets what makes its family
-differ at a size the tests reach: sliding windows of 5-7 tokens (prompts are longer), soft
-caps small enough to bend the scores, a longrope switch at position 32.
+differ at a size the tests reach: sliding windows of 5-7 tokens and Llama 4's attention chunks
+of 6 (prompts are longer), soft caps small enough to bend the scores, a longrope switch at
+position 32.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from tests.support.models import TINY_HF_DIMS, random_hf_model
 
 VOCAB_SIZE = 128
 SLIDING_WINDOW = 6
+LLAMA4_CHUNK_SIZE = 6
 _COMMON = dict(TINY_HF_DIMS, vocab_size=VOCAB_SIZE, tie_word_embeddings=False)
 _GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 
@@ -97,6 +99,35 @@ def _kinds() -> dict:
                 mlp_only_layers=[1],
             ),
         ),
+        # Layer 0: RoPE, chunked local attention, q/k L2 norm, dense MLP; layer 1: NoPE,
+        # full attention with the query temperature (floor_scale small enough to change it
+        # within the prompts), MoE with a shared expert.
+        "llama4": (
+            tf.Llama4TextConfig,
+            tf.Llama4ForCausalLM,
+            dict(
+                head_dim=16,
+                intermediate_size=48,
+                intermediate_size_mlp=96,
+                num_local_experts=4,
+                num_experts_per_tok=1,
+                interleave_moe_layer_step=2,
+                no_rope_layers=[1, 0],
+                attention_chunk_size=LLAMA4_CHUNK_SIZE,
+                use_qk_norm=True,
+                attn_temperature_tuning=True,
+                floor_scale=4,
+                attn_scale=0.5,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 10000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            ),
+        ),
     }
 
 
@@ -109,6 +140,7 @@ KINDS = (
     "phi3_longrope",
     "mixtral",
     "qwen3_moe",
+    "llama4",
 )
 
 

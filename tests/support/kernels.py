@@ -121,11 +121,13 @@ def dense_causal_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Float64 attention from the dense per-request K/V, written from the definition.
 
     With sliding_window the query at position p sees keys p - sliding_window + 1 .. p; with
-    soft_cap each score s becomes soft_cap * tanh(s / soft_cap)."""
+    soft_cap each score s becomes soft_cap * tanh(s / soft_cap); with chunk_size only the keys
+    t of its own chunk, t // chunk_size == p // chunk_size."""
     num_heads = batch.query.shape[1]
     out = torch.empty(batch.query.shape, dtype=torch.float64)
     start = 0
@@ -136,6 +138,8 @@ def dense_causal_attention(
             position = seq_len - query_len + i
             for head in range(num_heads):
                 first = max(position + 1 - sliding_window, 0) if sliding_window else 0
+                if chunk_size:
+                    first = max(first, position // chunk_size * chunk_size)
                 q = batch.query[start + i, head].double()
                 k = keys[first : position + 1, head // group].double()
                 v = values[first : position + 1, head // group].double()

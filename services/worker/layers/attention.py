@@ -57,6 +57,8 @@ class Attention(nn.Module):
         num_kv_heads: key/value heads on this rank (num_heads must be a multiple).
         sliding_window: attend to only the last this many positions (None: all).
         logits_soft_cap: scores become cap * tanh(score / cap) before the softmax (None: off).
+        attention_chunk_size: a token attends only to the tokens of its own chunk of this many
+            positions (Llama 4's chunked local attention; None: off).
 
     `kv_cache` is [2, num_blocks, block_size, num_kv_heads, D] (keys, then values), bound by
     the model runner after it sizes the cache; None before that.
@@ -70,6 +72,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        attention_chunk_size: int | None = None,
     ):
         super().__init__()
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -79,6 +82,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.attention_chunk_size = attention_chunk_size
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
@@ -141,6 +145,7 @@ class Attention(nn.Module):
                 attn_metadata.max_seq_len,
                 self.sliding_window,
                 self.logits_soft_cap,
+                self.attention_chunk_size,
             )
         return out.view(num_tokens, self.num_heads * self.head_size)
 
@@ -171,6 +176,7 @@ class Attention(nn.Module):
             attn_metadata.max_query_len,
             self.sliding_window,
             self.logits_soft_cap,
+            self.attention_chunk_size,
         )
 
 

@@ -49,8 +49,11 @@ def fused_experts(
     w2: torch.Tensor,
     weights: torch.Tensor,
     expert_ids: torch.Tensor,
+    weights_on_input: bool = False,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), the experts SiLU-gated MLPs.
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), the experts SiLU-gated MLPs; with
+    weights_on_input, sum_k expert_{ids[t, k]}(weights[t, k] * x[t]) (Llama 4: the router's
+    score scales what the expert reads, in x's dtype).
 
     x: [T, H]; w13: [E, 2I, H] ([gate ; up] rows); w2: [E, H, I]; weights, expert_ids:
     [T, top_k]. Returns [T, H] in x's dtype. `_grouped_mm` needs rows of 16-byte multiples:
@@ -66,11 +69,15 @@ def fused_experts(
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
     group_ends = counts.cumsum(0).to(torch.int32)
     rows = x.index_select(0, order // top_k)  # [T*k, H], sorted by expert
+    if weights_on_input:
+        rows = rows * weights.reshape(-1).to(x.dtype).index_select(0, order).unsqueeze(-1)
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=group_ends)
     act = kernels.silu_and_mul(gate_up)
     sorted_out = torch._grouped_mm(act, w2.transpose(1, 2), offs=group_ends)  # [T*k, H]
     out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
     out = out.view(num_tokens, top_k, x.shape[1])
+    if weights_on_input:
+        return out.sum(dim=1)
     return (out * weights.to(out.dtype).unsqueeze(-1)).sum(dim=1)
 
 

@@ -25,7 +25,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),
 }
+
+# Multimodal architectures served text-only: the engine reads their text_config.
+_TEXT_ONLY_MULTIMODAL = frozenset({"Llama4ForConditionalGeneration"})
 
 # For configs that name no architecture (e.g. converted GGUFs): model_type -> architecture.
 _ARCH_OF_MODEL_TYPE: dict[str, str] = {
@@ -38,6 +43,8 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
 }
 
 
@@ -114,6 +121,8 @@ def load_model(
     if not architectures and fallback:
         architectures = [fallback]
     model_class = get_model_class(architectures)
+    if _TEXT_ONLY_MULTIMODAL.intersection(architectures):
+        hf_config = hf_config.get_text_config()
     from kvserve.services.worker import quantization as quant
 
     method, gguf_path = quant.resolve_quantization(quantization, model_arg, model_dir)

@@ -78,13 +78,16 @@ class LlamaAttention(nn.Module):
             config.hidden_size, head_dim, total_num_heads, total_num_kv_heads, bias=qkv_bias
         )
         self.o_proj = RowParallelLinear(total_num_heads * head_dim, config.hidden_size, bias=o_bias)
-        self.q_norm = self.k_norm = None
-        if arch.qk_norm:
-            self.q_norm = arch.norm_class(head_dim, config.rms_norm_eps)
-            self.k_norm = arch.norm_class(head_dim, config.rms_norm_eps)
-        self.rotary_emb = get_rope(
-            head_dim, config.max_position_embeddings, arch.rope_parameters(config, layer_idx)
+        self.q_norm = arch.make_qk_norm(config, layer_idx, head_dim)
+        self.k_norm = arch.make_qk_norm(config, layer_idx, head_dim)
+        rope_parameters = arch.rope_parameters(config, layer_idx)
+        # None on a layer without positions in its attention (Llama 4's NoPE layers).
+        self.rotary_emb = (
+            get_rope(head_dim, config.max_position_embeddings, rope_parameters)
+            if rope_parameters is not None
+            else None
         )
+        self.query_scale = arch.query_scale(config, layer_idx)
         self.attn = Attention(
             num_heads,
             head_dim,
@@ -92,6 +95,7 @@ class LlamaAttention(nn.Module):
             num_kv_heads,
             sliding_window=arch.sliding_window(config, layer_idx),
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
+            attention_chunk_size=arch.attention_chunk_size(config, layer_idx),
         )
 
     def forward(
@@ -108,6 +112,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # per head: [T * H, D] rows
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        if self.query_scale is not None:  # a factor per token, from its position
+            q = (q * self.query_scale(positions)[:, None]).to(q.dtype)
         # RoPE is the attention layer's first step: fused there with the KV-cache write.
         out = self.attn(q, k, v, attn_metadata, rotary=self.rotary_emb, positions=positions)
         return self.o_proj(out) if residual is None else self.o_proj(out, residual)
@@ -335,9 +341,29 @@ class LlamaForCausalLM(nn.Module):
         return int(window)
 
     @staticmethod
-    def rope_parameters(config: Any, layer_idx: int) -> dict:
-        """The layer's RoPE settings (see rope_parameters_from_config)."""
+    def rope_parameters(config: Any, layer_idx: int) -> dict | None:
+        """The layer's RoPE settings (see rope_parameters_from_config); None: the layer has
+        no RoPE (Llama 4's NoPE layers)."""
         return rope_parameters_from_config(config)
+
+    @staticmethod
+    def attention_chunk_size(config: Any, layer_idx: int) -> int | None:
+        """The layer's chunked local attention (a token sees only its own chunk of this
+        many positions: Llama 4), or None."""
+        return None
+
+    @classmethod
+    def make_qk_norm(cls, config: Any, layer_idx: int, head_dim: int) -> nn.Module | None:
+        """The per-head norm of q (and, a second one, of k) before RoPE, or None: a
+        `norm_class` where `qk_norm` (Qwen3, Gemma 3)."""
+        return cls.norm_class(head_dim, config.rms_norm_eps) if cls.qk_norm else None
+
+    @staticmethod
+    def query_scale(config: Any, layer_idx: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A function of the tokens' positions [T] giving a factor [T] (float32) each
+        token's query is multiplied by before attention (Llama 4's attention temperature on
+        NoPE layers), or None."""
+        return None
 
     @staticmethod
     def embedding_scale(config: Any) -> float | None:

@@ -82,6 +82,13 @@ def _stack_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> StackLayer:
     attn = layer.self_attn
     if attn.q_norm is not None:
         raise NotCovered("per-head q/k norms")
+    # Llama 4's switches (the C stack's attention has windows, not chunks).
+    if attn.attn.attention_chunk_size:
+        raise NotCovered("chunked local attention")
+    if attn.rotary_emb is None:
+        raise NotCovered("layers without RoPE (NoPE)")
+    if attn.query_scale is not None:
+        raise NotCovered("a per-position query scale")
     mlp = layer.mlp
     if not isinstance(mlp, LlamaMLP) or type(mlp) is not LlamaMLP:
         raise NotCovered(f"{type(mlp).__name__} feed-forward blocks")
