@@ -2,8 +2,9 @@
 cache with prefix caching, the model runner, TP = 2 worker processes; greedy tokens equal HF
 transformers' (full forward each step, float32).
 
-The prompts share a 40-token prefix, far longer than the 6-token sliding windows, so the
-second round is served from the prefix cache and its chunks start mid-sequence.
+The prompts share a 40-token prefix, far longer than the 6-token sliding windows and Llama 4's
+6-token attention chunks, so the second round is served from the prefix cache and its chunks
+start mid-sequence.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def _generate_twice(model_dir: str, tokenizer: str, tp: int) -> tuple[list, list
     )
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma3", "qwen3", "phi3", "mixtral"])
+@pytest.mark.parametrize(
+    "kind", ["mistral", "gemma2", "gemma3", "qwen3", "phi3", "mixtral", "llama4"]
+)
 def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
     first, second, cached = _generate_twice(model_dir, default_model_dir, tp=1)
@@ -64,7 +67,7 @@ def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, 
     assert all(n >= 16 for n in cached), cached  # the second round hit the prefix cache
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "llama4"])
 def test_llm_tensor_parallel_2_equals_hf(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
     first, second, _ = _generate_twice(model_dir, default_model_dir, tp=2)

@@ -83,6 +83,29 @@ def test_each_switch_changes_the_logits(llama4_checkpoint, switch):
     assert not torch.allclose(changed[first:], expected[first:], atol=1e-2)
 
 
+def test_chunks_beside_decodes_in_one_step_match_hf(llama4_checkpoint):
+    # A prefill chunk that starts mid attention-chunk (position 7) and crosses into the next
+    # (12) shares its steps with another request's decodes, as chunked prefill schedules them.
+    model_dir, hf_model = llama4_checkpoint
+    model, _ = _ours(model_dir)
+    a, b = random_tokens(15, VOCAB_SIZE, seed=11), random_tokens(12, VOCAB_SIZE, seed=12)
+    a_blocks, b_blocks = [9, 2, 14, 5], [7, 0, 11]
+    a_first, b_first = run_step(model, [(a[:7], 0, a_blocks), (b[:9], 0, b_blocks)])
+    b_second, a_chunk = run_step(model, [(b[9:10], 9, b_blocks), (a[7:13], 7, a_blocks)])
+    a_rest, b_rest = [], []
+    for offset in range(2):
+        a_logits, b_logits = run_step(
+            model, [(a[13 + offset : 14 + offset], 13 + offset, a_blocks),
+                    (b[10 + offset : 11 + offset], 10 + offset, b_blocks)]
+        )  # fmt: skip
+        a_rest.append(a_logits)
+        b_rest.append(b_logits)
+    got_a = torch.cat([a_first, a_chunk, *a_rest])
+    got_b = torch.cat([b_first, b_second, *b_rest])
+    torch.testing.assert_close(got_a, hf_logits(hf_model, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_b, hf_logits(hf_model, b), atol=ATOL, rtol=0)
+
+
 def test_tensor_parallel_2_matches_hf(llama4_checkpoint, tmp_path):
     # Heads, the dense MLP's and the shared expert's columns and each expert's intermediate
     # dim split over two gloo ranks.
