@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.services.worker.layers.rotary_embedding import get_rope
 from kvserve.services.worker.models import load_model
+from kvserve.services.worker.models.llama4 import Llama4ForCausalLM
 from kvserve.services.worker.parallel_check import verify_parallel_sizes
 from tests.support.hf_models import LLAMA4_CHUNK_SIZE, VOCAB_SIZE, make_tiny_family_model
 from tests.support.model_steps import (
@@ -168,3 +170,37 @@ def test_the_native_decode_stack_says_what_it_does_not_cover(llama4_checkpoint):
     nope_layer.rotary_emb = rope_layer.rotary_emb
     assert "per-position query scale" in bind_decode_stack(model, torch.float32, 8)
     assert model.model.decode_stack is None
+
+
+def test_scout_rope_scaling_matches_hf():
+    # Llama 4 Scout's llama3 scaling has low_freq_factor == high_freq_factor (no blend band:
+    # a 0 / 0 that must not leak NaN); head_dim 128, theta 5e5, original context 8192.
+    import transformers as tf
+    from transformers.models.llama4.modeling_llama4 import Llama4TextRotaryEmbedding
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = tf.Llama4TextConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        num_hidden_layers=4,
+        max_position_embeddings=16384,
+        rope_parameters=rope,
+    )
+    theirs = Llama4TextRotaryEmbedding(config).inv_freq
+    params = Llama4ForCausalLM.rope_parameters(config, 0)
+    assert params is not None and Llama4ForCausalLM.rope_parameters(config, 3) is None
+    ours = get_rope(128, 16384, params).cos_sin_cache
+    positions = torch.tensor([1.0, 1000.0, 9000.0, 16383.0])
+    angles = positions[:, None] * theirs[None, :]
+    torch.testing.assert_close(ours[positions.long(), :64], angles.cos(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours[positions.long(), 64:], angles.sin(), atol=1e-4, rtol=0)
+    assert not ours.isnan().any()
