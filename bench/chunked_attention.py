@@ -69,12 +69,10 @@ def main() -> None:
     for context in CONTEXTS:
         inputs = decode_inputs(args.requests, context, dtype)
         max_seq_len = int(inputs[-1].max())
-        scale = HEAD_SIZE**-0.5
 
         def step(chunk_size: int | None, inputs=inputs, max_seq_len=max_seq_len) -> None:
-            kernels.paged_attention(
-                *inputs, scale, 1, max_seq_len, None, None, chunk_size
-            )  # fmt: skip
+            scale = HEAD_SIZE**-0.5
+            kernels.paged_attention(*inputs, scale, 1, max_seq_len, None, None, chunk_size)
 
         full = time_ms(lambda: step(None), args.rounds)
         chunked = time_ms(lambda: step(CHUNK_SIZE), args.rounds)
