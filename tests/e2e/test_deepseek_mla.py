@@ -1,7 +1,8 @@
 """DeepSeek's latent KV cache through whole engines (`kvserve.LLM`, tiny random V2/V3 models,
 float32): prompts chunked beside other requests' decodes, and latent blocks that leave the
 engine (evicted into the offload tier's store, written as shared-storage files) and come back
-as external prefix hits; every output equals HF transformers' greedy tokens."""
+as external prefix hits; and over two pipeline stages. Every output equals HF transformers'
+greedy tokens."""
 
 from __future__ import annotations
 
@@ -98,3 +99,13 @@ def test_shared_storage_round_trips_latent_blocks(mla_dirs, default_model_dir, t
     finally:
         reader.engine_core.shutdown()
     assert reference == [hf_greedy(hf_model, prompt) for prompt in LONG_PROMPTS]
+
+
+def test_pipeline_parallel_2_equals_hf(mla_dirs, default_model_dir):
+    # V3's dense first layer on one stage, its MoE layers on the other.
+    model_dir, hf_model = mla_dirs("deepseek_v3")
+    llm = _llm(model_dir, default_model_dir, kv_cache_memory=32 << 20, pipeline_parallel_size=2)
+    try:
+        assert _generate(llm, PROMPTS) == [hf_greedy(hf_model, prompt) for prompt in PROMPTS]
+    finally:
+        llm.engine_core.shutdown()

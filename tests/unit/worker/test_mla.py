@@ -73,6 +73,16 @@ def test_a_prefix_read_back_from_the_latent_cache_gives_hf_logits(checkpoint):
     assert all(c[0, 9, :8].abs().sum() > 0 and not c[0, 9, 8:].any() for c in caches)
 
 
+def test_prompts_before_the_cache_is_bound_give_hf_logits(checkpoint):
+    # The memory-profile run: no cache yet, each prompt attends over its own latent rows.
+    model_dir, hf_model = checkpoint("deepseek_v2")
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    first, second = random_tokens(11, VOCAB_SIZE, seed=9), random_tokens(6, VOCAB_SIZE, seed=10)
+    got = run_step(model, [(first, 0, [1, 2, 3]), (second, 0, [4, 5])])
+    torch.testing.assert_close(got[0], hf_logits(hf_model, first), atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[1], hf_logits(hf_model, second), atol=1e-4, rtol=0)
+
+
 def test_the_kv_store_moves_latent_blocks(checkpoint):
     model_dir, _ = checkpoint("deepseek_v2")
     model, _, layers, caches = _bound(model_dir)
