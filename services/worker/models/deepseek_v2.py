@@ -182,7 +182,12 @@ class DeepseekV2Attention(nn.Module):
         if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
             scale *= yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
         self.attn = MLAAttention(
-            self.num_heads, config.kv_lora_rank, config.qk_rope_head_dim, scale
+            self.num_heads,
+            config.kv_lora_rank,
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+            scale,
         )
 
     def forward(
@@ -207,13 +212,14 @@ class DeepseekV2Attention(nn.Module):
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank)
         w_uk, w_uv = w_kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-        q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # q_nope absorbed into W_UK
-        out = self.attn.forward_latent(q_latent, q_pe, latent, k_pe, w_uv, attn_metadata)
+        out = self.attn.forward_mla(q_nope, q_pe, latent, k_pe, w_uk, w_uv, attn_metadata)
         return self.o_proj(out) if residual is None else self.o_proj(out, residual)
 
     def adds_residual(self, hidden_states: torch.Tensor) -> bool:
-        """Whether forward(..., residual) adds the residual inside the output GEMM."""
-        return self.o_proj.adds_residual(hidden_states)
+        """Whether forward(..., residual) adds the residual inside the output GEMM (not
+        under LoRA, whose wrapper adds its delta to the projection's output)."""
+        o_proj = self.o_proj
+        return isinstance(o_proj, RowParallelLinear) and o_proj.adds_residual(hidden_states)
 
 
 class DeepseekV2Router(nn.Module):

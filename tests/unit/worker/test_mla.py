@@ -24,7 +24,7 @@ from kvserve.services.worker.models import load_model
 from kvserve.services.worker.models.native_decode import bind_decode_stack
 from kvserve.shared.messages import KvFingerprint
 from tests.support.hf_models import VOCAB_SIZE, make_tiny_family_model
-from tests.support.model_steps import hf_logits, random_tokens, run_step
+from tests.support.model_steps import build_step, hf_logits, random_tokens, run_step
 from tests.support.models import saved_checkpoints
 
 NUM_BLOCKS, BLOCK_SIZE = 16, 16
@@ -73,10 +73,56 @@ def test_a_prefix_read_back_from_the_latent_cache_gives_hf_logits(checkpoint):
     assert all(c[0, 9, :8].abs().sum() > 0 and not c[0, 9, 8:].any() for c in caches)
 
 
-def test_prompts_before_the_cache_is_bound_give_hf_logits(checkpoint):
+@pytest.mark.parametrize("path", ["expanded", "absorbed"])
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_both_attention_paths_give_hf_logits(checkpoint, kind, path):
+    # The same steps with every prefill step forced down one path: two fresh prompts side by
+    # side, then one continuing over 2 cached rows (the expanded path gathers them), then a
+    # decode (always absorbed).
+    model_dir, hf_model = checkpoint(kind)
+    model, _, layers, _ = _bound(model_dir)
+    for layer in layers:
+        layer.expand_min_tokens_per_request = 0 if path == "expanded" else float("inf")
+    first, other = random_tokens(33, VOCAB_SIZE, seed=11), random_tokens(12, VOCAB_SIZE, seed=12)
+    steps = [
+        [(first[:2], 0, [6, 1, 9]), (other, 0, [3])],
+        [(first[2:32], 2, [6, 1, 9])],
+        [(first[32:], 32, [6, 1, 9, 4])],
+    ]
+    logits = []
+    for requests in steps:
+        _, _, metadata = build_step(requests, BLOCK_SIZE)
+        num_tokens = sum(len(tokens) for tokens, _, _ in requests)
+        taken = "expanded" if layers[0].expands(metadata, num_tokens) else "absorbed"
+        assert taken == (path if metadata.max_query_len > 1 else "absorbed")
+        logits.append(run_step(model, requests, BLOCK_SIZE))
+    got = torch.cat([logits[0][0], logits[1][0], logits[2][0]])
+    torch.testing.assert_close(got, hf_logits(hf_model, first), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[0][1], hf_logits(hf_model, other), atol=1e-4, rtol=0)
+
+
+def test_long_fresh_prompts_expand_and_long_contexts_do_not(checkpoint):
+    # The tiny layout's break-even: 32 new tokens a request (L (Dn + Dv) / (2 (L - Dn))).
+    model_dir, _ = checkpoint("deepseek_v2")
+    _, _, (layer, *_), _ = _bound(model_dir)
+    assert layer.expand_min_tokens_per_request == 32
+    fresh = build_step([(random_tokens(40, VOCAB_SIZE, 1), 0, [1, 2, 3])], BLOCK_SIZE)[2]
+    assert layer.expands(fresh, 40)
+    short = build_step([(random_tokens(20, VOCAB_SIZE, 1), 0, [1, 2])], BLOCK_SIZE)[2]
+    assert not layer.expands(short, 20)
+    # 40 new tokens behind 32 cached: expanding would recompute the cached rows' K and V.
+    behind = build_step([(random_tokens(40, VOCAB_SIZE, 1), 32, [1, 2, 3, 4, 5])], BLOCK_SIZE)
+    assert not layer.expands(behind[2], 40)
+
+
+@pytest.mark.parametrize("path", ["expanded", "absorbed"])
+def test_prompts_before_the_cache_is_bound_give_hf_logits(checkpoint, path):
     # The memory-profile run: no cache yet, each prompt attends over its own latent rows.
     model_dir, hf_model = checkpoint("deepseek_v2")
     model, _ = load_model(model_dir, torch.float32, "cpu")
+    for layer in model.modules():
+        if isinstance(layer, MLAAttention):
+            layer.expand_min_tokens_per_request = 0 if path == "expanded" else float("inf")
     first, second = random_tokens(11, VOCAB_SIZE, seed=9), random_tokens(6, VOCAB_SIZE, seed=10)
     got = run_step(model, [(first, 0, [1, 2, 3]), (second, 0, [4, 5])])
     torch.testing.assert_close(got[0], hf_logits(hf_model, first), atol=1e-4, rtol=0)
