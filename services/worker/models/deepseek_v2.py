@@ -9,7 +9,8 @@ Attention (per layer, H heads; names as in the checkpoint):
     kv_b_proj: c -> per head [k_nope (Dn) ; v (Dv)]
 
 The paged cache keeps only [c ; rotated k_pe] per token; attention runs over it with q_nope
-absorbed into kv_b_proj's key rows and the output taken through its value rows
+absorbed into kv_b_proj's key rows and the output taken through its value rows, or, for a
+step of long fresh prompts, over the latent expanded to per-head K and V
 (layers/mla_attention.py). RoPE covers only the R rope features, on DeepSeek's interleaved
 pairs (V3's `rope_interleave`), YaRN-scaled where the config says (its mscale_all_dim folded
 into the softmax scale, as HF does).
