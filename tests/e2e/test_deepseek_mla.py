@@ -11,6 +11,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from tests.support.hf_models import NUM_TOKENS, PROMPTS, hf_greedy, make_tiny_family_model
 from tests.support.kv import assert_no_leaked_blocks
+from tests.support.kv_store import StoreProcess
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 # Two 100-token prompts (7 blocks of 16 each): in a 10-block cache each evicts the other.
@@ -109,3 +110,51 @@ def test_pipeline_parallel_2_equals_hf(mla_dirs, default_model_dir):
         assert _generate(llm, PROMPTS) == [hf_greedy(hf_model, prompt) for prompt in PROMPTS]
     finally:
         llm.engine_core.shutdown()
+
+
+@pytest.mark.slow  # a store process and two engines
+def test_a_producers_latent_blocks_are_a_consumers_prefix(mla_dirs, default_model_dir):
+    # P/D's path: a producer engine saves the prompts' latent blocks to a `kvserve kv-store`
+    # process, a consumer engine loads them as external prefix hits and only decodes.
+    import time
+
+    from kvserve.services.kv_store.client import KvStoreClient
+    from kvserve.shared.messages import KvFingerprint
+
+    model_dir, hf_model = mla_dirs("deepseek_v2")
+    store = StoreProcess("--size", "64M")
+    probe = KvFingerprint(model="probe", dtype="float32", block_size=16, num_layers=1,
+                          num_kv_heads=1, head_size=8, num_planes=1)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with KvStoreClient(store.ipc, probe, timeout_s=0.5):
+                break
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+    def engine(role: str) -> LLM:
+        extra = {"store_address": store.ipc, "timeout_s": 1.0}
+        transfer = {"kv_connector": "KvStoreConnector", "kv_role": role,
+                    "kv_connector_extra_config": extra}  # fmt: skip
+        return _llm(
+            model_dir, default_model_dir, kv_cache_memory=32 << 20, kv_transfer_config=transfer
+        )
+
+    try:
+        producer = engine("kv_producer")
+        produced = _generate(producer, LONG_PROMPTS)
+        assert producer.stats_totals.kv_bytes_saved > 0
+        producer.engine_core.shutdown()
+        consumer = engine("kv_consumer")
+        try:
+            assert _generate(consumer, LONG_PROMPTS) == produced
+            assert consumer.stats_totals.external_prefix_cache_hits > 0
+            assert_no_leaked_blocks(consumer.engine_core.scheduler)
+        finally:
+            consumer.engine_core.shutdown()
+    finally:
+        store.stop()
+    assert produced == [hf_greedy(hf_model, prompt) for prompt in LONG_PROMPTS]
