@@ -116,7 +116,7 @@ def test_phi3_fused_checkpoint_tensors_load_as_is(family_checkpoint):
     assert torch.equal(mlp.gate_up_proj.weight, hf_model.model.layers[0].mlp.gate_up_proj.weight)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "deepseek_v2", "deepseek_v3"])
 def test_tensor_parallel_2_matches_hf(family_checkpoint, tmp_path, kind):
     # Heads, MLP columns and each expert's intermediate dim split over two gloo ranks (MLA:
     # the heads split, every rank caches the same latent).
