@@ -129,6 +129,18 @@ def test_prompts_before_the_cache_is_bound_give_hf_logits(checkpoint, path):
     torch.testing.assert_close(got[1], hf_logits(hf_model, second), atol=1e-4, rtol=0)
 
 
+def test_v3_rope_on_halves_gives_hf_logits(tmp_path):
+    # rope_interleave false: V3's RoPE on the two halves of the rope features, not on pairs.
+    hf_model = make_tiny_family_model("deepseek_v3", rope_interleave=False)
+    hf_model.save_pretrained(tmp_path)
+    model, _, _, _ = _bound(str(tmp_path))
+    tokens = random_tokens(14, VOCAB_SIZE, seed=13)
+    (prefill,) = run_step(model, [(tokens[:10], 0, [2, 7])], BLOCK_SIZE)
+    decodes = [run_step(model, [([tokens[p]], p, [2, 7])], BLOCK_SIZE)[0] for p in range(10, 14)]
+    got = torch.cat([prefill, *decodes])
+    torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
+
+
 def test_the_kv_store_moves_latent_blocks(checkpoint):
     model_dir, _ = checkpoint("deepseek_v2")
     model, _, layers, caches = _bound(model_dir)
