@@ -310,7 +310,9 @@ class KvFingerprint(msgspec.Struct, frozen=True, kw_only=True):
     """The layout of one TP rank's KV blocks: blocks are shared only under equal layouts.
 
     A store block (a slot) holds one block's K and V for every layer of one TP rank, laid out
-    [num_layers, 2, block_size * num_kv_heads * head_size] in `dtype`.
+    [num_layers, num_planes, block_size * num_kv_heads * head_size] in `dtype`: two planes (K
+    and V) for full attention, one for a latent cache (MLA: num_kv_heads 1, head_size the
+    latent plus the rope key).
     """
 
     model: str
@@ -320,25 +322,32 @@ class KvFingerprint(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_heads: int  # on this TP rank
     head_size: int
     tp_rank: int = 0
+    num_planes: int = 2
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPE_BYTES:
             raise ValueError(
                 f"KV store dtype {self.dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}"
             )
-        sizes = (self.block_size, self.num_layers, self.num_kv_heads, self.head_size)
+        sizes = (
+            self.block_size,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            self.num_planes,
+        )
         if min(sizes) < 1 or self.tp_rank < 0:
             raise ValueError(f"a KV layout needs positive sizes and tp_rank >= 0: {self}")
 
     @property
     def block_elements(self) -> int:
-        """Elements of one layer's K (or V) of one block."""
+        """Elements of one layer's K (or V, or latent) of one block."""
         return self.block_size * self.num_kv_heads * self.head_size
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one store slot: K and V of every layer."""
-        return 2 * self.num_layers * self.block_elements * KV_DTYPE_BYTES[self.dtype]
+        """Bytes of one store slot: every plane (K and V) of every layer."""
+        return self.num_planes * self.num_layers * self.block_elements * KV_DTYPE_BYTES[self.dtype]
 
     def key(self) -> bytes:
         """16 bytes naming this layout, the same in every process and on every machine."""

@@ -3,7 +3,8 @@
 The paged cache is one tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_size]
 (services/worker/model_runner.py); a store slot is [num_layers, 2, block_elements]
 (services/kv_store/arena.py). Seen as `slots_view` [num_slots, num_layers, 2, E], a run of
-consecutive slots is one strided tensor, so each layer of a run is a single op:
+consecutive slots is one strided tensor, so each layer of a run is a single op (a latent
+cache, MLA's, has one plane where K and V have two: `KvFingerprint.num_planes`):
 
     put:  index_select(cache[layer], dim=1, block_ids[run], out=slots_view[run, layer]^T)
     get:  cache[layer].index_copy_(dim=1, block_ids[run], slots_view[run, layer]^T)
@@ -27,9 +28,10 @@ _MAX_RUNS = 4
 
 
 def slots_view(buffer: object, fingerprint: KvFingerprint, dtype: torch.dtype) -> torch.Tensor:
-    """A host arena (or any buffer of whole slots) as [num_slots, num_layers, 2, E]."""
+    """A host arena (or any buffer of whole slots) as [num_slots, num_layers, planes, E]."""
     flat = torch.frombuffer(buffer, dtype=dtype)
-    return flat.view(-1, fingerprint.num_layers, 2, fingerprint.block_elements)
+    fp = fingerprint
+    return flat.view(-1, fp.num_layers, fp.num_planes, fp.block_elements)
 
 
 def check_kv_caches(kv_caches: Sequence[torch.Tensor], fingerprint: KvFingerprint) -> None:
@@ -39,17 +41,18 @@ def check_kv_caches(kv_caches: Sequence[torch.Tensor], fingerprint: KvFingerprin
         raise ValueError(f"{len(kv_caches)} KV-cache tensors for a {fp.num_layers}-layer layout")
     expected = (fp.block_size, fp.num_kv_heads, fp.head_size)
     for cache in kv_caches:
-        if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[2:]) != expected:
+        planes = fp.num_planes
+        if cache.dim() != 5 or cache.shape[0] != planes or tuple(cache.shape[2:]) != expected:
             raise ValueError(
                 f"a KV-cache tensor of shape {tuple(cache.shape)}; the store's layout needs "
-                f"[2, num_blocks, {fp.block_size}, {fp.num_kv_heads}, {fp.head_size}]"
+                f"[{planes}, num_blocks, {fp.block_size}, {fp.num_kv_heads}, {fp.head_size}]"
             )
         if str(cache.dtype).removeprefix("torch.") != fp.dtype or not cache.is_contiguous():
             raise ValueError(f"KV-cache tensors must be contiguous {fp.dtype}, not {cache.dtype}")
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
-    return cache.view(2, cache.shape[1], -1)  # [2, num_blocks, E]
+    return cache.view(cache.shape[0], cache.shape[1], -1)  # [planes, num_blocks, E]
 
 
 def _ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:

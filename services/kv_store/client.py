@@ -287,7 +287,10 @@ class KvStoreClient:
         if hello.cuda_arena is not None:
             slots = CudaArena.attach(hello.cuda_arena)
             self._view = slots.view(self.dtype).view(
-                -1, self.fingerprint.num_layers, 2, self.fingerprint.block_elements
+                -1,
+                self.fingerprint.num_layers,
+                self.fingerprint.num_planes,
+                self.fingerprint.block_elements,
             )
             return
         if hello.host_arena is None:
@@ -308,7 +311,7 @@ class KvStoreClient:
         fp = self.fingerprint
         if self._staging is None or self._staging.shape[0] < num_blocks:
             self._staging = torch.empty(
-                num_blocks, fp.num_layers, 2, fp.block_elements, dtype=self.dtype
+                num_blocks, fp.num_layers, fp.num_planes, fp.block_elements, dtype=self.dtype
             )
         return self._staging[:num_blocks]
 

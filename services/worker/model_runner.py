@@ -172,15 +172,16 @@ class ModelRunner:
 
     def kv_fingerprint(self) -> KvFingerprint:
         """This rank's block layout, as the KV connector's store keys it."""
-        layer = self.attention_layers[0]
+        spec = self.attention_layers[0].kv_cache_spec()
         return KvFingerprint(
             model=self.model_identity,  # not the served name: any node, any path
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=self.block_size,
             num_layers=len(self.attention_layers),
-            num_kv_heads=layer.num_kv_heads,
-            head_size=layer.head_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
             tp_rank=get_tp_rank(),
+            num_planes=spec.num_planes,
         )
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -189,7 +190,8 @@ class ModelRunner:
         return target + (self.proposer.kv_cache_bytes_per_block() if self.proposer else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate [2, num_blocks, block_size, Hkv, D] per layer and bind it to the layer."""
+        """Allocate each layer's cache (its KVCacheSpec: [2, num_blocks, block_size, Hkv, D]
+        for full attention) and bind it to the layer."""
         self.kv_caches = bind_kv_caches(
             self.attention_layers, num_blocks, self.block_size, self.dtype, self.device
         )

@@ -122,6 +122,16 @@ def test_paged_attention_triton_odd_head_size_and_long_chunk():
     assert_close(out, _run(attention.paged_attention_ref, batch, 0.2), torch.float32)
 
 
+@pytest.mark.usefixtures("triton_kernels")
+def test_paged_attention_triton_latent_layout():
+    # DeepSeek's MLA (layers/mla_attention.py): 16 query heads over one shared head of 576
+    # (latent 512 + rope key 64), the same cache passed as keys and values.
+    batch = _to_device(make_paged_batch(MIXED[:3], 16, 1, 576, BLOCK_SIZE, torch.float32))
+    batch = dataclasses.replace(batch, value_cache=batch.key_cache)
+    out = _run(attention.paged_attention, batch, 0.1)
+    assert_close(out, _run(attention.paged_attention_ref, batch, 0.1), torch.float32)
+
+
 @pytest.mark.parametrize("padding", [-1, 10**6])
 @pytest.mark.parametrize("layout", [DECODES, UNIFORM_DECODES], ids=["decodes", "uniform"])
 def test_paged_attention_ref_ignores_block_table_padding(padding, layout):

@@ -128,6 +128,70 @@ def _kinds() -> dict:
                 },
             ),
         ),
+        # V2-Lite's shape: no q compression, yarn with mscale_all_dim, softmax routing within
+        # groups, two shared experts.
+        "deepseek_v2": (
+            tf.DeepseekV2Config,
+            tf.DeepseekV2ForCausalLM,
+            dict(
+                _DEEPSEEK_MLA,
+                q_lora_rank=None,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=2,
+                topk_method="group_limited_greedy",
+                n_group=2,
+                topk_group=1,
+                routed_scaling_factor=1.5,
+                first_k_dense_replace=0,
+                rope_parameters=_deepseek_yarn(0.707),
+            ),
+        ),
+        # V3's shape: q through its own latent, a dense first layer, sigmoid routing with the
+        # correction bias (drawn in make_tiny_family_model) in 2 of 4 groups, renormalized.
+        "deepseek_v3": (
+            tf.DeepseekV3Config,
+            tf.DeepseekV3ForCausalLM,
+            dict(
+                _DEEPSEEK_MLA,
+                num_hidden_layers=3,
+                q_lora_rank=48,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                n_group=4,
+                topk_group=2,
+                norm_topk_prob=True,
+                routed_scaling_factor=2.5,
+                first_k_dense_replace=1,
+                rope_parameters=_deepseek_yarn(1.0),
+            ),
+        ),
+    }
+
+
+# Multi-head latent attention at a tiny size: every head's K and V come from a 32-feature
+# latent plus an 8-feature rope key; the value dim (16) differs from the q/k dim (24).
+_DEEPSEEK_MLA = dict(
+    num_key_value_heads=TINY_HF_DIMS["num_attention_heads"],  # MLA has no GQA
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+)
+
+
+def _deepseek_yarn(mscale: float) -> dict:
+    return {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+        "beta_fast": 32,
+        "beta_slow": 1,
     }
 
 
@@ -141,6 +205,8 @@ KINDS = (
     "mixtral",
     "qwen3_moe",
     "llama4",
+    "deepseek_v2",
+    "deepseek_v3",
 )
 
 
@@ -149,9 +215,15 @@ def make_tiny_family_model(kind: str, seed: int = 0, **config_overrides):
     enough for peaked logits (greedy ties cannot flip between our model and HF's)."""
     config_class, model_class, fields = _kinds()[kind]
     norm_mean = 0.0 if kind.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + weight
-    return random_hf_model(
+    model = random_hf_model(
         config_class, model_class, _COMMON | fields | config_overrides, seed, norm_mean
     )
+    if kind == "deepseek_v3":  # a buffer, not drawn above: a bias that moves the choice
+        generator = torch.Generator().manual_seed(seed)
+        for layer in model.model.layers[model.config.first_k_dense_replace :]:
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(torch.randn(bias.shape, generator=generator) * 0.3)
+    return model
 
 
 # Prompts for the family tests: a 40-token shared prefix, far longer than the sliding windows,

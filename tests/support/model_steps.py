@@ -19,9 +19,9 @@ def bind_kv_caches(
     model: torch.nn.Module, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE
 ) -> None:
     for module in model.modules():
-        if isinstance(module, Attention):
-            module.kv_cache = torch.zeros(
-                2, num_blocks, block_size, module.num_kv_heads, module.head_size
+        if isinstance(module, Attention):  # the layer's own layout (MLA: one latent plane)
+            module.kv_cache = module.kv_cache_spec().allocate(
+                num_blocks, block_size, torch.get_default_dtype(), "cpu"
             )
 
 

@@ -24,6 +24,30 @@ if TYPE_CHECKING:
     from kvserve.services.worker.layers.rotary_embedding import RotaryEmbedding
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """One layer's paged-cache layout: `num_planes` planes of [block_size, num_kv_heads,
+    head_size] per block. Full attention keeps K and V (2 planes of Hkv heads); multi-head
+    latent attention keeps one plane of one "head", the latent and the rope key
+    (layers/mla_attention.py). The cache tensor is [num_planes, num_blocks, block_size,
+    num_kv_heads, head_size]; the KV store moves blocks of any spec (KvFingerprint.num_planes).
+    """
+
+    num_planes: int
+    num_kv_heads: int
+    head_size: int
+
+    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return self.num_planes * block_size * self.num_kv_heads * self.head_size * element_size
+
+    def allocate(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor:
+        shape = (self.num_planes, num_blocks, block_size, self.num_kv_heads, self.head_size)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where this step's tokens sit in the paged KV cache.
@@ -84,6 +108,10 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         self.attention_chunk_size = attention_chunk_size
         self.kv_cache: torch.Tensor | None = None
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The layout of this layer's cache: K and V planes (subclasses may differ)."""
+        return KVCacheSpec(2, self.num_kv_heads, self.head_size)
 
     def forward(
         self,
@@ -181,11 +209,8 @@ class Attention(nn.Module):
 
 
 def kv_cache_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over `layers`: K and V of block_size tokens per layer."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return sum(
-        2 * block_size * layer.num_kv_heads * layer.head_size * element_size for layer in layers
-    )
+    """Bytes of one KV block over `layers`: block_size tokens of each layer's cache spec."""
+    return sum(layer.kv_cache_spec().block_bytes(block_size, dtype) for layer in layers)
 
 
 def bind_kv_caches(
@@ -195,13 +220,10 @@ def bind_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
-    """Allocate a [2, num_blocks, block_size, Hkv, D] paged cache per layer, bind each to its
-    layer (`layer.kv_cache`) and return them in order."""
+    """Allocate a paged cache per layer as its spec says ([2, num_blocks, block_size, Hkv, D]
+    for full attention), bind each to its layer (`layer.kv_cache`) and return them in order."""
     caches = []
     for layer in layers:
-        layer.kv_cache = torch.zeros(
-            2, num_blocks, block_size, layer.num_kv_heads, layer.head_size, dtype=dtype,
-            device=device,
-        )  # fmt: skip
+        layer.kv_cache = layer.kv_cache_spec().allocate(num_blocks, block_size, dtype, device)
         caches.append(layer.kv_cache)
     return caches

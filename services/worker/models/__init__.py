@@ -27,6 +27,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 # Multimodal architectures served text-only: the engine reads their text_config.
@@ -45,6 +47,8 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "mixtral": "MixtralForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "llama4": "Llama4ForConditionalGeneration",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

@@ -13,7 +13,7 @@ the last the final norm and LM head; checkpoint tensors of other stages are skip
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -158,7 +158,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int, arch: type[LlamaForCausalLM]):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, arch)
+        # A family's own attention (deepseek_v2.py's latent attention) has LlamaAttention's
+        # forward and adds_residual; native_decode.py checks the type before it reads more.
+        self.self_attn = cast(LlamaAttention, arch.make_attention(config, layer_idx))
         self.mlp = arch.make_mlp(config, layer_idx)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         # Any norm module with RMSNorm's calling convention (EAGLE's first layer has none).
@@ -374,6 +376,12 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
         """The layer's feed-forward block (mixtral.py returns a mixture of experts)."""
         return LlamaMLP(config)
+
+    @classmethod
+    def make_attention(cls, config: Any, layer_idx: int) -> nn.Module:
+        """The layer's attention block: LlamaAttention, or a module with its forward and
+        `adds_residual` (deepseek_v2.py returns multi-head latent attention)."""
+        return LlamaAttention(config, layer_idx, cls)
 
     # -- forward ----------------------------------------------------------------------------
 

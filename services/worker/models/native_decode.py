@@ -30,7 +30,12 @@ from kvserve.services.worker.layers.linear import (
     RowParallelLinear,
     UnquantizedLinearMethod,
 )
-from kvserve.services.worker.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from kvserve.services.worker.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaModel,
+)
 from kvserve.services.worker.parallel_state import get_tp_size
 
 
@@ -73,6 +78,8 @@ def _norm_weight(norm: nn.Module) -> torch.Tensor:
 def _decoder_layer(layer: nn.Module) -> LlamaDecoderLayer:
     if not isinstance(layer, LlamaDecoderLayer) or type(layer) is not LlamaDecoderLayer:
         raise NotCovered(f"{type(layer).__name__} layers")
+    if type(layer.self_attn) is not LlamaAttention:  # e.g. DeepSeek's latent attention
+        raise NotCovered(f"{type(layer.self_attn).__name__} attention")
     return layer
 
 

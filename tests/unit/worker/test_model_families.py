@@ -116,9 +116,10 @@ def test_phi3_fused_checkpoint_tensors_load_as_is(family_checkpoint):
     assert torch.equal(mlp.gate_up_proj.weight, hf_model.model.layers[0].mlp.gate_up_proj.weight)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "deepseek_v2", "deepseek_v3"])
 def test_tensor_parallel_2_matches_hf(family_checkpoint, tmp_path, kind):
-    # Heads, MLP columns and each expert's intermediate dim split over two gloo ranks.
+    # Heads, MLP columns and each expert's intermediate dim split over two gloo ranks (MLA:
+    # the heads split, every rank caches the same latent).
     model_dir, hf_model = family_checkpoint(kind)
     tokens_a, tokens_b = random_tokens(11, VOCAB_SIZE, seed=5), random_tokens(4, VOCAB_SIZE, 6)
     requests = [(tokens_a, 0, [0, 1, 2]), (tokens_b, 0, [3])]
