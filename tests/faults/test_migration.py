@@ -230,7 +230,7 @@ def _healthy(server: ServeProcess) -> Iterator[ServeProcess]:
 
 def _busiest(server: ServeProcess, engines: Collection[int] | None = None) -> dict:
     """The /health entry of the engine core running the most requests now (of `engines`;
-    ties: the highest index), once one runs any (10 s at most; with P/D the streams reach
+    ties: the highest index), once one runs any (60 s at most; with P/D the streams reach
     the decode engines after their prefill): the victim that surely holds streams."""
     found: dict = {}
 
@@ -240,7 +240,7 @@ def _busiest(server: ServeProcess, engines: Collection[int] | None = None) -> di
         found.update(max(candidates, key=lambda e: (e["num_running"], e["engine"])))
         return found["num_running"] > 0
 
-    assert wait_until(running, timeout_s=10, interval_s=0.01), found
+    assert wait_until(running, timeout_s=60, interval_s=0.01), found
     return found
 
 
