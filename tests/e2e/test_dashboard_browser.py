@@ -1,11 +1,14 @@
 """The status page in a real headless browser (Debian's chromium, driven by selenium) against
-a real `kvserve serve` of the tiny model with an API key: the browser logs in with the key,
-the page shows the engine, and its figures move after requests sent with the openai client;
-no console error, every request to the server's own origin, no horizontal overflow on a
-phone-sized screen."""
+a real `kvserve serve` of the tiny model with two DP engines and an API key: the browser logs
+in with the key, the page shows the engines, its figures move after requests sent with the
+openai client, and an engine shows suspect when frozen and dead when killed; no console
+error, every request to the server's own origin, no horizontal overflow on a phone-sized
+screen."""
 
 from __future__ import annotations
 
+import os
+import signal
 import urllib.parse
 
 import openai
@@ -18,7 +21,7 @@ from tests.support.browser import (
     headless_chromium,
     requested_urls,
 )
-from tests.support.server import DP_MODEL_NAME, start_tiny_server
+from tests.support.server import DP_MODEL_NAME, NUM_DP_ENGINES, start_dp_front_end
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +29,14 @@ ADMIN_KEY = "sk-dashboard-admin"
 NUM_REQUESTS = 3
 MAX_TOKENS = 4
 WAIT_S = 30
+# The elements whose right edge is past the screen's, but those in a scroll box (wide tables
+# scroll inside their card).
+OUTSIDE_THE_SCREEN = """
+return [...document.querySelectorAll("body *")]
+    .filter((e) => !(e.parentElement && e.parentElement.closest(".scroll")))
+    .filter((e) => e.getBoundingClientRect().right > window.innerWidth + 0.5)
+    .map((e) => e.tagName + "#" + e.id + "." + e.className);
+"""
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +44,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("dashboard")
     key_file = folder / "keys"
     key_file.write_text(f"admin:{ADMIN_KEY}\n")  # "admin": a --usage-admin-keys name
-    process = start_tiny_server(tiny_llama_dir, folder, "--api-key-file", str(key_file))
+    process = start_dp_front_end(tiny_llama_dir, folder, "--api-key-file", str(key_file))
     try:
         process.wait_healthy()
         yield process
@@ -71,12 +82,16 @@ def log_in(driver, url: str) -> None:
     wait_for(driver, lambda d: d.current_url.endswith("/dashboard"), "the page after login")
 
 
-def test_page_shows_the_engine_and_its_figures_move_with_traffic(server, browser):
+def engine_states(driver) -> list[tuple[str, str]]:
+    """(DP rank, state) of each row of the engines table."""
+    rows = driver.find_elements("css selector", "#engines tbody tr")
+    return [tuple(c.text for c in row.find_elements("tag name", "td")[:2]) for row in rows]
+
+
+def test_page_shows_the_engines_and_its_figures_move_with_traffic(server, browser):
     log_in(browser, server.url)
-    wait_for(browser, lambda d: d.find_elements("css selector", "#engines tbody tr"), "engines")
-    (row,) = browser.find_elements("css selector", "#engines tbody tr")
-    rank, state = (cell.text for cell in row.find_elements("tag name", "td")[:2])
-    assert (rank, state) == ("0", "serving")
+    wait_for(browser, lambda d: len(engine_states(d)) == NUM_DP_ENGINES, "the engines")
+    assert engine_states(browser) == [(str(i), "serving") for i in range(NUM_DP_ENGINES)]
     assert text_of(browser, "status") == "healthy"
     assert text_of(browser, "finished_requests_total") == "0"
     assert text_of(browser, "generation_tokens_total") == "0"
@@ -116,17 +131,35 @@ def test_page_shows_the_engine_and_its_figures_move_with_traffic(server, browser
     assert elsewhere == [], f"requests that left the server: {elsewhere}"
 
 
+def test_a_frozen_engine_shows_suspect_and_a_killed_one_dead(server, browser):
+    log_in(browser, server.url)
+    _, health = server.health()
+    victim = health["engines"][1]["pid"]
+    os.kill(victim, signal.SIGSTOP)  # silent past the heartbeat timeout (3 s here): suspect
+    try:
+        wait_for(browser, lambda d: ("1", "suspect") in engine_states(d), "engine 1 suspect")
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    wait_for(browser, lambda d: ("1", "dead") in engine_states(d), "engine 1 dead")
+    assert ("0", "serving") in engine_states(browser)
+    assert text_of(browser, "status") == "degraded"
+    assert console_errors(browser) == []
+
+
 def test_phone_sized_screen_has_no_horizontal_overflow(server, browser):
     emulate_phone(browser)
     try:
         log_in(browser, server.url)
-        wait_for(browser, lambda d: d.find_elements("css selector", "#engines tbody tr"), "engines")
+        wait_for(browser, lambda d: len(engine_states(d)) == NUM_DP_ENGINES, "the engines")
         widths = browser.execute_script(
             "return [document.documentElement.scrollWidth, document.body.scrollWidth,"
             " window.innerWidth]"
         )
         assert widths[2] == PHONE["width"]
         assert max(widths[:2]) <= PHONE["width"], widths
+        # Nothing sticks out of the screen, but inside a table's own scroll box.
+        outside = browser.execute_script(OUTSIDE_THE_SCREEN)
+        assert outside == [], f"elements wider than the screen: {outside}"
         assert console_errors(browser) == []
     finally:
         browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
