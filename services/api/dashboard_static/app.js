@@ -62,7 +62,8 @@ function drawEngines(engines) {
 function drawLatency(id, latency) {
   cells(byId(id), [seconds(latency.p50), seconds(latency.p90), seconds(latency.p99), number(latency.count)]);
   const label = document.createElement("th");
-  label.textContent = id === "ttft" ? "Time to first token" : "Inter-token latency";
+  label.textContent = id === "ttft" ? "TTFT" : "ITL";
+  label.title = id === "ttft" ? "time to first token" : "inter-token latency";
   byId(id).prepend(label);
 }
 
