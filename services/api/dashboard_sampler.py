@@ -101,7 +101,9 @@ def quantile(q: float, bounds: Sequence[float], cumulative: Sequence[float]) -> 
 
 
 def ratio(numerator: float, denominator: float) -> float | None:
-    return numerator / denominator if denominator > 0 else None
+    """None without a denominator, or for a negative difference (an engine's sums started
+    again from zero: a replaced engine)."""
+    return numerator / denominator if denominator > 0 and numerator >= 0 else None
 
 
 class DashboardSampler:
