@@ -1,12 +1,13 @@
 """The status page in a real headless browser (Debian's chromium, driven by selenium) against
 a real `kvserve serve` of the tiny model with two DP engines and an API key: the browser logs
 in with the key, the page shows the engines, its figures move after requests sent with the
-openai client, and an engine shows suspect when frozen and dead when killed; no console
-error, every request to the server's own origin, no horizontal overflow on a phone-sized
-screen."""
+openai client, and an engine shows suspect when frozen and dead when killed; on a server
+with n-gram speculation, the acceptance shows once drafts were verified. No console error,
+every request to the server's own origin, no horizontal overflow on a phone-sized screen."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import urllib.parse
@@ -21,7 +22,12 @@ from tests.support.browser import (
     headless_chromium,
     requested_urls,
 )
-from tests.support.server import DP_MODEL_NAME, NUM_DP_ENGINES, start_dp_front_end
+from tests.support.server import (
+    DP_MODEL_NAME,
+    NUM_DP_ENGINES,
+    start_dp_front_end,
+    start_tiny_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +35,9 @@ ADMIN_KEY = "sk-dashboard-admin"
 NUM_REQUESTS = 3
 MAX_TOKENS = 4
 WAIT_S = 30
+# Prompt lookup finds drafts in a repetitive prompt, whatever the tiny model's weights.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
 # The elements whose right edge is past the screen's, but those in a scroll box (wide tables
 # scroll inside their card).
 OUTSIDE_THE_SCREEN = """
@@ -163,3 +172,30 @@ def test_phone_sized_screen_has_no_horizontal_overflow(server, browser):
         assert console_errors(browser) == []
     finally:
         browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+def test_spec_decode_acceptance_shows_when_enabled(tiny_llama_dir, tmp_path, browser):
+    # No API key on this server: the page opens without logging in.
+    server = start_tiny_server(tiny_llama_dir, tmp_path, "--speculative-config", json.dumps(NGRAM))
+    try:
+        server.wait_healthy()
+        browser.get(server.url + "/dashboard")
+        wait_for(browser, lambda d: len(engine_states(d)) == 1, "the engine")
+        assert not browser.find_element("id", "spec_section").is_displayed()  # no draft yet
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        client.completions.create(
+            model=DP_MODEL_NAME,
+            prompt="a b a b a b a b a b a b",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        wait_for(
+            browser, lambda d: d.find_element("id", "spec_section").is_displayed(), "spec decode"
+        )
+        acceptance = text_of(browser, "spec_acceptance")
+        assert acceptance.endswith("%") and 0 <= float(acceptance.split()[0]) <= 100, acceptance
+        assert not browser.find_element("id", "logout").is_displayed()  # no key, no session
+        assert console_errors(browser) == []
+    finally:
+        server.stop()
