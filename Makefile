@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve lint test test-fast clean compose-tool
+.PHONY: install serve lint test test-fast clean compose-tool browser
 .PHONY: wheelhouse seed-base-image base-image image compose-up compose-down
 
 $(STAMP): pyproject.toml setup.py
@@ -27,6 +27,14 @@ compose-tool:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; } || \
 		echo "warning: could not install docker-compose; the compose test will be skipped"
 
+# Debian's chromium and its chromedriver: the status page's test drives them through selenium
+# (tests/e2e/test_dashboard_browser.py; skipped, saying so, when they cannot be installed).
+browser:
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		chromium chromium-driver >/dev/null; } || \
+		echo "warning: could not install chromium; the status page's browser test will be skipped"
+
 # Gates that run before the tests: lint and format (ruff), types (mypy on every shipped
 # module, .ci/typecheck.py), and the import graph (no cycles, no layering breaks).
 lint: $(STAMP)
@@ -39,7 +47,7 @@ lint: $(STAMP)
 # and 8 GiB on a two-core machine; bench/suite_profile.py measures a whole run's time and
 # memory). -n 2 --dist loadfile: two pytest-xdist workers, one torch thread each
 # (tests/conftest.py), a module's tests on one worker so its fixtures are built once.
-test: $(STAMP) compose-tool lint
+test: $(STAMP) compose-tool browser lint
 	$(BIN)/python -m pytest tests -q --durations=10 -n 2 --dist loadfile
 
 test-fast: $(STAMP)

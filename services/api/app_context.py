@@ -17,6 +17,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvserve.services.api.dashboard_sampler import DashboardSampler
 from kvserve.services.api.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
 from kvserve.services.api.generation_config import load_generation_defaults
 from kvserve.services.api.log_stats import LoggingStatLogger
@@ -56,6 +57,7 @@ class AppContext:
         tenants: the keys and tenants (weights, quotas), reloaded on SIGHUP.
         quotas: what each tenant has in flight and used in the last minute (every
             handler's `quotas`).
+        dashboard: the status page's readings of the series (routes_dashboard.py).
     """
 
     engine_client: EngineClient
@@ -70,6 +72,7 @@ class AppContext:
     embeddings: OpenAIServingEmbedding
     tenants: TenantDirectory
     quotas: TenantQuotas
+    dashboard: DashboardSampler
 
     @property
     def max_json_depth(self) -> int:
@@ -103,6 +106,9 @@ def make_context(
     # One object for all: a tenant's quotas count its requests on every surface.
     quotas = TenantQuotas(on_refused=metrics.tenants.quota_refused)
     completions.quotas = chat.quotas = embeddings.quotas = quotas
+    # After ApiMetrics among the stat loggers: a step's reading sees the step counted.
+    dashboard = DashboardSampler(engine_client, metrics)
+    engine_client.stat_loggers.append(dashboard)
     return AppContext(
         engine_client,
         served_model_name,
@@ -118,6 +124,7 @@ def make_context(
         embeddings,
         tenants,
         quotas,
+        dashboard,
     )
 
 

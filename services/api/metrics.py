@@ -463,6 +463,11 @@ class ApiMetrics:
             self._per_engine[engine_index] = series
         return series
 
+    def series(self, name: str) -> Counter | Histogram:
+        """A per-step series by its name without the prefix ("time_to_first_token_seconds"),
+        all engines' children under it (the status page reads them: dashboard_sampler.py)."""
+        return self._series[name]
+
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -8,6 +8,7 @@ AppContext, on `app.state.ctx`); build_app registers each module of ROUTE_MODULE
     routes_admin.py    /health, /ping, /metrics, /version, /openapi.json, /reset_prefix_cache
     routes_lora.py     /v1/load_lora_adapter, /v1/unload_lora_adapter (with --enable-lora)
     routes_usage.py    /v1/usage (each tenant's requests and tokens; admin keys only)
+    routes_dashboard.py  /dashboard (the live status page), /dashboard/state (its JSON)
 
 A route module has module-level handlers, which find the core with `context_of(request)`,
 and `routes(ctx) -> list[Route]`; adding a surface is one more line in ROUTE_MODULES.
@@ -15,7 +16,8 @@ and `routes(ctx) -> list[Route]`; adding a surface is one more line in ROUTE_MOD
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}` (unknown
 routes and methods too), but Anthropic's `{"type": "error", "error": {"type", "message"}}`
 on /v1/messages. With API keys (services/api/auth.py), /v1/* needs `Authorization: Bearer
-<key>` (or `x-api-key`); the other routes stay open, as in vLLM. Request bounds (body size,
+<key>` (or `x-api-key`), and /dashboard a key too (routes_dashboard.py: a login form and a
+session cookie); the other routes stay open, as in vLLM. Request bounds (body size,
 n, prompt characters, ...) are services/api/limits.py's; a full engine queue is a 429 with
 Retry-After.
 With --enable-request-id-headers every response carries `X-Request-Id`: the client's, else
@@ -38,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve.services.api import (
     routes_admin,
     routes_anthropic,
+    routes_dashboard,
     routes_lora,
     routes_openai,
     routes_usage,
@@ -54,7 +57,14 @@ from kvserve.shared.api_config import FrontendConfig, HTTPConfig
 from kvserve.shared.config import LoRAConfig
 
 # The API surfaces: each module's routes(ctx) joins the app.
-ROUTE_MODULES = (routes_openai, routes_anthropic, routes_admin, routes_lora, routes_usage)
+ROUTE_MODULES = (
+    routes_openai,
+    routes_anthropic,
+    routes_admin,
+    routes_lora,
+    routes_usage,
+    routes_dashboard,
+)
 
 
 def build_app(

@@ -37,6 +37,12 @@ BASE_ROUTES = {
     "/reset_prefix_cache",
     "/metrics",
     "/openapi.json",
+    "/dashboard",
+    "/dashboard/state",
+    "/dashboard/login",
+    "/dashboard/logout",
+    "/dashboard/app.js",
+    "/dashboard/app.css",
 }
 LORA = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 QUIET = FrontendConfig(disable_log_stats=True)
