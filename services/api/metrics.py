@@ -3,7 +3,8 @@
 Every series vLLM's PrometheusStatLogger exposes (0.10-0.11, hidden ones aside), with the same
 labels: `model_name` and `engine` (the engine core's index, "0" without data parallelism),
 and `finished_reason` on `request_success`. So a vLLM Grafana board works once its queries say
-`kvserve:` (docs/grafana/kvserve.json is such a board). Three sources:
+`kvserve:` (docs/grafana/kvserve.json is such a board), or at once under
+`--metrics-prefix vllm`, which serves vLLM's names (services/api/metric_names.py). Sources:
 
 - scrape time (`_EngineStatsCollector`): each engine's latest load (running, waiting, KV
   usage), the sums of its per-step counters (preemptions, prefix cache), `cache_config_info`
@@ -38,6 +39,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from kvserve.services.api.metric_names import vllm_named
 from kvserve.services.api.stats import (
     MIGRATION_REASONS,
     RESUME_BUCKETS,
@@ -410,14 +412,23 @@ class ApiMetrics:
         engine_client: the EngineClient whose engines and requests the series show.
         model_name: the served model name (the `model_name` label).
         max_loras: --max-loras with --enable-lora (adds lora_requests_info), else None.
+        metrics_prefix: --metrics-prefix: "vllm" serves the series vLLM also has under vLLM's
+            names and labels (services/api/metric_names.py).
 
     Attributes:
         usage: the per-tenant usage ledger GET /v1/usage reads.
     """
 
-    def __init__(self, engine_client, model_name: str, max_loras: int | None = None):
+    def __init__(
+        self,
+        engine_client,
+        model_name: str,
+        max_loras: int | None = None,
+        metrics_prefix: str = "kvserve",
+    ):
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        self._exposed = self.registry if metrics_prefix == "kvserve" else vllm_named(self.registry)
         self.registry.register(_EngineStatsCollector(engine_client, model_name, max_loras))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -465,7 +476,7 @@ class ApiMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self._exposed), CONTENT_TYPE_LATEST
 
     def record(
         self,
