@@ -10,7 +10,7 @@ families' (a counter's samples add `_total`, a histogram's `_bucket`, `_sum`, `_
 
 `unhonoured` says why kvserve cannot serve a series; None: `kvserve serve --metrics-prefix
 vllm` serves it under this name with these labels. `only_with` names the flag without which
-the series is absent, in vLLM as in kvserve.
+vLLM does not export the series (kvserve may show it anyway, at 0: the spec-decode counters).
 """
 
 from __future__ import annotations
@@ -120,11 +120,14 @@ VLLM_METRICS = (
     VllmMetric("vllm:cache_config_info", "gauge", ("engine", *CACHE_CONFIG_FIELDS)),
     # vllm/v1/spec_decode/metrics.py: SpecDecodingProm (vLLM: only with a speculative
     # config; kvserve exports them always, at 0 without one).
-    VllmMetric("vllm:spec_decode_num_drafts", "counter", ENGINE),
-    VllmMetric("vllm:spec_decode_num_draft_tokens", "counter", ENGINE),
-    VllmMetric("vllm:spec_decode_num_accepted_tokens", "counter", ENGINE),
+    VllmMetric("vllm:spec_decode_num_drafts", "counter", ENGINE,
+               only_with="--speculative-config"),
+    VllmMetric("vllm:spec_decode_num_draft_tokens", "counter", ENGINE,
+               only_with="--speculative-config"),
+    VllmMetric("vllm:spec_decode_num_accepted_tokens", "counter", ENGINE,
+               only_with="--speculative-config"),
     VllmMetric("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
-               (*ENGINE, "position")),
+               (*ENGINE, "position"), only_with="--speculative-config"),
     # vllm/v1/metrics/perf.py: PerfMetricsProm.
     VllmMetric("vllm:estimated_flops_per_gpu_total", "counter", ENGINE,
                unhonoured="no FLOP/byte model of each step in kvserve",
