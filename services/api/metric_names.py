@@ -72,6 +72,7 @@ VLLM_NAMES: dict[str, tuple[str, Relabel | None]] = {
     ),
     "kvserve:prompt_tokens": ("vllm:prompt_tokens", None),
     "kvserve:generation_tokens": ("vllm:generation_tokens", None),
+    "kvserve:prompt_tokens_cached": ("vllm:prompt_tokens_cached", None),
     "kvserve:request_success": ("vllm:request_success", None),
     "kvserve:iteration_tokens_total": ("vllm:iteration_tokens_total", None),
     "kvserve:request_prompt_tokens": ("vllm:request_prompt_tokens", None),
@@ -82,6 +83,11 @@ VLLM_NAMES: dict[str, tuple[str, Relabel | None]] = {
     ),
     "kvserve:request_params_n": ("vllm:request_params_n", None),
     "kvserve:request_params_max_tokens": ("vllm:request_params_max_tokens", None),
+    "kvserve:request_num_preemptions": ("vllm:request_num_preemptions", None),
+    "kvserve:request_prefill_kv_computed_tokens": (
+        "vllm:request_prefill_kv_computed_tokens",
+        None,
+    ),
     "kvserve:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", None),
     "kvserve:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", None),
     "kvserve:request_time_per_output_token_seconds": (

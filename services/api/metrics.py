@@ -70,6 +70,7 @@ _REQUEST_BUCKETS = [
 _ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 _COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 _N_BUCKETS = [1, 2, 5, 10, 20]
+_PREEMPTION_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -90,6 +91,7 @@ def _request_series(max_model_len: int) -> dict[str, tuple[str, list | None]]:
     return {
         "prompt_tokens": ("Number of prefill tokens processed.", None),
         "generation_tokens": ("Number of generation tokens processed.", None),
+        "prompt_tokens_cached": ("Number of cached prompt tokens (local + external).", None),
         "iteration_tokens_total": (
             "Histogram of number of tokens per engine_step.",
             _ITERATION_TOKEN_BUCKETS,
@@ -101,6 +103,14 @@ def _request_series(max_model_len: int) -> dict[str, tuple[str, list | None]]:
             tokens,
         ),
         "request_params_n": ("Histogram of the n request parameter.", _N_BUCKETS),
+        "request_num_preemptions": (
+            "Histogram of the number of times a request was preempted.",
+            _PREEMPTION_BUCKETS,
+        ),
+        "request_prefill_kv_computed_tokens": (
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            tokens,
+        ),
         "request_params_max_tokens": ("Histogram of the max_tokens request parameter.", tokens),
         "time_to_first_token_seconds": (
             "Histogram of time to first token in seconds.",
@@ -497,6 +507,7 @@ class ApiMetrics:
                 s.kv_transfer_seconds.observe(seconds)
         s.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         s.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        s.prompt_tokens_cached.inc(iteration_stats.num_cached_prompt_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
             s.time_to_first_token_seconds.observe(ttft)
         for itl in iteration_stats.inter_token_latencies:
@@ -513,6 +524,10 @@ class ApiMetrics:
             s.e2e_request_latency_seconds.observe(finished.e2e_latency)
             s.request_prompt_tokens.observe(finished.num_prompt_tokens)
             s.request_generation_tokens.observe(finished.num_generation_tokens)
+            s.request_num_preemptions.observe(finished.num_preemptions)
+            s.request_prefill_kv_computed_tokens.observe(
+                finished.num_prompt_tokens - finished.num_cached_tokens
+            )
             if finished.max_tokens_param:
                 s.request_params_max_tokens.observe(finished.max_tokens_param)
             tpot = finished.mean_time_per_output_token

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-vllm-names"
 BOARD = REPO_ROOT / "docs" / "grafana" / "kvserve-vllm.json"
+LONG_PROMPT = "A prompt long enough to fill a few KV blocks of sixteen tokens each. " * 4
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,15 @@ def server(tiny_llama_dir, tmp_path_factory):
             extra_body={"ignore_eos": True},
         )
         assert completion.choices[0].finish_reason == "length"
+        # The same long prompt twice: the second finds its full blocks in the prefix cache.
+        for _ in range(2):
+            client.completions.create(
+                model=MODEL,
+                prompt=LONG_PROMPT,
+                max_tokens=1,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
         yield url
 
 
@@ -65,15 +75,27 @@ def test_every_honoured_vllm_series_with_vllms_labels(server):
                 assert {s.labels["model_name"] for s in served} == {MODEL}
             if served and "engine" in metric.labels:
                 assert {s.labels["engine"] for s in served} == {"0"}
-    # The one request went through under vLLM's names.
+    # The three requests went through under vLLM's names.
     (length,) = [
         s
         for s in samples
         if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "length"
     ]
-    assert length.value == 1
-    (generated,) = [s for s in samples if s.name == "vllm:generation_tokens_total"]
-    assert generated.value == 3
+    assert length.value == 3
+
+    def value(name: str) -> float:
+        (sample,) = [s for s in samples if s.name == name]
+        return sample.value
+
+    assert value("vllm:generation_tokens_total") == 3 + 1 + 1
+    # Every request has ended: the prefill computed what no cache served.
+    cached = value("vllm:prompt_tokens_cached_total")
+    assert cached >= 16 and cached == value("vllm:prefix_cache_hits_total")
+    assert value("vllm:request_prefill_kv_computed_tokens_sum") == (
+        value("vllm:prompt_tokens_total") - cached
+    )
+    assert value("vllm:request_num_preemptions_count") == 3
+    assert value("vllm:request_num_preemptions_sum") == 0
 
 
 def test_no_vllm_name_that_vllm_does_not_export_and_no_series_twice(server):

@@ -77,9 +77,7 @@ VLLM_METRICS = (
     VllmMetric("vllm:prompt_tokens_by_source", "counter", (*ENGINE, "source"),
                unhonoured="kvserve's step stats do not split a step's prompt tokens into "
                "computed / local hit / external hit"),
-    VllmMetric("vllm:prompt_tokens_cached", "counter", ENGINE,
-               unhonoured="counted per request at its first step in vLLM; kvserve's step "
-               "stats carry no per-request cached-token count"),
+    VllmMetric("vllm:prompt_tokens_cached", "counter", ENGINE),
     VllmMetric("vllm:prompt_tokens_cached_by_source", "counter", (*ENGINE, "source"),
                unhonoured="no cache tiers by source (device/host/disk/p2p) in kvserve"),
     VllmMetric("vllm:generation_tokens", "counter", ENGINE),
@@ -101,10 +99,8 @@ VLLM_METRICS = (
     VllmMetric("vllm:request_inference_time_seconds", "histogram", ENGINE),
     VllmMetric("vllm:request_prefill_time_seconds", "histogram", ENGINE),
     VllmMetric("vllm:request_decode_time_seconds", "histogram", ENGINE),
-    VllmMetric("vllm:request_num_preemptions", "histogram", ENGINE,
-               unhonoured="a finished request's preemption count does not reach the api"),
-    VllmMetric("vllm:request_prefill_kv_computed_tokens", "histogram", ENGINE,
-               unhonoured="a finished request's cached-token count does not reach the api"),
+    VllmMetric("vllm:request_num_preemptions", "histogram", ENGINE),
+    VllmMetric("vllm:request_prefill_kv_computed_tokens", "histogram", ENGINE),
     VllmMetric("vllm:kv_block_lifetime_seconds", "histogram", ENGINE,
                unhonoured="no sampled KV block residency in kvserve",
                only_with="--kv-cache-metrics"),

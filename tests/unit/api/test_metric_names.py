@@ -4,6 +4,7 @@ the e2e tests check boards with."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 from types import SimpleNamespace
@@ -17,6 +18,15 @@ from kvserve.services.api.engine_client import EngineClient
 from kvserve.services.api.metric_names import VLLM_NAMES, exposed_name
 from kvserve.services.api.metrics import ApiMetrics
 from kvserve.shared.api_config import FrontendConfig
+from kvserve.shared.messages import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    SchedulerStats,
+)
+from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import EngineReady
 from tests.support import REPO_ROOT
 from tests.support.promql import board_queries, selectors, unresolved
@@ -42,10 +52,25 @@ class _Client(EngineClient):
         return [ready]
 
 
-def scrape(metrics_prefix: str, max_loras: int | None = None) -> list:
+def scrape(metrics_prefix: str, max_loras: int | None = None, steps=()) -> list:
+    """/metrics after `steps` (EngineCoreOutputs of request "r", 5 prompt tokens)."""
     client = _Client(SimpleNamespace(tokenizer=None), max_model_len=512, model_name="m")
-    text = ApiMetrics(client, "m", max_loras, metrics_prefix).render()[0].decode()
+    metrics = ApiMetrics(client, "m", max_loras, metrics_prefix)
+    if steps:
+        client.output_processor.add_request("r", None, [1, 2, 3, 4, 5], SamplingParams())
+
+        async def deliver():
+            for outputs in steps:
+                await client._handle_outputs(outputs)
+
+        asyncio.run(deliver())
+    text = metrics.render()[0].decode()
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def value(samples: list, name: str) -> float:
+    (match,) = [s.value for s in samples if s.name == name]
+    return match
 
 
 def test_the_table_names_only_series_of_the_vllm_list():
@@ -92,6 +117,41 @@ def test_cache_config_info_carries_vllm_032s_label_set():
     assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "99"
     assert info.labels["mamba_cache_mode"] == "None" and info.labels["engine"] == "0"
     assert info.value == 1
+
+
+def test_preemptions_and_cached_tokens_of_a_request():
+    # Queued, scheduled with 3 of its 5 prompt tokens cached, preempted, scheduled again,
+    # its first token, then its last.
+    T0 = 100.0
+    queued, scheduled, preempted = (
+        EngineCoreEventType.QUEUED,
+        EngineCoreEventType.SCHEDULED,
+        EngineCoreEventType.PREEMPTED,
+    )
+    events = [
+        EngineCoreEvent(queued, T0),
+        EngineCoreEvent(scheduled, T0 + 0.1),
+        EngineCoreEvent(preempted, T0 + 0.2),
+        EngineCoreEvent(scheduled, T0 + 0.3),
+    ]
+    steps = [
+        EngineCoreOutputs(
+            [EngineCoreOutput("r", [7], num_cached_tokens=3, events=events)],
+            SchedulerStats(num_scheduled_tokens=2),
+            timestamp=T0 + 0.5,
+        ),
+        EngineCoreOutputs(
+            [EngineCoreOutput("r", [8], finish_reason=FinishReason.LENGTH)],
+            SchedulerStats(num_scheduled_tokens=1),
+            timestamp=T0 + 0.6,
+        ),
+    ]
+    samples = scrape("vllm", steps=steps)
+    assert value(samples, "vllm:prompt_tokens_total") == 5
+    assert value(samples, "vllm:prompt_tokens_cached_total") == 3
+    assert value(samples, "vllm:request_prefill_kv_computed_tokens_sum") == 5 - 3
+    assert value(samples, "vllm:request_num_preemptions_sum") == 1
+    assert value(samples, "vllm:request_num_preemptions_count") == 1
 
 
 def test_lora_requests_info_keeps_vllms_labels():
