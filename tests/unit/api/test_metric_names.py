@@ -30,7 +30,12 @@ from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import EngineReady
 from tests.support import REPO_ROOT
 from tests.support.promql import board_queries, selectors, unresolved
-from tests.support.vllm_metrics import CACHE_CONFIG_FIELDS, HONOURED, VLLM_METRICS
+from tests.support.vllm_metrics import (
+    CACHE_CONFIG_FIELDS,
+    HONOURED,
+    VLLM_METRICS,
+    VLLM_SCRAPE,
+)
 
 BOARDS = REPO_ROOT / "docs" / "grafana"
 
@@ -71,6 +76,26 @@ def scrape(metrics_prefix: str, max_loras: int | None = None, steps=()) -> list:
 def value(samples: list, name: str) -> float:
     (match,) = [s.value for s in samples if s.name == name]
     return match
+
+
+def test_the_vllm_list_is_what_vllm_032_serves():
+    # A live vLLM 0.32 server's /metrics (default flags): every family in the list with the
+    # same type and labels; the list's others need a flag.
+    served = {
+        family.name: family
+        for family in text_string_to_metric_families(VLLM_SCRAPE.read_text())
+        if not family.name.endswith("_created")
+    }
+    listed = {metric.name: metric for metric in VLLM_METRICS}
+    assert len(served) == 39
+    for name, family in served.items():
+        metric = listed[name]
+        assert family.type == metric.type, name
+        labels = {label for s in family.samples for label in s.labels} - {"le"}
+        assert labels == set(metric.labels), name
+    assert {name for name, m in listed.items() if m.only_with is None} <= served.keys()
+    (info,) = served["vllm:cache_config_info"].samples
+    assert set(info.labels) == {"engine", *CACHE_CONFIG_FIELDS}
 
 
 def test_the_table_names_only_series_of_the_vllm_list():
