@@ -185,6 +185,13 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     disable_log_stats: Annotated[
         bool, flag_doc("no periodic throughput / KV-cache log line from the front end")
     ] = False
+    metrics_prefix: Annotated[
+        Literal["kvserve", "vllm"],
+        flag_doc(
+            "names on /metrics: kvserve (kvserve:*), or vllm (vLLM 0.32's vllm:* names and "
+            "labels for every series vLLM also has; kvserve's own series keep kvserve:)"
+        ),
+    ] = "kvserve"
     enable_auto_tool_choice: Annotated[
         bool,
         flag_doc('tool_choice "auto": the model decides, --tool-call-parser reads its tool calls'),

@@ -91,7 +91,7 @@ def make_context(
         served_model_name, engine_client.model_name, lora_config, frontend.lora_modules
     )
     max_loras = models.lora_config.max_loras if models.enable_lora else None
-    metrics = ApiMetrics(engine_client, served_model_name, max_loras)
+    metrics = ApiMetrics(engine_client, served_model_name, max_loras, frontend.metrics_prefix)
     if not frontend.disable_log_stats:
         engine_client.stat_loggers.append(LoggingStatLogger())
     completions = OpenAIServingCompletion(engine_client, served_model_name, frontend, models)

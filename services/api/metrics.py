@@ -1,9 +1,11 @@
 """Prometheus metrics of the api process: vLLM V1's series, named `kvserve:` for `vllm:`.
 
-Every series vLLM's PrometheusStatLogger exposes (0.10-0.11, hidden ones aside), with the same
-labels: `model_name` and `engine` (the engine core's index, "0" without data parallelism),
-and `finished_reason` on `request_success`. So a vLLM Grafana board works once its queries say
-`kvserve:` (docs/grafana/kvserve.json is such a board). Three sources:
+The series of vLLM's PrometheusStatLogger that kvserve can honour (tests/support/vllm_metrics.py
+lists vLLM 0.32's, with the reason for each of the others), with the same labels:
+`model_name` and `engine` (the engine core's index, "0" without data parallelism), and
+`finished_reason` on `request_success`. So a vLLM Grafana board works once its queries say
+`kvserve:` (docs/grafana/kvserve.json is such a board), or at once under
+`--metrics-prefix vllm`, which serves vLLM's names (services/api/metric_names.py). Sources:
 
 - scrape time (`_EngineStatsCollector`): each engine's latest load (running, waiting, KV
   usage), the sums of its per-step counters (preemptions, prefix cache), `cache_config_info`
@@ -38,6 +40,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from kvserve.services.api.metric_names import vllm_named
 from kvserve.services.api.stats import (
     MIGRATION_REASONS,
     RESUME_BUCKETS,
@@ -68,6 +71,7 @@ _REQUEST_BUCKETS = [
 _ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 _COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 _N_BUCKETS = [1, 2, 5, 10, 20]
+_PREEMPTION_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -88,6 +92,7 @@ def _request_series(max_model_len: int) -> dict[str, tuple[str, list | None]]:
     return {
         "prompt_tokens": ("Number of prefill tokens processed.", None),
         "generation_tokens": ("Number of generation tokens processed.", None),
+        "prompt_tokens_cached": ("Number of cached prompt tokens (local + external).", None),
         "iteration_tokens_total": (
             "Histogram of number of tokens per engine_step.",
             _ITERATION_TOKEN_BUCKETS,
@@ -99,6 +104,14 @@ def _request_series(max_model_len: int) -> dict[str, tuple[str, list | None]]:
             tokens,
         ),
         "request_params_n": ("Histogram of the n request parameter.", _N_BUCKETS),
+        "request_num_preemptions": (
+            "Histogram of the number of times a request was preempted.",
+            _PREEMPTION_BUCKETS,
+        ),
+        "request_prefill_kv_computed_tokens": (
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            tokens,
+        ),
         "request_params_max_tokens": ("Histogram of the max_tokens request parameter.", tokens),
         "time_to_first_token_seconds": (
             "Histogram of time to first token in seconds.",
@@ -410,14 +423,23 @@ class ApiMetrics:
         engine_client: the EngineClient whose engines and requests the series show.
         model_name: the served model name (the `model_name` label).
         max_loras: --max-loras with --enable-lora (adds lora_requests_info), else None.
+        metrics_prefix: --metrics-prefix: "vllm" serves the series vLLM also has under vLLM's
+            names and labels (services/api/metric_names.py).
 
     Attributes:
         usage: the per-tenant usage ledger GET /v1/usage reads.
     """
 
-    def __init__(self, engine_client, model_name: str, max_loras: int | None = None):
+    def __init__(
+        self,
+        engine_client,
+        model_name: str,
+        max_loras: int | None = None,
+        metrics_prefix: str = "kvserve",
+    ):
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        self._exposed = self.registry if metrics_prefix == "kvserve" else vllm_named(self.registry)
         self.registry.register(_EngineStatsCollector(engine_client, model_name, max_loras))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -470,7 +492,7 @@ class ApiMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self._exposed), CONTENT_TYPE_LATEST
 
     def record(
         self,
@@ -491,6 +513,7 @@ class ApiMetrics:
                 s.kv_transfer_seconds.observe(seconds)
         s.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         s.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        s.prompt_tokens_cached.inc(iteration_stats.num_cached_prompt_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
             s.time_to_first_token_seconds.observe(ttft)
         for itl in iteration_stats.inter_token_latencies:
@@ -507,6 +530,10 @@ class ApiMetrics:
             s.e2e_request_latency_seconds.observe(finished.e2e_latency)
             s.request_prompt_tokens.observe(finished.num_prompt_tokens)
             s.request_generation_tokens.observe(finished.num_generation_tokens)
+            s.request_num_preemptions.observe(finished.num_preemptions)
+            s.request_prefill_kv_computed_tokens.observe(
+                finished.num_prompt_tokens - finished.num_cached_tokens
+            )
             if finished.max_tokens_param:
                 s.request_params_max_tokens.observe(finished.max_tokens_param)
             tpot = finished.mean_time_per_output_token

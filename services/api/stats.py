@@ -30,6 +30,8 @@ class RequestTimes:
     first_token_ts: float | None = None
     last_token_ts: float | None = None
     num_generation_tokens: int = 0
+    num_preemptions: int = 0  # PREEMPTED events seen
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache or the KV store served
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,8 @@ class FinishedRequestStats:
     max_tokens_param: int | None
     phases: PhaseTimes | None  # None for a request that never produced a token
     tenant: str = "default"
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def mean_time_per_output_token(self) -> float | None:
@@ -111,6 +115,8 @@ class IterationStats:
     engine_timestamp: float
     num_prompt_tokens: int = 0  # prompts of the requests that got their first token
     num_generation_tokens: int = 0
+    # Of those prompts, the tokens a cache served (vLLM's prompt_tokens_cached).
+    num_cached_prompt_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     first_token_tenants: list[str] = field(default_factory=list)  # parallel to the above
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -136,11 +142,16 @@ class IterationStats:
                 times.queued_ts = event.timestamp
             elif event.type == EngineCoreEventType.SCHEDULED and times.scheduled_ts is None:
                 times.scheduled_ts = event.timestamp
+            elif event.type == EngineCoreEventType.PREEMPTED:
+                times.num_preemptions += 1
+        if output.num_cached_tokens:  # the request's first output only
+            times.num_cached_tokens = output.num_cached_tokens
         num_new_tokens = len(output.new_token_ids)
         if num_new_tokens == 0:
             return
         if times.first_token_ts is None:
             self.num_prompt_tokens += num_prompt_tokens
+            self.num_cached_prompt_tokens += times.num_cached_tokens
             self.time_to_first_tokens.append(self.now - times.arrival_time)
             self.first_token_tenants.append(tenant)
             times.first_token_ts = self.engine_timestamp
@@ -169,6 +180,8 @@ class IterationStats:
                 max_tokens_param=max_tokens_param,
                 phases=PhaseTimes.of(times),
                 tenant=tenant,
+                num_preemptions=times.num_preemptions,
+                num_cached_tokens=times.num_cached_tokens,
             )
         )
 

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support import REPO_ROOT
 from tests.support.metrics import metrics_text
 from tests.support.models import TINY_KV_CACHE_MEMORY, TINY_VOCAB_SIZE
+from tests.support.promql import board_queries, unresolved
 from tests.support.server import read_log, serving
 from tests.support.waiting import wait_until
 
@@ -186,3 +187,16 @@ def test_metrics_of_a_few_requests(server):
     assert wait_until(lambda: "Avg prompt throughput" in read_log(log), timeout_s=30), read_log(log)
     line = next(line for line in read_log(log).splitlines() if "Avg prompt throughput" in line)
     assert "Engine 000: " in line and "Running: " in line and "Prefix cache hit rate: " in line
+
+
+def test_every_query_of_the_board_resolves(server):
+    # The default --metrics-prefix kvserve; tests/e2e/test_metrics_vllm_names.py checks the
+    # generated vLLM-named board against a --metrics-prefix vllm server.
+    url, _ = server
+    queries = board_queries(json.loads(DASHBOARD.read_text()))
+    problems = {
+        query: missing
+        for query in queries
+        if (missing := unresolved(query, samples(url), {"model_name": MODEL, "instance": ".*"}))
+    }
+    assert problems == {}
