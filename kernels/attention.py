@@ -10,10 +10,12 @@ query_start_loc[r] .. query_start_loc[r + 1] and has seq_lens[r] tokens of conte
 and attends to keys 0..its own position, read through block_table[r] (block_size tokens per
 block). Query head h reads KV head h // (Hq // Hkv) (GQA).
 
-Two options, off by default (the fast paths): a sliding window W limits query position p to
+Three options, off by default (the fast paths): a sliding window W limits query position p to
 keys p - W < t <= p (Mistral, Gemma); a logits soft cap c squashes every score s = scale q.k to
-c * tanh(s / c) before the softmax (Gemma 2). The cache keeps every block: keys older than the
-window are masked, not freed.
+c * tanh(s / c) before the softmax (Gemma 2); attention sinks (gpt-oss) add one learned logit
+per query head to the softmax's denominator, a key no value goes with:
+out = sum_t exp(s_t) v_t / (exp(sink_h) + sum_t exp(s_t)). The cache keeps every block: keys
+older than the window are masked, not freed.
 
 The Triton path may be captured in a CUDA graph (services/worker/cuda_graphs.py): it reads
 the request bounds on the device and takes from the host only shapes and max_query_len (which
@@ -73,6 +75,7 @@ if HAS_TRITON:
         scale,
         sliding_window,
         soft_cap,
+        sinks_ptr,
         num_reqs,
         query_token_stride,
         query_head_stride,
@@ -92,6 +95,7 @@ if HAS_TRITON:
         DOT_PRECISION: tl.constexpr,
         USE_WINDOW: tl.constexpr,
         USE_SOFT_CAP: tl.constexpr,
+        USE_SINKS: tl.constexpr,
     ):
         # Grid: (q block, KV head). A program's BLOCK_M rows are (query token, query head of
         # this KV head) pairs, row m = token m // G, head m % G, so every K/V tile it loads
@@ -126,6 +130,11 @@ if HAS_TRITON:
 
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if USE_SINKS:
+            # The sink is a key seen first whose value is zero: exp2(sink - max) in the sum.
+            sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32)
+            row_max = sink * 1.4426950408889634
+            row_sum = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_HEAD], dtype=tl.float32)
         qk_scale = scale * 1.4426950408889634  # log2(e): softmax via exp2
         # Keys past this block's last query are invisible to all its rows.
@@ -222,6 +231,7 @@ def paged_attention(
     max_seq_len: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; contract in kernels.dispatch.paged_attention.
 
@@ -231,7 +241,8 @@ def paged_attention(
         block_table: [R, max_blocks] int32, rows contiguous.
         query_start_loc: [R + 1] int32; seq_lens: [R] int32.
         scale: softmax scale; max_query_len, max_seq_len: host-side maxima.
-        sliding_window, logits_soft_cap: the options of the module docstring (None: off).
+        sliding_window, logits_soft_cap, sinks: the options of the module docstring (None:
+            off); sinks [Hq], contiguous.
     Returns:
         [T, Hq, D] contiguous, query's dtype.
     """
@@ -265,6 +276,7 @@ def paged_attention(
         scale,
         sliding_window or 0,
         logits_soft_cap or 0.0,
+        sinks if sinks is not None else out,  # unread without USE_SINKS
         num_reqs,
         query.stride(0),
         query.stride(1),
@@ -285,6 +297,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         USE_WINDOW=bool(sliding_window),
         USE_SOFT_CAP=bool(logits_soft_cap),
+        USE_SINKS=sinks is not None,
     )
     return out
 
@@ -321,10 +334,11 @@ def _attention(
     scale: float,
     soft_cap: float | None,
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # SDPA (causal when mask is None), or with a soft cap, which SDPA lacks, the same in
-    # plain float32 ops.
-    if not soft_cap:
+    # SDPA (causal when mask is None), or with a soft cap or sinks, which SDPA lacks, the same
+    # in plain float32 ops. sinks: broadcastable to the scores' [..., rows, 1].
+    if not soft_cap and sinks is None:
         return F.scaled_dot_product_attention(
             query,
             keys,
@@ -338,11 +352,17 @@ def _attention(
         group = query.shape[-3] // keys.shape[-3]
         keys, values = (t.repeat_interleave(group, dim=-3) for t in (keys, values))
     scores = (query.float() @ keys.float().transpose(-1, -2)) * scale
-    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril_()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ values.float()).to(query.dtype)
+    if sinks is None:
+        return (scores.softmax(dim=-1) @ values.float()).to(query.dtype)
+    # The sink joins the softmax as one more column, then is dropped: it has no value.
+    sink_column = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, sink_column), dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs @ values.float()).to(query.dtype)
 
 
 def _decode_attention_ref(
@@ -355,6 +375,7 @@ def _decode_attention_ref(
     num_blocks: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # query: [R, Hq, D], one token per request, the last of its context. Gather the first
     # num_blocks blocks of every request into a padded [R, Hkv, S_pad, D] view and run one
@@ -382,8 +403,12 @@ def _decode_attention_ref(
     )
     # A decode token's G query heads share their KV head's keys and mask: fold them into
     # SDPA's query-length dim, so GQA needs no expanded K/V copy.
-    queries = query.reshape(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)
-    out = _attention(queries, keys, values, visible[:, None, None, :], scale, soft_cap)
+    group = num_heads // num_kv_heads
+    queries = query.reshape(num_reqs, num_kv_heads, group, head_size)
+    head_sinks = sinks.view(num_kv_heads, group, 1) if sinks is not None else None
+    out = _attention(
+        queries, keys, values, visible[:, None, None, :], scale, soft_cap, sinks=head_sinks
+    )
     return out.reshape(num_reqs, num_heads, head_size)
 
 
@@ -396,6 +421,7 @@ def _prefill_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # query: [L, Hq, D], the last L tokens of a seq_len context; block_ids: its table row.
     query_len, num_heads = query.shape[:2]
@@ -426,6 +452,7 @@ def _prefill_attention_ref(
         scale,
         soft_cap,
         enable_gqa=num_heads != num_kv_heads,
+        sinks=sinks.view(num_heads, 1, 1) if sinks is not None else None,
     )
     return out.transpose(0, 1)
 
@@ -442,6 +469,7 @@ def paged_attention_ref(
     max_seq_len: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch paged attention (the CPU hot path); same contract as `paged_attention`.
 
@@ -473,6 +501,7 @@ def paged_attention_ref(
                 scale,
                 sliding_window,
                 logits_soft_cap,
+                sinks,
             )
     max_group_tokens = _DECODE_GROUP_BYTES // (
         2 * num_kv_heads * head_size * key_cache.element_size()
@@ -491,6 +520,7 @@ def paged_attention_ref(
                 num_blocks,
                 sliding_window,
                 logits_soft_cap,
+                sinks,
             )
         req_indices = torch.tensor(group, device=query.device)
         token_indices = torch.tensor([query_starts[req] for req in group], device=query.device)
@@ -504,6 +534,7 @@ def paged_attention_ref(
             num_blocks,
             sliding_window,
             logits_soft_cap,
+            sinks,
         )
         out.index_copy_(0, token_indices, group_out)
     return out
@@ -730,6 +761,7 @@ def _prefill_as_decodes(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out[start:end] for one prefill chunk through the decode kernel: token i of the chunk is
     one query over keys [0, context_len + i], every token sharing the chunk's block-table row
@@ -739,8 +771,9 @@ def _prefill_as_decodes(
     lens = torch.arange(seq_len - query_len + 1, seq_len + 1, dtype=torch.int32)
     rows = torch.arange(start, end, dtype=torch.int64)
     cpu.decode_attention(
-        out, query, key_cache, value_cache, table, lens, rows, scale, sliding_window, soft_cap
-    )
+        out, query, key_cache, value_cache, table, lens, rows, scale, sliding_window, soft_cap,
+        sinks,
+    )  # fmt: skip
 
 
 def paged_attention_cpu(
@@ -755,10 +788,11 @@ def paged_attention_cpu(
     max_seq_len: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather);
     prefill chunks in the same kernel, a query per token, where that is faster
-    (`_prefill_in_decode_kernel`) and whenever a window or soft cap is set, else through the
+    (`_prefill_in_decode_kernel`) and whenever a window, soft cap or sinks are set, else the
     flash route (`_prefill_chunks`: all of them in one AMX call, or two flash SDPA calls
     each). Same contract as `paged_attention`; the caller (kernels.dispatch)
     checks that the native kernel is built for the dtype."""
@@ -773,9 +807,9 @@ def paged_attention_cpu(
     else:
         bounds = torch.cat((query_start_loc, seq_lens)).tolist()
         starts, lens = bounds[: num_reqs + 1], bounds[num_reqs + 1 :]
-        # A window or a soft cap sends every chunk to the decode kernel: the other choice is
-        # the reference's masked math path.
-        windowed = bool(sliding_window or logits_soft_cap)
+        # A window, a soft cap or sinks send every chunk to the decode kernel: the other
+        # choice is the reference's masked math path.
+        windowed = bool(sliding_window or logits_soft_cap) or sinks is not None
         # Not true of the memory-profile pass's K/V views.
         in_place = cpu.kv_readable_in_place(key_cache, value_cache)
         max_decode_chunk = decode_kernel_max_query_len(
@@ -802,6 +836,7 @@ def paged_attention_cpu(
                     scale,
                     sliding_window,
                     logits_soft_cap,
+                    sinks,
                 )
             elif windowed:
                 out[start:end] = _prefill_attention_ref(
@@ -813,6 +848,7 @@ def paged_attention_cpu(
                     scale,
                     sliding_window=sliding_window,
                     soft_cap=logits_soft_cap,
+                    sinks=sinks,
                 )
             else:
                 flash_reqs.append(req)
@@ -853,5 +889,6 @@ def paged_attention_cpu(
         scale,
         sliding_window,
         logits_soft_cap,
+        sinks,
     )
     return out

@@ -271,6 +271,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of one query token per request, written into out[token_rows].
 
@@ -283,6 +284,7 @@ def decode_attention(
         token_rows: [R] int64, the query row of each request.
         sliding_window: attend to only the last this many keys; None for all.
         soft_cap: scores become soft_cap * tanh(score / soft_cap); None for none.
+        sinks: [Hq] logits that join each head's softmax denominator (gpt-oss); None: none.
     """
     lib = _load()
     assert lib is not None
@@ -294,6 +296,9 @@ def decode_attention(
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
     fn = lib.decode_attention_f32 if query.dtype == torch.float32 else lib.decode_attention_bf16
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        assert sinks.shape == (num_heads,), (sinks.shape, num_heads)
     i64 = ctypes.c_int64
     fn(
         ctypes.c_void_p(out.data_ptr()),
@@ -316,6 +321,7 @@ def decode_attention(
         ctypes.c_float(scale),
         ctypes.c_int(sliding_window or 0),
         ctypes.c_float(soft_cap or 0.0),
+        _ptr(sinks),
     )
 
 

@@ -179,6 +179,7 @@ def paged_attention(
     max_seq_len: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of flattened varlen queries over K/V read through a block table.
 
@@ -192,6 +193,8 @@ def paged_attention(
         (older blocks stay in the cache, masked).
     logits_soft_cap: if set, each score s (scale included) becomes cap * tanh(s / cap)
         before the softmax (Gemma 2).
+    sinks: if set, [Hq] float32, one logit per query head that joins each softmax's
+        denominator with no value (gpt-oss): out = sum_t e^s_t v_t / (e^sink + sum_t e^s_t).
     Returns [T, Hq, D]. Hq must be a multiple of Hkv (GQA).
     """
     if _use_triton(query):
@@ -212,4 +215,5 @@ def paged_attention(
         max_seq_len,
         sliding_window,
         logits_soft_cap,
+        sinks,
     )

@@ -12,7 +12,9 @@
 // Options (0 = off): a sliding window keeps only the last `sliding_window` keys (t >=
 // seq_len - sliding_window; the blocks wholly before it are skipped, the keys before it in its
 // first block get weight 0), and a soft cap squashes each score to cap * tanh(score / cap)
-// before the softmax (Gemma 2).
+// before the softmax (Gemma 2). Attention sinks (gpt-oss; NULL = none) are one logit per query
+// head that joins the softmax's denominator with no value:
+//   out[r, h, :] = sum_t e^scores[h][t] V[t] / (e^sinks[h] + sum_t e^scores[h][t]).
 //
 // Loops run KV head by KV head: each K/V row is read once for the `group` query heads that
 // share it (float32 rows in place, bfloat16 rows widened once into a small buffer). The head
@@ -119,8 +121,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         T *out, const T *query, int64_t q_head_stride, const T *key_cache,                    \
         const T *value_cache, int64_t block_stride, int64_t slot_stride,                      \
         const int32_t *blocks, int seq_len, int num_masked, int num_heads, int group,         \
-        const int head_size, int block_size, float scale, float soft_cap, float *q,           \
-        float *scores, float *acc) {                                                          \
+        const int head_size, int block_size, float scale, float soft_cap,                     \
+        const float *sinks, float *q, float *scores, float *acc) {                            \
     for (int h = 0; h < num_heads; h++)                                                       \
         for (int d = 0; d < head_size; d++)                                                   \
             q[h * head_size + d] = LOAD(query + h * q_head_stride, d) * scale;                \
@@ -162,7 +164,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             for (int t = num_masked; t < seq_len; t++)                                        \
                 s[t] = soft_cap * (1.f - 2.f / (exp_approx(s[t] * two_over_cap) + 1.f));      \
         }                                                                                     \
-        float max = -INFINITY, sum = 0.f;                                                     \
+        float max = sinks ? sinks[h] : -INFINITY, sum = 0.f;                                  \
         _Pragma("omp simd reduction(max:max)")                                                \
         for (int t = num_masked; t < seq_len; t++) max = s[t] > max ? s[t] : max;             \
         _Pragma("omp simd reduction(+:sum)")                                                  \
@@ -170,6 +172,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             s[t] = exp_approx(s[t] - max);                                                    \
             sum += s[t];                                                                      \
         }                                                                                     \
+        if (sinks) sum += exp_approx(sinks[h] - max); /* a key without a value */             \
         const float inv = 1.f / sum;                                                          \
         for (int t = 0; t < num_masked; t++) s[t] = 0.f;                                      \
         for (int t = num_masked; t < seq_len; t++) s[t] *= inv;                               \
@@ -219,7 +222,7 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
           int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
           const int32_t *seq_lens, const int64_t *token_rows, int num_reqs, int num_heads,   \
           int num_kv_heads, int head_size, int block_size, float scale, int sliding_window,  \
-          float soft_cap) {                                                                  \
+          float soft_cap, const float *sinks) {                                              \
     const int group = num_heads / num_kv_heads;                                              \
     _Pragma("omp parallel")                                                                  \
     {                                                                                        \
@@ -247,15 +250,18 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
             if (head_size == 64)                                                             \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
                            slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
-                           64, block_size, scale, soft_cap, q, scores, acc);                 \
+                           64, block_size, scale, soft_cap, sinks, q, scores,                \
+                           acc);                                                             \
             else if (head_size == 128)                                                       \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
                            slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
-                           128, block_size, scale, soft_cap, q, scores, acc);                \
+                           128, block_size, scale, soft_cap, sinks, q, scores,               \
+                           acc);                                                             \
             else                                                                             \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
                            slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
-                           head_size, block_size, scale, soft_cap, q, scores, acc);          \
+                           head_size, block_size, scale, soft_cap, sinks, q, scores,         \
+                           acc);                                                             \
         }                                                                                    \
         free(scores);                                                                        \
         free(q);                                                                             \

@@ -55,7 +55,9 @@ def _generate_twice(model_dir: str, tokenizer: str, tp: int) -> tuple[list, list
     )
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma3", "qwen3", "phi3", "mixtral"])
+@pytest.mark.parametrize(
+    "kind", ["mistral", "gemma2", "gemma3", "qwen3", "phi3", "mixtral", "gpt_oss"]
+)
 def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
     first, second, cached = _generate_twice(model_dir, default_model_dir, tp=1)
@@ -64,7 +66,7 @@ def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, 
     assert all(n >= 16 for n in cached), cached  # the second round hit the prefix cache
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "gpt_oss"])
 def test_llm_tensor_parallel_2_equals_hf(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
     first, second, _ = _generate_twice(model_dir, default_model_dir, tp=2)

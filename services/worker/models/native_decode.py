@@ -82,6 +82,8 @@ def _stack_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> StackLayer:
     attn = layer.self_attn
     if attn.q_norm is not None:
         raise NotCovered("per-head q/k norms")
+    if attn.attn.sinks is not None:
+        raise NotCovered("attention sinks")
     mlp = layer.mlp
     if not isinstance(mlp, LlamaMLP) or type(mlp) is not LlamaMLP:
         raise NotCovered(f"{type(mlp).__name__} feed-forward blocks")
