@@ -14,19 +14,27 @@ float checkpoint (what save_pretrained writes) holds `gate_up_proj`, `down_proj`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
-from kvserve.services.worker.layers.gpt_oss_moe import GptOssMoE
+from kvserve.kernels.quant import QuantizedTensor
+from kvserve.services.worker.layers.gpt_oss_moe import GptOssExperts, GptOssMoE
 from kvserve.services.worker.models.llama import LlamaForCausalLM
 
-# checkpoint expert tensor -> our parameter under `.experts.`
-_EXPERT_PARAMS = {
-    "gate_up_proj": "w13_weight",
-    "gate_up_proj_bias": "w13_bias",
-    "down_proj": "w2_weight",
-    "down_proj_bias": "w2_bias",
+# checkpoint expert tensor -> (our parameter under `.experts.`, shard id)
+_EXPERT_PARAMS: dict[str, tuple[str, object]] = {
+    "gate_up_proj": ("w13_weight", None),
+    "gate_up_proj_bias": ("w13_bias", None),
+    "down_proj": ("w2_weight", None),
+    "down_proj_bias": ("w2_bias", None),
+    # MXFP4 (the published checkpoints): nibbles and exponents, joined at load
+    "gate_up_proj_blocks": ("w13_weight", "blocks"),
+    "gate_up_proj_scales": ("w13_weight", "scales"),
+    "down_proj_blocks": ("w2_weight", "blocks"),
+    "down_proj_scales": ("w2_weight", "scales"),
 }
 
 
@@ -51,5 +59,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
             return name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), None
         prefix, sep, tensor = name.rpartition(".experts.")
         if sep and tensor in _EXPERT_PARAMS:
-            return f"{prefix}.experts.{_EXPERT_PARAMS[tensor]}", None
+            param, shard_id = _EXPERT_PARAMS[tensor]
+            return f"{prefix}.experts.{param}", shard_id
         return super().map_checkpoint_name(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        super().load_weights(weights)
+        for module in self.modules():
+            if isinstance(module, GptOssExperts):
+                module.check_loaded()
