@@ -83,6 +83,8 @@ def resolve_quantization(
             f"--quantization mxfp4 holds a checkpoint's MXFP4 expert blocks as stored; "
             f"{model_dir}/config.json has no quantization_config with quant_method mxfp4"
         )
+    if requested == "mxfp4":
+        return "mxfp4", None
     if detected is not None and detected != requested:
         raise ValueError(
             f"--quantization {requested} conflicts with {model_dir}'s quantization_config "

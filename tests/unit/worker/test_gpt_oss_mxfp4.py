@@ -65,6 +65,10 @@ def _steps(model, tokens: list[int], blocks: list[int]) -> torch.Tensor:
 def test_the_checkpoint_is_detected_and_its_experts_held_as_stored(mxfp4_checkpoint):
     model_dir, _ = mxfp4_checkpoint
     held, expanded = _ours(model_dir), _ours(model_dir, "none")
+    named = _ours(model_dir, "mxfp4")  # what the checkpoint asks for, asked for by name
+    assert all(
+        m.quantized for m in named.modules() if isinstance(m, GptOssExperts)
+    ) and weight_bytes(named) == weight_bytes(held)
     experts = [m for m in held.modules() if isinstance(m, GptOssExperts)]
     assert experts and all(e.quantized and e.w13_weight.dtype == torch.uint8 for e in experts)
     w13, w2 = experts[0].held_experts()[1]
