@@ -16,10 +16,11 @@ Per variant: weight MiB (parameters and held blocks, each storage counted once:
 `quantization.weight_bytes`), and the batch-1 decode step (one token through the model's
 forward and LM head over a paged KV cache holding a PROMPT_LEN-token context), median over
 ROUNDS rounds of STEPS steps, the variants interleaved round by round so drift on a shared
-machine hits each alike.
+machine hits each alike; wall time and the process's CPU time (with --threads 1, the compute
+a step costs whatever else waits for the cores).
 
     .venv/bin/python bench/gpt_oss_mxfp4.py [--hidden 1024] [--experts 16] [--layers 4]
-        [--rounds 5] [--steps 16] [--save-result FILE]
+        [--rounds 5] [--steps 16] [--threads N] [--save-result FILE]
 """
 
 from __future__ import annotations
@@ -150,13 +151,15 @@ class DecodeBench:
         hidden = self.model(torch.tensor(token_ids), positions, metadata)
         return self.model.compute_logits(hidden[-1:])
 
-    def time_steps(self, steps: int) -> float:
-        """Mean ms of `steps` batch-1 decode steps after the prompt."""
+    def time_steps(self, steps: int) -> tuple[float, float]:
+        """(wall ms, process CPU ms) per step, mean of `steps` batch-1 decode steps after
+        the prompt."""
         token = 0
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for i in range(steps):
             token = int(self._step([token], PROMPT_LEN + i).argmax())
-        return 1e3 * (time.perf_counter() - start) / steps
+        wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+        return 1e3 * wall / steps, 1e3 * cpu / steps
 
 
 def main() -> None:
@@ -167,8 +170,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--save-result", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     variants = [
         (dtype_name, quant)
         for dtype_name in ("float32", "bfloat16")
@@ -181,7 +187,7 @@ def main() -> None:
             dtype = getattr(torch, dtype_name)
             quantization = "none" if quant == "none" else "mxfp4"
             benches[(dtype_name, quant)] = DecodeBench(model_dir, dtype, quantization, args.steps)
-    times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {v: [] for v in variants}
     for _ in range(args.rounds + 1):  # the first round warms up
         for variant in variants:
             os.environ["KVSERVE_QUANT_ACTIVATIONS"] = (
@@ -195,15 +201,18 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        "| activations | experts | weight MiB | vs expansion | batch-1 decode step ms | speed-up |"
+        "| activations | experts | weight MiB | vs expansion | batch-1 decode step ms "
+        "| speed-up | CPU ms per step | CPU speed-up |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     results = []
     for dtype_name, quant in variants:
         bench = benches[(dtype_name, quant)]
         ref = benches[(dtype_name, "none")]
-        ms = statistics.median(times[(dtype_name, quant)][1:])
-        ref_ms = statistics.median(times[(dtype_name, "none")][1:])
+        ms = statistics.median(t[0] for t in times[(dtype_name, quant)][1:])
+        ref_ms = statistics.median(t[0] for t in times[(dtype_name, "none")][1:])
+        cpu_ms = statistics.median(t[1] for t in times[(dtype_name, quant)][1:])
+        ref_cpu_ms = statistics.median(t[1] for t in times[(dtype_name, "none")][1:])
         label = {
             "none": "float expansion",
             "mxfp4": "MXFP4 held",
@@ -211,10 +220,17 @@ def main() -> None:
         }[quant]
         print(
             f"| {dtype_name} | {label} | {bench.weight_mib:.1f} "
-            f"| {bench.weight_mib / ref.weight_mib:.2f} | {ms:.2f} | {ref_ms / ms:.2f}x |"
+            f"| {bench.weight_mib / ref.weight_mib:.2f} | {ms:.2f} | {ref_ms / ms:.2f}x "
+            f"| {cpu_ms:.2f} | {ref_cpu_ms / cpu_ms:.2f}x |"
         )
         results.append(
-            dict(dtype=dtype_name, variant=quant, weight_mib=bench.weight_mib, step_ms=ms)
+            dict(
+                dtype=dtype_name,
+                variant=quant,
+                weight_mib=bench.weight_mib,
+                step_ms=ms,
+                step_cpu_ms=cpu_ms,
+            )
         )
     if args.save_result:
         with open(args.save_result, "w") as f:
