@@ -553,6 +553,7 @@ def _prefill_attention_cpu(
     block_ids: torch.Tensor,
     seq_len: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # A chunk that starts mid-sequence needs a bottom-right causal mask, which sends SDPA to
     # its slow math path (a materialized [H, L, S] mask and scores). Instead, two flash calls:
@@ -578,6 +579,12 @@ def _prefill_attention_cpu(
         lse_max = torch.maximum(lse, lse_ctx)
         w, w_ctx = (lse - lse_max).exp_().unsqueeze(-1), (lse_ctx - lse_max).exp_().unsqueeze(-1)
         out = ((out.float() * w + out_ctx.float() * w_ctx) / (w + w_ctx)).to(query.dtype)
+        lse = lse_max + (w + w_ctx).squeeze(-1).log()
+    if sinks is not None:
+        # The sink's term in the denominator: out * S / (S + e^sink) = out * sigmoid(lse - sink)
+        # with S = e^lse the keys' sum.
+        keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+        out = (out.float() * keep).to(query.dtype)
     return out[0].transpose(0, 1)
 
 
@@ -598,12 +605,14 @@ def _prefill_chunks(
     starts: list[int],
     lens: list[int],
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out's rows of the prefill chunks of requests `reqs` (starts: query_start_loc, lens:
     seq_lens, as lists): all in one call on AMX tiles where the CPU has them (bfloat16,
-    cpu.prefill_attention_amx), else chunk by chunk through torch's flash attention."""
+    cpu.prefill_attention_amx; not with sinks: the kernel returns no log-sum-exps), else
+    chunk by chunk through torch's flash attention (sinks applied from its log-sum-exps)."""
     layout = (query.dtype, query.shape[1], key_cache.shape[2], query.shape[2])
-    if cpu.prefill_attention_amx(
+    if sinks is None and cpu.prefill_attention_amx(
         out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, reqs, scale
     ):
         FLASH_ROUTE[layout] = "AMX tiles"
@@ -612,7 +621,7 @@ def _prefill_chunks(
     for req in reqs:
         start, end = starts[req], starts[req + 1]
         out[start:end] = _prefill_attention_cpu(
-            query[start:end], key_cache, value_cache, block_table[req], lens[req], scale
+            query[start:end], key_cache, value_cache, block_table[req], lens[req], scale, sinks
         )
 
 
@@ -792,9 +801,9 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather);
     prefill chunks in the same kernel, a query per token, where that is faster
-    (`_prefill_in_decode_kernel`) and whenever a window, soft cap or sinks are set, else the
-    flash route (`_prefill_chunks`: all of them in one AMX call, or two flash SDPA calls
-    each). Same contract as `paged_attention`; the caller (kernels.dispatch)
+    (`_prefill_in_decode_kernel`) and whenever a window or soft cap is set, else the flash
+    route (`_prefill_chunks`: all of them in one AMX call, or two flash SDPA calls each, the
+    only choice with sinks). Same contract as `paged_attention`; the caller (kernels.dispatch)
     checks that the native kernel is built for the dtype."""
     _check_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_seq_len
@@ -807,9 +816,10 @@ def paged_attention_cpu(
     else:
         bounds = torch.cat((query_start_loc, seq_lens)).tolist()
         starts, lens = bounds[: num_reqs + 1], bounds[num_reqs + 1 :]
-        # A window, a soft cap or sinks send every chunk to the decode kernel: the other
-        # choice is the reference's masked math path.
-        windowed = bool(sliding_window or logits_soft_cap) or sinks is not None
+        # A window or a soft cap sends every chunk to the decode kernel: the other choice is
+        # the reference's masked math path. Sinks go either way (flash applies them from its
+        # log-sum-exps).
+        windowed = bool(sliding_window or logits_soft_cap)
         # Not true of the memory-profile pass's K/V views.
         in_place = cpu.kv_readable_in_place(key_cache, value_cache)
         max_decode_chunk = decode_kernel_max_query_len(
@@ -865,6 +875,7 @@ def paged_attention_cpu(
                 starts,
                 lens,
                 scale,
+                sinks,
             )
         decode_reqs = (query_lens == 1).nonzero().squeeze(1)
         if decode_reqs.numel() == 0:
