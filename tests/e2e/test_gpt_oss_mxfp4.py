@@ -57,7 +57,6 @@ def _teacher_forced(llm: LLM, sequences: list[list[int]], starts: list[int]):
     return np.array(lps), np.array(ranks)
 
 
-@pytest.mark.slow
 def test_llm_int8_activations_agree_with_quantization_none(mxfp4_dir, default_model_dir):
     # The expansion's greedy continuations, scored teacher-forced by both paths.
     model_dir, hf_model = mxfp4_dir
