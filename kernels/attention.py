@@ -10,10 +10,12 @@ query_start_loc[r] .. query_start_loc[r + 1] and has seq_lens[r] tokens of conte
 and attends to keys 0..its own position, read through block_table[r] (block_size tokens per
 block). Query head h reads KV head h // (Hq // Hkv) (GQA).
 
-Two options, off by default (the fast paths): a sliding window W limits query position p to
+Three options, off by default (the fast paths): a sliding window W limits query position p to
 keys p - W < t <= p (Mistral, Gemma); a logits soft cap c squashes every score s = scale q.k to
-c * tanh(s / c) before the softmax (Gemma 2). The cache keeps every block: keys older than the
-window are masked, not freed.
+c * tanh(s / c) before the softmax (Gemma 2); attention sinks (gpt-oss) add one learned logit
+per query head to the softmax's denominator, a key no value goes with:
+out = sum_t exp(s_t) v_t / (exp(sink_h) + sum_t exp(s_t)). The cache keeps every block: keys
+older than the window are masked, not freed.
 
 A third, chunked local attention (Llama 4's `attention_chunk_size` C), splits positions into
 chunks [0, C), [C, 2C), ... and lets query position p see only the keys of its own chunk:
@@ -80,6 +82,7 @@ if HAS_TRITON:
         sliding_window,
         soft_cap,
         chunk_size,
+        sinks_ptr,
         num_reqs,
         query_token_stride,
         query_head_stride,
@@ -100,6 +103,7 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr,
         USE_SOFT_CAP: tl.constexpr,
         USE_CHUNK: tl.constexpr,
+        USE_SINKS: tl.constexpr,
     ):
         # Grid: (q block, KV head). A program's BLOCK_M rows are (query token, query head of
         # this KV head) pairs, row m = token m // G, head m % G, so every K/V tile it loads
@@ -134,6 +138,11 @@ if HAS_TRITON:
 
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if USE_SINKS:
+            # The sink is a key seen first whose value is zero: exp2(sink - max) in the sum.
+            sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32)
+            row_max = sink * 1.4426950408889634
+            row_sum = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_HEAD], dtype=tl.float32)
         qk_scale = scale * 1.4426950408889634  # log2(e): softmax via exp2
         # Keys past this block's last query are invisible to all its rows.
@@ -238,6 +247,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; contract in kernels.dispatch.paged_attention.
 
@@ -247,8 +257,8 @@ def paged_attention(
         block_table: [R, max_blocks] int32, rows contiguous.
         query_start_loc: [R + 1] int32; seq_lens: [R] int32.
         scale: softmax scale; max_query_len, max_seq_len: host-side maxima.
-        sliding_window, logits_soft_cap, attention_chunk_size: the options of the module
-            docstring (None: off).
+        sliding_window, logits_soft_cap, attention_chunk_size, sinks: the options of the
+            module docstring (None: off); sinks [Hq], contiguous.
     Returns:
         [T, Hq, D] contiguous, query's dtype.
     """
@@ -283,6 +293,7 @@ def paged_attention(
         sliding_window or 0,
         logits_soft_cap or 0.0,
         attention_chunk_size or 1,
+        sinks if sinks is not None else out,  # unread without USE_SINKS
         num_reqs,
         query.stride(0),
         query.stride(1),
@@ -304,6 +315,7 @@ def paged_attention(
         USE_WINDOW=bool(sliding_window),
         USE_SOFT_CAP=bool(logits_soft_cap),
         USE_CHUNK=bool(attention_chunk_size),
+        USE_SINKS=sinks is not None,
     )
     return out
 
@@ -340,10 +352,11 @@ def _attention(
     scale: float,
     soft_cap: float | None,
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # SDPA (causal when mask is None), or with a soft cap, which SDPA lacks, the same in
-    # plain float32 ops.
-    if not soft_cap:
+    # SDPA (causal when mask is None), or with a soft cap or sinks, which SDPA lacks, the same
+    # in plain float32 ops. sinks: broadcastable to the scores' [..., rows, 1].
+    if not soft_cap and sinks is None:
         return F.scaled_dot_product_attention(
             query,
             keys,
@@ -357,11 +370,17 @@ def _attention(
         group = query.shape[-3] // keys.shape[-3]
         keys, values = (t.repeat_interleave(group, dim=-3) for t in (keys, values))
     scores = (query.float() @ keys.float().transpose(-1, -2)) * scale
-    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril_()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ values.float()).to(query.dtype)
+    if sinks is None:
+        return (scores.softmax(dim=-1) @ values.float()).to(query.dtype)
+    # The sink joins the softmax as one more column, then is dropped: it has no value.
+    sink_column = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, sink_column), dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs @ values.float()).to(query.dtype)
 
 
 def _decode_attention_ref(
@@ -375,6 +394,7 @@ def _decode_attention_ref(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # query: [R, Hq, D], one token per request, the last of its context. Gather the first
     # num_blocks blocks of every request into a padded [R, Hkv, S_pad, D] view and run one
@@ -404,8 +424,12 @@ def _decode_attention_ref(
     )
     # A decode token's G query heads share their KV head's keys and mask: fold them into
     # SDPA's query-length dim, so GQA needs no expanded K/V copy.
-    queries = query.reshape(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)
-    out = _attention(queries, keys, values, visible[:, None, None, :], scale, soft_cap)
+    group = num_heads // num_kv_heads
+    queries = query.reshape(num_reqs, num_kv_heads, group, head_size)
+    head_sinks = sinks.view(num_kv_heads, group, 1) if sinks is not None else None
+    out = _attention(
+        queries, keys, values, visible[:, None, None, :], scale, soft_cap, sinks=head_sinks
+    )
     return out.reshape(num_reqs, num_heads, head_size)
 
 
@@ -419,6 +443,7 @@ def _prefill_attention_ref(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # query: [L, Hq, D], the last L tokens of a seq_len context; block_ids: its table row.
     query_len, num_heads = query.shape[:2]
@@ -453,6 +478,7 @@ def _prefill_attention_ref(
         scale,
         soft_cap,
         enable_gqa=num_heads != num_kv_heads,
+        sinks=sinks.view(num_heads, 1, 1) if sinks is not None else None,
     )
     return out.transpose(0, 1)
 
@@ -470,6 +496,7 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch paged attention (the CPU hot path); same contract as `paged_attention`.
 
@@ -502,6 +529,7 @@ def paged_attention_ref(
                 sliding_window,
                 logits_soft_cap,
                 attention_chunk_size,
+                sinks,
             )
     max_group_tokens = _DECODE_GROUP_BYTES // (
         2 * num_kv_heads * head_size * key_cache.element_size()
@@ -521,6 +549,7 @@ def paged_attention_ref(
                 sliding_window,
                 logits_soft_cap,
                 attention_chunk_size,
+                sinks,
             )
         req_indices = torch.tensor(group, device=query.device)
         token_indices = torch.tensor([query_starts[req] for req in group], device=query.device)
@@ -535,6 +564,7 @@ def paged_attention_ref(
             sliding_window,
             logits_soft_cap,
             attention_chunk_size,
+            sinks,
         )
         out.index_copy_(0, token_indices, group_out)
     return out
@@ -553,6 +583,7 @@ def _prefill_attention_cpu(
     block_ids: torch.Tensor,
     seq_len: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # A chunk that starts mid-sequence needs a bottom-right causal mask, which sends SDPA to
     # its slow math path (a materialized [H, L, S] mask and scores). Instead, two flash calls:
@@ -578,6 +609,12 @@ def _prefill_attention_cpu(
         lse_max = torch.maximum(lse, lse_ctx)
         w, w_ctx = (lse - lse_max).exp_().unsqueeze(-1), (lse_ctx - lse_max).exp_().unsqueeze(-1)
         out = ((out.float() * w + out_ctx.float() * w_ctx) / (w + w_ctx)).to(query.dtype)
+        lse = lse_max + (w + w_ctx).squeeze(-1).log()
+    if sinks is not None:
+        # The sink's term in the denominator: out * S / (S + e^sink) = out * sigmoid(lse - sink)
+        # with S = e^lse the keys' sum.
+        keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+        out = (out.float() * keep).to(query.dtype)
     return out[0].transpose(0, 1)
 
 
@@ -598,12 +635,14 @@ def _prefill_chunks(
     starts: list[int],
     lens: list[int],
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out's rows of the prefill chunks of requests `reqs` (starts: query_start_loc, lens:
     seq_lens, as lists): all in one call on AMX tiles where the CPU has them (bfloat16,
-    cpu.prefill_attention_amx), else chunk by chunk through torch's flash attention."""
+    cpu.prefill_attention_amx; not with sinks: the kernel returns no log-sum-exps), else
+    chunk by chunk through torch's flash attention (sinks applied from its log-sum-exps)."""
     layout = (query.dtype, query.shape[1], key_cache.shape[2], query.shape[2])
-    if cpu.prefill_attention_amx(
+    if sinks is None and cpu.prefill_attention_amx(
         out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, reqs, scale
     ):
         FLASH_ROUTE[layout] = "AMX tiles"
@@ -612,7 +651,7 @@ def _prefill_chunks(
     for req in reqs:
         start, end = starts[req], starts[req + 1]
         out[start:end] = _prefill_attention_cpu(
-            query[start:end], key_cache, value_cache, block_table[req], lens[req], scale
+            query[start:end], key_cache, value_cache, block_table[req], lens[req], scale, sinks
         )
 
 
@@ -762,6 +801,7 @@ def _prefill_as_decodes(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out[start:end] for one prefill chunk through the decode kernel: token i of the chunk is
     one query over keys [0, context_len + i], every token sharing the chunk's block-table row
@@ -782,6 +822,7 @@ def _prefill_as_decodes(
         sliding_window,
         soft_cap,
         chunk_size,
+        sinks,
     )
 
 
@@ -798,12 +839,13 @@ def paged_attention_cpu(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather);
     prefill chunks in the same kernel, a query per token, where that is faster
-    (`_prefill_in_decode_kernel`) and whenever a window or soft cap is set, else through the
-    flash route (`_prefill_chunks`: all of them in one AMX call, or two flash SDPA calls
-    each). Same contract as `paged_attention`; the caller (kernels.dispatch)
+    (`_prefill_in_decode_kernel`) and whenever a window or soft cap is set, else the flash
+    route (`_prefill_chunks`: all of them in one AMX call, or two flash SDPA calls each, the
+    only choice with sinks). Same contract as `paged_attention`; the caller (kernels.dispatch)
     checks that the native kernel is built for the dtype."""
     _check_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_seq_len
@@ -817,7 +859,8 @@ def paged_attention_cpu(
         bounds = torch.cat((query_start_loc, seq_lens)).tolist()
         starts, lens = bounds[: num_reqs + 1], bounds[num_reqs + 1 :]
         # A window, a soft cap or chunked local attention sends every chunk to the decode
-        # kernel: the other choice is the reference's masked math path.
+        # kernel: the other choice is the reference's masked math path. Sinks go either way
+        # (flash applies them from its log-sum-exps).
         windowed = bool(sliding_window or logits_soft_cap or attention_chunk_size)
         # Not true of the memory-profile pass's K/V views.
         in_place = cpu.kv_readable_in_place(key_cache, value_cache)
@@ -846,6 +889,7 @@ def paged_attention_cpu(
                     sliding_window,
                     logits_soft_cap,
                     attention_chunk_size,
+                    sinks,
                 )
             elif windowed:
                 out[start:end] = _prefill_attention_ref(
@@ -858,6 +902,7 @@ def paged_attention_cpu(
                     sliding_window=sliding_window,
                     soft_cap=logits_soft_cap,
                     chunk_size=attention_chunk_size,
+                    sinks=sinks,
                 )
             else:
                 flash_reqs.append(req)
@@ -874,6 +919,7 @@ def paged_attention_cpu(
                 starts,
                 lens,
                 scale,
+                sinks,
             )
         decode_reqs = (query_lens == 1).nonzero().squeeze(1)
         if decode_reqs.numel() == 0:
@@ -899,5 +945,6 @@ def paged_attention_cpu(
         sliding_window,
         logits_soft_cap,
         attention_chunk_size,
+        sinks,
     )
     return out

@@ -272,6 +272,7 @@ def decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of one query token per request, written into out[token_rows].
 
@@ -286,6 +287,7 @@ def decode_attention(
         soft_cap: scores become soft_cap * tanh(score / soft_cap); None for none.
         attention_chunk_size: attend to only the keys of the query's own chunk of this
             many positions (Llama 4's chunked local attention); None for all.
+        sinks: [Hq] logits that join each head's softmax denominator (gpt-oss); None: none.
     """
     lib = _load()
     assert lib is not None
@@ -301,6 +303,9 @@ def decode_attention(
         if query.dtype == torch.float32
         else lib.decode_attention_bf16_chunked
     )
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        assert sinks.shape == (num_heads,), (sinks.shape, num_heads)
     i64 = ctypes.c_int64
     fn(
         ctypes.c_void_p(out.data_ptr()),
@@ -324,6 +329,7 @@ def decode_attention(
         ctypes.c_int(sliding_window or 0),
         ctypes.c_float(soft_cap or 0.0),
         ctypes.c_int(attention_chunk_size or 0),
+        _ptr(sinks),
     )
 
 

@@ -180,6 +180,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of flattened varlen queries over K/V read through a block table.
 
@@ -195,6 +196,8 @@ def paged_attention(
         before the softmax (Gemma 2).
     attention_chunk_size: if set, a query at position p sees only the keys of its own chunk,
         p // C * C <= t <= p (Llama 4's chunked local attention).
+    sinks: if set, [Hq] float32, one logit per query head that joins each softmax's
+        denominator with no value (gpt-oss): out = sum_t e^s_t v_t / (e^sink + sum_t e^s_t).
     Returns [T, Hq, D]. Hq must be a multiple of Hkv (GQA).
     """
     if _use_triton(query):
@@ -216,4 +219,5 @@ def paged_attention(
         sliding_window,
         logits_soft_cap,
         attention_chunk_size,
+        sinks,
     )

@@ -1,4 +1,5 @@
-"""Weights held quantized: GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K) and per-channel int8 (I8).
+"""Weights held quantized: GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K), MXFP4 blocks (gpt-oss's
+experts) and per-channel int8 (I8).
 
 A `QuantizedTensor` is a weight [N, K] kept as its stored bytes: `data` is uint8
 [N, bytes per row], each row a run of blocks along K (for I8, int8 values with one float
@@ -37,8 +38,33 @@ QTYPES: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18),
     "Q4_1": (3, 32, 20),
     "Q4_K": (12, 256, 144),
+    "MXFP4": (39, 32, 17),
     "I8": (100, 1, 1),
 }
+# MXFP4 (OCP microscaling FP4, as gpt-oss checkpoints store it): per 32 elements one e8m0
+# exponent byte e (scale 2^(e - 127)), then 16 bytes of e2m1 nibbles, the low nibble of byte j
+# element 2j and the high one element 2j + 1. The checkpoint keeps the nibbles (`*_blocks`,
+# [..., K/32, 16]) and the exponents (`*_scales`, [..., K/32]) apart; `mxfp4_from_checkpoint`
+# puts each block's exponent before its 16 bytes (the bytes themselves unchanged), so a row is
+# a run of 17-byte blocks like the GGUF types'.
+E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 GGUF_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 
 # Row counts up to this take the C kernel; more rows dequantize chunks of the weight and use
@@ -153,6 +179,43 @@ class QuantizedTensor:
         return dequantize_ref(self)
 
 
+def mxfp4_from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's MXFP4 pair as rows of 17-byte blocks: blocks uint8 [..., N, K/32, 16],
+    scales uint8 [..., N, K/32] -> uint8 [..., N, K/32 * 17] (each block's exponent byte, then
+    its 16 nibble bytes). Per row, the `data` of a QuantizedTensor("MXFP4", (N, K))."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype}, {scales.dtype}")
+    if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+            "(expected blocks [..., K/32, 16] and scales [..., K/32])"
+        )
+    packed = torch.cat((scales.unsqueeze(-1), blocks), dim=-1)  # [..., N, K/32, 17]
+    return packed.flatten(-2)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [..., N, K] as a checkpoint's MXFP4 pair (blocks uint8 [..., N, K/32,
+    16], scales uint8 [..., N, K/32]), the OCP MX way: per 32-block the exponent
+    floor(log2(amax)) - 2 (e2m1's largest value is 1.5 * 2^2), each value divided by its
+    power of two and rounded to the nearest e2m1 value (saturating at 6). For tests and
+    benchmarks: the published checkpoints come quantized."""
+    w = weight.detach().float()
+    *prefix, n, k = w.shape
+    if k % 32:
+        raise ValueError(f"MXFP4 needs K divisible by 32, got {k}")
+    blocks = w.reshape(*prefix, n, k // 32, 32)
+    amax = blocks.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127))
+    exponent = exponent.clamp(-127, 127)
+    scaled = blocks / torch.exp2(exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)  # nearest, [0, 8)
+    codes = codes + 8 * (scaled < 0)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed.contiguous(), (exponent + 127).to(torch.uint8)
+
+
 def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Row-wise concatenation of same-type, same-K quantized weights."""
     qtype, k = parts[0].qtype, parts[0].shape[1]
@@ -201,6 +264,11 @@ def dequantize_ref(qt: QuantizedTensor) -> torch.Tensor:
         return qt.data.view(torch.int8).float() * qt.scales[:, None]
     _, elems, bpb = QTYPES[qt.qtype]
     blocks = qt.data.reshape(n, k // elems, bpb)
+    if qt.qtype == "MXFP4":
+        lut = torch.tensor(E2M1_VALUES, device=qt.data.device)
+        qs = blocks[..., 1:].long()
+        values = torch.stack((lut[qs & 15], lut[qs >> 4]), dim=-1).flatten(-2)  # [n, nb, 32]
+        return torch.ldexp(values, blocks[..., :1].long() - 127).reshape(n, k)
     if qt.qtype == "Q8_0":
         out = _f16(blocks, 0)[..., None] * blocks[..., 2:].view(torch.int8).float()
     elif qt.qtype == "Q4_0":
@@ -464,6 +532,21 @@ if HAS_TRITON:
                 byte = tl.load(base + 4 + (i % 16), mask=nm, other=0)
                 nib = tl.where(i < 16, byte & 15, byte >> 4).to(tl.float32)
                 w = _f16_at(base, nm) * nib + _f16_at(base + 2, nm)
+            elif QTYPE == 39:  # MXFP4: e8m0 exponent, 16 bytes (lo = element 2j, hi = 2j + 1)
+                base = row + kb * BLOCK_BYTES
+                exponent = tl.load(base, mask=nm, other=127).to(tl.float32)
+                byte = tl.load(base + 1 + i // 2, mask=nm, other=0)
+                nib = tl.where(i % 2 == 0, byte & 15, byte >> 4).to(tl.int32)
+                mag = nib & 7
+                # e2m1: 0, 0.5 for mag 0, 1; else (1 + (mag & 1) / 2) * 2^((mag >> 1) - 1)
+                value = tl.where(
+                    mag < 2,
+                    mag.to(tl.float32) * 0.5,
+                    (1.0 + (mag & 1).to(tl.float32) * 0.5)
+                    * tl.exp2(((mag >> 1) - 1).to(tl.float32)),
+                )
+                value = tl.where(nib >= 8, -value, value)
+                w = value * tl.exp2(exponent - 127.0)
             elif QTYPE == 12:  # Q4_K: sub-block j of super-block kb // 8
                 j = kb % 8
                 jj = j % 4

@@ -14,7 +14,10 @@
 // first block get weight 0), and a soft cap squashes each score to cap * tanh(score / cap)
 // before the softmax (Gemma 2). Chunked local attention (Llama 4, the `_chunked` entry points)
 // keeps only the keys of the query's own chunk of `chunk_size` positions: t >= (seq_len - 1)
-// rounded down to a multiple of chunk_size, a window start like the sliding one's.
+// rounded down to a multiple of chunk_size, a window start like the sliding one's. Attention
+// sinks (gpt-oss; NULL = none) are one logit per query head that joins the softmax's
+// denominator with no value:
+//   out[r, h, :] = sum_t e^scores[h][t] V[t] / (e^sinks[h] + sum_t e^scores[h][t]).
 //
 // Loops run KV head by KV head: each K/V row is read once for the `group` query heads that
 // share it (float32 rows in place, bfloat16 rows widened once into a small buffer). The head
@@ -121,8 +124,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         T *out, const T *query, int64_t q_head_stride, const T *key_cache,                    \
         const T *value_cache, int64_t block_stride, int64_t slot_stride,                      \
         const int32_t *blocks, int seq_len, int num_masked, int num_heads, int group,         \
-        const int head_size, int block_size, float scale, float soft_cap, float *q,           \
-        float *scores, float *acc) {                                                          \
+        const int head_size, int block_size, float scale, float soft_cap,                     \
+        const float *sinks, float *q, float *scores, float *acc) {                            \
     for (int h = 0; h < num_heads; h++)                                                       \
         for (int d = 0; d < head_size; d++)                                                   \
             q[h * head_size + d] = LOAD(query + h * q_head_stride, d) * scale;                \
@@ -164,7 +167,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             for (int t = num_masked; t < seq_len; t++)                                        \
                 s[t] = soft_cap * (1.f - 2.f / (exp_approx(s[t] * two_over_cap) + 1.f));      \
         }                                                                                     \
-        float max = -INFINITY, sum = 0.f;                                                     \
+        float max = sinks ? sinks[h] : -INFINITY, sum = 0.f;                                  \
         _Pragma("omp simd reduction(max:max)")                                                \
         for (int t = num_masked; t < seq_len; t++) max = s[t] > max ? s[t] : max;             \
         _Pragma("omp simd reduction(+:sum)")                                                  \
@@ -172,6 +175,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             s[t] = exp_approx(s[t] - max);                                                    \
             sum += s[t];                                                                      \
         }                                                                                     \
+        if (sinks) sum += exp_approx(sinks[h] - max); /* a key without a value */             \
         const float inv = 1.f / sum;                                                          \
         for (int t = 0; t < num_masked; t++) s[t] = 0.f;                                      \
         for (int t = num_masked; t < seq_len; t++) s[t] *= inv;                               \
@@ -221,7 +225,7 @@ void NAME##_chunked(T *out, const T *query, int64_t q_token_stride, int64_t q_he
           int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
           const int32_t *seq_lens, const int64_t *token_rows, int num_reqs, int num_heads,   \
           int num_kv_heads, int head_size, int block_size, float scale, int sliding_window,  \
-          float soft_cap, int chunk_size) {                                                  \
+          float soft_cap, int chunk_size, const float *sinks) {                              \
     const int group = num_heads / num_kv_heads;                                              \
     _Pragma("omp parallel")                                                                  \
     {                                                                                        \
@@ -254,15 +258,18 @@ void NAME##_chunked(T *out, const T *query, int64_t q_token_stride, int64_t q_he
             if (head_size == 64)                                                             \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
                            slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
-                           64, block_size, scale, soft_cap, q, scores, acc);                 \
+                           64, block_size, scale, soft_cap, sinks, q, scores,                \
+                           acc);                                                             \
             else if (head_size == 128)                                                       \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
                            slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
-                           128, block_size, scale, soft_cap, q, scores, acc);                \
+                           128, block_size, scale, soft_cap, sinks, q, scores,               \
+                           acc);                                                             \
             else                                                                             \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
                            slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
-                           head_size, block_size, scale, soft_cap, q, scores, acc);          \
+                           head_size, block_size, scale, soft_cap, sinks, q, scores,         \
+                           acc);                                                             \
         }                                                                                    \
         free(scores);                                                                        \
         free(q);                                                                             \
@@ -274,11 +281,11 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
           int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
           const int32_t *seq_lens, const int64_t *token_rows, int num_reqs, int num_heads,   \
           int num_kv_heads, int head_size, int block_size, float scale, int sliding_window,  \
-          float soft_cap) {                                                                  \
+          float soft_cap, const float *sinks) {                                              \
     NAME##_chunked(out, query, q_token_stride, q_head_stride, key_cache, value_cache,        \
                    block_stride, slot_stride, block_table, table_stride, seq_lens,           \
                    token_rows, num_reqs, num_heads, num_kv_heads, head_size, block_size,     \
-                   scale, sliding_window, soft_cap, 0);                                      \
+                   scale, sliding_window, soft_cap, 0, sinks);                               \
 }
 
 DEFINE_DECODE_ATTENTION(decode_attention_f32, float, attend_one_f32)

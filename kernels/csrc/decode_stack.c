@@ -74,7 +74,8 @@ void decode_attention_f32(float *out, const float *query, int64_t q_token_stride
                           const int32_t *block_table, int64_t table_stride,
                           const int32_t *seq_lens, const int64_t *token_rows, int num_reqs,
                           int num_heads, int num_kv_heads, int head_size, int block_size,
-                          float scale, int sliding_window, float soft_cap);
+                          float scale, int sliding_window, float soft_cap,
+                          const float *sinks);
 void decode_attention_bf16(uint16_t *out, const uint16_t *query, int64_t q_token_stride,
                            int64_t q_head_stride, const uint16_t *key_cache,
                            const uint16_t *value_cache, int64_t block_stride,
@@ -82,7 +83,7 @@ void decode_attention_bf16(uint16_t *out, const uint16_t *query, int64_t q_token
                            int64_t table_stride, const int32_t *seq_lens,
                            const int64_t *token_rows, int num_reqs, int num_heads,
                            int num_kv_heads, int head_size, int block_size, float scale,
-                           int sliding_window, float soft_cap);
+                           int sliding_window, float soft_cap, const float *sinks);
 
 static inline float round_to(float v, int bf16) {
     return bf16 ? bf16_to_f32(f32_to_bf16_rne(v)) : v;
@@ -340,13 +341,13 @@ void decode_stack(const stack_layer *layers, int num_layers, const stack_shape *
                                   (const uint16_t *)L->value_cache, block_stride, slot_stride,
                                   block_table, table_stride, seq_lens, token_rows, M, Hq, Hkv, D,
                                   (int)s->block_size, s->scale, (int)L->sliding_window,
-                                  s->soft_cap);
+                                  s->soft_cap, NULL);  // sinks: never on the stack
         else
             decode_attention_f32((float *)o_t, (const float *)q_t, QD, D,
                                  (const float *)L->key_cache, (const float *)L->value_cache,
                                  block_stride, slot_stride, block_table, table_stride, seq_lens,
                                  token_rows, M, Hq, Hkv, D, (int)s->block_size, s->scale,
-                                 (int)L->sliding_window, s->soft_cap);
+                                 (int)L->sliding_window, s->soft_cap, NULL);
         load_row(attn, o_t, (int64_t)M * QD, bf16);
         gemv(s, h, attn, &L->o, M, H, QD);
         round_all(h, (int64_t)M * H, bf16);

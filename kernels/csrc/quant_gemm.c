@@ -1,5 +1,5 @@
-// Dequantizing matmul over weights held as GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K) or as
-// per-output-channel int8, on CPU.
+// Dequantizing matmul over weights held as GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K), as MXFP4
+// blocks (gpt-oss's experts) or as per-output-channel int8, on CPU.
 //
 //   y[m, n] = sum_k x[m, k] * W[n, k]        W never expanded to float
 //
@@ -16,6 +16,10 @@
 //   Q4_K  256-element super-blocks, 8 sub-blocks of 32 with 6-bit scales and mins:
 //         w = d sc_j q - dmin m_j           dot = d sc_j dx sum(q qx) - dmin m_j sum(x)
 //   I8    w = s_n * q, q int8, per row      dot = s_n sum_b dx_b sum(q qx)
+//   MXFP4 w = 2^(e - 127) * f, f an e2m1 value in {0, 0.5, 1, 1.5, 2, 3, 4, 6} with a sign:
+//         a block is the e8m0 exponent byte e, then 16 bytes whose low nibble is element 2j
+//         and high nibble element 2j + 1 (the checkpoint's order); 2f is an integer in
+//         -12..12, so                       dot = 2^(e - 128) dx sum(2f qx)
 //
 // Work is split over output rows (OpenMP); each weight row is unpacked from L1 for every
 // activation row, so at decode (few rows) the kernel streams the weight once: bandwidth-bound,
@@ -32,7 +36,18 @@
 #include <immintrin.h>
 #endif
 
-enum { KVQ_Q8_0 = 8, KVQ_Q4_0 = 2, KVQ_Q4_1 = 3, KVQ_Q4_K = 12, KVQ_I8 = 100 };
+enum { KVQ_Q8_0 = 8, KVQ_Q4_0 = 2, KVQ_Q4_1 = 3, KVQ_Q4_K = 12, KVQ_MXFP4 = 39, KVQ_I8 = 100 };
+
+// Twice the e2m1 value of each nibble (sign bit 3): integers, for the int8 dot products.
+static const int8_t kvq_e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// 2^(e - 127) of an e8m0 exponent byte (e = 0: 2^-127, a float32 subnormal).
+static inline float e8m0_to_f32(uint8_t e) {
+    const uint32_t bits = e ? (uint32_t)e << 23 : 0x00400000u;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 #define QK 32     // elements per activation block and per Q8_0/Q4_0/Q4_1 block
 #define QK_K 256  // elements per Q4_K super-block
@@ -96,6 +111,7 @@ int kvq_block_bytes(int qtype) {
         case KVQ_Q4_0: return 18;
         case KVQ_Q4_1: return 20;
         case KVQ_Q4_K: return 144;
+        case KVQ_MXFP4: return 17;
         case KVQ_I8: return 1;
         default: return 0;
     }
@@ -157,6 +173,16 @@ static inline __m256i nibbles_32(const uint8_t *qs) {  // 16 bytes -> 32 values 
     const __m128i lo = _mm_and_si128(b, mask);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
     return _mm256_set_m128i(hi, lo);
+}
+
+// 16 MXFP4 bytes -> 32 int8 values 2f in element order (lo nibble of byte j = element 2j).
+static inline __m256i mxfp4_32(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lut = _mm_loadu_si128((const __m128i *)kvq_e2m1_x2);
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, mask));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
 }
 
 static inline float hsum8(__m256 v) {
@@ -241,6 +267,17 @@ static inline __attribute__((always_inline)) void rows_dot(
             }
             break;
         }
+        case KVQ_MXFP4:
+            for (int b = 0; b < nb; b++, w += 17) {
+                const float d = 0.5f * e8m0_to_f32(w[0]);
+                const __m256i q = mxfp4_32(w + 1);
+                const __m256i aq = _mm256_abs_epi8(q);
+                for (int r = 0; r < NR; r++) {
+                    const __m256i x = _mm256_sign_epi8(LOAD_X(qx[r] + b * QK), q);
+                    ACC(acc[r], dot_u8s8(zero, aq, x), d * dx[r][b]);
+                }
+            }
+            break;
         case KVQ_I8: {
             const int8_t *q8 = (const int8_t *)w;
             for (int b = 0; b < nb; b++) {
@@ -295,6 +332,14 @@ static inline __attribute__((always_inline)) void rows_dot(
                         isum += ((j & 1) ? (qs[i] >> 4) : (qs[i] & 15)) * xb[i];
                     total += fp16_to_f32(rd16(blk)) * sc * dx[r][b] * isum -
                              fp16_to_f32(rd16(blk + 2)) * mn * sx[r][b];
+                    break;
+                }
+                case KVQ_MXFP4: {
+                    const uint8_t *blk = w + 17 * b;
+                    for (int i = 0; i < 16; i++)
+                        isum += kvq_e2m1_x2[blk[1 + i] & 15] * xb[2 * i] +
+                                kvq_e2m1_x2[blk[1 + i] >> 4] * xb[2 * i + 1];
+                    total += 0.5f * e8m0_to_f32(blk[0]) * dx[r][b] * isum;
                     break;
                 }
                 case KVQ_I8: {
@@ -420,6 +465,15 @@ static void dequantize_row(int qtype, const uint8_t *w, float wscale, int K, flo
                     const float a = d * sc, c = dmin * mn;
                     for (int i = 0; i < QK; i++)
                         ys[j * QK + i] = a * ((j & 1) ? (qs[i] >> 4) : (qs[i] & 15)) - c;
+                }
+            }
+            break;
+        case KVQ_MXFP4:
+            for (int b = 0; b < K / QK; b++, w += 17) {
+                const float d = 0.5f * e8m0_to_f32(w[0]);
+                for (int i = 0; i < 16; i++) {
+                    y[b * QK + 2 * i] = d * kvq_e2m1_x2[w[1 + i] & 15];
+                    y[b * QK + 2 * i + 1] = d * kvq_e2m1_x2[w[1 + i] >> 4];
                 }
             }
             break;

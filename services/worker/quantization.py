@@ -8,6 +8,11 @@ The rule (`resolve_quantization`):
                            to float); the converted folder gives only config and tokenizer
     --quantization int8    a float checkpoint (a folder, or a .gguf's float32 expansion):
                            linear weights quantized per output channel at load
+    --quantization mxfp4   a checkpoint whose config.json says quant_method mxfp4 (gpt-oss):
+                           its MoE experts' MXFP4 blocks held as stored (layers/gpt_oss_moe.py);
+                           the default for such a checkpoint
+    --quantization none    nothing held quantized: an mxfp4 checkpoint's experts expand to
+                           float at load (the equality reference), a .gguf to float32
     neither                the folder's config.json `quantization_config.quant_method`, when
                            it is one we support ("int8": a float checkpoint that asks to be
                            held as int8); another quant_method is an error, not a silent
@@ -38,9 +43,9 @@ from kvserve.services.worker.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 
-SUPPORTED_QUANT_METHODS = ("gguf", "int8")
+SUPPORTED_QUANT_METHODS = ("gguf", "int8", "mxfp4", "none")
 # config.json quantization_config.quant_method values we load, and the method they mean.
-_CHECKPOINT_METHODS = {"int8": "int8"}
+_CHECKPOINT_METHODS = {"int8": "int8", "mxfp4": "mxfp4"}
 
 
 def checkpoint_quantization(model_dir: str) -> str | None:
@@ -71,6 +76,15 @@ def resolve_quantization(
         return detected, None
     if requested not in SUPPORTED_QUANT_METHODS:
         raise ValueError(f"unknown quantization {requested!r}; have {SUPPORTED_QUANT_METHODS}")
+    if requested == "none":
+        return None, None
+    if requested == "mxfp4" and detected != "mxfp4":
+        raise ValueError(
+            f"--quantization mxfp4 holds a checkpoint's MXFP4 expert blocks as stored; "
+            f"{model_dir}/config.json has no quantization_config with quant_method mxfp4"
+        )
+    if requested == "mxfp4":
+        return "mxfp4", None
     if detected is not None and detected != requested:
         raise ValueError(
             f"--quantization {requested} conflicts with {model_dir}'s quantization_config "

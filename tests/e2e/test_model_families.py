@@ -68,6 +68,7 @@ def _generate_twice(model_dir: str, tokenizer: str, tp: int) -> tuple[list, list
         "llama4",
         "deepseek_v2",
         "deepseek_v3",
+        "gpt_oss",
     ],
 )
 def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, kind):
@@ -78,7 +79,7 @@ def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, 
     assert all(n >= 16 for n in cached), cached  # the second round hit the prefix cache
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "llama4", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "llama4", "deepseek_v3", "gpt_oss"])
 def test_llm_tensor_parallel_2_equals_hf(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
     first, second, _ = _generate_twice(model_dir, default_model_dir, tp=2)

@@ -23,7 +23,7 @@ from kvserve.kernels import activation, attention, cache, norm, rotary  # noqa: 
 
 TARGET = GPUTarget("cuda", 90, 32)  # Hopper (H100 / H200)
 
-# Pointer arguments that hold indices, not activations.
+# Pointer arguments that hold indices (or float32 parameters), not activations.
 _INDEX_POINTERS = {
     "positions_ptr": "*i64",
     "slot_mapping_ptr": "*i64",
@@ -31,6 +31,7 @@ _INDEX_POINTERS = {
     "query_start_loc_ptr": "*i32",
     "seq_lens_ptr": "*i32",
     "cos_sin_ptr": "*fp32",
+    "sinks_ptr": "*fp32",
 }
 _FLOAT_SCALARS = {"eps", "scale"}
 
@@ -90,6 +91,20 @@ def main() -> int:
             attention._paged_attention_kernel,
             "bf16",
             dict(attention_constexprs, BLOCK_M=64, BLOCK_Q=21, DOT_PRECISION="tf32", num_reqs=1),
+        ),
+        # gpt-oss: attention sinks beside a sliding window.
+        (
+            attention._paged_attention_kernel,
+            "bf16",
+            dict(
+                attention_constexprs,
+                BLOCK_M=16,
+                BLOCK_Q=5,
+                DOT_PRECISION="tf32",
+                USE_WINDOW=True,
+                USE_SOFT_CAP=False,
+                USE_SINKS=True,
+            ),
         ),
         (
             rotary._rotary_embedding_kernel,

@@ -33,7 +33,9 @@ UNIFORM_DECODES = [(1, 64), (1, 50), (1, 40)]
 PREFILL_CHUNKS = [(20, 20), (16, 48), (5, 5)]
 
 
-def _run(fn, batch: PagedBatch, scale: float, sliding_window=None, soft_cap=None) -> torch.Tensor:
+def _run(
+    fn, batch: PagedBatch, scale: float, sliding_window=None, soft_cap=None, sinks=None
+) -> torch.Tensor:
     return fn(
         batch.query,
         batch.key_cache,
@@ -46,6 +48,7 @@ def _run(fn, batch: PagedBatch, scale: float, sliding_window=None, soft_cap=None
         batch.max_seq_len,
         sliding_window,
         soft_cap,
+        sinks=sinks,
     )
 
 
@@ -214,6 +217,37 @@ def test_paged_attention_triton_window_and_soft_cap_match_ref(sliding_window, so
     batch = _to_device(make_paged_batch(WINDOWED, 6, 2, 32, BLOCK_SIZE, torch.float32))
     out = _run(attention.paged_attention, batch, 0.3, sliding_window, soft_cap)
     expected = _run(attention.paged_attention_ref, batch, 0.3, sliding_window, soft_cap)
+    assert_close(out, expected, torch.float32)
+
+
+def _sinks(num_heads: int) -> torch.Tensor:
+    # Logits on the scores' scale, so the sink takes a real share of each softmax.
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(7)) * 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "layout", [WINDOWED, DECODES, UNIFORM_DECODES], ids=["mixed", "decodes", "uniform"]
+)
+@pytest.mark.parametrize("sliding_window", [None, 9])
+def test_paged_attention_ref_sinks_match_dense(dtype, layout, sliding_window):
+    batch = make_paged_batch(layout, 6, 2, 16, BLOCK_SIZE, dtype)
+    sinks = _sinks(6)
+    out = _run(attention.paged_attention_ref, batch, 0.5, sliding_window, None, sinks)
+    assert_close(out, dense_causal_attention(batch, 0.5, sliding_window, None, sinks=sinks), dtype)
+    without = dense_causal_attention(batch, 0.5, sliding_window)
+    assert not torch.allclose(out.double(), without, atol=1e-2)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (9, None), (None, 2.0)])
+@pytest.mark.parametrize("layout", [WINDOWED, DECODES], ids=["mixed", "decodes"])
+def test_paged_attention_triton_sinks_match_ref(sliding_window, soft_cap, layout):
+    # Untested on a GPU so far: this runs Triton's interpreter where there is no CUDA.
+    batch = _to_device(make_paged_batch(layout, 6, 2, 32, BLOCK_SIZE, torch.float32))
+    sinks = _sinks(6).to(DEVICE)
+    out = _run(attention.paged_attention, batch, 0.3, sliding_window, soft_cap, sinks)
+    expected = _run(attention.paged_attention_ref, batch, 0.3, sliding_window, soft_cap, sinks)
     assert_close(out, expected, torch.float32)
 
 

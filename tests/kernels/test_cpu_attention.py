@@ -95,6 +95,35 @@ def test_cpu_path_window_and_soft_cap_match_reference(
     assert not torch.allclose(got.float(), plain.float(), atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("query_lens", [[1] * 13, [1, 5, 1, 17], [40, 3], [100, 1]])
+@pytest.mark.parametrize("sliding_window", [None, 33])
+def test_cpu_path_sinks_match_reference(dtype, atol, query_lens, sliding_window, monkeypatch):
+    # Decodes and prefill chunks against the reference's softmax with the sink column: chunks
+    # through the decode kernel (a query per token) and, without a window, through the flash
+    # route too (torch's flash, the sink applied from its log-sum-exps: long float32 chunks
+    # behind a context, bfloat16 ones past the decode kernel's limit).
+    flash_chunks = _count_flash_calls(monkeypatch)
+    if not cpu.available(dtype):
+        pytest.skip("no C compiler here: the CPU path is the torch reference itself")
+    case = _case(dtype, len(query_lens), query_lens)
+    num_heads = case[0].shape[1]
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(3)) * 2.0
+    args = (*case, sliding_window, None)
+    expected = paged_attention_ref(*args, sinks=sinks)
+    got = paged_attention_cpu(*args, sinks=sinks)
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
+    plain = paged_attention_ref(*case, sliding_window)
+    assert not torch.allclose(got.float(), plain.float(), atol=1e-2)
+    if sliding_window is None and query_lens[0] == 100:
+        from kvserve.kernels import attention
+
+        limit = attention.decode_kernel_max_query_len(dtype, num_heads, 3, 64)
+        seq_len = int(case[5][0])
+        takes_flash = not attention._prefill_in_decode_kernel(dtype, 100, seq_len, limit)
+        assert flash_chunks == ([0] if takes_flash else []), (flash_chunks, seq_len, limit)
+
+
 def _count_flash_calls(monkeypatch) -> list[int]:
     """A list that grows by one per chunk paged_attention_cpu sends down the flash route (AMX
     tiles where the CPU has them, else torch's flash; the calls go on)."""

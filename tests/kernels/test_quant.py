@@ -2,9 +2,11 @@
 
 The reference weight is the `gguf` package's own dequantization of blocks it (or, for Q4_K,
 our numpy quantizer) wrote, so the block layouts are checked against an implementation that
-is not ours. The C kernel quantizes activations to int8 blocks of 32 (as llama.cpp does): it
-is compared with x quantized the same way, computed here independently, times the reference
-weight, at float32 tolerance; the float paths (prefill, torch fallback, Triton) with x itself.
+is not ours; for MXFP4, transformers' gpt-oss dequantization (`convert_moe_packed_tensors`)
+of random checkpoint-layout blocks and exponents. The C kernel quantizes activations to int8
+blocks of 32 (as llama.cpp does): it is compared with x quantized the same way, computed
+here independently, times the reference weight, at float32 tolerance; the float paths
+(prefill, torch fallback, Triton) with x itself.
 """
 
 from __future__ import annotations
@@ -21,11 +23,27 @@ from tests.support.kernels import DEVICE
 gguf = pytest.importorskip("gguf")
 needs_c = pytest.mark.skipif(not quant.c_available(), reason="no C compiler: no C kernels")
 
-FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "I8"]
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "MXFP4", "I8"]
+
+
+def make_mxfp4_weight(n: int, k: int, seed: int = 0):
+    """(QuantizedTensor, its float32 reference [n, k]) from random bytes in gpt-oss's
+    checkpoint layout: blocks [n, k/32, 16], exponents [n, k/32] around 2^-4."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(119, 126, (n, k // 32), dtype=torch.uint8, generator=gen)
+    # transformers dequantizes [experts, n, k/32, 16] to [experts, k, n].
+    ref = convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0].t()
+    data = quant.mxfp4_from_checkpoint(blocks, scales)
+    return quant.QuantizedTensor("MXFP4", (n, k), data), ref.contiguous()
 
 
 def make_weight(qtype: str, n: int, k: int, seed: int = 0):
     """(QuantizedTensor, its float32 reference [n, k])."""
+    if qtype == "MXFP4":
+        return make_mxfp4_weight(n, k, seed)
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     w[:, : k // 7] += 0.03  # blocks with a nonzero mean exercise Q4_1/Q4_K's mins
@@ -150,6 +168,25 @@ def test_splits_by_rows_and_by_block_aligned_columns():
     torch.testing.assert_close(k_qt.narrow(1, 256, 256).dequantize(), k_ref[:, 256:])
     with pytest.raises(ValueError, match="256"):
         k_qt.narrow(1, 0, 128)
+
+
+def test_mxfp4_quantizer_round_trip_and_checkpoint_layout_checks():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    w = torch.randn(3, 8, 128) * 0.05  # [experts, out, in]
+    blocks, scales = quant.quantize_mxfp4(w)
+    assert blocks.shape == (3, 8, 4, 16) and scales.shape == (3, 8, 4)
+    back = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    # e2m1 steps: at most a quarter of the block's power of two off (eighth of amax) per value
+    rel_rms = ((back - w) ** 2).mean().sqrt() / w.std()
+    assert rel_rms < 0.15, rel_rms
+    # values that are e2m1 numbers times a power of two round-trip exactly
+    exact = torch.tensor([0.0, 0.5, -1.0, 1.5, 2.0, -3.0, 4.0, 6.0] * 4).reshape(1, 32) / 8
+    packed = quant.mxfp4_from_checkpoint(*quant.quantize_mxfp4(exact))
+    back_exact = quant.dequantize_ref(quant.QuantizedTensor("MXFP4", (1, 32), packed))
+    torch.testing.assert_close(back_exact, exact, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="do not match scales"):
+        quant.mxfp4_from_checkpoint(blocks, scales[..., :3])
 
 
 def test_q4_k_quantizer_round_trip_error_is_that_of_a_4_bit_format():

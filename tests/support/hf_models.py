@@ -99,6 +99,29 @@ def _kinds() -> dict:
                 mlp_only_layers=[1],
             ),
         ),
+        # Windows on layers 0 and 2, YaRN scaled 8x from a 16-token original context (its
+        # ramp and attention factor both bend the tables), 4 experts of which 2 per token.
+        "gpt_oss": (
+            tf.GptOssConfig,
+            tf.GptOssForCausalLM,
+            dict(
+                num_hidden_layers=3,
+                head_dim=16,
+                sliding_window=SLIDING_WINDOW,
+                layer_types=_GEMMA_LAYERS,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 150000.0,
+                    "factor": 8.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
+                    "original_max_position_embeddings": 16,
+                },
+            ),
+        ),
         # Layer 0: RoPE, chunked local attention, q/k L2 norm, dense MLP; layer 1: NoPE,
         # full attention with the query temperature (floor_scale small enough to change it
         # within the prompts), MoE with a shared expert.
@@ -207,6 +230,7 @@ KINDS = (
     "llama4",
     "deepseek_v2",
     "deepseek_v3",
+    "gpt_oss",
 )
 
 

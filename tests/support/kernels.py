@@ -122,12 +122,14 @@ def dense_causal_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 attention from the dense per-request K/V, written from the definition.
 
     With sliding_window the query at position p sees keys p - sliding_window + 1 .. p; with
     soft_cap each score s becomes soft_cap * tanh(s / soft_cap); with chunk_size only the keys
-    t of its own chunk, t // chunk_size == p // chunk_size."""
+    t of its own chunk, t // chunk_size == p // chunk_size; with sinks [Hq], head h's softmax
+    has one more logit, sinks[h], whose weight multiplies no value."""
     num_heads = batch.query.shape[1]
     out = torch.empty(batch.query.shape, dtype=torch.float64)
     start = 0
@@ -146,7 +148,9 @@ def dense_causal_attention(
                 scores = (k @ q) * scale
                 if soft_cap:
                     scores = soft_cap * torch.tanh(scores / soft_cap)
-                weights = torch.softmax(scores, dim=0)
+                if sinks is not None:
+                    scores = torch.cat((scores, sinks[head : head + 1].double()))
+                weights = torch.softmax(scores, dim=0)[: v.shape[0]]
                 out[start + i, head] = weights @ v
         start += query_len
     return out

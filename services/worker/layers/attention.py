@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from kvserve import kernels
+from kvserve.services.worker.layers.linear import set_weight_loader
+from kvserve.services.worker.parallel_state import get_tp_rank
 
 if TYPE_CHECKING:
     from kvserve.services.worker.layers.rotary_embedding import RotaryEmbedding
@@ -83,6 +85,9 @@ class Attention(nn.Module):
         logits_soft_cap: scores become cap * tanh(score / cap) before the softmax (None: off).
         attention_chunk_size: a token attends only to the tokens of its own chunk of this many
             positions (Llama 4's chunked local attention; None: off).
+        sinks: a learned logit per query head joins each softmax's denominator (gpt-oss): the
+            layer then holds `sinks` [num_heads] float32, this rank's heads of the
+            checkpoint's [total heads].
 
     `kv_cache` is [2, num_blocks, block_size, num_kv_heads, D] (keys, then values), bound by
     the model runner after it sizes the cache; None before that.
@@ -97,6 +102,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         attention_chunk_size: int | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -107,11 +113,25 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.attention_chunk_size = attention_chunk_size
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(
+                torch.empty(num_heads, dtype=torch.float32), requires_grad=False
+            )
+            set_weight_loader(self.sinks, self._load_sinks)
         self.kv_cache: torch.Tensor | None = None
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The layout of this layer's cache: K and V planes (subclasses may differ)."""
         return KVCacheSpec(2, self.num_kv_heads, self.head_size)
+
+    def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        # Per query head: this rank's heads, as the q projection's columns split.
+        start = get_tp_rank() * self.num_heads
+        if loaded_weight.shape[0] < start + self.num_heads:
+            raise ValueError(f"sinks of {loaded_weight.shape[0]} heads; this rank needs "
+                             f"[{start}, {start + self.num_heads})")  # fmt: skip
+        param.data.copy_(loaded_weight.narrow(0, start, self.num_heads))
 
     def forward(
         self,
@@ -174,6 +194,7 @@ class Attention(nn.Module):
                 self.sliding_window,
                 self.logits_soft_cap,
                 self.attention_chunk_size,
+                self.sinks,
             )
         return out.view(num_tokens, self.num_heads * self.head_size)
 
@@ -205,6 +226,7 @@ class Attention(nn.Module):
             self.sliding_window,
             self.logits_soft_cap,
             self.attention_chunk_size,
+            self.sinks,
         )
 
 

@@ -77,7 +77,9 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
 _QUANT_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kvserve_linear_quantization", default=None
 )
-LINEAR_QUANTIZATIONS = ("gguf", "int8")
+# mxfp4 holds only gpt-oss's MoE experts (layers/gpt_oss_moe.py): linear layers stay float,
+# as the published checkpoints keep them.
+LINEAR_QUANTIZATIONS = ("gguf", "int8", "mxfp4")
 
 
 @contextlib.contextmanager
@@ -253,7 +255,9 @@ class QuantizedLinearMethod(LinearMethod):
 
 
 def make_linear_method(method: str | None) -> LinearMethod:
-    return UnquantizedLinearMethod() if method is None else QuantizedLinearMethod(method)
+    if method is None or method == "mxfp4":
+        return UnquantizedLinearMethod()
+    return QuantizedLinearMethod(method)
 
 
 class LinearBase(nn.Module):

@@ -28,6 +28,11 @@ def rope_parameters_from_config(config: Any) -> dict:
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     if params["rope_type"] == "llama3":
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if params["rope_type"] == "yarn":
+        original = getattr(config, "original_max_position_embeddings", None)
+        params.setdefault("original_max_position_embeddings", original)
+        if not params.get("factor"):
+            params["factor"] = config.max_position_embeddings / original
     if params["rope_type"] in ("longrope", "su"):
         original = getattr(config, "original_max_position_embeddings", None)
         params.setdefault("original_max_position_embeddings", original)
@@ -76,6 +81,43 @@ def _longrope_tables(inv_freq: torch.Tensor, params: dict, max_position: int) ->
     return torch.cat(tables)
 
 
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, params: dict, head_size: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, DeepSeek): (inv_freq, attention factor), as transformers'
+    `_compute_yarn_parameters`. High frequencies (more than beta_fast rotations over the
+    original context) keep inv_freq, low ones (under beta_slow) are divided by `factor`, a
+    linear ramp between; cos and sin are scaled by the attention factor (0.1 ln(factor) + 1,
+    or mscale / mscale_all_dim's ratio)."""
+    base, factor = params["rope_theta"], params["factor"]
+    original = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+
+    def correction_dim(num_rotations: float) -> float:
+        return head_size * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # the share of inv_freq kept as is
+    inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE over the whole head.
 
@@ -83,8 +125,8 @@ class RotaryEmbedding(nn.Module):
         head_size: features per head (all of them rotate).
         max_position: positions the table covers.
         base: rope_theta.
-        rope_parameters: the `rope_type` and its scaling keys; `default`, `linear`, `llama3`
-            and `longrope` (Phi-3) are supported.
+        rope_parameters: the `rope_type` and its scaling keys; `default`, `linear`, `llama3`,
+            `longrope` (Phi-3) and `yarn` are supported.
     """
 
     cos_sin_cache: torch.Tensor  # [max_position, D] cos | sin halves, a buffer
@@ -97,9 +139,10 @@ class RotaryEmbedding(nn.Module):
         rope_type = rope_parameters.get("rope_type", "default")
         if rope_type == "su":  # the old name of longrope
             rope_type = "longrope"
-        if rope_type not in ("default", "linear", "llama3", "longrope"):
+        if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
             raise ValueError(
-                f"rope_type {rope_type!r} is not supported (default, linear, llama3, longrope)"
+                f"rope_type {rope_type!r} is not supported "
+                "(default, linear, llama3, longrope, yarn)"
             )
         if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(
@@ -108,7 +151,10 @@ class RotaryEmbedding(nn.Module):
         self.head_size = head_size
         exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
         inv_freq = 1.0 / (base**exponents)
-        if rope_type == "llama3":
+        attention_factor = 1.0
+        if rope_type == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(inv_freq, rope_parameters, head_size)
+        elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
         elif rope_type == "linear":
             inv_freq = inv_freq / rope_parameters["factor"]
@@ -116,7 +162,7 @@ class RotaryEmbedding(nn.Module):
             cos_sin_cache = _longrope_tables(inv_freq, rope_parameters, max_position)
         else:
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-            cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+            cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     def forward(

@@ -29,6 +29,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 # Multimodal architectures served text-only: the engine reads their text_config.
@@ -49,6 +50,7 @@ _ARCH_OF_MODEL_TYPE: dict[str, str] = {
     "llama4": "Llama4ForConditionalGeneration",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

@@ -96,6 +96,7 @@ class LlamaAttention(nn.Module):
             sliding_window=arch.sliding_window(config, layer_idx),
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
             attention_chunk_size=arch.attention_chunk_size(config, layer_idx),
+            sinks=arch.attention_sinks(config),
         )
 
     def forward(
@@ -326,6 +327,11 @@ class LlamaForCausalLM(nn.Module):
         """(qkv_proj has bias, o_proj has bias): Llama's `attention_bias` covers both."""
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
+
+    @staticmethod
+    def attention_sinks(config: Any) -> bool:
+        """Whether each attention layer has a learned sink logit per head (gpt-oss)."""
+        return False
 
     @staticmethod
     def attention_scale(config: Any) -> float:

@@ -96,6 +96,8 @@ def _stack_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> StackLayer:
         raise NotCovered("layers without RoPE (NoPE)")
     if attn.query_scale is not None:
         raise NotCovered("a per-position query scale")
+    if attn.attn.sinks is not None:
+        raise NotCovered("attention sinks")
     mlp = layer.mlp
     if not isinstance(mlp, LlamaMLP) or type(mlp) is not LlamaMLP:
         raise NotCovered(f"{type(mlp).__name__} feed-forward blocks")

@@ -116,10 +116,40 @@ def test_phi3_fused_checkpoint_tensors_load_as_is(family_checkpoint):
     assert torch.equal(mlp.gate_up_proj.weight, hf_model.model.layers[0].mlp.gate_up_proj.weight)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "deepseek_v2", "deepseek_v3"])
+def test_gpt_oss_sinks_yarn_and_windows_are_applied(family_checkpoint):
+    # The HF comparison above is sensitive to each gpt-oss change: without the sinks, or
+    # with plain RoPE tables, the logits part from HF's; the windows alternate by layer.
+    model_dir, hf_model = family_checkpoint("gpt_oss")
+    model = _ours(model_dir)
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows == [hf_model.config.sliding_window, None, hf_model.config.sliding_window]
+    tokens = random_tokens(12, VOCAB_SIZE, seed=4)
+    expected = hf_logits(hf_model, tokens)
+    (logits,) = run_step(model, [(tokens, 0, [1, 2, 3])])
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    sinks = [attn.sinks for attn in attns]
+    for attn in attns:
+        attn.sinks = None
+    (no_sinks,) = run_step(model, [(tokens, 0, [1, 2, 3])])
+    assert not torch.allclose(no_sinks, expected, atol=1e-2)
+    for attn, sink in zip(attns, sinks):
+        attn.sinks = sink
+    for layer in model.model.layers:
+        rotary = layer.self_attn.rotary_emb
+        head_size = rotary.head_size
+        inv_freq = 1.0 / 150000.0 ** (torch.arange(0, head_size, 2).float() / head_size)
+        freqs = torch.outer(torch.arange(rotary.cos_sin_cache.shape[0]).float(), inv_freq)
+        rotary.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    (plain_rope,) = run_step(model, [(tokens, 0, [4, 5, 6])])
+    assert not torch.allclose(plain_rope, expected, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss"])
 def test_tensor_parallel_2_matches_hf(family_checkpoint, tmp_path, kind):
     # Heads, MLP columns and each expert's intermediate dim split over two gloo ranks (MLA:
-    # the heads split, every rank caches the same latent).
+    # the heads split, every rank caches the same latent; gpt-oss: its sinks with the heads,
+    # the experts' biases with their rows).
     model_dir, hf_model = family_checkpoint(kind)
     tokens_a, tokens_b = random_tokens(11, VOCAB_SIZE, seed=5), random_tokens(4, VOCAB_SIZE, 6)
     requests = [(tokens_a, 0, [0, 1, 2]), (tokens_b, 0, [3])]

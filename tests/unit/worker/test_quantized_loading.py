@@ -123,7 +123,7 @@ def test_a_config_quantization_config_is_detected_or_refused(tiny_checkpoint, tm
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     with open(config_path, "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="quant_method 'awq'.*supported: \\['int8'\\]"):
+    with pytest.raises(ValueError, match="quant_method 'awq'.*supported: \\['int8', 'mxfp4'\\]"):
         checkpoint_quantization(folder)
 
 
