@@ -33,6 +33,16 @@ class MultimodalError(ValueError):
     """A request's image is refused (the api answers 400 with this message)."""
 
 
+class PromptWithImages(list):
+    """A prompt's token ids that carry its images: the serving path hands token ids through
+    unchanged to the EngineCoreRequest (services/api/output_processor.py), which takes
+    `mm_inputs` from here."""
+
+    def __init__(self, token_ids: list[int], mm_inputs: list[ImageInput]):
+        super().__init__(token_ids)
+        self.mm_inputs = mm_inputs
+
+
 def load_image_bytes(url: str, allowed_local_media_path: str | None) -> bytes:
     """The encoded bytes an image URL names (data: or a local file under the allowed folder)."""
     if url.startswith("data:"):

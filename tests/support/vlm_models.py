@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
+from kvserve.shared.messages import ImageInput
 from tests.support.models import random_hf_model
 
 EOS = "<|endoftext|>"
@@ -33,6 +36,8 @@ VIDEO_TOKEN_ID = 262
 VOCAB_SIZE = 264
 # Pixels per image the processor allows: a 448x448 image keeps its size.
 MAX_PIXELS = 448 * 448
+# Tokens the tests generate (HF's greedy, then ours).
+MAX_TOKENS = 8
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -46,8 +51,32 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_vlm_config(**overrides):
+# A small random model for timings (bench/vision.py): a 4-layer 512-wide decoder and an
+# 8-block 256-wide vision tower (window attention, two full-attention blocks).
+SMALL_TEXT = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]},
+)
+SMALL_VISION = dict(
+    depth=8,
+    hidden_size=256,
+    intermediate_size=768,
+    num_heads=4,
+    out_hidden_size=512,
+    window_size=112,
+    fullatt_block_indexes=[3, 7],
+)
+
+
+def tiny_vlm_config(text: dict | None = None, vision: dict | None = None):
+    """The tiny Qwen2.5-VL config; `text` and `vision` override its sub-configs' fields."""
     from transformers import Qwen2_5_VLConfig
+
+    text_overrides, vision_overrides = text, vision
 
     text = dict(
         vocab_size=VOCAB_SIZE,
@@ -64,6 +93,7 @@ def tiny_vlm_config(**overrides):
         eos_token_id=EOS_ID,
         bos_token_id=None,
     )
+    text.update(text_overrides or {})
     vision = dict(
         depth=2,
         hidden_size=32,
@@ -77,6 +107,7 @@ def tiny_vlm_config(**overrides):
         fullatt_block_indexes=[1],
         in_channels=3,
     )
+    vision.update(vision_overrides or {})
     fields = dict(
         text_config=text,
         vision_config=vision,
@@ -86,15 +117,15 @@ def tiny_vlm_config(**overrides):
         vision_end_token_id=VISION_END_ID,
         tie_word_embeddings=False,
     )
-    fields.update(overrides)
     return Qwen2_5_VLConfig(**fields)
 
 
-def make_tiny_vlm(seed: int = 0):
-    """The HF Qwen2_5_VLForConditionalGeneration with random weights (eager attention)."""
+def make_tiny_vlm(seed: int = 0, small: bool = False):
+    """The HF Qwen2_5_VLForConditionalGeneration with random weights (eager attention);
+    `small`: the SMALL_TEXT / SMALL_VISION sizes."""
     import transformers as tf
 
-    config = tiny_vlm_config()
+    config = tiny_vlm_config(SMALL_TEXT, SMALL_VISION) if small else tiny_vlm_config()
     model = random_hf_model(lambda **_: config, tf.Qwen2_5_VLForConditionalGeneration, {}, seed)
     model.config._attn_implementation = "eager"
     for sub in (model.config.text_config, model.config.vision_config):
@@ -153,18 +184,57 @@ def write_processor(model_dir: str) -> None:
         json.dump({"chat_template": CHAT_TEMPLATE}, f)
 
 
-def save_tiny_vlm(model_dir: str, seed: int = 0):
-    """Save the tiny model, its tokenizer and processor in model_dir; return the HF model."""
+def save_tiny_vlm(model_dir: str, seed: int = 0, small: bool = False):
+    """Save the tiny (or small) model, its tokenizer and processor in model_dir; return the
+    HF model."""
     os.makedirs(model_dir, exist_ok=True)
-    model = make_tiny_vlm(seed)
+    model = make_tiny_vlm(seed, small)
     model.save_pretrained(model_dir)
     write_tokenizer(model_dir)
     write_processor(model_dir)
     return model
 
 
-def load_processor(model_dir: str):
-    """The processor as the api builds it (services/api/multimodal.py)."""
-    from kvserve.services.api.multimodal import load_image_processor
+def random_image(height: int, width: int, seed: int):
+    from PIL import Image
 
-    return load_image_processor(model_dir)
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def chat_prompt(model_dir: str, num_images: int, text: str) -> list[int]:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+    messages = [{"role": "user", "content": content}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def hf_greedy(hf_model, prompt: list[int], mm: list[ImageInput]):
+    """HF's greedy generate of MAX_TOKENS tokens with the same pixels: (tokens, [steps,
+    vocab] log-softmax of each step's raw logits)."""
+    import torch
+
+    input_ids = torch.tensor([prompt])
+    pixels = [
+        torch.from_numpy(np.frombuffer(m.pixel_values, dtype=m.dtype).reshape(m.shape).copy())
+        for m in mm
+    ]
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
+            pixel_values=torch.cat(pixels),
+            image_grid_thw=torch.tensor([m.grid_thw for m in mm]),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
+    return tokens, logprobs

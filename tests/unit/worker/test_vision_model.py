@@ -7,7 +7,6 @@ image again hitting the prefix cache, a different image with the same token ids 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,17 +15,16 @@ from kvserve.services.scheduler.engine.engine_core import EngineCore
 from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.shared.messages import EngineCoreRequest, ImageInput
 from kvserve.shared.sampling_params import SamplingParams
-from tests.support.vlm_models import IMAGE_TOKEN_ID, save_tiny_vlm
+from tests.support.vlm_models import (
+    IMAGE_TOKEN_ID,
+    MAX_TOKENS,
+    chat_prompt,
+    hf_greedy,
+    random_image,
+    save_tiny_vlm,
+)
 
-MAX_TOKENS = 8
 NUM_LOGPROBS = 4
-
-
-def random_image(height: int, width: int, seed: int):
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
 
 
 @pytest.fixture(scope="module")
@@ -34,41 +32,6 @@ def vlm(tmp_path_factory):
     model_dir = str(tmp_path_factory.mktemp("tiny_vlm"))
     hf_model = save_tiny_vlm(model_dir)
     return model_dir, hf_model, load_image_processor(model_dir)
-
-
-def chat_prompt(model_dir: str, num_images: int, text: str) -> list[int]:
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
-    messages = [{"role": "user", "content": content}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def hf_greedy(hf_model, prompt: list[int], mm: list[ImageInput]):
-    """(tokens, [steps, vocab] log-softmax of each step's logits) of HF's greedy generate."""
-    input_ids = torch.tensor([prompt])
-    pixels = [
-        torch.from_numpy(np.frombuffer(m.pixel_values, dtype=m.dtype).reshape(m.shape).copy())
-        for m in mm
-    ]
-    with torch.no_grad():
-        out = hf_model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
-            pixel_values=torch.cat(pixels),
-            image_grid_thw=torch.tensor([m.grid_thw for m in mm]),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
-    return tokens, logprobs
 
 
 def make_engine(model_dir: str, **scheduler) -> EngineCore:
