@@ -12,9 +12,16 @@ import torch
 
 from kvserve.services.api.multimodal import load_image_processor
 from kvserve.services.scheduler.engine.engine_core import EngineCore
-from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.shared.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvserve.shared.messages import EngineCoreRequest, ImageInput
 from kvserve.shared.sampling_params import SamplingParams
+from tests.support.kv import assert_no_leaked_blocks
 from tests.support.vlm_models import (
     IMAGE_TOKEN_ID,
     MAX_TOKENS,
@@ -34,11 +41,14 @@ def vlm(tmp_path_factory):
     return model_dir, hf_model, load_image_processor(model_dir)
 
 
-def make_engine(model_dir: str, **scheduler) -> EngineCore:
+def make_engine(model_dir: str, tp: int = 1, **scheduler) -> EngineCore:
     config = EngineConfig(
         model=ModelConfig(model=model_dir),
         cache=CacheConfig(kv_cache_memory_bytes=16 << 20),
         scheduler=SchedulerConfig(**scheduler),
+        parallel=ParallelConfig(
+            tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else "uni"
+        ),
     )
     return EngineCore(config, model_dir)
 
@@ -60,6 +70,8 @@ def run(engine: EngineCore, requests: dict[str, tuple[list[int], list[ImageInput
                 result[1] += list(zip(out.new_logprobs.token_ids, out.new_logprobs.logprobs))
             if result[2] is None:
                 result[2] = out.num_cached_tokens
+    assert_no_leaked_blocks(engine.scheduler)
+    assert engine.scheduler.encoder.num_cached_tokens == 0
     return results
 
 
@@ -146,3 +158,14 @@ def test_prefix_cache_keys_on_the_image(vlm, prompts, hf_reference):
     assert other[2] == image.offset // block * block
     assert_matches_hf(again, *hf_reference["a"])
     assert_matches_hf(other, *hf_reference["b"])
+
+
+def test_tensor_parallel_2_matches_hf(vlm, prompts, hf_reference):
+    # Every rank runs the whole vision encoder; the decoder splits as Qwen2 does.
+    engine = make_engine(vlm[0], tp=2, max_num_batched_tokens=16)
+    try:
+        results = run(engine, {"ac": prompts["ac"], "b": prompts["b"]})
+    finally:
+        engine.shutdown()
+    for name, result in results.items():
+        assert_matches_hf(result, *hf_reference[name])
