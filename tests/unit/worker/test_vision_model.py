@@ -41,13 +41,15 @@ def vlm(tmp_path_factory):
     return model_dir, hf_model, load_image_processor(model_dir)
 
 
-def make_engine(model_dir: str, tp: int = 1, **scheduler) -> EngineCore:
+def make_engine(model_dir: str, tp: int = 1, pp: int = 1, **scheduler) -> EngineCore:
     config = EngineConfig(
         model=ModelConfig(model=model_dir),
         cache=CacheConfig(kv_cache_memory_bytes=16 << 20),
         scheduler=SchedulerConfig(**scheduler),
         parallel=ParallelConfig(
-            tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else "uni"
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            distributed_executor_backend="mp" if tp * pp > 1 else "uni",
         ),
     )
     return EngineCore(config, model_dir)
@@ -160,9 +162,11 @@ def test_prefix_cache_keys_on_the_image(vlm, prompts, hf_reference):
     assert_matches_hf(other, *hf_reference["b"])
 
 
-def test_tensor_parallel_2_matches_hf(vlm, prompts, hf_reference):
-    # Every rank runs the whole vision encoder; the decoder splits as Qwen2 does.
-    engine = make_engine(vlm[0], tp=2, max_num_batched_tokens=16)
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_2_match_hf(vlm, prompts, hf_reference, tp, pp):
+    # Every rank runs the whole vision encoder; the decoder splits as Qwen2 does (each
+    # pipeline stage gets the step's M-RoPE positions; only the first places embeddings).
+    engine = make_engine(vlm[0], tp=tp, pp=pp, max_num_batched_tokens=16)
     try:
         results = run(engine, {"ac": prompts["ac"], "b": prompts["b"]})
     finally:
