@@ -8,6 +8,7 @@ app takes them (services/api/server.py's build_app).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 import msgspec
@@ -210,6 +211,19 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
             "states, batched with generation); auto and generate: generation only"
         ),
     ] = "auto"
+    allowed_local_media_path: Annotated[
+        str | None,
+        flag_doc(
+            "a folder whose image files chat requests may name (file:// URLs or paths); "
+            "unset: local files are refused"
+        ),
+    ] = None
+    limit_mm_per_prompt: Annotated[
+        str | None,
+        flag_doc(
+            "images one request may hold at most, as JSON: '{\"image\": 2}' (unset: no limit)"
+        ),
+    ] = None
     reasoning_parser: Annotated[
         ReasoningParserName | None,
         flag_doc(
@@ -265,3 +279,25 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--migration-wait-s must be >= 0, got {self.migration_wait_s}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+
+
+def parse_limit_mm_per_prompt(value: str | None) -> dict[str, int]:
+    """--limit-mm-per-prompt's JSON ('{"image": 2}'); {} when unset."""
+    if not value:
+        return {}
+    try:
+        limits = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"--limit-mm-per-prompt must be JSON like '{{\"image\": 2}}': {exc}"
+        ) from None
+    if not isinstance(limits, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in limits.items()
+    ):
+        raise ValueError("--limit-mm-per-prompt maps modality names to counts >= 0")
+    unknown = sorted(set(limits) - {"image"})
+    if unknown:
+        raise ValueError(f"--limit-mm-per-prompt: unsupported modalities {unknown} (image only)")
+    return limits

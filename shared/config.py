@@ -180,8 +180,22 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             "answers 429 with Retry-After and the engine refuses the request"
         ),
     ] = 4096
+    max_num_encoder_input_tokens: Annotated[
+        int,
+        flag_doc(
+            "image tokens the vision encoder may compute in one engine step, and the "
+            "encoder outputs kept until their tokens are computed (0 = "
+            "max_num_batched_tokens); an image larger than it runs alone in its step"
+        ),
+    ] = 0
+
+    @property
+    def encoder_token_budget(self) -> int:
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
+        if self.max_num_encoder_input_tokens < 0:
+            raise ValueError("max_num_encoder_input_tokens must be 0 or positive")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs < 1:

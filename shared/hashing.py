@@ -114,6 +114,7 @@ def hash_new_full_blocks(
     token_ids: Sequence[int],
     block_hashes: Sequence[bytes],
     extra_keys: bytes | None = None,
+    mm_spans: Sequence[tuple[int, int, str]] = (),
 ) -> list[bytes]:
     """Hashes of the full blocks of `token_ids` that `block_hashes` does not cover yet.
 
@@ -127,17 +128,21 @@ def hash_new_full_blocks(
         block_hashes: hashes of the first len(block_hashes) blocks, already computed.
         extra_keys: mixed into the first block only; the chain carries it to every later
             block.
+        mm_spans: (start, end, content hash) of each image's placeholder tokens: a block
+            holding any of them mixes in those images' hashes (the placeholders are equal
+            token ids for every image), so only the same image hits.
     """
     num_full_blocks = len(token_ids) // block_size
     parent_hash = block_hashes[-1] if block_hashes else None
     new_hashes = []
     for block_index in range(len(block_hashes), num_full_blocks):
         start = block_index * block_size
+        keys = extra_keys if block_index == 0 else None
+        images = [h for lo, hi, h in mm_spans if lo < start + block_size and hi > start]
+        if images:
+            keys = (keys or b"") + b"".join(b"mm\x00" + h.encode("ascii") for h in images)
         parent_hash = hash_block_tokens(
-            hash_fn,
-            parent_hash,
-            token_ids[start : start + block_size],
-            extra_keys if block_index == 0 else None,
+            hash_fn, parent_hash, token_ids[start : start + block_size], keys
         )
         new_hashes.append(parent_hash)
     return new_hashes

@@ -29,6 +29,30 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class ImageInput(msgspec.Struct, **_HOT):
+    """One image of a prompt, preprocessed by the api (services/api/multimodal.py).
+
+    The pixels travel as raw bytes with their dtype and shape (the processor's flattened
+    patches, [num_patches, channels * temporal_patch * patch * patch] for Qwen2.5-VL), never
+    pickled. Its tokens are prompt positions [offset, offset + length), each an image
+    placeholder token the model replaces by the vision encoder's output; `mm_hash` (of the
+    pixels and grid) keys the prefix cache, so blocks holding the image's tokens hit only for
+    the same image.
+    """
+
+    pixel_values: bytes
+    dtype: str
+    shape: list[int]
+    grid_thw: list[int]  # (temporal, height, width) patches
+    offset: int
+    length: int
+    mm_hash: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 class EngineCoreRequest(msgspec.Struct, **_HOT):
     """A tokenized request, as the api sends it to an engine core."""
 
@@ -48,6 +72,8 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     # fair scheduler serves tenants in proportion to their weights.
     tenant: str = "default"
     tenant_weight: float = 1.0
+    # Images in the prompt, in prompt order (their placeholder tokens are in the prompt).
+    mm_inputs: list[ImageInput] = []
 
 
 class Logprobs(msgspec.Struct, **_HOT):
@@ -171,6 +197,7 @@ class NewRequestData(msgspec.Struct, **_HOT):
     output_token_ids: list[int] = []  # non-empty when resumed after preemption
     eos_token_id: int | None = None  # the sampler hides it until min_tokens are out
     lora_request: LoRARequest | None = None  # the adapter the worker runs it with
+    mm_inputs: list[ImageInput] = []  # the prompt's images (their encoder runs in the worker)
 
 
 class CachedRequestData(msgspec.Struct, **_HOT):
@@ -218,6 +245,11 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     # KV connector: opaque to the core, built by the scheduler-side connector and read by
     # the worker-side one (services/kv_store/connector.py); empty: nothing to move.
     kv_connector_metadata: bytes = b""
+    # Images whose vision encoder runs in this step: request id -> indices into its
+    # mm_inputs (services/scheduler/core/encoder_budget.py). The worker keeps each output
+    # until the request's computed tokens pass the image's end (the scheduler frees its
+    # budget by the same rule).
+    scheduled_encoder_inputs: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:

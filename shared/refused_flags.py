@@ -45,7 +45,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
         "the fast tokenizer (tokenizer.json) when present, else transformers' own",
         accepted=("auto",),
     ),
-    "--limit-mm-per-prompt": RefusedFlag("multimodal inputs are not supported"),
     "--compilation-config": RefusedFlag(_NO_COMPILE),
     "-O": RefusedFlag(_NO_COMPILE, accepted=("0",)),
     "--swap-space": RefusedFlag(

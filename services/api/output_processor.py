@@ -51,7 +51,7 @@ def make_engine_requests(
         requests.append(
             EngineCoreRequest(
                 child_id,
-                prompt_token_ids,
+                list(prompt_token_ids),
                 child_params,
                 tokenizer_info.eos_token_id,
                 now,
@@ -59,6 +59,8 @@ def make_engine_requests(
                 lora_request=lora_request,
                 tenant=tenant.name,
                 tenant_weight=tenant.weight,
+                # A chat's images travel with its token ids (multimodal.PromptWithImages).
+                mm_inputs=getattr(prompt_token_ids, "mm_inputs", []),
             )
         )
     return requests

@@ -321,9 +321,15 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     best_of: Int64 | None = None  # refused unless it equals n
 
 
+class ImageURL(msgspec.Struct, kw_only=True):
+    url: str
+    detail: str | None = None  # OpenAI's; the processor decides the resolution here
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None  # type "image_url" (services/api/multimodal.py)
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):

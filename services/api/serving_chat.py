@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import jinja2
@@ -16,6 +17,14 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvserve.services.api.multimodal import (
+    ImageProcessor,
+    MultimodalError,
+    PromptWithImages,
+    decode_image,
+    load_image_bytes,
+    load_image_processor,
+)
 from kvserve.services.api.outputs import Logprob, RequestOutput
 from kvserve.services.api.protocol import (
     UNSET,
@@ -61,26 +70,55 @@ from kvserve.services.api.tool_calls import (
     tool_constraint,
     tools_for_template,
 )
+from kvserve.shared.api_config import parse_limit_mm_per_prompt
 from kvserve.shared.logging import init_logger
 from kvserve.shared.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
 
+def image_urls_of(messages: list[ChatMessage]) -> list[str]:
+    """The URLs of the conversation's `image_url` parts, in prompt order."""
+    urls = []
+    for message in messages:
+        if isinstance(message.content, list):
+            for part in message.content:
+                if part.type == "image_url":
+                    if part.image_url is None:
+                        raise APIError(400, "an image_url part needs image_url.url", "messages")
+                    urls.append(part.image_url.url)
+    return urls
+
+
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
     """Messages as the chat template takes them; text parts are joined with newlines, and
-    tool-call arguments are objects (what templates render with `tojson`), as in vLLM."""
+    tool-call arguments are objects (what templates render with `tojson`), as in vLLM. A
+    message with images keeps its parts as a list ({"type": "image"} for each image), which
+    a vision model's template renders as its image placeholder."""
     conversation = []
     for message in messages:
-        content = message.content
+        content: Any = message.content
         if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
+            if any(
+                part.type not in ("text", "image_url")
+                or (part.type == "text" and part.text is None)
+                for part in content
+            ):
                 raise APIError(
                     400,
-                    "only text content parts are supported ({'type': 'text', 'text': ...})",
+                    "only text and image_url content parts are supported "
+                    "({'type': 'text', 'text': ...}, {'type': 'image_url', 'image_url': ...})",
                     param="messages",
                 )
-            content = "\n".join(part.text or "" for part in content)  # no None: checked above
+            if any(part.type == "image_url" for part in content):
+                content = [
+                    {"type": "image"}
+                    if part.type == "image_url"
+                    else {"type": "text", "text": part.text}
+                    for part in content
+                ]
+            else:
+                content = "\n".join(part.text or "" for part in content)  # no None: checked
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
@@ -178,6 +216,43 @@ class OpenAIServingChat(OpenAIServing):
             fields["thinking_token_budget"] = budget
         return parser, fields
 
+    @cached_property
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's image preprocessing; None for a model that reads text only."""
+        return load_image_processor(self.engine_client.tokenizer_info.model_dir)
+
+    def check_images(self, image_urls: list[str]) -> ImageProcessor:
+        """The processor for a request with images (before its template renders them): a
+        400 for a text model or past --limit-mm-per-prompt."""
+        processor = self.image_processor
+        if processor is None:
+            raise APIError(
+                400, "image content needs a vision model; this one reads text", "messages"
+            )
+        limit = parse_limit_mm_per_prompt(self.frontend.limit_mm_per_prompt).get("image")
+        if limit is not None and len(image_urls) > limit:
+            raise APIError(
+                400,
+                f"{len(image_urls)} images in the request; at most {limit} are allowed "
+                f"(--limit-mm-per-prompt)",
+                "messages",
+            )
+        return processor
+
+    def attach_images(self, prompt_token_ids: list[int], image_urls: list[str]) -> list[int]:
+        """Load, decode and preprocess the images, and expand the prompt's placeholders:
+        token ids that carry their images (PromptWithImages). Refusals are 400s."""
+        processor = self.check_images(image_urls)
+        try:
+            images = [
+                decode_image(load_image_bytes(url, self.frontend.allowed_local_media_path))
+                for url in image_urls
+            ]
+            token_ids, mm_inputs = processor.expand(prompt_token_ids, images)
+        except MultimodalError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        return PromptWithImages(token_ids, mm_inputs)
+
     def apply_chat_template(
         self,
         messages: list[ChatMessage],
@@ -234,6 +309,9 @@ class OpenAIServingChat(OpenAIServing):
         if request.reasoning_effort is not None:
             template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
         reasoning, reasoning_fields = self.reasoning_of(request, template_kwargs)
+        image_urls = image_urls_of(request.messages)
+        if image_urls:
+            self.check_images(image_urls)
         prompt_token_ids = self.apply_chat_template(
             request.messages,
             request.add_generation_prompt,
@@ -241,6 +319,8 @@ class OpenAIServingChat(OpenAIServing):
             template_kwargs,
             tools_for_template(request, tool_choice, self.frontend),
         )
+        if image_urls:
+            prompt_token_ids = self.attach_images(prompt_token_ids, image_urls)
         self.check_prompt_tokens(prompt_token_ids, "messages")
         max_tokens = (
             request.max_completion_tokens

@@ -16,7 +16,8 @@ messages; `tool_use` blocks -> an assistant's tool calls; `metadata.user_id` -> 
 With --reasoning-parser, the reply's thinking comes back as a `thinking` block (streamed as
 `thinking_delta`s); `thinking: {"type": "enabled", "budget_tokens": N}` is the engine's
 thinking budget, `{"type": "disabled"}` asks the template not to think (enable_thinking
-false). Refused with a 400 naming the field: images and documents (the model reads text),
+false). Image blocks of user turns (base64 or url sources) become chat image_url parts, for a
+vision model (services/api/multimodal.py). Refused with a 400 naming the field: documents,
 `thinking` enabled without a reasoning parser, server tools, a `service_tier` other than auto /
 standard_only. Earlier turns' thinking blocks are dropped from the prompt.
 """
@@ -90,15 +91,19 @@ def _chat_message(message: InputMessage) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and images in order, once there is an image
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for block in message.content:
         if isinstance(block, TextBlock):
             texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock) and message.role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block)}})
         elif isinstance(block, (ImageBlock, DocumentBlock)):
             raise APIError(
                 400,
-                "image and document content need a vision model; this one reads text",
+                "document content (and images outside user turns) are not supported",
                 "messages",
             )
         elif isinstance(block, ToolUseBlock):
@@ -121,7 +126,24 @@ def _chat_message(message: InputMessage) -> list[dict[str, Any]]:
             entry["tool_calls"] = calls
         return [entry]
     # A user turn answers its tool calls first, then says whatever else it says.
+    if len(parts) > len(texts):  # images: the chat path loads them (services/api/multimodal.py)
+        return [*results, {"role": "user", "content": parts}]
     return results + ([{"role": "user", "content": text}] if texts or not results else [])
+
+
+def _image_url(block: ImageBlock) -> str:
+    """An Anthropic image source as a chat image_url: base64 data as a data: URL, a url
+    source as itself (refused by the chat path when remote)."""
+    source = block.source
+    kind = source.get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise APIError(400, "a base64 image source needs media_type and data", "messages")
+        return f"data:{media_type};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise APIError(400, f"image source type {kind!r} is not supported (base64, url)", "messages")
 
 
 def to_chat_request(

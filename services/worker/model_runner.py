@@ -14,6 +14,8 @@ the same result, and on a shared CPU that work is taken from the driver.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -103,6 +105,12 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connector: WorkerConnector | None = None  # with --kv-transfer-config
         self.cuda_graphs: DecodeGraphs | None = None  # captured after the KV cache
+        # Images in the prompt: the vision encoder's runs and cache (worker/multimodal.py).
+        self.multimodal = None
+        if getattr(self.model, "supports_images", False):
+            from kvserve.services.worker.multimodal import MultimodalRunner
+
+            self.multimodal = MultimodalRunner(self.model, device)
         if config.kv_transfer_config is not None and not (
             self.is_first_stage and self.is_last_stage
         ):
@@ -433,8 +441,12 @@ class ModelRunner:
             if lora is not None and req_id in batch.requests:
                 lora.remove_request(batch.requests[req_id].row)
             batch.remove_request(req_id)
+            if self.multimodal is not None:
+                self.multimodal.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             state = batch.add_request(new)
+            if self.multimodal is not None:
+                self.multimodal.add_request(new)
             if lora is not None:
                 lora.add_request(state.row, new.lora_request)
         cached = so.scheduled_cached_reqs
@@ -463,7 +475,11 @@ class ModelRunner:
         step = prepare_inputs(so, self.batch, self.block_size, self.device)
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(step.token_rows)
+        if self.multimodal is not None:
+            step.multimodal = self.multimodal.prepare(step)
         step.hidden = self._forward(step)
+        if self.multimodal is not None:
+            self.multimodal.after_step(step)
         if self.proposer is not None:
             self.proposer.after_forward(step)
         pooled = self._pool(step) if step.so.has_pooling else {}
@@ -514,6 +530,8 @@ class ModelRunner:
     def _forward(self, step: StepBatch) -> torch.Tensor | None:
         graphs = self.cuda_graphs
         metadata = step.metadata
+        if step.multimodal is not None:  # image embeddings or M-RoPE: the modules
+            return self._run_stage(step.input_ids, step.positions, metadata, step.multimodal)
         if graphs is not None and graphs.can_run(
             len(step.rows), step.num_tokens, metadata.max_query_len
         ):
@@ -601,7 +619,11 @@ class ModelRunner:
         return emitted
 
     def _run_stage(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        multimodal: Any = None,
     ) -> torch.Tensor | None:
         """This pipeline stage's part of the forward: the final hidden states [T, hidden] on
         the last stage, None on the others (which send theirs to the next stage)."""
@@ -612,7 +634,10 @@ class ModelRunner:
                 2, input_ids.shape[0], self.hidden_size, dtype=self.dtype, device=self.device
             )
             intermediate = tuple(recv_from_prev_stage(received).unbind(0))
-        out = self.model(input_ids, positions, metadata, intermediate)
+        if multimodal is None:
+            out = self.model(input_ids, positions, metadata, intermediate)
+        else:  # a VLM's step with images (services/worker/multimodal.py)
+            out = self.model(input_ids, positions, metadata, intermediate, multimodal=multimodal)
         if self.is_last_stage:
             return out
         send_to_next_stage(torch.stack(out))

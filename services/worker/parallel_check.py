@@ -11,10 +11,11 @@ from typing import Any
 
 
 def load_hf_config(model_dir: str) -> Any:
-    """The transformers config of a HF-style folder (config.json only, no weights)."""
+    """The transformers config of a HF-style folder (config.json only, no weights); a
+    vision-language model's language model config (what splits over the ranks)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir)
+    return AutoConfig.from_pretrained(model_dir).get_text_config()
 
 
 def verify_parallel_sizes(

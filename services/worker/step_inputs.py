@@ -8,6 +8,7 @@ and, once the step ran, what it sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +57,8 @@ class StepBatch:
     sampled: list[list[int]] = field(default_factory=list)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     last_rows: np.ndarray | None = None
+    # A VLM's image embeddings and M-RoPE positions (services/worker/multimodal.py).
+    multimodal: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from kvserve.shared.messages import (
     EngineCoreEventType,
     EngineCoreRequest,
     FinishReason,
+    ImageInput,
 )
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -75,7 +76,12 @@ def make_block_hasher(block_size: int, hash_fn: HashFn) -> BlockHasher:
 
     def hash_new_blocks(request: Request) -> list[bytes]:
         return hash_new_full_blocks(
-            hash_fn, block_size, request.all_token_ids, request.block_hashes, request.extra_keys
+            hash_fn,
+            block_size,
+            request.all_token_ids,
+            request.block_hashes,
+            request.extra_keys,
+            mm_spans=[(m.offset, m.end, m.mm_hash) for m in request.mm_inputs],
         )
 
     return hash_new_blocks
@@ -97,6 +103,7 @@ class Request:
             hashes, so adapters never share cached blocks.
         tenant: who it is served for; the fair policy serves tenants by weighted service.
         tenant_weight: the tenant's weight (its share under the fair policy).
+        mm_inputs: the prompt's images (their placeholder tokens are in the prompt).
     """
 
     def __init__(
@@ -112,8 +119,11 @@ class Request:
         lora_request: LoRARequest | None = None,
         tenant: str = "default",
         tenant_weight: float = 1.0,
+        mm_inputs: list[ImageInput] | None = None,
     ) -> None:
         self.req_id = req_id
+        # Images in the prompt: their hashes key the blocks holding their tokens.
+        self.mm_inputs: list[ImageInput] = list(mm_inputs or ())
         self.tenant = tenant
         self.tenant_weight = tenant_weight
         self.prompt_token_ids = list(prompt_token_ids)
@@ -179,6 +189,7 @@ class Request:
             lora_request=req.lora_request,
             tenant=req.tenant,
             tenant_weight=req.tenant_weight,
+            mm_inputs=req.mm_inputs,
         )
         if req.resumed_output_token_ids:
             request.resume(req.resumed_output_token_ids)

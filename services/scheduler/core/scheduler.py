@@ -24,6 +24,7 @@ from typing import Any
 
 from kvserve.services.kv_store.connector import SchedulerConnector
 from kvserve.services.scheduler.core.block_pool import KVCacheBlock
+from kvserve.services.scheduler.core.encoder_budget import EncoderBudget
 from kvserve.services.scheduler.core.fair_share import FairRequestQueue, TenantLedger
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.core.request import (
@@ -142,6 +143,9 @@ class Scheduler:
         if kv_connector is not None:
             kv_connector.bind(self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
+        # Images in the prompt: which images' vision encoder runs in a step.
+        encoder_tokens = scheduler_config.encoder_token_budget
+        self.encoder = EncoderBudget(encoder_tokens, encoder_tokens)
         # --scheduling-policy fair: the tenants' virtual token counters (fair_share.py).
         self.fair: TenantLedger | None = None
         if scheduler_config.scheduling_policy == "fair":
@@ -264,6 +268,7 @@ class Scheduler:
             request.structured_output.grammar = None
             self._num_live_grammars -= 1
         self.kv_cache_manager.free(request)
+        self.encoder.free(request)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(request)
         if self.fair is not None:
@@ -278,6 +283,7 @@ class Scheduler:
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        self.encoder.start_step()
         if self.fair is not None:
             self._schedule_fair(plan)
         else:
@@ -306,7 +312,10 @@ class Scheduler:
             has_pooling=self._num_pooling > 0,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if request.mm_inputs:
+                self.encoder.release_computed(request)
         if self.fair is not None:
             self.fair.publish()
         if self.log_stats:
@@ -473,6 +482,8 @@ class Scheduler:
             num_new_tokens = self._num_tokens_to_schedule(
                 request, num_hit_tokens, plan.token_budget
             )
+            if num_new_tokens == 0:
+                break  # its next image waits for the encoder budget of a later step
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, num_hit_tokens, hit_blocks
             )
@@ -494,6 +505,10 @@ class Scheduler:
     ) -> None:
         """Schedule `num_new_tokens` of `request` in this step (its tenant is charged)."""
         plan.add(request, num_new_tokens, new_blocks)
+        if request.mm_inputs:
+            encoded = self.encoder.commit(request)
+            if encoded:
+                plan.encoder_inputs[request.req_id] = encoded
         if self.fair is not None:
             self.fair.charge(request, num_new_tokens)
 
@@ -524,7 +539,10 @@ class Scheduler:
         threshold = self.scheduler_config.long_prefill_token_threshold
         if threshold > 0 and self.scheduler_config.enable_chunked_prefill:
             num_new_tokens = min(num_new_tokens, threshold)
-        return min(num_new_tokens, token_budget)
+        num_new_tokens = min(num_new_tokens, token_budget)
+        if request.mm_inputs:  # cut before an image the encoder cannot run in this step
+            num_new_tokens = self.encoder.fit(request, num_computed_tokens, num_new_tokens)
+        return num_new_tokens
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, plan: StepPlan
@@ -562,6 +580,7 @@ class Scheduler:
         self.running.remove(request)
         plan.undo(request)
         self.kv_cache_manager.free(request)
+        self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.kv_loaded = False

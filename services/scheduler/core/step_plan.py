@@ -31,6 +31,8 @@ class StepPlan:
     # after the step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens_to_propose: dict[str, int] = field(default_factory=dict)
+    # Images whose encoder runs in this step, per request (encoder_budget.py).
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]) -> None:
         self.num_scheduled_tokens[request.req_id] = num_tokens
@@ -44,6 +46,7 @@ class StepPlan:
             return
         self.new_block_ids.pop(request.req_id)
         self.spec_token_ids.pop(request.req_id, None)
+        self.encoder_inputs.pop(request.req_id, None)
         self.token_budget += num_tokens
         self.scheduled_running.remove(request)
 
@@ -78,6 +81,7 @@ def make_scheduler_output(
             output_token_ids=list(request.output_token_ids),
             eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id,
             lora_request=request.lora_request,
+            mm_inputs=request.mm_inputs,
         )
         for request in plan.scheduled_new
     ]
@@ -100,4 +104,5 @@ def make_scheduler_output(
         has_pooling=has_pooling,
         spec_decode=spec_decode,
         kv_connector_metadata=kv_connector_metadata,
+        scheduled_encoder_inputs=plan.encoder_inputs,
     )

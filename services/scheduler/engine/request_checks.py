@@ -143,6 +143,10 @@ class RequestChecker:
             return "structured outputs are not enabled in this engine"
         if request.sampling_params.thinking_token_budget is not None and self.speculative:
             return "a thinking budget is not supported with speculative decoding"
+        if request.mm_inputs:
+            error = check_image_spans(request)
+            if error is not None:
+                return error
         if request.lora_request is not None:
             return self._check_lora(request)
         return None
@@ -160,3 +164,29 @@ class RequestChecker:
             except ValueError as exc:
                 self._lora_errors[key] = str(exc)
         return self._lora_errors[key]
+
+
+def check_image_spans(request: EngineCoreRequest) -> str | None:
+    """Why a request's images cannot be placed: spans out of the prompt, out of order or
+    overlapping, or pixels whose bytes do not fill their shape (the worker would fail the
+    step, and every request in it)."""
+    end = 0
+    for index, image in enumerate(request.mm_inputs):
+        if image.offset < end or image.length < 1 or image.end > len(request.prompt_token_ids):
+            span = f"[{image.offset}, {image.end})"
+            return f"image {index} spans tokens {span}: out of order or past the prompt"
+        end = image.end
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(image.dtype)
+        count = 1
+        for size in image.shape:
+            count *= size
+        if (
+            itemsize is None
+            or count * itemsize != len(image.pixel_values)
+            or len(image.grid_thw) != 3
+        ):
+            return (
+                f"image {index} has pixels that do not match dtype {image.dtype!r} and "
+                f"shape {image.shape}"
+            )
+    return None

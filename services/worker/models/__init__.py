@@ -30,6 +30,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 # Multimodal architectures served text-only: the engine reads their text_config.
@@ -109,6 +110,9 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, Any]:
     """Build the model of model_dir/config.json in dtype on device and load its weights.
 
+    A vision-language model is built from its whole config; the config returned is its
+    language model's (`get_text_config()`: vocab, hidden size, layers), which the runner reads.
+
     Args:
         model_dir: a HF-style folder (see model_loader.resolve_model).
         dtype: parameter dtype (RoPE tables stay float32).
@@ -136,4 +140,4 @@ def load_model(
         model = quant.build_quantized(model_class, hf_config, method)
     model.load_weights(quant.quantized_weights(method, gguf_path, iterate_safetensors(model_dir)))
     quant.finish_loading(model)
-    return model.eval(), hf_config
+    return model.eval(), hf_config.get_text_config()

@@ -236,14 +236,18 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
         num_layers: int | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """The final hidden states on the last stage; (hidden, residual) on the others.
 
         The first stage embeds input_ids; later stages start from the previous stage's
         intermediate_tensors instead. num_layers runs only the first layers, then the final
         norm (a self-draft for speculative decoding, on a model without pipeline stages).
+        inputs_embeds replaces the embedding's output (a VLM's image tokens placed in it).
         """
-        if self.embed_tokens is not None:
+        if inputs_embeds is not None:
+            hidden_states, residual = inputs_embeds, None
+        elif self.embed_tokens is not None:
             hidden_states, residual = self.embed_tokens(input_ids), None
             if self.embed_scale is not None:  # rounded to the model dtype, as HF does
                 hidden_states = hidden_states * torch.tensor(
