@@ -68,15 +68,20 @@ def browser():
 
 
 def text_of(driver, element_id: str) -> str:
-    return driver.find_element("id", element_id).text
+    return driver.execute_script(
+        "const e = document.getElementById(arguments[0]); return e ? e.innerText : null",
+        element_id,
+    )
 
 
 def wait_for(driver, condition, what: str):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.2).until(
-        lambda d: condition(d), message=f"the page did not show {what} in {WAIT_S} s"
-    )
+    # An element found by a condition may be redrawn before it is read: ask again.
+    return WebDriverWait(
+        driver, WAIT_S, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(lambda d: condition(d), message=f"the page did not show {what} in {WAIT_S} s")
 
 
 def log_in(driver, url: str) -> None:
@@ -92,9 +97,13 @@ def log_in(driver, url: str) -> None:
 
 
 def engine_states(driver) -> list[tuple[str, str]]:
-    """(DP rank, state) of each row of the engines table."""
-    rows = driver.find_elements("css selector", "#engines tbody tr")
-    return [tuple(c.text for c in row.find_elements("tag name", "td")[:2]) for row in rows]
+    """(DP rank, state) of each row of the engines table, read in one script: the page
+    redraws the table every poll, so elements found one call earlier may be gone."""
+    rows = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#engines tbody tr'),"
+        " row => Array.from(row.querySelectorAll('td'), c => c.innerText.trim()).slice(0, 2))"
+    )
+    return [tuple(row) for row in rows]
 
 
 def test_page_shows_the_engines_and_its_figures_move_with_traffic(server, browser):
