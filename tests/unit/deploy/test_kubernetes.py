@@ -1,0 +1,440 @@
+"""docker/kubernetes/: compose.yaml's stack as Kubernetes manifests, checked against
+compose.yaml and the code.
+
+`manifest_problems` reads the folder (kustomization.yaml's resources and Secrets) and names
+every field that disagrees with compose.yaml or kvserve: the image, each container's command
+(compose's, word for word, parsed by kvserve's own CLI), the ports the Services and probes
+reach, the /health probes, the Secrets mounted where --api-key-file and --transport-keys
+point, the model cache and /dev/shm mounts, the PodMonitor's selector and port. The same
+check run on mutated copies must name the mutation (it can fail). The schema check uses
+kubernetes-validate (the `test` extra), which bundles Kubernetes' JSON schemas.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvserve.cli import parse_options
+from kvserve.shared.transport_security import key_files
+from tests.support import REPO_ROOT
+
+MANIFESTS = REPO_ROOT / "docker" / "kubernetes"
+# compose service -> (kind, name) of the Kubernetes workload that runs it.
+WORKLOADS = {
+    "api": ("Deployment", "api"),
+    "coordinator": ("Deployment", "coordinator"),
+    "engine": ("StatefulSet", "engine"),  # compose's engine-0, engine-1, ...
+}
+ENGINE_INDEX = "$(ENGINE_INDEX)"
+POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def _bytes(size: str) -> int:
+    """A compose (1gb) or Kubernetes (1Gi) size in bytes; both are binary."""
+    number, unit = re.fullmatch(r"(\d+)\s*([a-zA-Z]*?)b?", str(size)).groups()
+    return int(number) * _SIZE_UNITS[unit.lower()]
+
+
+def _flag(command: list[str], name: str) -> str | None:
+    """The value after `name` in a command, None when absent."""
+    return command[command.index(name) + 1] if name in command else None
+
+
+def _load_folder(folder: Path) -> tuple[dict, list[dict]]:
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    docs: list[dict] = []
+    for resource in kustomization["resources"]:
+        docs.extend(d for d in yaml.safe_load_all((folder / resource).read_text()) if d)
+    return kustomization, docs
+
+
+def _find(docs: list[dict], kind: str, name: str) -> dict | None:
+    return next((d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name), None)
+
+
+def _container_port(container: dict, port: int | str) -> int | None:
+    """The container port a Service targetPort or probe port (number or name) reaches."""
+    for entry in container.get("ports", []):
+        if port in (entry["containerPort"], entry.get("name")):
+            return int(entry["containerPort"])
+    return None
+
+
+def _mount(container: dict, path: str) -> dict | None:
+    return next((m for m in container.get("volumeMounts", []) if m["mountPath"] == path), None)
+
+
+def _volume(pod: dict, name: str) -> dict | None:
+    return next((v for v in pod.get("volumes", []) if v["name"] == name), None)
+
+
+def _compose_commands(compose: dict, replicas: int) -> dict[str, list[list[str]]]:
+    """compose service -> the command of each of its Kubernetes pods (engines by index)."""
+    services = compose["services"]
+    engines = [
+        services[f"engine-{i}"]["command"] for i in range(replicas) if f"engine-{i}" in services
+    ]
+    return {
+        "api": [services["api"]["command"]],
+        "coordinator": [services["coordinator"]["command"]],
+        "engine": engines,
+    }
+
+
+def manifest_problems(folder: Path, compose: dict) -> list[str]:
+    """Every disagreement between the manifests in `folder` and compose.yaml / kvserve."""
+    problems: list[str] = []
+    kustomization, docs = _load_folder(folder)
+    listed = set(kustomization["resources"])
+    on_disk = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
+    if listed != on_disk:
+        problems.append(f"kustomization resources {sorted(listed)} != files {sorted(on_disk)}")
+    generated = {
+        g["name"]: [Path(f).name for f in g["files"]] for g in kustomization["secretGenerator"]
+    }
+
+    shared = compose["x-kvserve"]
+    image_name = shared["image"].split(":")[0]
+    cache_mount = next(v.split(":")[1] for v in shared["volumes"] if v.startswith("kvserve-cache:"))
+    keys_mount = next(v.split(":")[1] for v in shared["volumes"] if v.startswith("kvserve-keys:"))
+    if [i["name"] for i in kustomization.get("images", [])] != [image_name]:
+        problems.append(f"kustomization images do not name compose's image {image_name!r}")
+
+    api_workload = _find(docs, *WORKLOADS["api"])
+    engine_workload = _find(docs, *WORKLOADS["engine"])
+    if api_workload is None or engine_workload is None:
+        return [*problems, "the api Deployment or the engine StatefulSet is missing"]
+    api_command = api_workload["spec"]["template"]["spec"]["containers"][0]["command"]
+    dp_size = int(_flag(api_command, "--data-parallel-size") or 1)
+    if engine_workload["spec"]["replicas"] != dp_size:
+        problems.append(
+            f"engine replicas {engine_workload['spec']['replicas']} != the api's "
+            f"--data-parallel-size {dp_size}"
+        )
+    expected_commands = _compose_commands(compose, dp_size)
+
+    binders: dict[int, tuple[dict, dict]] = {}  # a tcp://*:PORT bound -> (pod template, container)
+    for service_name, (kind, name) in WORKLOADS.items():
+        workload = _find(docs, kind, name)
+        if workload is None:
+            problems.append(f"no {kind} {name} for compose's {service_name}")
+            continue
+        template = workload["spec"]["template"]
+        if template["metadata"]["labels"] != workload["spec"]["selector"]["matchLabels"]:
+            problems.append(f"{kind} {name}: its selector is not its pod labels")
+        pod = template["spec"]
+        container = pod["containers"][0]
+        for each in [*pod.get("initContainers", []), *pod["containers"]]:
+            if each["image"].split(":")[0] != image_name:
+                problems.append(
+                    f"{name}/{each['name']}: image {each['image']!r} is not {image_name!r}"
+                )
+        command = container["command"]
+        env = {e["name"]: e for e in container.get("env", [])}
+        for compose_env, value in shared["environment"].items():
+            if env.get(compose_env, {}).get("value") != value:
+                problems.append(f"{name}: env {compose_env} is not compose's {value!r}")
+
+        # The command: compose's, the engines' with their pod index as --engine-index.
+        pods = [command]
+        if ENGINE_INDEX in command:
+            if (
+                env.get("ENGINE_INDEX", {})
+                .get("valueFrom", {})
+                .get("fieldRef", {})
+                .get("fieldPath")
+                != POD_INDEX_FIELD
+            ):
+                problems.append(f"{name}: ENGINE_INDEX is not the pod's index")
+            pods = [[str(i) if w == ENGINE_INDEX else w for w in command] for i in range(dp_size)]
+        if service_name == "api":
+            key_file = _flag(command, "--api-key-file")
+            if key_file is None:
+                problems.append("api: no --api-key-file")
+            else:
+                problems += _secret_file_problems(pod, container, key_file, generated)
+                pods = [
+                    command[: command.index("--api-key-file")]
+                    + command[command.index("--api-key-file") + 2 :]
+                ]
+        if pods != expected_commands[service_name]:
+            problems.append(
+                f"{name}: command {pods} is not compose's {expected_commands[service_name]}"
+            )
+        for argv in pods:
+            try:
+                parse_options(argv[1:])
+            except SystemExit:
+                problems.append(f"{name}: kvserve refuses the command {argv}")
+
+        # Volumes: the model cache, the transport keys (a Secret copied by the init container).
+        if _mount(container, cache_mount) is None:
+            problems.append(f"{name}: nothing mounted at compose's model cache {cache_mount}")
+        keys_dir = _flag(command, "--transport-keys")
+        keys = _mount(container, keys_mount)
+        if keys_dir != keys_mount or keys is None or not keys.get("readOnly"):
+            problems.append(
+                f"{name}: --transport-keys {keys_dir} is not a read-only mount at {keys_mount}"
+            )
+        else:
+            problems += _transport_key_problems(pod, keys["name"], keys_mount, generated)
+        if name == "engine":
+            shm = _mount(container, "/dev/shm")
+            volume = _volume(pod, shm["name"]) if shm else None
+            size = compose["services"]["engine-0"]["shm_size"]
+            if (
+                not volume
+                or volume.get("emptyDir", {}).get("medium") != "Memory"
+                or _bytes(volume["emptyDir"].get("sizeLimit", "0")) < _bytes(size)
+            ):
+                problems.append(
+                    f"{name}: /dev/shm is not a memory emptyDir of compose's shm_size {size}"
+                )
+        if not container.get("resources", {}).get("requests"):
+            problems.append(f"{name}: no resource requests")
+        for word in command:
+            if word.startswith("tcp://*:"):
+                binders[int(word.rsplit(":", 1)[1])] = (template, container)
+
+    problems += _api_http_problems(compose, docs, api_workload)
+    problems += _address_problems(docs, binders)
+    return problems
+
+
+def _secret_file_problems(pod: dict, container: dict, path: str, generated: dict) -> list[str]:
+    folder, file_name = path.rsplit("/", 1)
+    mount = _mount(container, folder)
+    volume = _volume(pod, mount["name"]) if mount else None
+    secret = (volume or {}).get("secret", {}).get("secretName")
+    if secret not in generated or file_name not in generated[secret] or mount.get("subPath"):
+        return [
+            f"api: --api-key-file {path} is not a file of a generated Secret mounted at {folder}"
+        ]
+    return []
+
+
+def _transport_key_problems(
+    pod: dict, volume_name: str, keys_mount: str, generated: dict
+) -> list[str]:
+    """The keys folder: filled by an init container from a generated Secret holding the files
+    `kvserve keys generate` writes."""
+    key_names = [Path(f).name for f in key_files(keys_mount)]
+    for init in pod.get("initContainers", []):
+        into = next((m for m in init.get("volumeMounts", []) if m["name"] == volume_name), None)
+        for mount in init.get("volumeMounts", []):
+            secret = (_volume(pod, mount["name"]) or {}).get("secret", {}).get("secretName")
+            script = " ".join(init["command"])
+            if (
+                into
+                and into["mountPath"] == keys_mount
+                and secret in generated
+                and sorted(generated[secret]) == sorted(key_names)
+                and all(f"{mount['mountPath']}/{k}" in script for k in key_names)
+                and f"chmod 0600 {keys_mount}/" in script
+            ):
+                return []
+    return [
+        f"{keys_mount}: not filled from a Secret of {key_names} (owner-only) by an init container"
+    ]
+
+
+def _api_http_problems(compose: dict, docs: list[dict], api_workload: dict) -> list[str]:
+    problems: list[str] = []
+    compose_api = compose["services"]["api"]
+    port = int(_flag(compose_api["command"], "--port"))
+    pod = api_workload["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    if _container_port(container, "http") != port:
+        problems.append(f"api: container port http is not --port {port}")
+    service = _find(docs, "Service", "api")
+    http = next(
+        (p for p in (service or {}).get("spec", {}).get("ports", []) if p["name"] == "http"), None
+    )
+    if http is None or _container_port(container, http["targetPort"]) != port:
+        problems.append(f"Service api: http's targetPort does not reach the api's port {port}")
+    start_period = int(compose_api["healthcheck"]["start_period"].rstrip("s"))
+    for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(probe_name, {})
+        get = probe.get("httpGet", {})
+        if get.get("path") != "/health" or _container_port(container, get.get("port", -1)) != port:
+            problems.append(f"api: {probe_name} does not GET /health on port {port}")
+        elif (
+            probe_name != "readinessProbe"
+            and probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3) < start_period
+        ):
+            problems.append(
+                f"api: {probe_name} gives up before compose's start_period {start_period}s"
+            )
+    monitor = _find(docs, "PodMonitor", "kvserve-api")
+    if monitor is None:
+        return [*problems, "no PodMonitor kvserve-api"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    if not selector.items() <= pod["metadata"]["labels"].items() or any(
+        selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        for d in docs
+        if d.get("spec", {}).get("template") and d is not api_workload
+    ):
+        problems.append("PodMonitor: its selector does not pick the api pods alone")
+    endpoints = monitor["spec"]["podMetricsEndpoints"]
+    if [(e["port"], e["path"]) for e in endpoints] != [("http", "/metrics")]:
+        problems.append("PodMonitor: does not scrape /metrics on the api's http port")
+    return problems
+
+
+def _address_problems(docs: list[dict], binders: dict[int, tuple[dict, dict]]) -> list[str]:
+    """Every tcp://HOST:PORT a command connects to is a Service on PORT whose pods bind it."""
+    problems: list[str] = []
+    for doc in docs:
+        template = doc.get("spec", {}).get("template")
+        if not template:
+            continue
+        for word in template["spec"]["containers"][0]["command"]:
+            match = re.fullmatch(r"tcp://([a-z0-9-]+):(\d+)", word)
+            if not match:
+                continue
+            host, port = match[1], int(match[2])
+            service = _find(docs, "Service", host)
+            entry = next(
+                (p for p in (service or {}).get("spec", {}).get("ports", []) if p["port"] == port),
+                None,
+            )
+            bound = binders.get(port)
+            if entry is None or bound is None:
+                problems.append(
+                    f"{word}: no Service {host} on port {port} before a socket bound there"
+                )
+                continue
+            selected = service["spec"]["selector"].items() <= bound[0]["metadata"]["labels"].items()
+            if not selected or _container_port(bound[1], entry["targetPort"]) != port:
+                problems.append(f"{word}: Service {host} does not reach the pod that binds {port}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
+
+
+def test_manifests_agree_with_compose_and_kvserve(compose):
+    assert manifest_problems(MANIFESTS, compose) == []
+
+
+def _edit(file: str, change: Callable[[list[dict]], None]) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        docs = [d for d in yaml.safe_load_all((folder / file).read_text()) if d]
+        change(docs)
+        (folder / file).write_text(yaml.safe_dump_all(docs))
+
+    return apply
+
+
+def _container(docs: list[dict], kind: str) -> dict:
+    return next(d for d in docs if d["kind"] == kind)["spec"]["template"]["spec"]["containers"][0]
+
+
+def _set_port(docs: list[dict]) -> None:
+    _container(docs, "Deployment")["ports"][0]["containerPort"] = 8080
+
+
+def _set_probe_path(docs: list[dict]) -> None:
+    _container(docs, "Deployment")["readinessProbe"]["httpGet"]["path"] = "/healthz"
+
+
+def _set_engine_arg(docs: list[dict]) -> None:
+    command = _container(docs, "StatefulSet")["command"]
+    command[command.index("--kv-cache-memory") + 1] = "2GiB"
+
+
+def _set_key_mount(docs: list[dict]) -> None:
+    _container(docs, "Deployment")["volumeMounts"][2]["mountPath"] = "/etc/keys"
+
+
+def _set_image(docs: list[dict]) -> None:
+    _container(docs, "StatefulSet")["image"] = "vllm/vllm-openai:latest"
+
+
+def _set_cache_mount(docs: list[dict]) -> None:
+    _container(docs, "StatefulSet")["volumeMounts"][0]["mountPath"] = "/models"
+
+
+def _set_target_port(docs: list[dict]) -> None:
+    next(d for d in docs if d["kind"] == "Service")["spec"]["ports"][0]["targetPort"] = 8080
+
+
+def _set_replicas(docs: list[dict]) -> None:
+    next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["replicas"] = 3
+
+
+def _set_monitor_port(docs: list[dict]) -> None:
+    docs[0]["spec"]["podMetricsEndpoints"][0]["port"] = "metrics"
+
+
+def _set_service_host(docs: list[dict]) -> None:
+    next(d for d in docs if d["kind"] == "Service")["metadata"]["name"] = "kvserve-coordinator"
+
+
+def _drop_chmod(docs: list[dict]) -> None:
+    init = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "initContainers"
+    ][0]
+    init["command"][-1] = init["command"][-1].split(" && ")[0]
+
+
+MUTATIONS = {
+    "api port": (_edit("api.yaml", _set_port), "container port http is not --port 8000"),
+    "probe path": (_edit("api.yaml", _set_probe_path), "readinessProbe does not GET /health"),
+    "engine arg": (_edit("engine.yaml", _set_engine_arg), "engine: command"),
+    "key file mount": (_edit("api.yaml", _set_key_mount), "--api-key-file"),
+    "image": (_edit("engine.yaml", _set_image), "image 'vllm/vllm-openai:latest'"),
+    "cache mount": (_edit("engine.yaml", _set_cache_mount), "compose's model cache /cache"),
+    "target port": (_edit("api.yaml", _set_target_port), "http's targetPort"),
+    "replicas": (_edit("engine.yaml", _set_replicas), "--data-parallel-size 2"),
+    "monitor port": (_edit("podmonitor.yaml", _set_monitor_port), "PodMonitor: does not scrape"),
+    "service name": (_edit("coordinator.yaml", _set_service_host), "no Service coordinator"),
+    "key mode": (_edit("api.yaml", _drop_chmod), "owner-only"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_a_mutated_copy_is_named(compose, tmp_path, mutation):
+    folder = tmp_path / "kubernetes"
+    shutil.copytree(MANIFESTS, folder)
+    mutate, expected = MUTATIONS[mutation]
+    mutate(folder)
+    problems = manifest_problems(folder, compose)
+    assert any(expected in p for p in problems), problems
+
+
+def test_manifests_match_the_kubernetes_schemas():
+    validate = pytest.importorskip(
+        "kubernetes_validate",
+        reason="kubernetes-validate (kvserve's `test` extra) is not installed",
+    )
+    _, docs = _load_folder(MANIFESTS)
+    checked: list[Any] = []
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: no bundled schema; its fields are checked above
+        # 1.28: the oldest Kubernetes with the pod-index label the engines read.
+        validate.validate(doc, "1.28.0", strict=True)
+        checked.append(doc["kind"])
+    assert sorted(set(checked)) == [
+        "Deployment",
+        "Namespace",
+        "PersistentVolumeClaim",
+        "Service",
+        "StatefulSet",
+    ]
+    # The schema check can fail: a misspelt field of the engines' StatefulSet is refused.
+    engine = _find(docs, *WORKLOADS["engine"])
+    misspelt = {**engine, "spec": {**engine["spec"], "replica": 2}}
+    with pytest.raises(validate.ValidationError):
+        validate.validate(misspelt, "1.28.0", strict=True)
