@@ -12,8 +12,10 @@ kubernetes-validate (the `test` extra), which bundles Kubernetes' JSON schemas.
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import pytest
 import yaml
 
 from kvserve.cli import parse_options
-from kvserve.shared.transport_security import key_files
+from kvserve.shared.transport_security import generate_keys, key_files
 from tests.support import REPO_ROOT
 
 MANIFESTS = REPO_ROOT / "docker" / "kubernetes"
@@ -413,14 +415,52 @@ def test_a_mutated_copy_is_named(compose, tmp_path, mutation):
     assert any(expected in p for p in problems), problems
 
 
-def test_manifests_match_the_kubernetes_schemas():
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> list[dict]:
+    """`kubectl kustomize` of a copy of the folder with the Secrets' sources made as README
+    says (a key file, `kvserve keys generate`)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("Debian's kubectl is not installed (`make test` installs it)")
+    folder = tmp_path_factory.mktemp("render") / "kubernetes"
+    shutil.copytree(MANIFESTS, folder)
+    (folder / "api-keys.txt").write_text(API_KEY_FILE)
+    generate_keys(str(folder / "transport-keys"))
+    out = subprocess.run(
+        [kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+API_KEY_FILE = "default:sk-render-test\nbatch:sk-batch max_concurrent=4\n"
+
+
+def test_kustomize_renders_the_folder_with_its_secrets(rendered):
+    _, source = _load_folder(MANIFESTS)
+    for doc in rendered:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "kvserve", doc["metadata"]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "kvserve"
+    secrets = {d["metadata"]["name"]: d["data"] for d in rendered if d["kind"] == "Secret"}
+    assert base64.b64decode(secrets["kvserve-api-keys"]["api-keys.txt"]).decode() == API_KEY_FILE
+    assert sorted(secrets["kvserve-transport-keys"]) == sorted(
+        Path(f).name for f in key_files("/keys")
+    )
+    # Kustomize adds the namespace and labels only: the pods are the checked source's.
+    for doc in source:
+        if doc.get("spec", {}).get("template"):
+            out = _find(rendered, doc["kind"], doc["metadata"]["name"])
+            assert out is not None and out["spec"]["template"] == doc["spec"]["template"]
+
+
+def test_manifests_match_the_kubernetes_schemas(rendered):
     validate = pytest.importorskip(
         "kubernetes_validate",
         reason="kubernetes-validate (kvserve's `test` extra) is not installed",
     )
-    _, docs = _load_folder(MANIFESTS)
     checked: list[Any] = []
-    for doc in docs:
+    for doc in rendered:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # a CRD: no bundled schema; its fields are checked above
         # 1.28: the oldest Kubernetes with the pod-index label the engines read.
@@ -430,11 +470,12 @@ def test_manifests_match_the_kubernetes_schemas():
         "Deployment",
         "Namespace",
         "PersistentVolumeClaim",
+        "Secret",
         "Service",
         "StatefulSet",
     ]
     # The schema check can fail: a misspelt field of the engines' StatefulSet is refused.
-    engine = _find(docs, *WORKLOADS["engine"])
+    engine = _find(rendered, *WORKLOADS["engine"])
     misspelt = {**engine, "spec": {**engine["spec"], "replica": 2}}
     with pytest.raises(validate.ValidationError):
         validate.validate(misspelt, "1.28.0", strict=True)
