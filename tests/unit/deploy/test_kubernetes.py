@@ -34,6 +34,7 @@ WORKLOADS = {
     "coordinator": ("Deployment", "coordinator"),
     "engine": ("StatefulSet", "engine"),  # compose's engine-0, engine-1, ...
 }
+CLIENT_SERVICE = "kvserve"  # the api's port for clients; compose's `api` name is the engines'
 ENGINE_INDEX = "$(ENGINE_INDEX)"
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -256,12 +257,18 @@ def _api_http_problems(compose: dict, docs: list[dict], api_workload: dict) -> l
     container = pod["spec"]["containers"][0]
     if _container_port(container, "http") != port:
         problems.append(f"api: container port http is not --port {port}")
-    service = _find(docs, "Service", "api")
+    service = _find(docs, "Service", CLIENT_SERVICE)
+    if service is None or service["spec"].get("publishNotReadyAddresses"):
+        problems.append(
+            f"Service {CLIENT_SERVICE}: missing, or it sends clients to an api not ready"
+        )
     http = next(
         (p for p in (service or {}).get("spec", {}).get("ports", []) if p["name"] == "http"), None
     )
     if http is None or _container_port(container, http["targetPort"]) != port:
-        problems.append(f"Service api: http's targetPort does not reach the api's port {port}")
+        problems.append(
+            f"Service {CLIENT_SERVICE}: http's targetPort does not reach the api's port {port}"
+        )
     start_period = int(compose_api["healthcheck"]["start_period"].rstrip("s"))
     for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = container.get(probe_name, {})
@@ -314,6 +321,10 @@ def _address_problems(docs: list[dict], binders: dict[int, tuple[dict, dict]]) -
                     f"{word}: no Service {host} on port {port} before a socket bound there"
                 )
                 continue
+            # The api turns ready only after its engines' READY: its sockets are published
+            # before (its readiness would wait for the engines, theirs for its sockets).
+            if host == "api" and not service["spec"].get("publishNotReadyAddresses"):
+                problems.append(f"{word}: Service {host} hides the api's sockets until it is ready")
             selected = service["spec"]["selector"].items() <= bound[0]["metadata"]["labels"].items()
             if not selected or _container_port(bound[1], entry["targetPort"]) != port:
                 problems.append(f"{word}: Service {host} does not reach the pod that binds {port}")
@@ -371,6 +382,10 @@ def _set_target_port(docs: list[dict]) -> None:
     next(d for d in docs if d["kind"] == "Service")["spec"]["ports"][0]["targetPort"] = 8080
 
 
+def _drop_publish_not_ready(docs: list[dict]) -> None:
+    _find(docs, "Service", "api")["spec"].pop("publishNotReadyAddresses")
+
+
 def _set_replicas(docs: list[dict]) -> None:
     next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["replicas"] = 3
 
@@ -398,6 +413,10 @@ MUTATIONS = {
     "image": (_edit("engine.yaml", _set_image), "image 'vllm/vllm-openai:latest'"),
     "cache mount": (_edit("engine.yaml", _set_cache_mount), "compose's model cache /cache"),
     "target port": (_edit("api.yaml", _set_target_port), "http's targetPort"),
+    "engine sockets hidden": (
+        _edit("api.yaml", _drop_publish_not_ready),
+        "hides the api's sockets until it is ready",
+    ),
     "replicas": (_edit("engine.yaml", _set_replicas), "--data-parallel-size 2"),
     "monitor port": (_edit("podmonitor.yaml", _set_monitor_port), "PodMonitor: does not scrape"),
     "service name": (_edit("coordinator.yaml", _set_service_host), "no Service coordinator"),
