@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,9 @@ _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "ki": 2**10, "mi": 2**
 
 def _bytes(size: str) -> int:
     """A compose (1gb) or Kubernetes (1Gi) size in bytes; both are binary."""
-    number, unit = re.fullmatch(r"(\d+)\s*([a-zA-Z]*?)b?", str(size)).groups()
+    match = re.fullmatch(r"(\d+)\s*([a-zA-Z]*?)b?", str(size))
+    assert match is not None, f"not a size: {size!r}"
+    number, unit = match.groups()
     return int(number) * _SIZE_UNITS[unit.lower()]
 
 
@@ -79,17 +82,40 @@ def _volume(pod: dict, name: str) -> dict | None:
     return next((v for v in pod.get("volumes", []) if v["name"] == name), None)
 
 
-def _compose_commands(compose: dict, replicas: int) -> dict[str, list[list[str]]]:
-    """compose service -> the command of each of its Kubernetes pods (engines by index)."""
-    services = compose["services"]
-    engines = [
-        services[f"engine-{i}"]["command"] for i in range(replicas) if f"engine-{i}" in services
-    ]
-    return {
-        "api": [services["api"]["command"]],
-        "coordinator": [services["coordinator"]["command"]],
-        "engine": engines,
-    }
+@dataclass(frozen=True)
+class _Expected:
+    """What compose.yaml (and the kustomization's Secrets) ask of every workload."""
+
+    image_name: str
+    environment: dict[str, str]
+    cache_mount: str
+    keys_mount: str
+    shm_size: str
+    dp_size: int
+    commands: dict[str, list[list[str]]]  # compose service -> each pod's command
+    generated: dict[str, list[str]]  # Secret name -> its file names
+
+
+def _expected(compose: dict, kustomization: dict, dp_size: int) -> _Expected:
+    shared, services = compose["x-kvserve"], compose["services"]
+    mounts = dict(v.split(":")[:2] for v in shared["volumes"])
+    engines = [f"engine-{i}" for i in range(dp_size)]
+    return _Expected(
+        image_name=shared["image"].split(":")[0],
+        environment=shared["environment"],
+        cache_mount=mounts["kvserve-cache"],
+        keys_mount=mounts["kvserve-keys"],
+        shm_size=services["engine-0"]["shm_size"],
+        dp_size=dp_size,
+        commands={
+            "api": [services["api"]["command"]],
+            "coordinator": [services["coordinator"]["command"]],
+            "engine": [services[e]["command"] for e in engines if e in services],
+        },
+        generated={
+            g["name"]: [Path(f).name for f in g["files"]] for g in kustomization["secretGenerator"]
+        },
+    )
 
 
 def manifest_problems(folder: Path, compose: dict) -> list[str]:
@@ -100,17 +126,6 @@ def manifest_problems(folder: Path, compose: dict) -> list[str]:
     on_disk = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
     if listed != on_disk:
         problems.append(f"kustomization resources {sorted(listed)} != files {sorted(on_disk)}")
-    generated = {
-        g["name"]: [Path(f).name for f in g["files"]] for g in kustomization["secretGenerator"]
-    }
-
-    shared = compose["x-kvserve"]
-    image_name = shared["image"].split(":")[0]
-    cache_mount = next(v.split(":")[1] for v in shared["volumes"] if v.startswith("kvserve-cache:"))
-    keys_mount = next(v.split(":")[1] for v in shared["volumes"] if v.startswith("kvserve-keys:"))
-    if [i["name"] for i in kustomization.get("images", [])] != [image_name]:
-        problems.append(f"kustomization images do not name compose's image {image_name!r}")
-
     api_workload = _find(docs, *WORKLOADS["api"])
     engine_workload = _find(docs, *WORKLOADS["engine"])
     if api_workload is None or engine_workload is None:
@@ -122,7 +137,9 @@ def manifest_problems(folder: Path, compose: dict) -> list[str]:
             f"engine replicas {engine_workload['spec']['replicas']} != the api's "
             f"--data-parallel-size {dp_size}"
         )
-    expected_commands = _compose_commands(compose, dp_size)
+    expected = _expected(compose, kustomization, dp_size)
+    if [i["name"] for i in kustomization.get("images", [])] != [expected.image_name]:
+        problems.append(f"kustomization images do not name compose's image {expected.image_name!r}")
 
     binders: dict[int, tuple[dict, dict]] = {}  # a tcp://*:PORT bound -> (pod template, container)
     for service_name, (kind, name) in WORKLOADS.items():
@@ -130,85 +147,90 @@ def manifest_problems(folder: Path, compose: dict) -> list[str]:
         if workload is None:
             problems.append(f"no {kind} {name} for compose's {service_name}")
             continue
+        problems += _workload_problems(service_name, workload, expected)
         template = workload["spec"]["template"]
-        if template["metadata"]["labels"] != workload["spec"]["selector"]["matchLabels"]:
-            problems.append(f"{kind} {name}: its selector is not its pod labels")
-        pod = template["spec"]
-        container = pod["containers"][0]
-        for each in [*pod.get("initContainers", []), *pod["containers"]]:
-            if each["image"].split(":")[0] != image_name:
-                problems.append(
-                    f"{name}/{each['name']}: image {each['image']!r} is not {image_name!r}"
-                )
-        command = container["command"]
-        env = {e["name"]: e for e in container.get("env", [])}
-        for compose_env, value in shared["environment"].items():
-            if env.get(compose_env, {}).get("value") != value:
-                problems.append(f"{name}: env {compose_env} is not compose's {value!r}")
-
-        # The command: compose's, the engines' with their pod index as --engine-index.
-        pods = [command]
-        if ENGINE_INDEX in command:
-            if (
-                env.get("ENGINE_INDEX", {})
-                .get("valueFrom", {})
-                .get("fieldRef", {})
-                .get("fieldPath")
-                != POD_INDEX_FIELD
-            ):
-                problems.append(f"{name}: ENGINE_INDEX is not the pod's index")
-            pods = [[str(i) if w == ENGINE_INDEX else w for w in command] for i in range(dp_size)]
-        if service_name == "api":
-            key_file = _flag(command, "--api-key-file")
-            if key_file is None:
-                problems.append("api: no --api-key-file")
-            else:
-                problems += _secret_file_problems(pod, container, key_file, generated)
-                pods = [
-                    command[: command.index("--api-key-file")]
-                    + command[command.index("--api-key-file") + 2 :]
-                ]
-        if pods != expected_commands[service_name]:
-            problems.append(
-                f"{name}: command {pods} is not compose's {expected_commands[service_name]}"
-            )
-        for argv in pods:
-            try:
-                parse_options(argv[1:])
-            except SystemExit:
-                problems.append(f"{name}: kvserve refuses the command {argv}")
-
-        # Volumes: the model cache, the transport keys (a Secret copied by the init container).
-        if _mount(container, cache_mount) is None:
-            problems.append(f"{name}: nothing mounted at compose's model cache {cache_mount}")
-        keys_dir = _flag(command, "--transport-keys")
-        keys = _mount(container, keys_mount)
-        if keys_dir != keys_mount or keys is None or not keys.get("readOnly"):
-            problems.append(
-                f"{name}: --transport-keys {keys_dir} is not a read-only mount at {keys_mount}"
-            )
-        else:
-            problems += _transport_key_problems(pod, keys["name"], keys_mount, generated)
-        if name == "engine":
-            shm = _mount(container, "/dev/shm")
-            volume = _volume(pod, shm["name"]) if shm else None
-            size = compose["services"]["engine-0"]["shm_size"]
-            if (
-                not volume
-                or volume.get("emptyDir", {}).get("medium") != "Memory"
-                or _bytes(volume["emptyDir"].get("sizeLimit", "0")) < _bytes(size)
-            ):
-                problems.append(
-                    f"{name}: /dev/shm is not a memory emptyDir of compose's shm_size {size}"
-                )
-        if not container.get("resources", {}).get("requests"):
-            problems.append(f"{name}: no resource requests")
-        for word in command:
+        container = template["spec"]["containers"][0]
+        for word in container["command"]:
             if word.startswith("tcp://*:"):
                 binders[int(word.rsplit(":", 1)[1])] = (template, container)
-
     problems += _api_http_problems(compose, docs, api_workload)
     problems += _address_problems(docs, binders)
+    return problems
+
+
+def _workload_problems(service_name: str, workload: dict, expected: _Expected) -> list[str]:
+    """One workload against compose's service: labels, image, env, command, volumes."""
+    problems: list[str] = []
+    name = workload["metadata"]["name"]
+    template = workload["spec"]["template"]
+    if template["metadata"]["labels"] != workload["spec"]["selector"]["matchLabels"]:
+        problems.append(f"{name}: its selector is not its pod labels")
+    pod = template["spec"]
+    container = pod["containers"][0]
+    for each in [*pod.get("initContainers", []), *pod["containers"]]:
+        if each["image"].split(":")[0] != expected.image_name:
+            problems.append(
+                f"{name}/{each['name']}: image {each['image']!r} is not {expected.image_name!r}"
+            )
+    command = container["command"]
+    env = {e["name"]: e for e in container.get("env", [])}
+    for compose_env, value in expected.environment.items():
+        if env.get(compose_env, {}).get("value") != value:
+            problems.append(f"{name}: env {compose_env} is not compose's {value!r}")
+
+    # The command: compose's, the engines' with their pod index as --engine-index, the api's
+    # with --api-key-file added; each parsed by kvserve's CLI as the pod runs it.
+    pods = [command]
+    if ENGINE_INDEX in command:
+        index_field = env.get("ENGINE_INDEX", {}).get("valueFrom", {}).get("fieldRef", {})
+        if index_field.get("fieldPath") != POD_INDEX_FIELD:
+            problems.append(f"{name}: ENGINE_INDEX is not the pod's index")
+        pods = [
+            [str(i) if w == ENGINE_INDEX else w for w in command] for i in range(expected.dp_size)
+        ]
+    for argv in pods:
+        try:
+            parse_options(argv[1:])
+        except SystemExit:
+            problems.append(f"{name}: kvserve refuses the command {argv}")
+    key_file = _flag(command, "--api-key-file")
+    if service_name == "api" and key_file is None:
+        problems.append("api: no --api-key-file")
+    elif key_file is not None:
+        problems += _secret_file_problems(pod, container, key_file, expected.generated)
+        at = command.index("--api-key-file")
+        pods = [command[:at] + command[at + 2 :]]
+    if pods != expected.commands[service_name]:
+        problems.append(
+            f"{name}: command {pods} is not compose's {expected.commands[service_name]}"
+        )
+
+    # Volumes: the model cache, the transport keys (a Secret copied by the init container).
+    if _mount(container, expected.cache_mount) is None:
+        problems.append(f"{name}: nothing mounted at compose's model cache {expected.cache_mount}")
+    keys_dir = _flag(command, "--transport-keys")
+    keys = _mount(container, expected.keys_mount)
+    if keys_dir != expected.keys_mount or keys is None or not keys.get("readOnly"):
+        problems.append(
+            f"{name}: --transport-keys {keys_dir} is not a read-only mount at {expected.keys_mount}"
+        )
+    else:
+        problems += _transport_key_problems(
+            pod, keys["name"], expected.keys_mount, expected.generated
+        )
+    if service_name == "engine":
+        shm = _mount(container, "/dev/shm")
+        volume = (_volume(pod, shm["name"]) if shm else None) or {}
+        memory = volume.get("emptyDir", {})
+        if memory.get("medium") != "Memory" or _bytes(memory.get("sizeLimit", "0")) < _bytes(
+            expected.shm_size
+        ):
+            problems.append(
+                f"{name}: /dev/shm is not a memory emptyDir of compose's shm_size "
+                f"{expected.shm_size}"
+            )
+    if not container.get("resources", {}).get("requests"):
+        problems.append(f"{name}: no resource requests")
     return problems
 
 
@@ -217,10 +239,10 @@ def _secret_file_problems(pod: dict, container: dict, path: str, generated: dict
     mount = _mount(container, folder)
     volume = _volume(pod, mount["name"]) if mount else None
     secret = (volume or {}).get("secret", {}).get("secretName")
-    if secret not in generated or file_name not in generated[secret] or mount.get("subPath"):
-        return [
-            f"api: --api-key-file {path} is not a file of a generated Secret mounted at {folder}"
-        ]
+    if mount is None or secret not in generated or file_name not in generated[secret]:
+        return [f"api: --api-key-file {path} is not a file of a generated Secret at {folder}"]
+    if mount.get("subPath"):
+        return [f"api: --api-key-file {path} is a subPath mount: it never sees the Secret's edits"]
     return []
 
 
@@ -252,7 +274,7 @@ def _transport_key_problems(
 def _api_http_problems(compose: dict, docs: list[dict], api_workload: dict) -> list[str]:
     problems: list[str] = []
     compose_api = compose["services"]["api"]
-    port = int(_flag(compose_api["command"], "--port"))
+    port = int(_flag(compose_api["command"], "--port") or 0)
     pod = api_workload["spec"]["template"]
     container = pod["spec"]["containers"][0]
     if _container_port(container, "http") != port:
@@ -316,7 +338,7 @@ def _address_problems(docs: list[dict], binders: dict[int, tuple[dict, dict]]) -
                 None,
             )
             bound = binders.get(port)
-            if entry is None or bound is None:
+            if service is None or entry is None or bound is None:
                 problems.append(
                     f"{word}: no Service {host} on port {port} before a socket bound there"
                 )
@@ -383,7 +405,18 @@ def _set_target_port(docs: list[dict]) -> None:
 
 
 def _drop_publish_not_ready(docs: list[dict]) -> None:
-    _find(docs, "Service", "api")["spec"].pop("publishNotReadyAddresses")
+    api = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "api")
+    api["spec"].pop("publishNotReadyAddresses")
+
+
+def _misspell_flag(docs: list[dict]) -> None:
+    command = _container(docs, "Deployment")["command"]
+    command[command.index("--served-model-name")] = "--model-served-name"
+
+
+def _set_index_field(docs: list[dict]) -> None:
+    env = _container(docs, "StatefulSet")["env"][1]
+    env["valueFrom"]["fieldRef"]["fieldPath"] = "metadata.name"
 
 
 def _set_replicas(docs: list[dict]) -> None:
@@ -417,6 +450,8 @@ MUTATIONS = {
         _edit("api.yaml", _drop_publish_not_ready),
         "hides the api's sockets until it is ready",
     ),
+    "misspelt flag": (_edit("api.yaml", _misspell_flag), "kvserve refuses the command"),
+    "engine index": (_edit("engine.yaml", _set_index_field), "ENGINE_INDEX is not the pod's"),
     "replicas": (_edit("engine.yaml", _set_replicas), "--data-parallel-size 2"),
     "monitor port": (_edit("podmonitor.yaml", _set_monitor_port), "PodMonitor: does not scrape"),
     "service name": (_edit("coordinator.yaml", _set_service_host), "no Service coordinator"),
@@ -495,6 +530,7 @@ def test_manifests_match_the_kubernetes_schemas(rendered):
     ]
     # The schema check can fail: a misspelt field of the engines' StatefulSet is refused.
     engine = _find(rendered, *WORKLOADS["engine"])
+    assert engine is not None
     misspelt = {**engine, "spec": {**engine["spec"], "replica": 2}}
     with pytest.raises(validate.ValidationError):
         validate.validate(misspelt, "1.28.0", strict=True)
