@@ -13,9 +13,14 @@ kubernetes-validate (the `test` extra), which bundles Kubernetes' JSON schemas.
 from __future__ import annotations
 
 import base64
+import http.server
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +30,7 @@ import pytest
 import yaml
 
 from kvserve.cli import parse_options
-from kvserve.shared.transport_security import generate_keys, key_files
+from kvserve.shared.transport_security import generate_keys, key_files, load_keys
 from tests.support import REPO_ROOT
 
 MANIFESTS = REPO_ROOT / "docker" / "kubernetes"
@@ -534,3 +539,74 @@ def test_manifests_match_the_kubernetes_schemas(rendered):
     misspelt = {**engine, "spec": {**engine["spec"], "replica": 2}}
     with pytest.raises(validate.ValidationError):
         validate.validate(misspelt, "1.28.0", strict=True)
+
+
+def _pod_spec(file: str, kind: str) -> dict:
+    docs = yaml.safe_load_all((MANIFESTS / file).read_text())
+    return next(d for d in docs if d and d["kind"] == kind)["spec"]["template"]["spec"]
+
+
+def test_the_init_container_makes_a_keys_folder_kvserve_loads(tmp_path):
+    """The init container's script, run on a folder laid out as a Secret volume (files as
+    links into ..data), leaves owner-only keys that kvserve loads."""
+    pod = _pod_spec("engine.yaml", "StatefulSet")
+    init = pod["initContainers"][0]
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    secret_dir, keys_dir = tmp_path / "secret", tmp_path / "keys"
+    generate_keys(str(tmp_path / "made"))
+    (secret_dir / "..data").mkdir(parents=True)
+    for made in (tmp_path / "made").iterdir():
+        (secret_dir / "..data" / made.name).write_bytes(made.read_bytes())
+        (secret_dir / "..data" / made.name).chmod(0o440)
+        (secret_dir / made.name).symlink_to(Path("..data") / made.name)
+    keys_dir.mkdir()
+    script = init["command"][-1]
+    script = script.replace(mounts["transport-keys-secret"], str(secret_dir))
+    script = script.replace(mounts["kvserve-keys"], str(keys_dir))
+    subprocess.run([*init["command"][:-1], script], check=True, timeout=30)
+    for path in key_files(str(keys_dir)):
+        assert not Path(path).is_symlink() and Path(path).stat().st_mode & 0o777 == 0o600
+    assert load_keys(str(keys_dir)).public_key == load_keys(str(tmp_path / "made")).public_key
+
+
+class _HealthHandler(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_engine_is_ready_while_the_api_reports_it_serving():
+    """The engines' readiness command against a /health body as the api writes it."""
+    probe = _pod_spec("engine.yaml", "StatefulSet")["containers"][0]["readinessProbe"]
+    server = http.server.HTTPServer(("127.0.0.1", 0), _HealthHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/health"
+        command = [w.replace("http://api:8000/health", url) for w in probe["exec"]["command"]]
+        command[0] = sys.executable
+        _HealthHandler.body = json.dumps(
+            {
+                "status": "degraded",
+                "engines": [
+                    {"engine": 0, "state": "serving"},
+                    {"engine": 1, "state": "dead"},
+                ],
+            }
+        ).encode()
+        ready = {
+            index: subprocess.run(
+                command, env={**os.environ, "ENGINE_INDEX": str(index)}, timeout=30
+            ).returncode
+            == 0
+            for index in (0, 1, 2)
+        }
+        assert ready == {0: True, 1: False, 2: False}
+    finally:
+        server.shutdown()
