@@ -6,8 +6,11 @@ every field that disagrees with compose.yaml or kvserve: the image, each contain
 (compose's, word for word, parsed by kvserve's own CLI), the ports the Services and probes
 reach, the /health probes, the Secrets mounted where --api-key-file and --transport-keys
 point, the model cache and /dev/shm mounts, the PodMonitor's selector and port. The same
-check run on mutated copies must name the mutation (it can fail). The schema check uses
-kubernetes-validate (the `test` extra), which bundles Kubernetes' JSON schemas.
+check run on mutated copies must name the mutation (it can fail). `kubectl kustomize`
+(Debian's kubectl) renders the folder with its Secrets, and kubernetes-validate (the `test`
+extra, Kubernetes' JSON schemas bundled) checks the rendered objects. Two commands of the
+manifests run here as the pods would run them: the init container's key copy (on a folder laid
+out as a Secret volume) and the engines' readiness probe (against an api /health body).
 """
 
 from __future__ import annotations
