@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve lint test test-fast clean compose-tool browser
+.PHONY: install serve lint test test-fast clean compose-tool browser kube-tool
 .PHONY: wheelhouse seed-base-image base-image image compose-up compose-down
 
 $(STAMP): pyproject.toml setup.py
@@ -27,6 +27,13 @@ compose-tool:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; } || \
 		echo "warning: could not install docker-compose; the compose test will be skipped"
 
+# Debian's kubectl renders docker/kubernetes/ with its built-in kustomize, offline
+# (tests/unit/deploy/test_kubernetes.py; skipped, saying so, without it).
+kube-tool:
+	@command -v kubectl >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl >/dev/null; } || \
+		echo "warning: could not install kubectl; the Kubernetes render test will be skipped"
+
 # Debian's chromium and its chromedriver: the status page's test drives them through selenium
 # (tests/e2e/test_dashboard_browser.py; skipped, saying so, when they cannot be installed).
 browser:
@@ -47,7 +54,7 @@ lint: $(STAMP)
 # and 8 GiB on a two-core machine; bench/suite_profile.py measures a whole run's time and
 # memory). -n 2 --dist loadfile: two pytest-xdist workers, one torch thread each
 # (tests/conftest.py), a module's tests on one worker so its fixtures are built once.
-test: $(STAMP) compose-tool browser lint
+test: $(STAMP) compose-tool kube-tool browser lint
 	$(BIN)/python -m pytest tests -q --durations=10 -n 2 --dist loadfile
 
 test-fast: $(STAMP)
