@@ -231,7 +231,11 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
 def _store_addresses(engine: EngineConfig) -> list[str]:
     transfer = engine.kv_transfer_config
     address = transfer.store_address if transfer is not None else None
-    return [] if address is None else [address]
+    addresses = [] if address is None else [address]
+    events = engine.kv_events_config
+    if events is not None and events.is_publishing:
+        addresses += [addr for addr in (events.endpoint, events.replay_endpoint) if addr]
+    return addresses
 
 
 class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
