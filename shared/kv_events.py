@@ -65,6 +65,10 @@ class AllBlocksCleared(KVCacheEvent):
     """The whole prefix cache was dropped (reset_prefix_cache)."""
 
 
+# The events a KVEventBatch carries.
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]

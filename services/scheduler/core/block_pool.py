@@ -11,7 +11,7 @@ from kvserve.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheEvent,
+    KVEvent,
 )
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ class BlockPool:
         self.evicted: list[tuple[bytes, int]] | None = None
         # Prefix-cache changes for --kv-events-config, taken once per step (None: off, and
         # nothing is collected).
-        self.kv_events: list[KVCacheEvent] | None = None
+        self.kv_events: list[KVEvent] | None = None
         self.block_size = 0
 
     def enable_kv_events(self, block_size: int) -> None:
@@ -184,7 +184,7 @@ class BlockPool:
         self.kv_events = []
         self.block_size = block_size
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         """The events since the last call, oldest first."""
         if not self.kv_events:
             return []

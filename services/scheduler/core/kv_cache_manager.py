@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.services.scheduler.core.block_pool import BlockPool, KVCacheBlock
 from kvserve.services.scheduler.core.request import Request
-from kvserve.shared.kv_events import KVCacheEvent
+from kvserve.shared.kv_events import KVEvent
 
 
 def cdiv(a: int, b: int) -> int:
@@ -189,7 +189,7 @@ class KVCacheManager:
         """Collect prefix-cache events (--kv-events-config); `take_events` drains them."""
         self.block_pool.enable_kv_events(self.block_size)
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
