@@ -17,6 +17,7 @@ from kvserve.services.scheduler.engine.kv_event_publisher import (
     offset_endpoint,
 )
 from kvserve.shared.config import EngineConfig, KVEventsConfig
+from kvserve.shared.env import TRANSPORT_KEYS
 from kvserve.shared.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -25,6 +26,9 @@ from kvserve.shared.kv_events import (
     KVEventBatch,
     decode_batch,
 )
+from kvserve.shared.transport import make_socket
+from kvserve.shared.transport_security import generate_keys
+from tests.support.ports import free_port
 from tests.support.scheduler import make_hashed_request
 
 BLOCK_SIZE = 4
@@ -217,6 +221,41 @@ def test_publisher_numbers_batches_and_replays_from_a_sequence(tmp_path):
                 break
             replayed.append((topic, int.from_bytes(seq, "big"), decode_batch(payload).ts))
         assert replayed == [(b"kv", 1, 1.0), (b"kv", 2, 2.0)]
+    finally:
+        publisher.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_tcp_sockets_are_curve_and_strangers_get_nothing(tmp_path, monkeypatch):
+    folder = str(tmp_path / "keys")
+    generate_keys(folder)
+    monkeypatch.setenv(TRANSPORT_KEYS.name, folder)
+    port, replay_port = free_port(), free_port()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{port}",
+        replay_endpoint=f"tcp://*:{replay_port}",
+    )
+    publisher = KVEventPublisher(config, data_parallel_rank=0)
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.SUB)  # plain tcp: never finishes the CURVE handshake
+        stranger.linger = 0
+        stranger.subscribe(b"")
+        stranger.connect(f"tcp://127.0.0.1:{port}")
+        ours = make_socket(ctx, f"tcp://127.0.0.1:{port}", zmq.SUB, bind=False)
+        time.sleep(0.5)
+        publisher.publish(_batch(5))
+        assert ours.poll(5000), "a keyed subscriber got nothing"
+        _, seq, payload = ours.recv_multipart()
+        assert (int.from_bytes(seq, "big"), decode_batch(payload).ts) == (0, 5.0)
+        assert not stranger.poll(500)
+
+        replay = make_socket(ctx, f"tcp://127.0.0.1:{replay_port}", zmq.DEALER, bind=False)
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert replay.poll(5000)
+        assert replay.recv_multipart()[2] == (0).to_bytes(8, "big")
     finally:
         publisher.shutdown()
         ctx.destroy(linger=0)
