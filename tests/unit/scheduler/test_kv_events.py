@@ -10,14 +10,16 @@ import msgspec
 import pytest
 import zmq
 
+from kvserve.cli import main
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.engine.kv_event_publisher import (
     KVEventPublisher,
     is_bind_endpoint,
     offset_endpoint,
 )
+from kvserve.shared import transport_security
 from kvserve.shared.config import EngineConfig, KVEventsConfig
-from kvserve.shared.env import TRANSPORT_KEYS
+from kvserve.shared.env import INSECURE_TRANSPORT, TRANSPORT_KEYS
 from kvserve.shared.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -259,3 +261,20 @@ def test_tcp_sockets_are_curve_and_strangers_get_nothing(tmp_path, monkeypatch):
     finally:
         publisher.shutdown()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("command", ["serve", "kv-events"])
+def test_tcp_events_without_keys_are_refused_before_starting(command, monkeypatch, capsys):
+    monkeypatch.delenv(TRANSPORT_KEYS.name, raising=False)
+    monkeypatch.delenv(INSECURE_TRANSPORT.name, raising=False)
+    monkeypatch.setattr(transport_security, "_warned_insecure", False)
+    config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'
+    argv = {
+        "serve": ["serve", "/nonexistent-model", "--kv-events-config", config],
+        "kv-events": ["kv-events", "--addr", "tcp://127.0.0.1:5557"],
+    }[command]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)  # refused before a model is looked for or a socket made
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{command}:" in err and "--transport-keys" in err
