@@ -533,6 +533,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = None
 
+    def __post_init__(self) -> None:
+        events = self.kv_events_config
+        if events is not None and events.is_publishing and not self.cache.enable_prefix_caching:
+            raise ValueError(
+                "--kv-events-config reports the prefix cache's blocks: it needs prefix caching "
+                "(drop --no-enable-prefix-caching)"
+            )
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Split vLLM-style keyword arguments (`LLM(model, dtype=..., max_num_seqs=...)`)

@@ -195,8 +195,6 @@ class EngineCore:
         events_config = config.kv_events_config
         if events_config is None or not events_config.is_publishing:
             return None
-        if not config.cache.enable_prefix_caching:
-            raise ValueError("--kv-events-config needs prefix caching (it reports its blocks)")
         from kvserve.services.scheduler.engine.kv_event_publisher import KVEventPublisher
 
         self.scheduler.kv_cache_manager.enable_kv_events()

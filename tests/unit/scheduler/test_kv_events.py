@@ -167,6 +167,11 @@ def test_config_flag_parses_and_refuses_bad_fields():
         msgspec.convert({"buffer_steps": 0}, KVEventsConfig)
     with pytest.raises(msgspec.ValidationError, match="udp://"):
         msgspec.convert({"endpoint": "udp://x:1"}, KVEventsConfig)
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        EngineConfig.from_kwargs(
+            enable_prefix_caching=False,
+            kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq"},
+        )
 
 
 def test_each_dp_engine_gets_its_own_address():
