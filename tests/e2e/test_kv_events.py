@@ -71,7 +71,7 @@ def test_subscriber_sees_stored_then_removed_blocks_and_a_late_one_replays(
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         sub.connect(events_addr)
-        time.sleep(0.5)  # PUB drops what it sends before the subscription arrives
+        time.sleep(1.0)  # PUB drops what it sends before the subscription arrives
         _complete(server.url, FIRST_PROMPT)
         _complete(server.url, SECOND_PROMPT)
         messages = _receive(sub)
