@@ -1,4 +1,5 @@
-"""The `kvserve` command line: serve, api, engine, coordinator, worker, generate, bench, keys.
+"""The `kvserve` command line: serve, api, engine, coordinator, worker, kv-store, kv-events,
+generate, bench, keys.
 
 Each process kind's flags are generated from its options struct (shared/config.py); the
 command then runs with that typed struct, never with the argparse namespace.
@@ -17,6 +18,7 @@ from kvserve.shared.launch_options import (
     CoordinatorOptions,
     EngineOptions,
     GenerateOptions,
+    KvEventsOptions,
     KvStoreOptions,
     ServeOptions,
     TrainDraftOptions,
@@ -78,6 +80,12 @@ def _run_kv_store(options: KvStoreOptions) -> int:
     return run_kv_store(options)
 
 
+def _run_kv_events(options: KvEventsOptions) -> int:
+    from kvserve.kv_events import run_kv_events
+
+    return run_kv_events(options)
+
+
 def _run_worker(options: WorkerOptions) -> int:
     from kvserve.services.worker.worker_proc import worker_main
 
@@ -126,6 +134,13 @@ COMMANDS: dict[str, _Command] = {
         KvStoreOptions,
         _run_kv_store,
         "the KV-cache store: blocks by hash for P/D transfer and CPU offload",
+        (),
+        (),
+    ),
+    "kv-events": (
+        KvEventsOptions,
+        _run_kv_events,
+        "print an engine's KV cache events (--kv-events-config), one JSON line each",
         (),
         (),
     ),

@@ -416,6 +416,46 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return self.kv_role in ("kv_consumer", "kv_both")
 
 
+class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """KV cache events for external routers (vLLM's --kv-events-config, same fields).
+
+    Args:
+        enable_kv_cache_events: publish at all (off: no events are even collected).
+        publisher: "zmq" (a PUB socket plus an optional replay ROUTER) or "null" (none).
+        endpoint: the PUB address; a wildcard (tcp://*:PORT), ipc:// or inproc:// binds,
+            any other tcp:// connects. Engine i of data parallelism uses PORT + i.
+        replay_endpoint: a ROUTER address (always bound) where a subscriber sends an
+            8-byte big-endian sequence number and gets every buffered batch from it.
+        buffer_steps: batches kept for replay.
+        hwm: the PUB socket's send high-water mark (messages).
+        max_queue_size: batches waiting for the publisher thread at most.
+        topic: the first frame of every message.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["zmq", "null"] = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv_events_config.{name} must be >= 1")
+        for addr in (self.endpoint, self.replay_endpoint):
+            if addr is not None and not addr.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(
+                    f"kv_events_config address {addr!r}: use tcp://, ipc:// or inproc://"
+                )
+
+    @property
+    def is_publishing(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
 class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True):
     """LoRA adapters: many in one batch, each request with its own (or none)."""
 
@@ -483,6 +523,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             parse="json",
         ),
     ] = None
+    kv_events_config: Annotated[
+        KVEventsConfig | None,
+        flag_doc(
+            'KV cache events for external routers, as JSON: {"enable_kv_cache_events": true, '
+            '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": '
+            '"tcp://*:5558", "topic": ""} (vLLM\'s wire format; engine i uses PORT + i)',
+            parse="json",
+        ),
+    ] = None
+
+    def __post_init__(self) -> None:
+        events = self.kv_events_config
+        if events is not None and events.is_publishing and not self.cache.enable_prefix_caching:
+            raise ValueError(
+                "--kv-events-config reports the prefix cache's blocks: it needs prefix caching "
+                "(drop --no-enable-prefix-caching)"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -504,6 +561,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if isinstance(spec, dict):
                 spec = msgspec.convert(spec, SpeculativeConfig)
             whole["speculative_config"] = spec
+        if "kv_events_config" in kwargs:
+            events = kwargs.pop("kv_events_config")
+            if isinstance(events, dict):
+                events = msgspec.convert(events, KVEventsConfig)
+            whole["kv_events_config"] = events
         if "kv_transfer_config" in kwargs:
             transfer = kwargs.pop("kv_transfer_config")
             if isinstance(transfer, dict):

@@ -231,7 +231,11 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True):
 def _store_addresses(engine: EngineConfig) -> list[str]:
     transfer = engine.kv_transfer_config
     address = transfer.store_address if transfer is not None else None
-    return [] if address is None else [address]
+    addresses = [] if address is None else [address]
+    events = engine.kv_events_config
+    if events is not None and events.is_publishing:
+        addresses += [addr for addr in (events.endpoint, events.replay_endpoint) if addr]
+    return addresses
 
 
 class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -366,6 +370,35 @@ class KvStoreOptions(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def socket_addresses(self) -> list[str]:
         return self.addresses
+
+
+class KvEventsOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """`kvserve kv-events`: print an engine's KV cache events (--kv-events-config), one JSON
+    object per line."""
+
+    addr: Annotated[
+        str, flag_doc("the engine's PUB address (its endpoint, PORT + i for DP engine i)")
+    ] = "tcp://127.0.0.1:5557"
+    replay: Annotated[
+        str | None,
+        flag_doc("its replay address: first print the buffered batches from --from-seq"),
+    ] = None
+    from_seq: Annotated[int, flag_doc("first sequence number asked from --replay")] = 0
+    topic: Annotated[str, flag_doc("the publisher's topic")] = ""
+    max_events: Annotated[int | None, flag_doc("exit after this many events")] = None
+    idle_timeout_s: Annotated[float | None, flag_doc("exit after this long without a batch")] = None
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+
+    def __post_init__(self) -> None:
+        for addr in (self.addr, self.replay):
+            if addr is not None and not addr.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"{addr!r}: use ipc://PATH or tcp://HOST:PORT")
+        if self.from_seq < 0:
+            raise ValueError("--from-seq must be >= 0")
+
+    @property
+    def socket_addresses(self) -> list[str]:
+        return [self.addr, *([self.replay] if self.replay else [])]
 
 
 class WorkerOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -17,7 +17,6 @@ _NO_COMPILE = (
     "set with --cuda-graph-sizes and --enforce-eager"
 )
 UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
-    "--kv-events-config": RefusedFlag(f"KV cache events: {_LATER}"),
     "--cpu-offload-gb": RefusedFlag("weights are never offloaded to CPU memory"),
     "--kv-cache-dtype": RefusedFlag(
         "the KV cache holds the model's dtype (only `auto`)", accepted=("auto",)

@@ -6,6 +6,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.shared.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
+
 if TYPE_CHECKING:
     from kvserve.services.scheduler.core.request import Request
 
@@ -166,6 +174,22 @@ class BlockPool:
         # (hash, block id) of each cached block evicted for reuse, while a KV connector's
         # offload tier collects them (None: not collected).
         self.evicted: list[tuple[bytes, int]] | None = None
+        # Prefix-cache changes for --kv-events-config, taken once per step (None: off, and
+        # nothing is collected).
+        self.kv_events: list[KVEvent] | None = None
+        self.block_size = 0
+
+    def enable_kv_events(self, block_size: int) -> None:
+        """Collect a BlockStored / BlockRemoved / AllBlocksCleared per prefix-cache change."""
+        self.kv_events = []
+        self.block_size = block_size
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, oldest first."""
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
 
     # ------------------------------------------------------------------ allocation
 
@@ -232,6 +256,21 @@ class BlockPool:
             block_hash = request.block_hashes[block_index]
             block.block_hash = block_hash
             self._insert_cached_block(block_hash, block)
+        if self.kv_events is not None:
+            self.kv_events.append(self._stored_event(request, num_cached_blocks, num_full_blocks))
+
+    def _stored_event(self, request: Request, start: int, end: int) -> BlockStored:
+        """BlockStored for the request's blocks [start, end), chained to block start - 1."""
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=list(request.block_hashes[start:end]),
+            parent_block_hash=request.block_hashes[start - 1] if start > 0 else None,
+            token_ids=request.all_token_ids[start * self.block_size : end * self.block_size],
+            block_size=self.block_size,
+            lora_id=lora.lora_int_id if lora is not None else None,
+            medium=MEDIUM_GPU,
+            lora_name=lora.lora_name if lora is not None else None,
+        )
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """Any block that holds `block_hash`, or None."""
@@ -251,6 +290,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True
 
     def _insert_cached_block(self, block_hash: bytes, block: KVCacheBlock) -> None:
@@ -271,6 +312,8 @@ class BlockPool:
             return
         block.block_hash = None
         self.num_cached_block_evictions += 1
+        if self.kv_events is not None:
+            self.kv_events.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_GPU))
         entry = self.cached_block_hash_to_block.get(block_hash)
         if isinstance(entry, KVCacheBlock):
             assert entry is block, f"hash map points at {entry}, not {block}"

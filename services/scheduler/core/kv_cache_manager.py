@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.services.scheduler.core.block_pool import BlockPool, KVCacheBlock
 from kvserve.services.scheduler.core.request import Request
+from kvserve.shared.kv_events import KVEvent
 
 
 def cdiv(a: int, b: int) -> int:
@@ -183,6 +184,13 @@ class KVCacheManager:
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
+
+    def enable_kv_events(self) -> None:
+        """Collect prefix-cache events (--kv-events-config); `take_events` drains them."""
+        self.block_pool.enable_kv_events(self.block_size)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.block_pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

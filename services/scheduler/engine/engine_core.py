@@ -22,6 +22,7 @@ from kvserve.services.scheduler.executors.executor import Executor, UniExecutor
 from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.env import FAULT_POISON_TOKEN_ID
+from kvserve.shared.kv_events import KVEventBatch
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
     EngineCoreOutputs,
@@ -124,6 +125,7 @@ class EngineCore:
                 kv_connector=self._make_kv_connector(config),
             ),
         )
+        self.kv_event_publisher = self._make_kv_event_publisher(config, engine_index)
         self.vocab_size = model_vocab_size(model_dir)
         self.bound_waiting = bound_waiting
         self.request_checker = RequestChecker(
@@ -189,6 +191,23 @@ class EngineCore:
             config.kv_transfer_config, fingerprint, config.cache.block_size
         )
 
+    def _make_kv_event_publisher(self, config: EngineConfig, engine_index: int):
+        events_config = config.kv_events_config
+        if events_config is None or not events_config.is_publishing:
+            return None
+        from kvserve.services.scheduler.engine.kv_event_publisher import KVEventPublisher
+
+        self.scheduler.kv_cache_manager.enable_kv_events()
+        return KVEventPublisher(events_config, engine_index)
+
+    def _publish_kv_events(self) -> None:
+        """This step's prefix-cache changes as one batch (none: nothing is sent)."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.scheduler.kv_cache_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request, or refuse it with an ERROR output (in the next step's outputs):
         a bad one (request_checks), or, with bound_waiting, any past --max-waiting-requests."""
@@ -238,14 +257,19 @@ class EngineCore:
             runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
+        self._publish_kv_events()
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic()
         )
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
         if self.scheduler.kv_connector is not None:
