@@ -96,6 +96,7 @@ class SimRequest:
     block_hashes: list[bytes] = field(default_factory=list)
     extra_keys: bytes | None = None  # no cache salt
     skip_reading_prefix_cache: bool = False  # no prompt logprobs
+    mm_inputs: list = field(default_factory=list)  # text only: no image spans in the hashes
     num_output: int = 0
     # Results.
     engine_idx: int = -1
