@@ -239,6 +239,22 @@ class ModelRunner:
             if cpu.available(self.dtype) and env.PREFILL_ROUTE_MEASURE.get():
                 self._measure_prefill_route()
 
+    def free_kv_cache(self) -> None:
+        """Sleep (services/worker/sleep.py): drop every reference to the KV cache (the
+        layers', the CUDA graphs', the native decode stack's) so that its memory returns;
+        initialize_kv_cache binds a new one."""
+        self.cuda_graphs = None
+        inner = getattr(self.model, "model", None)
+        if inner is not None and getattr(inner, "decode_stack", None) is not None:
+            inner.decode_stack = None
+        head = getattr(self.model, "lm_head", None)
+        if isinstance(head, ParallelLMHead):
+            head.native_rows = 0
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        self.kv_caches = []
+        self.input_batch = None
+
     def _measure_prefill_route(self) -> None:
         """Which prefill chunks take the decode kernel and which torch's flash attention, timed
         on this CPU for this model's head layout (kernels/attention.py)."""

@@ -1,0 +1,117 @@
+"""--enable-sleep-mode on a real `kvserve serve` of the tiny model: POST /sleep frees the
+engine process's memory (RSS, read with psutil from the pid /health names), every request is
+a 503 naming it while asleep, and POST /wake_up serves the same greedy output as before.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.server import start_tiny_server
+
+# A KV cache big enough that freeing it stands out of the RSS noise, small enough to zero fast.
+KV_CACHE_MEMORY = 96 << 20
+PROMPT = "The capital of France is"
+_KV_LOG = re.compile(r"KV cache: \d+ blocks of \d+ tokens, ([0-9.]+) MiB")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    serve = start_tiny_server(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("sleep"),
+        "--enable-sleep-mode",
+        "--kv-cache-memory",
+        str(KV_CACHE_MEMORY),
+    )
+    try:
+        serve.wait_healthy()
+        yield serve
+    finally:
+        serve.stop()
+
+
+def engine_rss(serve) -> int:
+    status, body = serve.health()
+    assert status == 200, body
+    (engine,) = body["engines"]
+    return psutil.Process(engine["pid"]).memory_info().rss
+
+
+def kv_cache_bytes(serve) -> int:
+    """The KV cache's size as the engine logged it at start-up."""
+    mib = _KV_LOG.findall(serve.log())[0]  # start-up's (each wake_up logs it again)
+    return int(float(mib) * 2**20)
+
+
+def is_sleeping(serve) -> bool:
+    response = httpx.get(serve.url + "/is_sleeping", timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()["is_sleeping"]
+
+
+def post(serve, path: str, **params) -> httpx.Response:
+    return httpx.post(serve.url + path, params=params, timeout=120)
+
+
+def refused_while_asleep(serve) -> None:
+    response = httpx.post(
+        serve.url + "/v1/completions",
+        json={"model": serve.served_model_name, "prompt": PROMPT, "max_tokens": 4},
+        timeout=30,
+    )
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert "asleep" in error["message"] and "/wake_up" in error["message"], error
+    assert error["type"] == "ServiceUnavailableError", error
+
+
+def test_sleep_level_1_frees_the_kv_cache_and_wakes_to_the_same_output(server):
+    before = server.complete(PROMPT, max_tokens=12)
+    assert not is_sleeping(server)
+    kv_bytes = kv_cache_bytes(server)
+    assert kv_bytes >= KV_CACHE_MEMORY * 0.9, kv_bytes
+    rss_awake = engine_rss(server)
+
+    assert post(server, "/sleep", level=1).status_code == 200
+    assert is_sleeping(server)
+    rss_asleep = engine_rss(server)
+    assert rss_awake - rss_asleep >= kv_bytes, (rss_awake, rss_asleep, kv_bytes)
+    refused_while_asleep(server)
+    assert post(server, "/sleep", level=1).status_code == 200  # asleep already: a no-op
+
+    assert post(server, "/wake_up").status_code == 200
+    assert not is_sleeping(server)
+    assert engine_rss(server) - rss_asleep >= kv_bytes * 0.9  # the cache is back, zeroed
+    assert server.complete(PROMPT, max_tokens=12) == before
+
+
+def test_sleep_level_2_drops_the_weights_and_wakes_from_the_checkpoint(server):
+    before = server.complete(PROMPT, max_tokens=12)
+    rss_awake = engine_rss(server)
+    assert post(server, "/sleep", level=2).status_code == 200
+    assert is_sleeping(server)
+    assert rss_awake - engine_rss(server) >= kv_cache_bytes(server)
+    refused_while_asleep(server)
+
+    # The KV cache cannot come back before the weights; the weights alone do not serve.
+    response = post(server, "/wake_up", tags="kv_cache")
+    assert response.status_code == 400 and "weights" in response.json()["error"]["message"]
+    assert post(server, "/wake_up", tags="weights").status_code == 200
+    assert is_sleeping(server)
+    refused_while_asleep(server)
+    assert post(server, "/wake_up", tags="kv_cache").status_code == 200
+    assert not is_sleeping(server)
+    assert server.complete(PROMPT, max_tokens=12) == before
+
+
+def test_bad_sleep_arguments_are_refused(server):
+    response = post(server, "/sleep", level=3)
+    assert response.status_code == 400 and "level" in response.json()["error"]["message"]
+    response = post(server, "/wake_up", tags="everything")
+    assert response.status_code == 400 and "tags" in response.json()["error"]["message"]
+    assert not is_sleeping(server)
