@@ -115,3 +115,53 @@ def test_bad_sleep_arguments_are_refused(server):
     response = post(server, "/wake_up", tags="everything")
     assert response.status_code == 400 and "tags" in response.json()["error"]["message"]
     assert not is_sleeping(server)
+
+
+# ------------------------------------------------- TP = 2: the call reaches every worker
+
+TP_KV_CACHE_MEMORY = 64 << 20  # per rank
+
+
+@pytest.mark.slow
+def test_tensor_parallel_workers_all_sleep_and_wake(tmp_path_factory, default_model_dir):
+    from kvserve import LLM, SamplingParams
+    from tests.support.models import save_tiny_parallel_llama
+    from tests.support.processes import wait_gone
+
+    model = save_tiny_parallel_llama(str(tmp_path_factory.mktemp("tiny-parallel-llama")))
+    llm = LLM(
+        model,
+        tokenizer=default_model_dir,
+        dtype="float32",
+        tensor_parallel_size=2,
+        kv_cache_memory=TP_KV_CACHE_MEMORY,
+        max_model_len=256,
+        enable_sleep_mode=True,
+    )
+    pids = llm.engine_core.executor.worker_pids
+    assert len(pids) == 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 13, 17, 21]}, {"prompt_token_ids": [2, 4, 8]}]
+
+    def tokens() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    def rss() -> list[int]:
+        return [psutil.Process(pid).memory_info().rss for pid in pids]
+
+    try:
+        before = tokens()
+        for level in (1, 2):
+            awake = rss()
+            llm.sleep(level)
+            assert llm.is_sleeping()
+            asleep = rss()
+            # Every rank freed its own KV cache (its blocks fill the budget to within a block).
+            for rank, (a, b) in enumerate(zip(awake, asleep)):
+                assert a - b >= 0.9 * TP_KV_CACHE_MEMORY, (level, rank, a, b)
+            llm.wake_up()
+            assert not llm.is_sleeping()
+            assert tokens() == before, level
+    finally:
+        llm.engine_core.shutdown()
+    assert not wait_gone(pids, timeout_s=10)
