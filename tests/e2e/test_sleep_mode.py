@@ -11,6 +11,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.support.metrics import metrics_text, read_metric
 from tests.support.server import start_tiny_server
 
 # A KV cache big enough that freeing it stands out of the RSS noise, small enough to zero fast.
@@ -54,6 +55,16 @@ def is_sleeping(serve) -> bool:
     return response.json()["is_sleeping"]
 
 
+def sleep_states(serve) -> dict[str, float]:
+    """kvserve:engine_sleep_state of engine 0, by its sleep_state label."""
+    text = metrics_text(serve.url)
+    states = ("awake", "weights_offloaded", "discard_all")
+    return {
+        s: read_metric(text, "kvserve:engine_sleep_state", engine="0", sleep_state=s)
+        for s in states
+    }
+
+
 def post(serve, path: str, **params) -> httpx.Response:
     return httpx.post(serve.url + path, params=params, timeout=120)
 
@@ -77,8 +88,10 @@ def test_sleep_level_1_frees_the_kv_cache_and_wakes_to_the_same_output(server):
     assert kv_bytes >= KV_CACHE_MEMORY * 0.9, kv_bytes
     rss_awake = engine_rss(server)
 
+    assert sleep_states(server) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
     assert post(server, "/sleep", level=1).status_code == 200
     assert is_sleeping(server)
+    assert sleep_states(server) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
     rss_asleep = engine_rss(server)
     assert rss_awake - rss_asleep >= kv_bytes, (rss_awake, rss_asleep, kv_bytes)
     refused_while_asleep(server)
@@ -95,6 +108,7 @@ def test_sleep_level_2_drops_the_weights_and_wakes_from_the_checkpoint(server):
     rss_awake = engine_rss(server)
     assert post(server, "/sleep", level=2).status_code == 200
     assert is_sleeping(server)
+    assert sleep_states(server) == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
     assert rss_awake - engine_rss(server) >= kv_cache_bytes(server)
     refused_while_asleep(server)
 
@@ -106,6 +120,7 @@ def test_sleep_level_2_drops_the_weights_and_wakes_from_the_checkpoint(server):
     refused_while_asleep(server)
     assert post(server, "/wake_up", tags="kv_cache").status_code == 200
     assert not is_sleeping(server)
+    assert sleep_states(server)["awake"] == 1
     assert server.complete(PROMPT, max_tokens=12) == before
 
 
