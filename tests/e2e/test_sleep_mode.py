@@ -166,6 +166,14 @@ def test_tensor_parallel_workers_all_sleep_and_wake(tmp_path_factory, default_mo
 
     try:
         before = tokens()
+        # A request in flight: nothing is freed (vLLM >= 0.17 would abort it by default).
+        llm._add_request("in-flight", None, [3, 6, 9], greedy, 0)
+        llm.engine_core.step()
+        with pytest.raises(RuntimeError, match="in flight"):
+            llm.sleep(1)
+        assert not llm.is_sleeping()
+        (finished,) = llm._run_engine({"in-flight": 0}, use_tqdm=False)
+        assert finished.outputs[0].finish_reason == "length"  # it ran to its end
         for level in (1, 2):
             awake = rss()
             llm.sleep(level)
