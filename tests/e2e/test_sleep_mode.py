@@ -1,11 +1,13 @@
-"""--enable-sleep-mode on a real `kvserve serve` of the tiny model: POST /sleep frees the
-engine process's memory (RSS, read with psutil from the pid /health names), every request is
-a 503 naming it while asleep, and POST /wake_up serves the same greedy output as before.
+"""--enable-sleep-mode on a real `kvserve serve` of the tiny model with two engines (data
+parallelism): POST /sleep frees every engine process's memory (RSS, read with psutil from the
+pids /health names), every request is a 503 naming it while asleep, and POST /wake_up serves
+the same greedy output as before. Then TP = 2 through the offline `LLM`: every worker sleeps.
 """
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -16,6 +18,7 @@ from tests.support.server import start_tiny_server
 
 # A KV cache big enough that freeing it stands out of the RSS noise, small enough to zero fast.
 KV_CACHE_MEMORY = 96 << 20
+NUM_ENGINES = 2  # data parallelism: every engine sleeps and wakes
 PROMPT = "The capital of France is"
 _KV_LOG = re.compile(r"KV cache: \d+ blocks of \d+ tokens, ([0-9.]+) MiB")
 
@@ -28,6 +31,8 @@ def server(tiny_llama_dir, tmp_path_factory):
         "--enable-sleep-mode",
         "--kv-cache-memory",
         str(KV_CACHE_MEMORY),
+        "--data-parallel-size",
+        str(NUM_ENGINES),
     )
     try:
         serve.wait_healthy()
@@ -36,11 +41,17 @@ def server(tiny_llama_dir, tmp_path_factory):
         serve.stop()
 
 
-def engine_rss(serve) -> int:
+def engine_rss(serve) -> list[int]:
+    """Each engine core process's RSS, by engine index."""
     status, body = serve.health()
     assert status == 200, body
-    (engine,) = body["engines"]
-    return psutil.Process(engine["pid"]).memory_info().rss
+    engines = sorted(body["engines"], key=lambda e: e["engine"])
+    assert len(engines) == NUM_ENGINES, body
+    return [psutil.Process(e["pid"]).memory_info().rss for e in engines]
+
+
+def freed(before: list[int], after: list[int]) -> list[int]:
+    return [b - a for b, a in zip(before, after)]
 
 
 def kv_cache_bytes(serve) -> int:
@@ -55,14 +66,23 @@ def is_sleeping(serve) -> bool:
     return response.json()["is_sleeping"]
 
 
-def sleep_states(serve) -> dict[str, float]:
-    """kvserve:engine_sleep_state of engine 0, by its sleep_state label."""
+def sleep_states(serve, engine: int = 1) -> dict[str, float]:
+    """kvserve:engine_sleep_state of one engine, by its sleep_state label."""
     text = metrics_text(serve.url)
     states = ("awake", "weights_offloaded", "discard_all")
     return {
-        s: read_metric(text, "kvserve:engine_sleep_state", engine="0", sleep_state=s)
+        s: read_metric(text, "kvserve:engine_sleep_state", engine=str(engine), sleep_state=s)
         for s in states
     }
+
+
+def greedy_text(serve) -> str:
+    """The greedy completion of PROMPT, asked of every engine at once (concurrent requests
+    spread over the engines): one text."""
+    with ThreadPoolExecutor(2 * NUM_ENGINES) as pool:
+        texts = set(pool.map(lambda _: serve.complete(PROMPT, 12), range(2 * NUM_ENGINES)))
+    assert len(texts) == 1, texts
+    return texts.pop()
 
 
 def post(serve, path: str, **params) -> httpx.Response:
@@ -82,7 +102,13 @@ def refused_while_asleep(serve) -> None:
 
 
 def test_sleep_level_1_frees_the_kv_cache_and_wakes_to_the_same_output(server):
-    before = server.complete(PROMPT, max_tokens=12)
+    before = greedy_text(server)
+    text = metrics_text(server.url)
+    for engine in range(NUM_ENGINES):  # every engine served some of them
+        served = read_metric(
+            text, "kvserve:request_success_total", engine=str(engine), finished_reason="length"
+        )
+        assert served > 0, engine
     assert not is_sleeping(server)
     kv_bytes = kv_cache_bytes(server)
     assert kv_bytes >= KV_CACHE_MEMORY * 0.9, kv_bytes
@@ -93,23 +119,24 @@ def test_sleep_level_1_frees_the_kv_cache_and_wakes_to_the_same_output(server):
     assert is_sleeping(server)
     assert sleep_states(server) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
     rss_asleep = engine_rss(server)
-    assert rss_awake - rss_asleep >= kv_bytes, (rss_awake, rss_asleep, kv_bytes)
+    assert all(f >= kv_bytes for f in freed(rss_awake, rss_asleep)), (rss_awake, rss_asleep)
     refused_while_asleep(server)
     assert post(server, "/sleep", level=1).status_code == 200  # asleep already: a no-op
 
     assert post(server, "/wake_up").status_code == 200
     assert not is_sleeping(server)
-    assert engine_rss(server) - rss_asleep >= kv_bytes * 0.9  # the cache is back, zeroed
-    assert server.complete(PROMPT, max_tokens=12) == before
+    # The cache is back, zeroed, in every engine.
+    assert all(f >= kv_bytes * 0.9 for f in freed(engine_rss(server), rss_asleep))
+    assert greedy_text(server) == before
 
 
 def test_sleep_level_2_drops_the_weights_and_wakes_from_the_checkpoint(server):
-    before = server.complete(PROMPT, max_tokens=12)
+    before = greedy_text(server)
     rss_awake = engine_rss(server)
     assert post(server, "/sleep", level=2).status_code == 200
     assert is_sleeping(server)
     assert sleep_states(server) == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
-    assert rss_awake - engine_rss(server) >= kv_cache_bytes(server)
+    assert all(f >= kv_cache_bytes(server) for f in freed(rss_awake, engine_rss(server)))
     refused_while_asleep(server)
 
     # The KV cache cannot come back before the weights; the weights alone do not serve.
@@ -121,7 +148,7 @@ def test_sleep_level_2_drops_the_weights_and_wakes_from_the_checkpoint(server):
     assert post(server, "/wake_up", tags="kv_cache").status_code == 200
     assert not is_sleeping(server)
     assert sleep_states(server)["awake"] == 1
-    assert server.complete(PROMPT, max_tokens=12) == before
+    assert greedy_text(server) == before
 
 
 def test_bad_sleep_arguments_are_refused(server):
