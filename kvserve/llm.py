@@ -80,6 +80,20 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1; on CUDA the weights move to pinned host memory) or
+        the KV cache and the weights (level 2) on every worker (needs enable_sleep_mode=True
+        and no request in flight, as vLLM's LLM.sleep)."""
+        if not self.engine_core.sleep(level):
+            raise RuntimeError("requests are in flight: the engine did not sleep")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: `tags` among "weights" and "kv_cache" (None: both)."""
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.sleep_level > 0
+
     # ------------------------------------------------------------------ public API
 
     def generate(

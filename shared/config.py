@@ -59,6 +59,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             "otherwise replay a graph captured at start-up; a CPU always runs eagerly)"
         ),
     ] = False
+    enable_sleep_mode: Annotated[
+        bool,
+        flag_doc(
+            "serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's routes): "
+            "free the KV cache (and the weights at level 2) between jobs"
+        ),
+    ] = False
     cuda_graph_sizes: Annotated[
         list[int] | None,
         flag_doc(

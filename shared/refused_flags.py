@@ -51,7 +51,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
         "go to a CPU tier: --kv-offloading-size)"
     ),
     "--async-scheduling": RefusedFlag(f"asynchronous scheduling: {_LATER}"),
-    "--enable-sleep-mode": RefusedFlag("sleep mode is not supported"),
     "--device": RefusedFlag("the device is what torch finds (CUDA, else CPU)", accepted=("auto",)),
     "--worker-cls": RefusedFlag("the worker class is fixed"),
     "--worker-extension-cls": RefusedFlag("the worker class is fixed"),

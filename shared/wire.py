@@ -76,6 +76,8 @@ class EngineReady(msgspec.Struct, frozen=True, kw_only=True):
     # --kv-transfer-config's kv_role (kv_producer, kv_consumer, kv_both), None without KV
     # transfer: P/D serving sends prefills to producers and decodes to consumers.
     kv_role: str | None = None
+    # --enable-sleep-mode: the api serves /sleep, /wake_up and /is_sleeping.
+    enable_sleep_mode: bool = False
 
 
 class EngineHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat", array_like=True, gc=False):
@@ -131,7 +133,40 @@ class Ping(msgspec.Struct, frozen=True, tag="ping"):
     """Answered by the busy loop itself (not an IO thread): an `EngineHeartbeat`."""
 
 
-UtilityMethod = ResetPrefixCache | GetStats | Ping
+class Sleep(msgspec.Struct, frozen=True, tag="sleep"):
+    """--enable-sleep-mode: free the KV cache (level 1; on CUDA the weights also move to
+    pinned host memory) or the KV cache and the weights (level 2). The result is False while
+    requests are in flight (nothing is freed)."""
+
+    level: int
+
+
+SLEEP_WEIGHTS = "weights"
+SLEEP_KV_CACHE = "kv_cache"
+SLEEP_TAGS = (SLEEP_WEIGHTS, SLEEP_KV_CACHE)  # in the order a wake_up restores them
+
+
+def check_sleep_tags(tags: list[str] | None) -> list[str]:
+    """The tags a wake_up restores, in the order it must restore them (None: all)."""
+    if tags is None:
+        return list(SLEEP_TAGS)
+    unknown = [t for t in tags if t not in SLEEP_TAGS]
+    if unknown:
+        raise ValueError(f"unknown wake_up tags {unknown}: use {' and/or '.join(SLEEP_TAGS)}")
+    return [t for t in SLEEP_TAGS if t in tags]
+
+
+class WakeUp(msgspec.Struct, frozen=True, tag="wake_up"):
+    """Restore what Sleep freed: `tags` among "weights" and "kv_cache" (None: both)."""
+
+    tags: list[str] | None = None
+
+
+class IsSleeping(msgspec.Struct, frozen=True, tag="is_sleeping"):
+    """True while anything Sleep freed is not restored."""
+
+
+UtilityMethod = ResetPrefixCache | GetStats | Ping | Sleep | WakeUp | IsSleeping
 UtilityResult = bool | EngineStats | EngineHeartbeat | None
 
 

@@ -135,6 +135,9 @@ class EngineClient:
         self.model_name = model_name
         self.max_logprobs = max_logprobs
         self.max_waiting_requests = max_waiting_requests
+        # --enable-sleep-mode: the level the engines sleep at (0: awake); while > 0 every
+        # request is refused with a 503 before it reaches an engine.
+        self.sleep_level = 0
         self.output_processor = OutputProcessor(tokenizer_info.tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
         self.latest_stats: SchedulerStats | None = None
@@ -156,6 +159,15 @@ class EngineClient:
     async def reset_prefix_cache(self) -> bool:
         """Forget every engine's cached prefixes; False when some engine still held blocks."""
         raise NotImplementedError(f"{type(self).__name__} cannot reset the prefix cache")
+
+    async def sleep(self, level: int) -> bool:
+        """--enable-sleep-mode: every engine frees its KV cache (and weights at level 2);
+        False (nothing freed) while requests are in flight."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Every engine restores what sleep freed (`tags`: weights and/or kv_cache)."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
 
     def _forget_request(self, request_id: str, child_ids: list[str]) -> None:
         """The request ended (finished, failed or aborted): drop its routing state."""

@@ -22,10 +22,12 @@ from kvserve.shared.wire import (
     MsgType,
     Ping,
     ResetPrefixCache,
+    Sleep,
     UtilityCall,
     UtilityMethod,
     UtilityOutput,
     UtilityResult,
+    WakeUp,
 )
 
 
@@ -108,6 +110,20 @@ class UtilityCalls:
             if engine.is_alive
         ]
         return all(results)
+
+    def _live_indices(self) -> list[int]:
+        return [e.engine_index for e in self.pool.sorted_engines() if e.is_alive]
+
+    async def sleep(self, level: int) -> bool:
+        """Put every live engine to sleep, all at once; True when all of them slept (one
+        with requests in flight answers False and frees nothing)."""
+        calls = [self.call(Sleep(level), engine_index=i) for i in self._live_indices()]
+        return all(await asyncio.gather(*calls))
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        """Wake every live engine, all at once (each one's workers in parallel too)."""
+        calls = [self.call(WakeUp(tags), engine_index=i) for i in self._live_indices()]
+        await asyncio.gather(*calls)
 
     async def get_stats(self, engine_index: int | None = None) -> EngineStats:
         stats = await self.call(GetStats(), engine_index=engine_index)

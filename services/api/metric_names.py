@@ -58,6 +58,7 @@ VLLM_NAMES: dict[str, tuple[str, Relabel | None]] = {
     "kvserve:num_requests_running": ("vllm:num_requests_running", None),
     "kvserve:num_requests_waiting": ("vllm:num_requests_waiting", None),
     "kvserve:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", None),
+    "kvserve:engine_sleep_state": ("vllm:engine_sleep_state", None),
     "kvserve:num_preemptions": ("vllm:num_preemptions", None),
     "kvserve:prefix_cache_queries": ("vllm:prefix_cache_queries", None),
     "kvserve:prefix_cache_hits": ("vllm:prefix_cache_hits", None),

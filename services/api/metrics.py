@@ -270,6 +270,10 @@ _COUNTERS = (
 )
 
 
+# vLLM's sleep_state labels, by sleep level (0: awake).
+_SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
+
 class _EngineStatsCollector:
     """Reads each engine's latest load, counter sums and cache config whenever /metrics is
     scraped."""
@@ -321,11 +325,27 @@ class _EngineStatsCollector:
                 self._labels(engine_index), float(states.get(engine_index) == "suspect")
             )
         yield family
+        yield self._sleep_state(per_engine)
         yield from self._migrations(per_engine)
         yield from self._cache_config_info()
         yield from self._gemm_path_info()
         if self.max_loras is not None:
             yield self._lora_requests_info(per_engine)
+
+    def _sleep_state(self, per_engine) -> GaugeMetricFamily:
+        """--enable-sleep-mode, as vLLM's engine_sleep_state: 1 on the engine's state among
+        awake, weights_offloaded (level 1) and discard_all (level 2), 0 on the others."""
+        family = GaugeMetricFamily(
+            "kvserve:engine_sleep_state",
+            "Engine sleep state: awake = 1 while it serves; weights_offloaded = 1 asleep at "
+            "level 1, discard_all = 1 asleep at level 2.",
+            labels=[*LABELS, "sleep_state"],
+        )
+        level = self.engine_client.sleep_level
+        for engine_index, _, _ in per_engine:
+            for state_level, state in enumerate(_SLEEP_STATES):
+                family.add_metric([*self._labels(engine_index), state], float(level == state_level))
+        return family
 
     def _migrations(self, per_engine):
         """The requests that moved off each engine core when it died (engine: the one that

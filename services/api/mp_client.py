@@ -307,6 +307,28 @@ class MPEngineClient(EngineClient):
         """Reset every live engine's prefix cache; True when all of them did."""
         return await self.utilities.reset_prefix_cache()
 
+    async def sleep(self, level: int) -> bool:
+        """Refuse new requests (503), then put every engine to sleep; False, and awake again,
+        when some engine had requests in flight (those that slept are woken)."""
+        self.sleep_level = level
+        try:
+            slept = await self.utilities.sleep(level)
+            if not slept:
+                await self.utilities.wake_up(None)  # the engines that did sleep
+        except BaseException:
+            self.sleep_level = 0
+            raise
+        if not slept:
+            self.sleep_level = 0
+        return slept
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake every engine; requests are served again once nothing is left asleep."""
+        await self.utilities.wake_up(tags)
+        sleeping = tags is not None and "weights" in tags and "kv_cache" not in tags
+        if not sleeping:
+            self.sleep_level = 0
+
     async def get_stats(self, engine_index: int | None = None) -> EngineStats:
         return await self.utilities.get_stats(engine_index)
 

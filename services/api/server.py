@@ -9,6 +9,7 @@ AppContext, on `app.state.ctx`); build_app registers each module of ROUTE_MODULE
     routes_lora.py     /v1/load_lora_adapter, /v1/unload_lora_adapter (with --enable-lora)
     routes_usage.py    /v1/usage (each tenant's requests and tokens; admin keys only)
     routes_dashboard.py  /dashboard (the live status page), /dashboard/state (its JSON)
+    routes_sleep.py    /sleep, /wake_up, /is_sleeping (with --enable-sleep-mode)
 
 A route module has module-level handlers, which find the core with `context_of(request)`,
 and `routes(ctx) -> list[Route]`; adding a surface is one more line in ROUTE_MODULES.
@@ -43,6 +44,7 @@ from kvserve.services.api import (
     routes_dashboard,
     routes_lora,
     routes_openai,
+    routes_sleep,
     routes_usage,
 )
 from kvserve.services.api.app_context import error_response, make_context
@@ -64,6 +66,7 @@ ROUTE_MODULES = (
     routes_lora,
     routes_usage,
     routes_dashboard,
+    routes_sleep,
 )
 
 

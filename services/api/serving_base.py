@@ -174,6 +174,12 @@ class OpenAIServing:
                 or "the engine is not healthy"
             )
             raise EngineDeadError(reason)
+        if self.engine_client.sleep_level:
+            raise APIError(
+                503,
+                f"the engine is asleep (sleep level {self.engine_client.sleep_level}, "
+                "--enable-sleep-mode): POST /wake_up first",
+            )
         self.engine_client.check_capacity(num_requests)
 
     def check_prompt_tokens(self, token_ids: list[int], param: str) -> None:

@@ -105,6 +105,10 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connector: WorkerConnector | None = None  # with --kv-transfer-config
         self.cuda_graphs: DecodeGraphs | None = None  # captured after the KV cache
+        # The native decode stack's request limit the first KV cache's fit found (None: not
+        # fitted), bound again without measuring when a wake_up binds a new cache.
+        self._fitted_stack_rows: int | None = None
+        self._kv_measured = False  # the CPU measurements that follow a bound cache ran
         # Images in the prompt: the vision encoder's runs and cache (worker/multimodal.py).
         self.multimodal = None
         if getattr(self.model, "supports_images", False):
@@ -230,14 +234,38 @@ class ModelRunner:
             # stack too, so its tokens get what decode steps would give them.
             spec = self.spec_config
             tokens = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-            status = bind_decode_stack(self.model, self.dtype, env.NATIVE_DECODE_ROWS.get(), tokens)
+            # A cache bound again (a wake_up) keeps what the first one measured.
+            rows = self._fitted_stack_rows
+            if rows is None:
+                rows = env.NATIVE_DECODE_ROWS.get()
+            status = bind_decode_stack(self.model, self.dtype, rows, tokens)
             stack = getattr(getattr(self.model, "model", None), "decode_stack", None)
             single_rank = self.is_first_stage and self.is_last_stage and get_tp_size() == 1
-            if stack is not None and single_rank and env.NATIVE_DECODE_MEASURE.get():
+            measure = not self._kv_measured
+            if stack is not None and single_rank and env.NATIVE_DECODE_MEASURE.get() and measure:
                 status = self._fit_decode_stack(status, tokens)
+                fitted = getattr(self.model.model, "decode_stack", None)
+                self._fitted_stack_rows = fitted.max_requests if fitted is not None else 0
             logger.info("native decode stack %s", status)
-            if cpu.available(self.dtype) and env.PREFILL_ROUTE_MEASURE.get():
+            if cpu.available(self.dtype) and env.PREFILL_ROUTE_MEASURE.get() and measure:
                 self._measure_prefill_route()
+            self._kv_measured = True
+
+    def free_kv_cache(self) -> None:
+        """Sleep (services/worker/sleep.py): drop every reference to the KV cache (the
+        layers', the CUDA graphs', the native decode stack's) so that its memory returns;
+        initialize_kv_cache binds a new one."""
+        self.cuda_graphs = None
+        inner = getattr(self.model, "model", None)
+        if inner is not None and getattr(inner, "decode_stack", None) is not None:
+            inner.decode_stack = None
+        head = getattr(self.model, "lm_head", None)
+        if isinstance(head, ParallelLMHead):
+            head.native_rows = 0
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        self.kv_caches = []
+        self.input_batch = None
 
     def _measure_prefill_route(self) -> None:
         """Which prefill chunks take the decode kernel and which torch's flash attention, timed

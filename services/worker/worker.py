@@ -19,9 +19,11 @@ from kvserve.services.worker.parallel_state import (
     init_distributed_environment,
     initialize_model_parallel,
 )
+from kvserve.services.worker.sleep import HostWeights, release_memory
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput, WorkerReady
+from kvserve.shared.wire import SLEEP_KV_CACHE, SLEEP_WEIGHTS, check_sleep_tags
 
 logger = init_logger(__name__)
 
@@ -47,7 +49,11 @@ class Worker:
         distributed_init_method: str | None = None,
     ):
         self.config = config
+        self.model_dir = model_dir
         self.rank = rank
+        self.num_blocks = 0  # of the KV cache, once bound (a wake_up binds as many again)
+        # Sleep mode: the weights moved to host memory (level 1 on CUDA), else None.
+        self.host_weights: HostWeights | None = None
         parallel = config.parallel
         self.world_size = parallel.world_size
         if torch.cuda.is_available():
@@ -82,11 +88,18 @@ class Worker:
             )
         # The RNG unseeded requests draw from (only the driver rank samples; see ModelRunner).
         torch.manual_seed(config.model.seed)
-        self.runner = ModelRunner(config, model_dir, self.device)
+        self._runner: ModelRunner | None = ModelRunner(config, model_dir, self.device)
         if rank == 0:
             logger.info(
                 "kernels for %s: %s", self.runner.dtype, describe(self.device, self.runner.dtype)
             )
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner (a sleep at level 2 drops it until wake_up loads the weights)."""
+        if self._runner is None:
+            raise RuntimeError("the worker is asleep (level 2): wake_up loads the weights")
+        return self._runner
 
     @property
     def max_model_len(self) -> int:
@@ -178,7 +191,56 @@ class Worker:
         return WorkerReady(self.rank, os.getpid(), self.max_model_len, self.determine_num_blocks())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
+
+    # ---------------------------------------------- sleep mode (services/worker/sleep.py)
+
+    def sleep(self, level: int) -> int:
+        """Free the KV cache (level 1; on CUDA the weights also move to pinned host memory)
+        or the KV cache and the weights (level 2). Returns the bytes freed on the device."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        runner = self.runner
+        if not runner.kv_caches:
+            raise RuntimeError("the worker is already asleep")
+        freed = sum(cache.numel() * cache.element_size() for cache in runner.kv_caches)
+        runner.free_kv_cache()
+        if level == 2:
+            freed += sum(
+                t.numel() * t.element_size()
+                for t in {
+                    id(t): t for t in runner.model.state_dict(keep_vars=True).values()
+                }.values()
+            )
+            self._runner = None
+            del runner
+        elif self.device.type == "cuda":
+            self.host_weights = HostWeights(runner.model)
+            freed += self.host_weights.num_bytes
+        release_memory(self.device)
+        logger.info(
+            "worker rank %d asleep at level %d: %.1f MiB freed", self.rank, level, freed / 2**20
+        )
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: the weights (copied back, or loaded again from the
+        checkpoint), then the KV cache (bound as at start-up; CUDA graphs captured again)."""
+        for tag in check_sleep_tags(tags):
+            if tag == SLEEP_WEIGHTS:
+                if self._runner is None:
+                    self._runner = ModelRunner(self.config, self.model_dir, self.device)
+                elif self.host_weights is not None:
+                    self.host_weights.restore(self.device)
+                    self.host_weights = None
+            else:
+                assert tag == SLEEP_KV_CACHE
+                if self._runner is None or self.host_weights is not None:
+                    raise RuntimeError("wake the weights before the KV cache (tags=weights)")
+                if not self._runner.kv_caches:
+                    self._runner.initialize_kv_cache(self.num_blocks)
+        logger.info("worker rank %d woke up: %s", self.rank, ", ".join(check_sleep_tags(tags)))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

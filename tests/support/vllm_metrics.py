@@ -60,8 +60,7 @@ VLLM_METRICS = (
     VllmMetric("vllm:num_requests_kv_fetch_by_stage", "gauge", (*ENGINE, "stage"),
                unhonoured="kvserve's KV loads are synchronous within a step: no async "
                "fetch stages", only_with="a KV consumer --kv-transfer-config"),
-    VllmMetric("vllm:engine_sleep_state", "gauge", (*ENGINE, "sleep_state"),
-               unhonoured="no sleep mode in kvserve yet (issue 31's sleep part)"),
+    VllmMetric("vllm:engine_sleep_state", "gauge", (*ENGINE, "sleep_state")),
     VllmMetric("vllm:kv_cache_usage_perc", "gauge", ENGINE),
     VllmMetric("vllm:corrupted_requests", "counter", ENGINE,
                unhonoured="kvserve does not count NaNs in logits",
@@ -141,10 +140,10 @@ VLLM_METRICS = (
     # vllm/entrypoints/serve/dev/sleep/metrics.py, vllm/parser/metrics.py,
     # vllm/entrypoints/rl/online/metrics.py: the api server's own.
     VllmMetric("vllm:sleep_mode_operation_duration_seconds", "histogram", ("operation",),
-               unhonoured="no sleep mode in kvserve yet (issue 31's sleep part)",
+               unhonoured="kvserve logs each sleep and wake_up (no series)",
                only_with="--enable-sleep-mode"),
     VllmMetric("vllm:sleep_mode_operations_in_flight", "gauge", ("operation",),
-               unhonoured="no sleep mode in kvserve yet (issue 31's sleep part)",
+               unhonoured="kvserve logs each sleep and wake_up (no series)",
                only_with="--enable-sleep-mode"),
     VllmMetric("vllm:tool_call_parser_invocations", "counter",
                ("model_name", "mode", "outcome", "request_type"),

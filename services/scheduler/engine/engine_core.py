@@ -31,7 +31,14 @@ from kvserve.shared.messages import (
     ModelRunnerOutput,
 )
 from kvserve.shared.model_dir import model_vocab_size
-from kvserve.shared.wire import EngineReady, this_hostname
+from kvserve.shared.wire import (
+    SLEEP_KV_CACHE,
+    SLEEP_TAGS,
+    SLEEP_WEIGHTS,
+    EngineReady,
+    check_sleep_tags,
+    this_hostname,
+)
 
 logger = init_logger(__name__)
 
@@ -60,6 +67,21 @@ def make_executor(config: EngineConfig, model_dir: str) -> Executor:
 
         return RayExecutor(config, model_dir)
     raise ValueError(f"unknown executor {kind!r}; use 'uni', 'mp' or 'ray'")
+
+
+def _check_sleep_mode(config: EngineConfig) -> None:
+    """--enable-sleep-mode frees and rebinds the target model's KV cache and weights only:
+    refused beside the parts that hold their own (a draft model, a KV connector, LoRA)."""
+    if not config.model.enable_sleep_mode:
+        return
+    others = {
+        "--speculative-config": config.speculative_config is not None,
+        "--kv-transfer-config / --kv-offloading-size": config.kv_transfer_config is not None,
+        "--enable-lora": config.lora.enable_lora,
+    }
+    for flag, used in others.items():
+        if used:
+            raise ValueError(f"--enable-sleep-mode does not run with {flag}")
 
 
 def cache_config_info(cache: CacheConfig, num_blocks: int) -> dict[str, str]:
@@ -92,7 +114,11 @@ class EngineCore:
         self._offload_store: subprocess.Popen | None = None
         if config.cache.kv_offloading_size is not None:
             config = self._start_offload_tier(config)
+        _check_sleep_mode(config)
         self.config = config
+        # Sleep mode: the level slept at (0: awake) and what wake_up has yet to restore.
+        self.sleep_level = 0
+        self.sleeping_tags: list[str] = []
         self.poison_token_id = FAULT_POISON_TOKEN_ID.get()  # tests only (shared/env.py)
         self.executor = make_executor(config, model_dir)
         num_blocks = self.executor.determine_num_blocks()
@@ -152,6 +178,7 @@ class EngineCore:
             cache_config_info=cache_config_info(config.cache, num_blocks),
             gemm_plan=gemm_plan,
             kv_role=config.kv_transfer_config.kv_role if config.kv_transfer_config else None,
+            enable_sleep_mode=config.model.enable_sleep_mode,
         )
         logger.info(
             "engine core ready in %.1f s: %d KV blocks, max_model_len %d",
@@ -215,6 +242,8 @@ class EngineCore:
             request, id_in_use=request.request_id in self.scheduler.requests
         )
         max_waiting = self.config.scheduler.max_waiting_requests
+        if error is None and self.sleep_level:
+            error = f"the engine is asleep (level {self.sleep_level}): POST /wake_up first"
         if error is None and self.bound_waiting and self.num_waiting_requests >= max_waiting:
             error = queue_full_error(max_waiting)
         if error is None:
@@ -266,6 +295,61 @@ class EngineCore:
         reset = self.scheduler.reset_prefix_cache()
         self._publish_kv_events()
         return reset
+
+    # ------------------------------------------------ sleep mode (--enable-sleep-mode)
+
+    def sleep(self, level: int) -> bool:
+        """Free the KV cache (level 1; on CUDA the weights move to pinned host memory) or
+        the KV cache and the weights (level 2) on every worker, once no request is in flight:
+        False (nothing freed) while one is. The block pool is reset (every block free, no
+        cached prefix), so waking starts from an empty cache."""
+        self._check_sleep_enabled()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleep_level:
+            logger.info("engine core already asleep at level %d", self.sleep_level)
+            return True
+        if self.scheduler.get_num_unfinished_requests():
+            return False
+        if not self.scheduler.reset_prefix_cache():
+            return False
+        # Every rank frees its own shard (no collective runs: any order is fine).
+        freed = self.executor.collective_rpc("sleep", (level,), result_type=int)
+        self.sleep_level = level
+        self.sleeping_tags = list(SLEEP_TAGS)
+        logger.info(
+            "engine core asleep at level %d: %.1f MiB freed over %d workers",
+            level,
+            sum(freed) / 2**20,
+            len(freed),
+        )
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed on every worker: `tags` among "weights" and "kv_cache"
+        (None: both; the weights first). Serving resumes once both are back."""
+        self._check_sleep_enabled()
+        woken = [tag for tag in check_sleep_tags(tags) if tag in self.sleeping_tags]
+        if not woken:
+            return
+        if woken == [SLEEP_KV_CACHE] and SLEEP_WEIGHTS in self.sleeping_tags:
+            raise ValueError("wake the weights before the KV cache (tags=weights)")
+        start = time.perf_counter()
+        # A forward may run (the CUDA graph capture, the CPU measurements): every rank.
+        self.executor.collective_rpc("wake_up", (woken,))
+        self.sleeping_tags = [tag for tag in self.sleeping_tags if tag not in woken]
+        if not self.sleeping_tags:
+            self.sleep_level = 0
+        logger.info(
+            "engine core woke %s in %.1f s%s",
+            " and ".join(woken),
+            time.perf_counter() - start,
+            "" if self.sleep_level else ": serving",
+        )
+
+    def _check_sleep_enabled(self) -> None:
+        if not self.config.model.enable_sleep_mode:
+            raise RuntimeError("sleep mode is off: start the engine with --enable-sleep-mode")
 
     def shutdown(self) -> None:
         if self.kv_event_publisher is not None:

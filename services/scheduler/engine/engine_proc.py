@@ -46,12 +46,15 @@ from kvserve.shared.wire import (
     EngineReady,
     EngineStats,
     GetStats,
+    IsSleeping,
     MsgType,
     Ping,
     ResetPrefixCache,
+    Sleep,
     UtilityCall,
     UtilityOutput,
     UtilityResult,
+    WakeUp,
 )
 
 if TYPE_CHECKING:
@@ -223,6 +226,13 @@ class EngineCoreProc:
                     result = self._make_stats()
                 case Ping():
                     result = self.make_heartbeat()
+                case Sleep(level=level):
+                    result = self._core.sleep(level)
+                case WakeUp(tags=tags):
+                    self._core.wake_up(tags)
+                    result = True
+                case IsSleeping():
+                    result = bool(self._core.sleep_level)
                 case _:
                     raise AssertionError(f"unhandled utility {call.method_name}")
         except Exception as exc:  # noqa: BLE001 - a failed utility must not kill the engine

@@ -43,6 +43,9 @@ BASE_ROUTES = {
     "/dashboard/logout",
     "/dashboard/app.js",
     "/dashboard/app.css",
+    "/sleep",  # answered 404 unless the engines run with --enable-sleep-mode
+    "/wake_up",
+    "/is_sleeping",
 }
 LORA = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 QUIET = FrontendConfig(disable_log_stats=True)
@@ -81,3 +84,15 @@ async def test_a_new_surface_is_one_more_route_module(tokenizer_info, monkeypatc
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         assert (await client.get("/v1/echo_model")).text == "tiny"
         assert (await client.get("/health")).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_sleep_routes_are_404_without_sleep_mode(tokenizer_info):
+    """As vLLM's, where the routes are not registered without --enable-sleep-mode."""
+    app = build_app(EngineClient(tokenizer_info, 256, "tiny"), served_model_name="tiny")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+            response = await client.request(method, path)
+            assert response.status_code == 404, (path, response.text)
+            assert "--enable-sleep-mode" in response.json()["error"]["message"]
