@@ -193,6 +193,15 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
             "labels for every series vLLM also has; kvserve's own series keep kvserve:)"
         ),
     ] = "kvserve"
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        flag_doc(
+            "export one OpenTelemetry trace per request (api, engine and streaming spans; a "
+            "client's W3C traceparent is its parent) to this OTLP endpoint: over HTTP/protobuf "
+            "the full URL (http://collector:4318/v1/traces), or over gRPC with "
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc (needs kvserve[otel]; default: off)"
+        ),
+    ] = None
     enable_auto_tool_choice: Annotated[
         bool,
         flag_doc('tool_choice "auto": the model decides, --tool-call-parser reads its tool calls'),
