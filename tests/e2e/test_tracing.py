@@ -25,6 +25,8 @@ from tests.support.models import TINY_KV_CACHE_MEMORY  # noqa: E402
 from tests.support.server import serving  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real server: ~20 s
+
 MODEL = "tiny-traces"
 CHUNK = 16  # --max-num-batched-tokens: a 40-token prompt prefills in 3 chunks
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
