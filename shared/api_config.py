@@ -8,7 +8,9 @@ app takes them (services/api/server.py's build_app).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from typing import Annotated, Literal
 
 import msgspec
@@ -289,6 +291,38 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        if self.otlp_traces_endpoint is not None:
+            check_otlp_exporter(self.otlp_traces_endpoint)
+
+
+def check_otlp_exporter(endpoint: str) -> None:
+    """--otlp-traces-endpoint: refused at start-up, before any engine starts, when its
+    exporter is not installed or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL names another protocol
+    (services/api/tracing.py builds the exporter)."""
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or "http/protobuf"
+    packages = {"http/protobuf": "http", "grpc": "grpc"}
+    if protocol not in packages:
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r}: kvserve exports OTLP over "
+            f"{tuple(packages)}"
+        )
+    schemes = ("http://", "https://") + (("grpc://",) if protocol == "grpc" else ())
+    if not endpoint.startswith(schemes):
+        raise ValueError(
+            f"--otlp-traces-endpoint {endpoint!r}: over {protocol} it starts with one of {schemes}"
+        )
+    module = f"opentelemetry.exporter.otlp.proto.{packages[protocol]}.trace_exporter"
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        needs = (
+            "kvserve[otel]"
+            if protocol == "http/protobuf"
+            else "opentelemetry-exporter-otlp-proto-grpc"
+        )
+        raise ValueError(f"--otlp-traces-endpoint over {protocol} needs pip install {needs}")
 
 
 def parse_limit_mm_per_prompt(value: str | None) -> dict[str, int]:

@@ -17,10 +17,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 
 from kvserve.services.api.tracing import (  # noqa: E402
     CURRENT_TRACER,
+    PROTOCOL_ENV,
     ApiTracer,
     make_tracer,
     trace_span,
 )
+from kvserve.shared.api_config import FrontendConfig  # noqa: E402
 from kvserve.shared.messages import EngineSpan  # noqa: E402
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -111,3 +113,14 @@ def test_the_server_does_not_import_opentelemetry_until_asked():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_flag_is_checked_before_anything_starts(monkeypatch):
+    FrontendConfig(otlp_traces_endpoint="http://127.0.0.1:4318/v1/traces")
+    with pytest.raises(ValueError, match="'127.0.0.1:4318'.*http/protobuf"):
+        FrontendConfig(otlp_traces_endpoint="127.0.0.1:4318")
+    monkeypatch.setenv(PROTOCOL_ENV, "grpc")
+    FrontendConfig(otlp_traces_endpoint="grpc://127.0.0.1:4317")
+    monkeypatch.setenv(PROTOCOL_ENV, "http/json")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json'"):
+        FrontendConfig(otlp_traces_endpoint="http://127.0.0.1:4318/v1/traces")
