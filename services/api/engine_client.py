@@ -246,8 +246,10 @@ class EngineClient:
                 await self._send_requests(requests)
             else:
                 queue_span = tracer.start_span("queue_to_engine", span)
-                await self._send_requests(requests)
-                queue_span.end()
+                try:
+                    await self._send_requests(requests)
+                finally:
+                    queue_span.end()
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
