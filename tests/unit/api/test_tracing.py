@@ -124,3 +124,39 @@ def test_the_flag_is_checked_before_anything_starts(monkeypatch):
     monkeypatch.setenv(PROTOCOL_ENV, "http/json")
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json'"):
         FrontendConfig(otlp_traces_endpoint="http://127.0.0.1:4318/v1/traces")
+
+
+def test_spans_reach_an_otlp_grpc_collector(monkeypatch):
+    """OTLP over gRPC (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc) into a collector in the test;
+    the e2e test covers OTLP/HTTP through a real server."""
+    from concurrent import futures
+
+    grpc = pytest.importorskip("grpc")
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[str] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - the service's name
+            received.extend(
+                span.name
+                for resource_spans in request.resource_spans
+                for scope_spans in resource_spans.scope_spans
+                for span in scope_spans.spans
+            )
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.setenv(PROTOCOL_ENV, "grpc")
+        tracer = make_tracer(f"http://127.0.0.1:{port}")
+        root = tracer.start_span("POST /v1/completions")
+        tracer.add_engine_spans(root, [EngineSpan("engine.prefill", 1, 2)])
+        root.end()
+        tracer.shutdown()  # exports what the batch holds
+    finally:
+        server.stop(None)
+    assert sorted(received) == ["POST /v1/completions", "engine.prefill"]
