@@ -8,7 +8,9 @@ app takes them (services/api/server.py's build_app).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from typing import Annotated, Literal
 
 import msgspec
@@ -193,6 +195,15 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
             "labels for every series vLLM also has; kvserve's own series keep kvserve:)"
         ),
     ] = "kvserve"
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        flag_doc(
+            "export one OpenTelemetry trace per request (api, engine and streaming spans; a "
+            "client's W3C traceparent is its parent) to this OTLP endpoint: over HTTP/protobuf "
+            "the full URL (http://collector:4318/v1/traces), or over gRPC with "
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc (needs kvserve[otel]; default: off)"
+        ),
+    ] = None
     enable_auto_tool_choice: Annotated[
         bool,
         flag_doc('tool_choice "auto": the model decides, --tool-call-parser reads its tool calls'),
@@ -280,6 +291,38 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        if self.otlp_traces_endpoint is not None:
+            check_otlp_exporter(self.otlp_traces_endpoint)
+
+
+def check_otlp_exporter(endpoint: str) -> None:
+    """--otlp-traces-endpoint: refused at start-up, before any engine starts, when its
+    exporter is not installed or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL names another protocol
+    (services/api/tracing.py builds the exporter)."""
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or "http/protobuf"
+    packages = {"http/protobuf": "http", "grpc": "grpc"}
+    if protocol not in packages:
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r}: kvserve exports OTLP over "
+            f"{tuple(packages)}"
+        )
+    schemes = ("http://", "https://") + (("grpc://",) if protocol == "grpc" else ())
+    if not endpoint.startswith(schemes):
+        raise ValueError(
+            f"--otlp-traces-endpoint {endpoint!r}: over {protocol} it starts with one of {schemes}"
+        )
+    module = f"opentelemetry.exporter.otlp.proto.{packages[protocol]}.trace_exporter"
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        needs = (
+            "kvserve[otel]"
+            if protocol == "http/protobuf"
+            else "opentelemetry-exporter-otlp-proto-grpc"
+        )
+        raise ValueError(f"--otlp-traces-endpoint over {protocol} needs pip install {needs}")
 
 
 def parse_limit_mm_per_prompt(value: str | None) -> dict[str, int]:

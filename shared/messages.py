@@ -74,6 +74,10 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     tenant_weight: float = 1.0
     # Images in the prompt, in prompt order (their placeholder tokens are in the prompt).
     mm_inputs: list[ImageInput] = []
+    # --otlp-traces-endpoint: the W3C trace context ({"traceparent": ...}) of the api span
+    # the engine's spans belong under; None (one nil byte) when tracing is off.
+    # The engine core then times the request and returns EngineSpans when it finishes.
+    trace_context: dict[str, str] | None = None
 
 
 class Logprobs(msgspec.Struct, **_HOT):
@@ -108,6 +112,21 @@ class EngineCoreEvent(msgspec.Struct, **_HOT):
     timestamp: float
 
 
+class EngineSpan(msgspec.Struct, **_HOT):
+    """One timed phase of a traced request inside the engine core (services/scheduler/core/
+    request_trace.py); the api makes it an OpenTelemetry span under the request's context.
+
+    Times are time.time_ns() (wall clock, as OpenTelemetry's), so the api can place them in
+    its own trace: on one machine the clocks agree; across machines they are as close as
+    the machines' clocks are.
+    """
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, int] = {}
+
+
 class EngineCoreOutput(msgspec.Struct, **_HOT):
     """What one request gained in one step."""
 
@@ -127,6 +146,9 @@ class EngineCoreOutput(msgspec.Struct, **_HOT):
     # An embedding (SamplingParams.pooling): the pooled, normalised hidden state as float32
     # bytes, in the output that finishes the request.
     pooled: bytes | None = None
+    # A traced request's engine phases (EngineCoreRequest.trace_context), in the output
+    # that finishes it; None otherwise.
+    trace_spans: list[EngineSpan] | None = None
 
     @property
     def finished(self) -> bool:

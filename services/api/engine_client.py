@@ -20,6 +20,7 @@ from kvserve.services.api.request_logger import key_name_suffix
 from kvserve.services.api.stats import IterationStats, MigrationStats
 from kvserve.services.api.tenants import DEFAULT_TENANT, TenantSpec
 from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.tracing import CURRENT_TRACER
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -228,28 +229,49 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         queue: asyncio.Queue = asyncio.Queue()
+        tracer = CURRENT_TRACER.get()
+        span = stream_span = None
+        if tracer is not None:
+            span = tracer.start_span("generate", request_id=request_id)
         child_ids = self.output_processor.add_request(
-            request_id, prompt, prompt_token_ids, params, tenant.name if tenant else DEFAULT_TENANT
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            tenant.name if tenant else DEFAULT_TENANT,
+            traced=tracer is not None,
         )
         self.queues[request_id] = queue
         finished = False
         try:
-            await self._send_requests(
-                make_engine_requests(
-                    child_ids,
-                    prompt_token_ids,
-                    params,
-                    priority,
-                    self.tokenizer_info,
-                    lora_request,
-                    tenant,
-                )
+            requests = make_engine_requests(
+                child_ids,
+                prompt_token_ids,
+                params,
+                priority,
+                self.tokenizer_info,
+                lora_request,
+                tenant,
+                tracer.inject(span) if tracer is not None else None,
             )
+            if tracer is None:
+                await self._send_requests(requests)
+            else:
+                queue_span = tracer.start_span("queue_to_engine", span)
+                try:
+                    await self._send_requests(requests)
+                finally:
+                    queue_span.end()
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if tracer is not None:
+                    if stream_span is None:
+                        stream_span = tracer.start_span("detokenize_stream", span)
+                    for child_id, engine_spans in item.engine_spans or ():
+                        tracer.add_engine_spans(span, engine_spans, request_id=child_id)
                 if finished:
                     logger.info(
                         "request %s%s finished (%s): %d prompt + %d output tokens, %d cached",
@@ -266,6 +288,10 @@ class EngineClient:
             if not finished:
                 await self.abort(request_id)
             self._forget_request(request_id, child_ids)
+            if stream_span is not None:
+                stream_span.end()
+            if span is not None:
+                span.end()
 
     def _engine_index_of(self, engine_request_id: str) -> int:
         """The engine an engine request went to (one engine here)."""

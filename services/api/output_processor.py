@@ -17,7 +17,7 @@ from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutpu
 from kvserve.services.api.stats import IterationStats, RequestTimes, RequestUsage
 from kvserve.services.api.tenants import DEFAULT_TENANT, TenantSpec
 from kvserve.shared.lora import LoRARequest
-from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
+from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, EngineSpan, Logprobs
 from kvserve.shared.sampling_params import SamplingParams
 
 
@@ -33,10 +33,11 @@ def make_engine_requests(
     tokenizer_info,
     lora_request: LoRARequest | None = None,
     tenant: TenantSpec | None = None,
+    trace_context: dict[str, str] | None = None,
 ) -> list[EngineCoreRequest]:
     """One EngineCoreRequest per child; child i of a seeded request gets seed + i; all
     run with `lora_request`'s adapter (None: the base model), for `tenant` (None:
-    "default", weight 1)."""
+    "default", weight 1), traced under `trace_context` (None: not traced)."""
     tenant = tenant or TenantSpec(name=DEFAULT_TENANT)
     if tokenizer_info.extra_stop_token_ids and not params.ignore_eos:
         stop_ids = list(params.stop_token_ids or ()) + tokenizer_info.extra_stop_token_ids
@@ -61,6 +62,7 @@ def make_engine_requests(
                 tenant_weight=tenant.weight,
                 # A chat's images travel with its token ids (multimodal.PromptWithImages).
                 mm_inputs=getattr(prompt_token_ids, "mm_inputs", []),
+                trace_context=trace_context,
             )
         )
     return requests
@@ -84,6 +86,8 @@ class _Parent:
     prompt_logprobs: list | None = None
     num_unfinished: int = 0
     tenant: str = DEFAULT_TENANT
+    # A traced request's engine phases, per child: (engine-core id, spans); None: untraced.
+    engine_spans: list[tuple[str, list[EngineSpan]]] | None = None
 
     def usage(self) -> RequestUsage:
         """The tokens its response's `usage` counts (serving_base.count_usage): the prompt
@@ -114,9 +118,10 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tenant: str = DEFAULT_TENANT,
+        traced: bool = False,
     ) -> list[str]:
-        """Track a request served for `tenant`; returns the engine-core ids of its n
-        children."""
+        """Track a request served for `tenant` (`traced`: keep its engine phases); returns
+        the engine-core ids of its n children."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         parent = _Parent(
@@ -124,6 +129,8 @@ class OutputProcessor:
         )
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
+        if traced:
+            parent.engine_spans = []
         arrival_time = time.monotonic()
         for index in range(params.n):
             child_id = child_request_id(request_id, index, params.n)
@@ -176,6 +183,8 @@ class OutputProcessor:
             if parent is None:  # aborted meanwhile
                 continue
             child = parent.children[out.request_id]
+            if out.trace_spans is not None and parent.engine_spans is not None:
+                parent.engine_spans.append((out.request_id, out.trace_spans))
             if self._update_child(parent, child, out):
                 to_abort.append(out.request_id)
             num_prompt_tokens = len(parent.prompt_token_ids)
@@ -288,4 +297,5 @@ class OutputProcessor:
             finished,
             list(parent.prompt_logprobs) if parent.prompt_logprobs else None,
             parent.num_cached_tokens,
+            parent.engine_spans if finished else None,
         )

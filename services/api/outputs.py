@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.shared.messages import EngineSpan
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -56,6 +58,8 @@ class RequestOutput:
         outputs: the n completions.
         finished: all n completions are done.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        engine_spans: a traced request's engine phases, per child (engine-core id, spans),
+            in its finished output (services/api/tracing.py); None otherwise.
     """
 
     request_id: str
@@ -65,3 +69,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    engine_spans: list[tuple[str, list[EngineSpan]]] | None = None

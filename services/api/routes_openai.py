@@ -29,18 +29,23 @@ from kvserve.services.api.protocol import (
 )
 from kvserve.services.api.responses_protocol import ResponsesRequest
 from kvserve.services.api.serving_embeddings import EmbeddingRequest
+from kvserve.services.api.tracing import trace_span
 from kvserve.services.api.validation import check_prompt_chars
 
 
 async def create_completion(request: Request) -> Response:
     ctx = context_of(request)
-    body = decode_request(await request.body(), CompletionRequest, ctx.max_json_depth)
+    raw_body = await request.body()
+    with trace_span("parse"):
+        body = decode_request(raw_body, CompletionRequest, ctx.max_json_depth)
     return await ctx.completions.create_completion(body, request)
 
 
 async def create_chat_completion(request: Request) -> Response:
     ctx = context_of(request)
-    body = decode_request(await request.body(), ChatCompletionRequest, ctx.max_json_depth)
+    raw_body = await request.body()
+    with trace_span("parse"):
+        body = decode_request(raw_body, ChatCompletionRequest, ctx.max_json_depth)
     return await ctx.chat.create_chat_completion(body, request)
 
 

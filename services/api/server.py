@@ -55,6 +55,7 @@ from kvserve.services.api.metrics import ApiMetrics
 from kvserve.services.api.protocol import APIError
 from kvserve.services.api.serving_base import REQUEST_ID_HEADER
 from kvserve.services.api.tenants import TenantDirectory, TenantMiddleware
+from kvserve.services.api.tracing import TracingMiddleware, make_tracer
 from kvserve.shared.api_config import FrontendConfig, HTTPConfig
 from kvserve.shared.config import LoRAConfig
 
@@ -143,6 +144,11 @@ def _middleware(
             allow_headers=http.allowed_headers,
         )
     ]
+    if frontend.otlp_traces_endpoint:
+        # Outside the key check: a refused request is traced too. OpenTelemetry is imported
+        # only here (and by the spans' helpers), so a server without the flag never loads it.
+        tracer = make_tracer(frontend.otlp_traces_endpoint)
+        middleware.append(Middleware(TracingMiddleware, tracer=tracer))
     if frontend.enable_request_id_headers:
         # Outside the API-key check, so a 401 carries the id too.
         middleware.append(Middleware(_RequestIdMiddleware))

@@ -70,6 +70,7 @@ from kvserve.services.api.tool_calls import (
     tool_constraint,
     tools_for_template,
 )
+from kvserve.services.api.tracing import trace_span
 from kvserve.shared.api_config import parse_limit_mm_per_prompt
 from kvserve.shared.logging import init_logger
 from kvserve.shared.sampling_params import SamplingParams
@@ -312,13 +313,14 @@ class OpenAIServingChat(OpenAIServing):
         image_urls = image_urls_of(request.messages)
         if image_urls:
             self.check_images(image_urls)
-        prompt_token_ids = self.apply_chat_template(
-            request.messages,
-            request.add_generation_prompt,
-            request.continue_final_message,
-            template_kwargs,
-            tools_for_template(request, tool_choice, self.frontend),
-        )
+        with trace_span("tokenize"):
+            prompt_token_ids = self.apply_chat_template(
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                template_kwargs,
+                tools_for_template(request, tool_choice, self.frontend),
+            )
         if image_urls:
             prompt_token_ids = self.attach_images(prompt_token_ids, image_urls)
         self.check_prompt_tokens(prompt_token_ids, "messages")

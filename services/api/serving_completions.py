@@ -36,6 +36,7 @@ from kvserve.services.api.serving_base import (
     sse_event,
     stop_holdback,
 )
+from kvserve.services.api.tracing import trace_span
 from kvserve.shared.logging import init_logger
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -49,7 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """Validate, submit every prompt, and answer with JSON or an SSE stream."""
         self.check_model(request.model)
         self.check_request(request)
-        prompts = self._prompt_inputs(request.prompt)
+        with trace_span("tokenize"):
+            prompts = self._prompt_inputs(request.prompt)
         # echo + logprobs also reports the prompt's logprobs, as OpenAI's API did.
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and request.echo:

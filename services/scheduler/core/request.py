@@ -20,6 +20,7 @@ from kvserve.shared.messages import (
 from kvserve.shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvserve.services.scheduler.core.request_trace import RequestTrace
     from kvserve.services.scheduler.core.spec_decode import SpecRequestState
     from kvserve.services.scheduler.structured_output.grammar import Grammar
 
@@ -166,6 +167,8 @@ class Request:
         self.num_prompt_logprobs_seen = 0
         # Timed events not yet sent (the scheduler records them only with log_stats).
         self.events: list[EngineCoreEvent] = []
+        # --otlp-traces-endpoint: its phases, when the api traces it (request_trace.py).
+        self.trace: RequestTrace | None = None
 
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []

@@ -70,6 +70,7 @@ def pooled_output(request: Request, pooled: bytes) -> EngineCoreOutput:
         num_cached_tokens=num_cached_tokens,
         events=request.take_events(),
         pooled=pooled,
+        trace_spans=request.trace.finish() if request.trace is not None else None,
     )
 
 
@@ -117,6 +118,9 @@ def make_request_output(
         num_cached_tokens=num_cached_tokens,
         error=request.error,
         events=request.take_events(),
+        trace_spans=(
+            request.trace.finish() if request.trace is not None and request.is_finished else None
+        ),
     )
 
 

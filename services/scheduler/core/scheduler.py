@@ -42,6 +42,7 @@ from kvserve.services.scheduler.core.request_output import (
     pooled_output,
 )
 from kvserve.services.scheduler.core.request_queue import RequestQueue, create_request_queue
+from kvserve.services.scheduler.core.request_trace import RequestTrace
 from kvserve.services.scheduler.core.spec_scheduler import SpecDecodeScheduler
 from kvserve.services.scheduler.core.step_plan import StepPlan, make_scheduler_output
 from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
@@ -161,6 +162,7 @@ class Scheduler:
         self._num_live_grammars = 0  # requests holding a matcher (bitmask work to do)
         self._num_thinking_budgets = 0  # live requests whose thinking end may be forced
         self._num_pooling = 0  # live embedding requests (the runner pools their prompts)
+        self._num_traced = 0  # live requests with a RequestTrace (--otlp-traces-endpoint)
         # Finished or aborted since the last schedule(): the workers drop their state.
         self.finished_req_ids: set[str] = set()
         # Outputs not tied to a step (rejected requests), sent with the next step's outputs.
@@ -198,6 +200,9 @@ class Scheduler:
         assert 0 < len(engine_request.prompt_token_ids) < self.max_model_len
         request = Request.from_engine_core_request(engine_request, self.block_hasher)
         self.requests[request.req_id] = request
+        if engine_request.trace_context is not None:
+            request.trace = RequestTrace(time.time_ns())
+            self._num_traced += 1
         if self.fair is not None:
             self.fair.add(request)
         if request.sampling_params.thinking_token_budget is not None:
@@ -264,6 +269,8 @@ class Scheduler:
             self._num_thinking_budgets -= 1
         if request.sampling_params.pooling is not None:
             self._num_pooling -= 1
+        if request.trace is not None:
+            self._num_traced -= 1
         if request.structured_output is not None and request.structured_output.grammar:
             request.structured_output.grammar = None
             self._num_live_grammars -= 1
@@ -311,8 +318,13 @@ class Scheduler:
             forced_tokens_of(plan, self.requests) if self._num_thinking_budgets else None,
             has_pooling=self._num_pooling > 0,
         )
+        now_ns = time.time_ns() if self._num_traced else 0
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
+            if request.trace is not None:
+                request.trace.scheduled(
+                    now_ns, request.num_computed_tokens, num_tokens, request.num_prompt_tokens
+                )
             request.num_computed_tokens += num_tokens
             if request.mm_inputs:
                 self.encoder.release_computed(request)
@@ -588,6 +600,8 @@ class Scheduler:
             request.spec.draft_token_ids = []  # they followed tokens it recomputes
         request.num_preemptions += 1
         request.num_prompt_logprobs_seen = 0
+        if request.trace is not None:
+            request.trace.preempted(time.time_ns())
         self.waiting.prepend_request(request)
         plan.preempted.append(request)
         self.num_preemptions_total += 1
@@ -694,10 +708,13 @@ class Scheduler:
             )
         row_of = {req_id: row for row, req_id in enumerate(model_runner_output.req_ids)}
         stopped = []
+        now_ns = time.time_ns() if self._num_traced else 0
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran
+            if request.trace is not None:
+                request.trace.step_done(now_ns)
             pooled = model_runner_output.pooled.get(req_id)
             if pooled is not None:  # an embedding: its prompt is done, and so is it
                 request.status = RequestStatus.FINISHED_STOPPED
