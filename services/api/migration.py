@@ -38,6 +38,7 @@ from kvserve.services.api.engine_client import EngineDeadError
 from kvserve.services.api.engine_pool import EnginePool
 from kvserve.services.api.output_processor import OutputProcessor
 from kvserve.services.api.stats import MigrationStats
+from kvserve.services.api.tracing import process_tracer
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreRequest
 
@@ -254,6 +255,7 @@ class RequestMigrator:
             self.pool.forget(request_id, child_ids)
             self.forget(request_id, child_ids)
             return
+        self._trace_move(children, died_at, engine_index, reason)
         logger.info(
             "request %s moved to engine core %s with %s emitted tokens (%.2f s after its "
             "engine core died: %s)",
@@ -263,6 +265,30 @@ class RequestMigrator:
             time.monotonic() - died_at,
             reason,
         )
+
+    def _trace_move(
+        self, children: list[EngineCoreRequest], died_at: float, engine_index: int, reason: str
+    ) -> None:
+        """A traced request's move (--otlp-traces-endpoint): a `migrate` span under its
+        `generate` span, from the engine's death to the resend."""
+        tracer = process_tracer()
+        if tracer is None:
+            return
+        end_ns = time.time_ns()
+        start_ns = end_ns - int((time.monotonic() - died_at) * 1e9)
+        for child in children:
+            if child.trace_context is not None:
+                tracer.add_span(
+                    "migrate",
+                    child.trace_context,
+                    start_ns,
+                    end_ns,
+                    request_id=child.request_id,
+                    from_engine=engine_index,
+                    to_engine=self.pool.child_engine.get(child.request_id, -1),
+                    reason=death_kind(reason),
+                    resumed_tokens=len(child.resumed_output_token_ids or ()),
+                )
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):

@@ -85,6 +85,15 @@ class ApiTracer:
             )
             span.end(end_time=engine_span.end_ns)
 
+    def add_span(
+        self, name: str, carrier: dict[str, str], start_ns: int, end_ns: int, **attributes: Any
+    ) -> None:
+        """A finished span under the context an engine request carries (`carrier`)."""
+        span = self.tracer.start_span(
+            name, context=self.extract(carrier), start_time=start_ns, attributes=attributes
+        )
+        span.end(end_time=end_ns)
+
     def shutdown(self) -> None:
         """Export what is still buffered."""
         self.provider.shutdown()
@@ -118,7 +127,18 @@ def make_tracer(endpoint: str, protocol: str | None = None) -> ApiTracer:
     provider = TracerProvider(resource=Resource.create({"service.name": "kvserve"}))
     exporter = exporter_module.OTLPSpanExporter(endpoint=endpoint)
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    return ApiTracer(provider.get_tracer("kvserve"), provider)
+    global _PROCESS_TRACER
+    _PROCESS_TRACER = ApiTracer(provider.get_tracer("kvserve"), provider)
+    return _PROCESS_TRACER
+
+
+# The api process's tracer (None: tracing off), for work that runs outside a request's
+# context: a migration, started by the engine liveness watcher.
+_PROCESS_TRACER: ApiTracer | None = None
+
+
+def process_tracer() -> ApiTracer | None:
+    return _PROCESS_TRACER
 
 
 class TracingMiddleware:

@@ -19,6 +19,7 @@ import signal
 import threading
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from unittest import mock
 
 import httpx
 import jsonschema
@@ -27,6 +28,7 @@ import psutil
 import pytest
 
 from tests.support.metrics import metrics_text, read_metric
+from tests.support.otlp import Receiver
 from tests.support.server import DP_MODEL_NAME, ServeProcess, start_dp_front_end, start_tiny_server
 from tests.support.waiting import wait_until
 
@@ -274,17 +276,60 @@ JSON_AND_CHAT_FLAGS = (
 
 
 @pytest.fixture
-def dp_server(tiny_llama_dir, tmp_path_factory):
-    server = start_dp_front_end(
-        tiny_llama_dir,
-        tmp_path_factory.mktemp("migration-dp"),
-        *JSON_AND_CHAT_FLAGS,
-    )
+def receiver() -> Iterator[Receiver]:
+    """An OTLP collector for the server's --otlp-traces-endpoint."""
+    receiver = Receiver()
+    yield receiver
+    receiver.server.shutdown()
+
+
+@pytest.fixture
+def dp_server(tiny_llama_dir, tmp_path_factory, receiver):
+    # Traced, exporting every 50 ms: a moved request's trace gets its `migrate` span.
+    with mock.patch.dict(os.environ, {"OTEL_BSP_SCHEDULE_DELAY": "50"}):
+        server = start_dp_front_end(
+            tiny_llama_dir,
+            tmp_path_factory.mktemp("migration-dp"),
+            *JSON_AND_CHAT_FLAGS,
+            "--otlp-traces-endpoint",
+            receiver.url,
+        )
     with _healthy(server):
         yield server
 
 
-def test_a_killed_engine_streams_resume_on_the_other(dp_server):
+def _assert_moves_traced(
+    receiver: Receiver, streams: list[Stream], log: str, victim: int, survivor: int
+) -> None:
+    """Each moved request's trace has one `migrate` span per move under its `generate` span,
+    from the victim to the survivor; the others have none."""
+    moved = {s.request_id for s in streams if f"request {s.request_id} moved" in log}
+    ids = {s.request_id for s in streams}
+
+    def generate_spans() -> dict[str, dict]:
+        return {
+            span["attributes"]["request_id"].string_value: span
+            for span in list(receiver.spans)
+            if span["name"] == "generate"
+        }
+
+    assert wait_until(lambda: ids <= set(generate_spans())), "traces were not exported"
+    generate = generate_spans()
+    migrates = [span for span in list(receiver.spans) if span["name"] == "migrate"]
+    for request_id in ids:
+        under = [m for m in migrates if m["parent_id"] == generate[request_id]["span_id"]]
+        if request_id not in moved:
+            assert under == [], request_id
+            continue
+        (move,) = under
+        attributes = move["attributes"]
+        assert attributes["from_engine"].int_value == victim
+        assert attributes["to_engine"].int_value == survivor
+        assert attributes["reason"].string_value == "engine_died"
+        assert move["start"] <= move["end"]
+
+
+def test_a_killed_engine_streams_resume_on_the_other(dp_server, receiver):
     reference = _run_all(dp_server.url)
     _assert_same(reference, reference)  # no errors, full lengths, valid JSON
     kill = KillMidStream(dp_server)
@@ -307,6 +352,7 @@ def test_a_killed_engine_streams_resume_on_the_other(dp_server):
     assert f"moved to engine core {survivor}" in dp_server.log()
     status, body = dp_server.health()
     assert status == 200 and body["engines"][victim]["state"] == "dead", body
+    _assert_moves_traced(receiver, streams, dp_server.log(), victim, survivor)
 
 
 @pytest.fixture

@@ -9,6 +9,10 @@ in the api.
     queued ─ engine.waiting ─▶ scheduled ─ engine.prefill (one per chunk) ─▶ ...
            ─ engine.decode (first decode step to the last) ─▶ finished
     preempted ─ engine.waiting (preempted=1) ─▶ scheduled again ─ engine.prefill ...
+    parked for a KV load (a connector's external hit) ─ engine.kv_load ─▶ back in the queue
+
+KV saves are not a phase: the connector saves blocks beside the steps, and the request does
+not wait for them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class RequestTrace:
         "decode_start_ns",
         "decode_end_ns",
         "num_decode_steps",
+        "load_start_ns",
+        "load_num_blocks",
     )
 
     def __init__(self, queued_ns: int):
@@ -43,6 +49,8 @@ class RequestTrace:
         self.decode_start_ns: int | None = None
         self.decode_end_ns = 0
         self.num_decode_steps = 0
+        self.load_start_ns: int | None = None
+        self.load_num_blocks = 0
 
     def scheduled(
         self, now_ns: int, num_computed_tokens: int, num_tokens: int, num_prompt_tokens: int
@@ -78,6 +86,19 @@ class RequestTrace:
         self.step_start_ns = None
         self.waiting_since_ns = now_ns
         self.num_preemptions += 1
+
+    def kv_load_started(self, now_ns: int, num_blocks: int) -> None:
+        """Parked until a connector loads `num_blocks` blocks of its prefix."""
+        self.load_start_ns = now_ns
+        self.load_num_blocks = num_blocks
+
+    def kv_load_done(self, now_ns: int, num_loaded_blocks: int) -> None:
+        """The load ended: `num_loaded_blocks` arrived (the rest is recomputed)."""
+        if self.load_start_ns is None:
+            return
+        attributes = {"num_blocks": self.load_num_blocks, "num_loaded_blocks": num_loaded_blocks}
+        self.spans.append(EngineSpan("engine.kv_load", self.load_start_ns, now_ns, attributes))
+        self.load_start_ns = None
 
     def finish(self) -> list[EngineSpan]:
         """Every phase, the decode steps as one span."""

@@ -641,6 +641,8 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens
         self.waiting_for_remote_kvs[request.req_id] = request
         connector.start_load(request, len(hit_blocks), num_external)
+        if request.trace is not None:
+            request.trace.kv_load_started(time.time_ns(), num_external)
         return True
 
     def _finish_loads(self, num_loaded_blocks: dict[str, int]) -> None:
@@ -651,6 +653,8 @@ class Scheduler:
             if request is None:
                 continue  # aborted while loading
             request.num_computed_tokens += num_loaded * self.cache_config.block_size
+            if request.trace is not None:
+                request.trace.kv_load_done(time.time_ns(), num_loaded)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             request.kv_loaded = True
             request.status = RequestStatus.WAITING

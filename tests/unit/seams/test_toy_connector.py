@@ -146,3 +146,36 @@ def test_a_registered_connector_saves_then_loads_through_a_real_engine(engine):
     stats = engine.scheduler.make_stats()
     assert stats is not None and stats.kv_store_up is None  # the toy reports no store figures
     assert_no_leaked_blocks(engine.scheduler)
+
+
+def test_a_traced_request_that_loads_its_prefix_has_a_kv_load_span(engine):
+    # --otlp-traces-endpoint: the engine times a request's parked KV load as its own phase.
+    prompt = [(7 * i) % 250 + 1 for i in range(45)]
+    _generate(engine, "a", prompt)
+    assert engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    context = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    engine.add_request(EngineCoreRequest("b", prompt, params, trace_context=context))
+    spans = None
+    while engine.has_work():
+        for out in engine.step().outputs:
+            if out.finished:
+                spans = out.trace_spans
+    assert spans is not None
+    by_name = {span.name: span for span in spans}
+    assert sorted(by_name) == [
+        "engine.decode",
+        "engine.kv_load",
+        "engine.prefill",
+        "engine.waiting",
+    ]
+    waiting, load, prefill = (
+        by_name["engine.waiting"],
+        by_name["engine.kv_load"],
+        by_name["engine.prefill"],
+    )
+    assert load.attributes == {"num_blocks": 2, "num_loaded_blocks": 2}
+    # The load is part of the wait for a first step, which the prefill follows.
+    assert waiting.start_ns <= load.start_ns <= load.end_ns <= waiting.end_ns <= prefill.start_ns
+    assert prefill.attributes["position"] == 2 * BLOCK  # the loaded blocks are not recomputed
+    assert_no_leaked_blocks(engine.scheduler)
