@@ -79,7 +79,9 @@ def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, 
     assert all(n >= 16 for n in cached), cached  # the second round hit the prefix cache
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "llama4", "deepseek_v3", "gpt_oss"])
+# Llama 4's and gpt-oss's TP=2 is compared with HF in the unit tests (test_llama4.py,
+# test_model_families.py); here the families whose split differs most run through LLM.
+@pytest.mark.parametrize("kind", ["gemma2", "mixtral", "deepseek_v3"])
 def test_llm_tensor_parallel_2_equals_hf(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
     first, second, _ = _generate_twice(model_dir, default_model_dir, tp=2)
