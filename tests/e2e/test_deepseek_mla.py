@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.support.hf_models import NUM_TOKENS, PROMPTS, hf_greedy, make_tiny_family_model
+from tests.support.family_llm import family_dirs
+from tests.support.hf_models import NUM_TOKENS, PROMPTS, hf_greedy
 from tests.support.kv import assert_no_leaked_blocks
 from tests.support.kv_store import StoreProcess
 
@@ -20,17 +21,7 @@ LONG_PROMPTS = [[(5 * i + 1) % 128 for i in range(100)], [(11 * i + 4) % 128 for
 
 @pytest.fixture(scope="module")
 def mla_dirs(tmp_path_factory):
-    cache = {}
-
-    def get(kind: str):
-        if kind not in cache:
-            model = make_tiny_family_model(kind, max_position_embeddings=256)
-            model_dir = str(tmp_path_factory.mktemp(f"e2e-{kind}"))
-            model.save_pretrained(model_dir)
-            cache[kind] = (model_dir, model)
-        return cache[kind]
-
-    return get
+    return family_dirs(tmp_path_factory)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

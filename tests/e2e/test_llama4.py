@@ -9,44 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve import LLM, SamplingParams
-from tests.support.hf_models import NUM_TOKENS, PROMPTS, hf_greedy, make_tiny_family_model
-from tests.support.kv import assert_no_leaked_blocks
+from tests.support.family_llm import MAX_MODEL_LEN, generate_twice
+from tests.support.hf_models import PROMPTS, hf_greedy, make_tiny_family_model
 from tests.support.models import random_hf_model
-
-MAX_MODEL_LEN = 256
-
-
-def _generate_twice(model_dir: str, tokenizer: str, **parallel) -> tuple[list, list, list]:
-    llm = LLM(
-        model_dir,
-        tokenizer=tokenizer,
-        dtype="float32",
-        kv_cache_memory=32 << 20,
-        max_model_len=MAX_MODEL_LEN,
-        enable_prefix_caching=True,
-        **parallel,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
-    try:
-        first = llm.generate(prompts, params, use_tqdm=False)
-        second = llm.generate(prompts, params, use_tqdm=False)
-        assert_no_leaked_blocks(llm.engine_core.scheduler)
-    finally:
-        llm.engine_core.shutdown()
-    return (
-        [o.outputs[0].token_ids for o in first],
-        [o.outputs[0].token_ids for o in second],
-        [o.num_cached_tokens for o in second],
-    )
 
 
 @pytest.mark.slow  # two worker processes: ~30 s
 def test_pipeline_parallel_2_equals_hf(tmp_path, default_model_dir):
     hf_model = make_tiny_family_model("llama4", max_position_embeddings=MAX_MODEL_LEN)
     hf_model.save_pretrained(tmp_path)
-    first, second, cached = _generate_twice(
+    first, second, cached = generate_twice(
         str(tmp_path), default_model_dir, pipeline_parallel_size=2
     )
     assert first == [hf_greedy(hf_model, prompt) for prompt in PROMPTS]
@@ -72,6 +44,6 @@ def test_multimodal_checkpoint_generates_text_like_hf(tmp_path, default_model_di
     fields = dict(text_config=text.to_dict(), vision_config=vision)
     hf_model = random_hf_model(tf.Llama4Config, tf.Llama4ForConditionalGeneration, fields, 4)
     hf_model.save_pretrained(tmp_path)
-    first, second, _ = _generate_twice(str(tmp_path), default_model_dir)
+    first, second, _ = generate_twice(str(tmp_path), default_model_dir)
     assert first == [hf_greedy(hf_model, prompt) for prompt in PROMPTS]
     assert second == first

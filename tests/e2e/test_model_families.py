@@ -11,49 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve import LLM, SamplingParams
-from tests.support.hf_models import NUM_TOKENS, PROMPTS, hf_greedy, make_tiny_family_model
-from tests.support.kv import assert_no_leaked_blocks
+from tests.support.family_llm import family_dirs as support_family_dirs
+from tests.support.family_llm import generate_twice
+from tests.support.hf_models import PROMPTS, hf_greedy
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    cache = {}
-
-    def get(kind: str):
-        if kind not in cache:
-            model = make_tiny_family_model(kind, max_position_embeddings=256)
-            model_dir = str(tmp_path_factory.mktemp(f"e2e-{kind}"))
-            model.save_pretrained(model_dir)
-            cache[kind] = (model_dir, model)
-        return cache[kind]
-
-    return get
-
-
-def _generate_twice(model_dir: str, tokenizer: str, tp: int) -> tuple[list, list, list[int]]:
-    llm = LLM(
-        model_dir,
-        tokenizer=tokenizer,
-        dtype="float32",
-        tensor_parallel_size=tp,
-        kv_cache_memory=32 << 20,
-        max_model_len=256,
-        enable_prefix_caching=True,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
-    try:
-        first = llm.generate(prompts, params, use_tqdm=False)
-        second = llm.generate(prompts, params, use_tqdm=False)
-        assert_no_leaked_blocks(llm.engine_core.scheduler)
-    finally:
-        llm.engine_core.shutdown()
-    return (
-        [o.outputs[0].token_ids for o in first],
-        [o.outputs[0].token_ids for o in second],
-        [o.num_cached_tokens for o in second],
-    )
+    return support_family_dirs(tmp_path_factory)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +38,7 @@ def _generate_twice(model_dir: str, tokenizer: str, tp: int) -> tuple[list, list
 )
 def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
-    first, second, cached = _generate_twice(model_dir, default_model_dir, tp=1)
+    first, second, cached = generate_twice(model_dir, default_model_dir)
     assert first == [hf_greedy(hf_model, prompt) for prompt in PROMPTS]
     assert second == first
     assert all(n >= 16 for n in cached), cached  # the second round hit the prefix cache
@@ -84,6 +49,6 @@ def test_llm_greedy_equals_hf_with_prefix_cache(family_dirs, default_model_dir, 
 @pytest.mark.parametrize("kind", ["gemma2", "mixtral", "deepseek_v3"])
 def test_llm_tensor_parallel_2_equals_hf(family_dirs, default_model_dir, kind):
     model_dir, hf_model = family_dirs(kind)
-    first, second, _ = _generate_twice(model_dir, default_model_dir, tp=2)
+    first, second, _ = generate_twice(model_dir, default_model_dir, tensor_parallel_size=2)
     assert first == [hf_greedy(hf_model, prompt) for prompt in PROMPTS]
     assert second == first
