@@ -24,6 +24,7 @@ from kvserve.shared.launch_options import (
     TrainDraftOptions,
     WorkerOptions,
 )
+from kvserve.shared.process_exit import exit_process
 from kvserve.shared.refused_flags import UNSUPPORTED_VLLM_FLAGS
 
 
@@ -298,5 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     return options.func(options)
 
 
+def run() -> None:
+    """The `kvserve` script: main(), then the process ends without the interpreter's
+    teardown (shared/process_exit.py); an exception still ends it the usual way."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

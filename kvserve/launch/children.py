@@ -31,6 +31,7 @@ from kvserve.services.coordinator.handshake import RegistrationServer, rpc_addre
 from kvserve.shared.config import EngineConfig, KVTransferConfig
 from kvserve.shared.launch_options import DPLayout, KvStoreOptions, PDConfig
 from kvserve.shared.logging import init_logger
+from kvserve.shared.process_exit import exit_process
 from kvserve.shared.transport import CoordinatorAddresses
 from kvserve.shared.wire import EngineAssignment
 
@@ -145,7 +146,7 @@ def _kv_store_main(options: KvStoreOptions, parent_pid: int) -> None:
     # engines, which may still be saving blocks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_stop_when_orphaned, args=(parent_pid,), daemon=True).start()
-    raise SystemExit(run_kv_store(options))
+    exit_process(run_kv_store(options))
 
 
 def _stop_when_orphaned(parent_pid: int) -> None:

@@ -21,6 +21,7 @@ from kvserve.launch.allocator import log_allocator
 from kvserve.launch.supervisor import STOP_TIMEOUT_S, describe_exit, supervised
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
+from kvserve.shared.process_exit import exit_process
 from kvserve.shared.transport import EngineAddresses
 
 logger = init_logger(__name__)
@@ -77,7 +78,7 @@ def start_engine_process(
 def _engine_main(config: EngineConfig, launch: EngineLaunch, engine_index: int) -> None:
     from kvserve.services.scheduler.engine.engine_proc import run_engine_core
 
-    raise SystemExit(
+    exit_process(
         run_engine_core(
             config,
             launch.model_dir,

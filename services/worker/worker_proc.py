@@ -33,10 +33,8 @@ point.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -56,6 +54,7 @@ from kvserve.shared.messages import (
     WorkerCallResult,
     WorkerFailure,
 )
+from kvserve.shared.process_exit import exit_process
 from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
 from kvserve.shared.transport import make_socket
 
@@ -137,18 +136,14 @@ def run_worker_process(
 ) -> None:
     """multiprocessing target: worker_main, with its result as the process's exit code.
 
-    Exits with os._exit, skipping interpreter finalization: after torch.distributed was
-    used, native destructors (gloo, the c10d store) hung there for seconds (torch 2.13 on
-    CPU), until the executor killed the process. Everything the worker owns (sockets, the
-    ring, the process groups) is already closed by then; only the logs need a flush.
+    Exits through shared/process_exit.py, skipping interpreter finalization: after
+    torch.distributed was used, native destructors (gloo, the c10d store) hung there for
+    seconds (torch 2.13 on CPU), until the executor killed the process. Everything the
+    worker owns (sockets, the ring, the process groups) is already closed by then.
     """
     if beats is not None:
         start_heartbeat(beats, options.rank)
-    exit_code = worker_main(options, worker_cls)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    exit_process(worker_main(options, worker_cls))
 
 
 class WorkerProc:

@@ -66,8 +66,9 @@ logger = init_logger(__name__)
 
 # How long the output socket may take to deliver what is queued (a DEAD sentinel) at exit.
 _OUTPUT_LINGER_MS = 2000
-# How often the input thread wakes up to check for shutdown and a dead parent.
-_INPUT_POLL_MS = 1000
+# How often the input thread wakes up to check for shutdown and a dead parent (a stopping
+# engine waits up to this long for it).
+_INPUT_POLL_MS = 200
 _SHUTDOWN = object()  # the output queue's stop sentinel
 _IDLE_WAKEUP_S = 0.5  # an idle busy loop wakes this often so signal handlers can run
 # A busy engine reports a load change to the DP coordinator at most this often.
