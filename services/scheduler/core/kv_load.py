@@ -10,18 +10,45 @@ KV cache manager it moves the request between.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.services.scheduler.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from kvserve.services.kv_store.connector import SchedulerConnector
     from kvserve.services.scheduler.core.block_pool import KVCacheBlock
-    from kvserve.services.scheduler.core.scheduler import Scheduler
+    from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
+    from kvserve.services.scheduler.core.request_queue import RequestQueue
     from kvserve.services.scheduler.core.step_plan import StepPlan
+    from kvserve.shared.config import CacheConfig
+
+
+class LoadingScheduler(Protocol):
+    """What of the Scheduler these functions use (the Scheduler is one)."""
+
+    kv_connector: SchedulerConnector | None
+    kv_cache_manager: KVCacheManager
+    cache_config: CacheConfig
+    waiting: RequestQueue
+    running: list[Request]
+    waiting_for_remote_kvs: dict[str, Request]
+
+    def _lora_blocked(self, request: Request, lora_ids: set[int]) -> bool: ...
+
+    def _num_tokens_to_schedule(
+        self, request: Request, num_computed_tokens: int, token_budget: int
+    ) -> int: ...
+
+    def _plan_add(
+        self, plan: StepPlan, request: Request, num_new_tokens: int, new_blocks: list[KVCacheBlock]
+    ) -> None: ...
 
 
 def park_for_load(
-    scheduler: Scheduler, request: Request, hit_blocks: list[KVCacheBlock], num_hit_tokens: int
+    scheduler: LoadingScheduler,
+    request: Request,
+    hit_blocks: list[KVCacheBlock],
+    num_hit_tokens: int,
 ) -> bool:
     """When the connector can load full blocks past the request's local hits, give the
     request their slots (not yet in the prefix cache) and park it until they arrive.
@@ -52,7 +79,7 @@ def park_for_load(
     return True
 
 
-def finish_loads(scheduler: Scheduler, num_loaded_blocks: dict[str, int]) -> None:
+def finish_loads(scheduler: LoadingScheduler, num_loaded_blocks: dict[str, int]) -> None:
     """Loaded blocks count as computed (and enter the prefix cache); what did not load is
     recomputed. The request goes back to the head of the queue, holding its blocks."""
     for req_id, num_loaded in num_loaded_blocks.items():
@@ -71,7 +98,7 @@ def finish_loads(scheduler: Scheduler, num_loaded_blocks: dict[str, int]) -> Non
 
 
 def admit_loaded(
-    scheduler: Scheduler, request: Request, plan: StepPlan, lora_ids: set[int]
+    scheduler: LoadingScheduler, request: Request, plan: StepPlan, lora_ids: set[int]
 ) -> bool:
     """Schedule a request whose prefix loaded: it holds its blocks already. False when it
     cannot run in this step (it stays at the head of the queue)."""
