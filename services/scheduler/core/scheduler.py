@@ -26,6 +26,10 @@ from kvserve.services.kv_store.connector import SchedulerConnector
 from kvserve.services.scheduler.core.block_pool import KVCacheBlock
 from kvserve.services.scheduler.core.encoder_budget import EncoderBudget
 from kvserve.services.scheduler.core.fair_share import FairRequestQueue, TenantLedger
+from kvserve.services.scheduler.core.kv_cache_groups import (
+    GroupedKVCacheManager,
+    max_tokens_in_cache,
+)
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.core.kv_load import admit_loaded, finish_loads, park_for_load
 from kvserve.services.scheduler.core.request import (
@@ -49,6 +53,7 @@ from kvserve.services.scheduler.core.step_plan import StepPlan, make_scheduler_o
 from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.hashing import get_hash_fn
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, is_single_full_group
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
     EngineCoreEventType,
@@ -81,6 +86,9 @@ class SchedulerFeatures:
         kv_connector: the KV connector's scheduler half (services/kv_store/connector.py):
             a waiting request with external prefix hits parks until they load; what else
             the connector moves (saves, evicted blocks) is its own business.
+        kv_cache_groups: the model's KV cache groups (shared/kv_cache_groups.py); a
+            sliding-window or chunked-local one gives back blocks out of its window
+            (GroupedKVCacheManager). None or one full group: one block table.
     """
 
     structured_output_manager: StructuredOutputManager | None = None
@@ -88,6 +96,7 @@ class SchedulerFeatures:
     speculative_config: SpeculativeConfig | None = None
     step_costs: list[tuple[int, float]] = field(default_factory=list)
     kv_connector: SchedulerConnector | None = None
+    kv_cache_groups: list[KVCacheGroupSpec] | None = None
 
 
 class Scheduler:
@@ -124,7 +133,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.log_stats = log_stats
-        self._fit_max_model_len_to_cache(num_blocks)
+        self._fit_max_model_len_to_cache(num_blocks, features.kv_cache_groups)
         self._check_config()
         self.spec_decode = (
             SpecDecodeScheduler(speculative_config, features.step_costs, self.max_model_len)
@@ -133,8 +142,19 @@ class Scheduler:
         )
 
         block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, cache_config.enable_prefix_caching, self.max_model_len
+        groups = features.kv_cache_groups
+        self.kv_cache_manager = (
+            KVCacheManager(
+                num_blocks, block_size, cache_config.enable_prefix_caching, self.max_model_len
+            )
+            if is_single_full_group(groups)
+            else GroupedKVCacheManager(
+                num_blocks,
+                block_size,
+                groups or [],
+                cache_config.enable_prefix_caching,
+                self.max_model_len,
+            )
         )
         self.block_hasher = None
         if cache_config.enable_prefix_caching:
@@ -182,10 +202,18 @@ class Scheduler:
                 f"max_model_len, or enable chunked prefill"
             )
 
-    def _fit_max_model_len_to_cache(self, num_blocks: int) -> None:
+    def _fit_max_model_len_to_cache(
+        self, num_blocks: int, groups: list[KVCacheGroupSpec] | None
+    ) -> None:
         # A request longer than the whole cache would preempt itself forever: cap lengths.
-        num_cache_tokens = (num_blocks - 1) * self.cache_config.block_size
-        if num_cache_tokens < self.max_model_len:
+        block_size = self.cache_config.block_size
+        num_cache_tokens: int | None = (num_blocks - 1) * block_size
+        if not is_single_full_group(groups):
+            num_batched = self.scheduler_config.max_num_batched_tokens
+            num_cache_tokens = max_tokens_in_cache(
+                groups or [], num_blocks, block_size, num_batched
+            )
+        if num_cache_tokens is not None and num_cache_tokens < self.max_model_len:
             logger.warning(
                 "the KV cache holds only %d tokens: capping max_model_len %d to it",
                 num_cache_tokens,

@@ -1,0 +1,148 @@
+"""KV cache groups through a real in-process engine: tiny Gemma 2, Gemma 3 and Mistral models
+with a 16-token window and prompts many windows long, against HF transformers (float32).
+
+The sliding groups give back what leaves their window, so the blocks in use while decoding
+stay within the full groups' share plus a window per sliding group; tokens and logprobs stay
+HF's, from the prefix cache too, and under preemption; every block comes back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.services.scheduler.engine.engine_core import EngineCore
+from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.shared.messages import EngineCoreRequest
+from kvserve.shared.sampling_params import SamplingParams
+from tests.support.hf_models import VOCAB_SIZE, make_tiny_family_model
+from tests.support.kv import assert_no_leaked_blocks
+from tests.support.model_steps import random_tokens
+
+WINDOW = 16
+BLOCK_SIZE = 16
+PROMPT_LEN = 150  # over 9 windows
+NUM_NEW = 12
+CHUNK = 64  # max_num_batched_tokens: the prompt runs in 3 chunks
+_S, _F = "sliding_attention", "full_attention"
+# Gemma 2: 2 groups of 2 layers (2 cache tensors); Gemma 3: 5 sliding layers in 6, so 6
+# groups of 1; Mistral: one group, all sliding.
+MODELS = {
+    "gemma2": dict(num_hidden_layers=4, layer_types=[_S, _F, _S, _F]),
+    "gemma3": dict(num_hidden_layers=6, layer_types=[_S] * 5 + [_F]),
+    "mistral": {},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cache: dict[str, tuple[str, object]] = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            model = make_tiny_family_model(
+                kind, sliding_window=WINDOW, max_position_embeddings=256, **MODELS[kind]
+            )
+            model_dir = str(tmp_path_factory.mktemp(f"kvgroups-{kind}"))
+            model.save_pretrained(model_dir)
+            cache[kind] = (model_dir, model)
+        return cache[kind]
+
+    return get
+
+
+def _engine(model_dir: str, num_blocks: int) -> EngineCore:
+    config = EngineConfig(
+        model=ModelConfig(model=model_dir, dtype="float32"),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, max_num_seqs=4),
+    )
+    return EngineCore(config, model_dir)
+
+
+def _run(core: EngineCore, prompts: dict[str, list[int]], on_step=None) -> dict:
+    """Greedy NUM_NEW tokens of each prompt, all at once: req_id -> (tokens, logprobs,
+    cached prompt tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=1)
+    for req_id, prompt in prompts.items():
+        core.add_request(EngineCoreRequest(req_id, prompt, params))
+    results = {req_id: ([], [], 0) for req_id in prompts}
+    while core.scheduler.has_requests():
+        for out in core.step().outputs:
+            assert out.error is None, out.error
+            tokens, logprobs, cached = results[out.request_id]
+            tokens += out.new_token_ids
+            assert out.new_logprobs is not None
+            logprobs += [row[0] for row in out.new_logprobs.logprobs]
+            results[out.request_id] = (tokens, logprobs, cached or out.num_cached_tokens)
+        if on_step is not None:
+            on_step()
+    return results
+
+
+@torch.no_grad()
+def _assert_equals_hf(hf_model, prompt: list[int], tokens: list[int], logprobs: list[float]):
+    """Our greedy tokens are HF's argmax, and their logprobs HF's, teacher-forced."""
+    logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    hf_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    assert tokens == hf_logprobs.argmax(dim=-1).tolist()
+    expected = hf_logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(logprobs), expected, atol=2e-4, rtol=0)
+
+
+def _blocks_in_use(core: EngineCore) -> int:
+    manager = core.scheduler.kv_cache_manager
+    return manager.num_total_blocks - manager.num_free_blocks
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_window_bounded_blocks_equal_hf_and_prefix_hits(checkpoint, kind):
+    model_dir, hf_model = checkpoint(kind)
+    core = _engine(model_dir, num_blocks=256)
+    try:
+        manager = core.scheduler.kv_cache_manager
+        groups = manager.groups
+        num_full = sum(group.is_full for group in groups)
+        assert len(groups) == {"gemma2": 2, "gemma3": 6, "mistral": 1}[kind]
+        assert num_full == (0 if kind == "mistral" else 1)
+        prompt = random_tokens(PROMPT_LEN, VOCAB_SIZE, seed=11)
+        # Decoding: a full group holds every block, a sliding one its window's and the next.
+        num_total = -(-(PROMPT_LEN + NUM_NEW) // BLOCK_SIZE)
+        bound = num_full * num_total + (len(groups) - num_full) * (WINDOW // BLOCK_SIZE + 1)
+        peak: list[int] = []
+
+        def check_bound():
+            request = core.scheduler.requests.get("a")
+            if request is not None and request.num_computed_tokens > PROMPT_LEN:  # decoding
+                peak.append(_blocks_in_use(core))
+                assert peak[-1] <= bound, f"{peak[-1]} blocks in use, window bound {bound}"
+
+        first = _run(core, {"a": prompt}, check_bound)["a"]
+        assert peak and max(peak) < len(groups) * num_total  # less than one table for all
+        _assert_equals_hf(hf_model, prompt, first[0], first[1])
+        # Round 2 from the prefix cache: all but the last block's tokens hit.
+        second = _run(core, {"b": prompt})["b"]
+        assert second[2] == (PROMPT_LEN - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert second[0] == first[0]
+        _assert_equals_hf(hf_model, prompt, second[0], second[1])
+        assert_no_leaked_blocks(core.scheduler)
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+def test_preemption_with_groups_equals_hf(checkpoint, kind):
+    # Room for one request's prefill at a time: the second preempts or waits, recomputes.
+    model_dir, hf_model = checkpoint(kind)
+    core = _engine(model_dir, num_blocks=60 if kind == "gemma3" else 8)
+    try:
+        prompts = {
+            f"r{i}": random_tokens(PROMPT_LEN - 10 * i, VOCAB_SIZE, seed=20 + i) for i in range(3)
+        }
+        results = _run(core, prompts)
+        assert core.scheduler.num_preemptions_total > 0
+        for req_id, prompt in prompts.items():
+            _assert_equals_hf(hf_model, prompt, *results[req_id][:2])
+        assert_no_leaked_blocks(core.scheduler)
+    finally:
+        core.shutdown()
