@@ -9,6 +9,9 @@ from kvserve.services.scheduler.core.kv_cache_groups import (
     GroupedKVCacheManager,
     max_tokens_in_cache,
 )
+from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
+from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
+from kvserve.shared.config import CacheConfig, SchedulerConfig
 from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, make_kv_cache_groups
 from tests.support.kv import assert_all_blocks_free
 from tests.support.scheduler import make_hashed_request
@@ -181,3 +184,22 @@ def test_max_tokens_in_cache_counts_windows_once():
     # 1 null + sliding: ceil((8 + 16) / 4) + 1 = 7, the rest full: (64 - 8) * 4 tokens.
     assert max_tokens_in_cache(groups, 64, BLOCK_SIZE, 16) == 56 * 4
     assert max_tokens_in_cache([SLIDING], 64, BLOCK_SIZE, 16) is None
+
+
+def test_scheduler_keeps_one_table_for_one_full_group_and_caps_length_by_groups():
+    def scheduler(groups, num_blocks: int = 64) -> Scheduler:
+        return Scheduler(
+            SchedulerConfig(max_num_batched_tokens=16),
+            CacheConfig(block_size=BLOCK_SIZE),
+            num_blocks,
+            1024,
+            features=SchedulerFeatures(kv_cache_groups=groups),
+        )
+
+    # Llama's one full group: today's manager, exactly.
+    assert type(scheduler([FULL]).kv_cache_manager) is KVCacheManager
+    assert type(scheduler(None).kv_cache_manager) is KVCacheManager
+    grouped = scheduler([SLIDING, FULL])
+    assert isinstance(grouped.kv_cache_manager, GroupedKVCacheManager)
+    assert grouped.max_model_len == 56 * 4  # max_tokens_in_cache, above
+    assert scheduler([SLIDING]).max_model_len == 1024  # windows only: no cap from the cache
