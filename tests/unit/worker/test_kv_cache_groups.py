@@ -34,9 +34,15 @@ MODELS = {
 }
 
 
+# Room for one request's prefill at a time (a chunk holds a sliding group's window and 64
+# new tokens), so three requests at once preempt.
+NUM_BLOCKS = {"gemma2": 30, "gemma3": 60, "mistral": 8}
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    cache: dict[str, tuple[str, object]] = {}
+def engines(tmp_path_factory):
+    """kind -> (an in-process EngineCore over its tiny checkpoint, the HF model), built once."""
+    cache: dict[str, tuple[EngineCore, object]] = {}
 
     def get(kind: str):
         if kind not in cache:
@@ -45,19 +51,17 @@ def checkpoint(tmp_path_factory):
             )
             model_dir = str(tmp_path_factory.mktemp(f"kvgroups-{kind}"))
             model.save_pretrained(model_dir)
-            cache[kind] = (model_dir, model)
+            config = EngineConfig(
+                model=ModelConfig(model=model_dir, dtype="float32"),
+                cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS[kind]),
+                scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, max_num_seqs=4),
+            )
+            cache[kind] = (EngineCore(config, model_dir), model)
         return cache[kind]
 
-    return get
-
-
-def _engine(model_dir: str, num_blocks: int) -> EngineCore:
-    config = EngineConfig(
-        model=ModelConfig(model=model_dir, dtype="float32"),
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, max_num_seqs=4),
-    )
-    return EngineCore(config, model_dir)
+    yield get
+    for core, _ in cache.values():
+        core.shutdown()
 
 
 def _run(core: EngineCore, prompts: dict[str, list[int]], on_step=None) -> dict:
@@ -96,53 +100,44 @@ def _blocks_in_use(core: EngineCore) -> int:
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_window_bounded_blocks_equal_hf_and_prefix_hits(checkpoint, kind):
-    model_dir, hf_model = checkpoint(kind)
-    core = _engine(model_dir, num_blocks=256)
-    try:
-        manager = core.scheduler.kv_cache_manager
-        groups = manager.groups
-        num_full = sum(group.is_full for group in groups)
-        assert len(groups) == {"gemma2": 2, "gemma3": 6, "mistral": 1}[kind]
-        assert num_full == (0 if kind == "mistral" else 1)
-        prompt = random_tokens(PROMPT_LEN, VOCAB_SIZE, seed=11)
-        # Decoding: a full group holds every block, a sliding one its window's and the next.
-        num_total = -(-(PROMPT_LEN + NUM_NEW) // BLOCK_SIZE)
-        bound = num_full * num_total + (len(groups) - num_full) * (WINDOW // BLOCK_SIZE + 1)
-        peak: list[int] = []
+def test_window_bounded_blocks_equal_hf_and_prefix_hits(engines, kind):
+    core, hf_model = engines(kind)
+    groups = core.scheduler.kv_cache_manager.groups
+    num_full = sum(group.is_full for group in groups)
+    assert len(groups) == {"gemma2": 2, "gemma3": 6, "mistral": 1}[kind]
+    assert num_full == (0 if kind == "mistral" else 1)
+    prompt = random_tokens(PROMPT_LEN, VOCAB_SIZE, seed=11)
+    # Decoding: a full group holds every block, a sliding one its window's and the next.
+    num_total = -(-(PROMPT_LEN + NUM_NEW) // BLOCK_SIZE)
+    bound = num_full * num_total + (len(groups) - num_full) * (WINDOW // BLOCK_SIZE + 1)
+    peak: list[int] = []
 
-        def check_bound():
-            request = core.scheduler.requests.get("a")
-            if request is not None and request.num_computed_tokens > PROMPT_LEN:  # decoding
-                peak.append(_blocks_in_use(core))
-                assert peak[-1] <= bound, f"{peak[-1]} blocks in use, window bound {bound}"
+    def check_bound():
+        request = core.scheduler.requests.get("a")
+        if request is not None and request.num_computed_tokens > PROMPT_LEN:  # decoding
+            peak.append(_blocks_in_use(core))
+            assert peak[-1] <= bound, f"{peak[-1]} blocks in use, window bound {bound}"
 
-        first = _run(core, {"a": prompt}, check_bound)["a"]
-        assert peak and max(peak) < len(groups) * num_total  # less than one table for all
-        _assert_equals_hf(hf_model, prompt, first[0], first[1])
-        # Round 2 from the prefix cache: all but the last block's tokens hit.
-        second = _run(core, {"b": prompt})["b"]
-        assert second[2] == (PROMPT_LEN - 1) // BLOCK_SIZE * BLOCK_SIZE
-        assert second[0] == first[0]
-        _assert_equals_hf(hf_model, prompt, second[0], second[1])
-        assert_no_leaked_blocks(core.scheduler)
-    finally:
-        core.shutdown()
+    first = _run(core, {"a": prompt}, check_bound)["a"]
+    assert peak and max(peak) < len(groups) * num_total  # less than one table for all
+    _assert_equals_hf(hf_model, prompt, first[0], first[1])
+    # Round 2 from the prefix cache: all but the last block's tokens hit.
+    second = _run(core, {"b": prompt})["b"]
+    assert second[2] == (PROMPT_LEN - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert second[0] == first[0]
+    _assert_equals_hf(hf_model, prompt, second[0], second[1])
+    assert_no_leaked_blocks(core.scheduler)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
-def test_preemption_with_groups_equals_hf(checkpoint, kind):
-    # Room for one request's prefill at a time: the second preempts or waits, recomputes.
-    model_dir, hf_model = checkpoint(kind)
-    core = _engine(model_dir, num_blocks=60 if kind == "gemma3" else 8)
-    try:
-        prompts = {
-            f"r{i}": random_tokens(PROMPT_LEN - 10 * i, VOCAB_SIZE, seed=20 + i) for i in range(3)
-        }
-        results = _run(core, prompts)
-        assert core.scheduler.num_preemptions_total > 0
-        for req_id, prompt in prompts.items():
-            _assert_equals_hf(hf_model, prompt, *results[req_id][:2])
-        assert_no_leaked_blocks(core.scheduler)
-    finally:
-        core.shutdown()
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_preemption_with_groups_equals_hf(engines, kind):
+    core, hf_model = engines(kind)
+    num_preemptions = core.scheduler.num_preemptions_total
+    prompts = {
+        f"r{i}": random_tokens(PROMPT_LEN - 10 * i, VOCAB_SIZE, seed=20 + i) for i in range(3)
+    }
+    results = _run(core, prompts)
+    assert core.scheduler.num_preemptions_total > num_preemptions
+    for req_id, prompt in prompts.items():
+        _assert_equals_hf(hf_model, prompt, *results[req_id][:2])
+    assert_no_leaked_blocks(core.scheduler)
