@@ -12,7 +12,17 @@ import pytest
 import torch
 
 from kvserve.services.scheduler.engine.engine_core import EngineCore
-from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.services.worker.kv_cache_groups import plan_kv_cache_groups
+from kvserve.services.worker.layers.attention import Attention
+from kvserve.shared.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
 from kvserve.shared.messages import EngineCoreRequest
 from kvserve.shared.sampling_params import SamplingParams
 from tests.support.hf_models import VOCAB_SIZE, make_tiny_family_model
@@ -141,3 +151,30 @@ def test_preemption_with_groups_equals_hf(engines, kind):
     for req_id, prompt in prompts.items():
         _assert_equals_hf(hf_model, prompt, *results[req_id][:2])
     assert_no_leaked_blocks(core.scheduler)
+
+
+def _layers(windows: list[int | None]) -> list[Attention]:
+    return [Attention(4, 16, 0.25, 2, sliding_window=window) for window in windows]
+
+
+def test_parts_that_move_one_table_keep_one_group_of_every_layer():
+    layers = _layers([WINDOW, None, WINDOW, None])
+    groups = plan_kv_cache_groups(EngineConfig(), layers, single_stage=True)
+    assert [group.layer_indices for group in groups] == [[0, 2], [1, 3]]
+    one_table = [KVCacheGroupSpec(layer_indices=[0, 1, 2, 3])]
+    speculative = EngineConfig(
+        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    )
+    transfer = EngineConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvStoreConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"store_address": "ipc:///tmp/kv"},
+        )
+    )
+    for config in (speculative, transfer):
+        assert plan_kv_cache_groups(config, layers, single_stage=True) == one_table
+    assert plan_kv_cache_groups(EngineConfig(), layers, single_stage=False) == one_table
+    # One kind of layer: one group, whatever runs beside it.
+    llama = plan_kv_cache_groups(speculative, _layers([None, None]), single_stage=True)
+    assert llama == [KVCacheGroupSpec(layer_indices=[0, 1])]
