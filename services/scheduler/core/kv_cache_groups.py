@@ -51,6 +51,9 @@ class GroupedKVCacheManager(KVCacheManager):
             b"" if g == 0 else g.to_bytes(2, "little") for g in range(len(groups))
         ]
         self.req_to_group_blocks: dict[str, list[list[KVCacheBlock]]] = {}
+        # Per request and group: the leading places already null (given back or never
+        # needed), so each step looks only at the blocks that left the window since.
+        self.num_null_blocks: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ prefix lookup
 
@@ -136,7 +139,7 @@ class GroupedKVCacheManager(KVCacheManager):
             f"{request} would hold {num_tokens_with_slots} > max_model_len tokens"
         )
         if held is not None:
-            self._free_out_of_window(held, num_computed_tokens)
+            self._free_out_of_window(request.req_id, held, num_computed_tokens)
         num_held = len(held[0]) if held is not None else len(hit_blocks) // num_groups
         num_new_per_group = max(0, cdiv(num_tokens_with_slots, self.block_size) - num_held)
         num_evictable_hit_blocks = sum(
@@ -151,6 +154,9 @@ class GroupedKVCacheManager(KVCacheManager):
         if held is None:
             held = [hit_blocks[g * num_held : (g + 1) * num_held] for g in range(num_groups)]
             self.req_to_group_blocks[request.req_id] = held
+            self.num_null_blocks[request.req_id] = [
+                sum(1 for block in blocks if block.is_null) for blocks in held
+            ]
             self.block_pool.touch(block for block in hit_blocks if not block.is_null)
             self.num_cached_block[request.req_id] = num_held
         new_blocks = self.block_pool.get_new_blocks(num_groups * num_new_per_group)
@@ -160,17 +166,22 @@ class GroupedKVCacheManager(KVCacheManager):
             self._cache_full_blocks_of_groups(request, held, num_tokens_with_slots)
         return new_blocks
 
-    def _free_out_of_window(self, held: list[list[KVCacheBlock]], num_computed: int) -> None:
+    def _free_out_of_window(
+        self, req_id: str, held: list[list[KVCacheBlock]], num_computed: int
+    ) -> None:
         """Give back each windowed group's blocks that no query from num_computed on reads."""
         null_block = self.block_pool.null_block
-        for group, blocks in zip(self.groups, held):
+        num_null = self.num_null_blocks[req_id]
+        for g, (group, blocks) in enumerate(zip(self.groups, held)):
             if group.is_full:
                 continue
             first = min(self._first_needed_block(group, num_computed), len(blocks))
-            freed = [block for block in blocks[:first] if not block.is_null]
-            if freed:
-                blocks[:first] = [null_block] * first
-                self.block_pool.free_blocks(reversed(freed))
+            if first <= num_null[g]:
+                continue
+            freed = [block for block in blocks[num_null[g] : first] if not block.is_null]
+            blocks[num_null[g] : first] = [null_block] * (first - num_null[g])
+            num_null[g] = first
+            self.block_pool.free_blocks(reversed(freed))
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if self.enable_caching and request.req_id in self.req_to_group_blocks:
@@ -194,6 +205,7 @@ class GroupedKVCacheManager(KVCacheManager):
         """Release every group's blocks (no-op if the request holds none)."""
         held = self.req_to_group_blocks.pop(request.req_id, [])
         self.num_cached_block.pop(request.req_id, None)
+        self.num_null_blocks.pop(request.req_id, None)
         for blocks in held:
             self.block_pool.free_blocks(block for block in reversed(blocks) if not block.is_null)
 
