@@ -214,6 +214,7 @@ class NewRequestData(msgspec.Struct, **_HOT):
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # With G KV cache groups (shared/kv_cache_groups.py): G equal slices, group-major.
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = []  # non-empty when resumed after preemption
@@ -226,7 +227,7 @@ class CachedRequestData(msgspec.Struct, **_HOT):
     """Running requests the worker already holds: parallel lists, one entry per request."""
 
     req_ids: list[str] = []
-    new_block_ids: list[list[int]] = []  # blocks appended in this step
+    new_block_ids: list[list[int]] = []  # blocks appended in this step (group-major)
     num_computed_tokens: list[int] = []
 
 

@@ -42,10 +42,18 @@ class InputBatch:
         max_num_blocks_per_req: block-table width.
         vocab_size: the logits' width (pads prompt token ids for the repetition penalty,
             bounds logit_bias and allowed ids).
+        num_kv_cache_groups: block tables per request (shared/kv_cache_groups.py): block ids
+            then arrive group-major, G equal slices; group 0's go to `block_table`, the
+            others' to `group_block_tables`.
     """
 
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_blocks_per_req: int,
+        vocab_size: int,
+        num_kv_cache_groups: int = 1,
     ):
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
@@ -54,6 +62,11 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_kv_cache_groups = num_kv_cache_groups
+        self.group_block_tables = [
+            np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+            for _ in range(num_kv_cache_groups - 1)
+        ]
 
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
@@ -121,8 +134,18 @@ class InputBatch:
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
+        if self.num_kv_cache_groups > 1:
+            self._append_group_block_ids(row, start, block_ids)
+            return
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
+
+    def _append_group_block_ids(self, row: int, start: int, block_ids: list[int]) -> None:
+        num_new = len(block_ids) // self.num_kv_cache_groups
+        assert num_new * self.num_kv_cache_groups == len(block_ids), "ids are not group-major"
+        for group, table in enumerate([self.block_table, *self.group_block_tables]):
+            table[row, start : start + num_new] = block_ids[group * num_new : (group + 1) * num_new]
+        self.num_blocks[row] = start + num_new
 
     def append_token(self, state: RequestState, token_id: int) -> None:
         row = state.row

@@ -14,6 +14,7 @@ the same result, and on a shared CPU that work is taken from the driver.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,11 @@ from kvserve.kernels import attention, cpu, gemm
 from kvserve.services.kv_store.connector import WorkerConnector
 from kvserve.services.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvserve.services.worker.input_batch import InputBatch
+from kvserve.services.worker.kv_cache_groups import (
+    bind_grouped_kv_caches,
+    group_kv_cache_bytes_per_block,
+    plan_kv_cache_groups,
+)
 from kvserve.services.worker.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -87,6 +93,9 @@ class ModelRunner:
         self.max_model_len = effective_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_cache_groups = plan_kv_cache_groups(
+            config, self.attention_layers, self.is_first_stage and self.is_last_stage
+        )
         # LoRA wraps the linear layers before the GEMM plan, which finds them inside.
         self.lora_manager = None
         if config.lora.enable_lora:
@@ -199,12 +208,19 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block over every layer (a draft model's own layers too)."""
         target = kv_cache_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
+        if len(self.kv_cache_groups) > 1:  # a block is a page of one group's layers
+            target = group_kv_cache_bytes_per_block(
+                self.attention_layers, self.kv_cache_groups, self.block_size, self.dtype
+            )
         return target + (self.proposer.kv_cache_bytes_per_block() if self.proposer else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's cache (its KVCacheSpec: [2, num_blocks, block_size, Hkv, D]
         for full attention) and bind it to the layer."""
-        self.kv_caches = bind_kv_caches(
+        bind = bind_kv_caches
+        if len(self.kv_cache_groups) > 1:
+            bind = functools.partial(bind_grouped_kv_caches, groups=self.kv_cache_groups)
+        self.kv_caches = bind(
             self.attention_layers, num_blocks, self.block_size, self.dtype, self.device
         )
         if self.proposer is not None:
@@ -221,6 +237,7 @@ class ModelRunner:
             self.max_model_len,
             max_blocks_per_req,
             self.vocab_size,
+            len(self.kv_cache_groups),
         )
         logger.info(
             "KV cache: %d blocks of %d tokens, %.1f MiB",
@@ -228,7 +245,8 @@ class ModelRunner:
             self.block_size,
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
         )
-        self.cuda_graphs = self.capture_cuda_graphs(max_blocks_per_req)
+        one_table = len(self.kv_cache_groups) == 1  # what the graphs and the C stack read
+        self.cuda_graphs = self.capture_cuda_graphs(max_blocks_per_req) if one_table else None
         if self.device.type == "cpu":
             # A verify step of the same requests carries up to 1 + k tokens each: it runs the
             # stack too, so its tokens get what decode steps would give them.
@@ -238,7 +256,9 @@ class ModelRunner:
             rows = self._fitted_stack_rows
             if rows is None:
                 rows = env.NATIVE_DECODE_ROWS.get()
-            status = bind_decode_stack(self.model, self.dtype, rows, tokens)
+            status = bind_decode_stack(self.model, self.dtype, rows if one_table else 0, tokens)
+            if not one_table:
+                status = "off: the layers read several KV cache groups' block tables"
             stack = getattr(getattr(self.model, "model", None), "decode_stack", None)
             single_rank = self.is_first_stage and self.is_last_stage and get_tp_size() == 1
             measure = not self._kv_measured
@@ -352,6 +372,9 @@ class ModelRunner:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
+        # Every KV cache group reads the same block 0 and writes nothing.
+        tables = (metadata.block_table, metadata.slot_mapping)
+        metadata.group_tables = [tables] * (len(self.kv_cache_groups) - 1)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         return input_ids, torch.from_numpy(positions).to(dev), metadata
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvserve.services.worker.input_batch import InputBatch, RequestState
+from kvserve.services.worker.kv_cache_groups import prepare_group_tables
 from kvserve.services.worker.layers.attention import AttentionMetadata
 from kvserve.shared.messages import Logprobs, SchedulerOutput
 
@@ -108,6 +109,16 @@ def prepare_inputs(
         max_query_len=int(num_scheduled.max()),
         max_seq_len=max_seq_len,
     )
+    if batch.group_block_tables:
+        metadata.group_tables = prepare_group_tables(
+            batch.group_block_tables,
+            rows,
+            token_rows,
+            positions,
+            num_blocks_needed,
+            block_size,
+            device,
+        )
     return StepBatch(
         so=so,
         req_ids=req_ids,

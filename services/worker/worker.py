@@ -21,6 +21,7 @@ from kvserve.services.worker.parallel_state import (
 )
 from kvserve.services.worker.sleep import HostWeights, release_memory
 from kvserve.shared.config import EngineConfig
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput, WorkerReady
 from kvserve.shared.wire import SLEEP_KV_CACHE, SLEEP_WEIGHTS, check_sleep_tags
@@ -133,6 +134,10 @@ class Worker:
         """This rank's CPU GEMM path per layer shape ({} off CPU)."""
         plan = self.runner.gemm_plan
         return plan.summary() if plan is not None else {}
+
+    def kv_cache_groups(self) -> list[KVCacheGroupSpec]:
+        """The model's KV cache groups (shared/kv_cache_groups.py), as the scheduler needs them."""
+        return self.runner.kv_cache_groups
 
     def kv_fingerprint(self) -> KvFingerprint | None:
         """This rank's KV block layout when a KV connector is configured, else None."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 def assert_all_blocks_free(manager) -> None:
     """No request holds a block of this KVCacheManager, and no block has a reference."""
     assert not manager.req_to_blocks, f"requests still hold blocks: {list(manager.req_to_blocks)}"
+    held_by_group = getattr(manager, "req_to_group_blocks", {})  # GroupedKVCacheManager
+    assert not held_by_group, f"requests still hold blocks: {list(held_by_group)}"
     assert manager.num_free_blocks == manager.num_total_blocks, (
         f"{manager.num_total_blocks - manager.num_free_blocks} KV blocks leaked"
     )

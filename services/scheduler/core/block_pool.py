@@ -236,6 +236,7 @@ class BlockPool:
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        hash_suffix: bytes = b"",
     ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under the request's hashes.
 
@@ -244,6 +245,9 @@ class BlockPool:
             blocks: all blocks of the request, in order.
             num_cached_blocks: blocks already registered (prefix hits or earlier steps).
             num_full_blocks: blocks that are full once this step's tokens are written.
+            hash_suffix: appended to each hash (a KV cache group's own key, so that its
+                blocks never answer another group's lookup; b"": the request's hashes, the
+                only ones KV events report). Null blocks (given back) are skipped.
         """
         if not self.enable_caching or num_cached_blocks >= num_full_blocks:
             return
@@ -252,11 +256,13 @@ class BlockPool:
         )
         for block_index in range(num_cached_blocks, num_full_blocks):
             block = blocks[block_index]
+            if block.is_null:
+                continue
             assert block.block_hash is None, f"{block} is cached twice"
-            block_hash = request.block_hashes[block_index]
+            block_hash = request.block_hashes[block_index] + hash_suffix
             block.block_hash = block_hash
             self._insert_cached_block(block_hash, block)
-        if self.kv_events is not None:
+        if self.kv_events is not None and not hash_suffix:
             self.kv_events.append(self._stored_event(request, num_cached_blocks, num_full_blocks))
 
     def _stored_event(self, request: Request, start: int, end: int) -> BlockStored:

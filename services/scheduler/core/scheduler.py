@@ -26,7 +26,12 @@ from kvserve.services.kv_store.connector import SchedulerConnector
 from kvserve.services.scheduler.core.block_pool import KVCacheBlock
 from kvserve.services.scheduler.core.encoder_budget import EncoderBudget
 from kvserve.services.scheduler.core.fair_share import FairRequestQueue, TenantLedger
+from kvserve.services.scheduler.core.kv_cache_groups import (
+    GroupedKVCacheManager,
+    max_tokens_in_cache,
+)
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
+from kvserve.services.scheduler.core.kv_load import admit_loaded, finish_loads, park_for_load
 from kvserve.services.scheduler.core.request import (
     Request,
     RequestStatus,
@@ -48,6 +53,7 @@ from kvserve.services.scheduler.core.step_plan import StepPlan, make_scheduler_o
 from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.hashing import get_hash_fn
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, is_single_full_group
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
     EngineCoreEventType,
@@ -80,6 +86,9 @@ class SchedulerFeatures:
         kv_connector: the KV connector's scheduler half (services/kv_store/connector.py):
             a waiting request with external prefix hits parks until they load; what else
             the connector moves (saves, evicted blocks) is its own business.
+        kv_cache_groups: the model's KV cache groups (shared/kv_cache_groups.py); a
+            sliding-window or chunked-local one gives back blocks out of its window
+            (GroupedKVCacheManager). None or one full group: one block table.
     """
 
     structured_output_manager: StructuredOutputManager | None = None
@@ -87,6 +96,7 @@ class SchedulerFeatures:
     speculative_config: SpeculativeConfig | None = None
     step_costs: list[tuple[int, float]] = field(default_factory=list)
     kv_connector: SchedulerConnector | None = None
+    kv_cache_groups: list[KVCacheGroupSpec] | None = None
 
 
 class Scheduler:
@@ -123,7 +133,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.log_stats = log_stats
-        self._fit_max_model_len_to_cache(num_blocks)
+        self._fit_max_model_len_to_cache(num_blocks, features.kv_cache_groups)
         self._check_config()
         self.spec_decode = (
             SpecDecodeScheduler(speculative_config, features.step_costs, self.max_model_len)
@@ -132,8 +142,19 @@ class Scheduler:
         )
 
         block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, cache_config.enable_prefix_caching, self.max_model_len
+        groups = features.kv_cache_groups
+        self.kv_cache_manager = (
+            KVCacheManager(
+                num_blocks, block_size, cache_config.enable_prefix_caching, self.max_model_len
+            )
+            if is_single_full_group(groups)
+            else GroupedKVCacheManager(
+                num_blocks,
+                block_size,
+                groups or [],
+                cache_config.enable_prefix_caching,
+                self.max_model_len,
+            )
         )
         self.block_hasher = None
         if cache_config.enable_prefix_caching:
@@ -181,10 +202,18 @@ class Scheduler:
                 f"max_model_len, or enable chunked prefill"
             )
 
-    def _fit_max_model_len_to_cache(self, num_blocks: int) -> None:
+    def _fit_max_model_len_to_cache(
+        self, num_blocks: int, groups: list[KVCacheGroupSpec] | None
+    ) -> None:
         # A request longer than the whole cache would preempt itself forever: cap lengths.
-        num_cache_tokens = (num_blocks - 1) * self.cache_config.block_size
-        if num_cache_tokens < self.max_model_len:
+        block_size = self.cache_config.block_size
+        num_cache_tokens: int | None = (num_blocks - 1) * block_size
+        if not is_single_full_group(groups):
+            num_batched = self.scheduler_config.max_num_batched_tokens
+            num_cache_tokens = max_tokens_in_cache(
+                groups or [], num_blocks, block_size, num_batched
+            )
+        if num_cache_tokens is not None and num_cache_tokens < self.max_model_len:
             logger.warning(
                 "the KV cache holds only %d tokens: capping max_model_len %d to it",
                 num_cache_tokens,
@@ -474,7 +503,7 @@ class Scheduler:
             if below is not None and self._rank(request) >= below:
                 break
             if request.kv_loaded and request.num_computed_tokens > 0:
-                if not self._admit_loaded(request, plan, lora_ids):
+                if not admit_loaded(self, request, plan, lora_ids):
                     break
                 continue
             assert request.num_computed_tokens == 0, f"{request} waits with computed tokens"
@@ -482,8 +511,8 @@ class Scheduler:
                 skipped.append(self.waiting.pop_request())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            if self.kv_connector is not None and self._park_for_load(
-                request, hit_blocks, num_hit_tokens
+            if self.kv_connector is not None and park_for_load(
+                self, request, hit_blocks, num_hit_tokens
             ):
                 continue
             if (
@@ -612,76 +641,6 @@ class Scheduler:
             request.num_tokens,
         )
 
-    # ------------------------------------------------------------------ KV connector
-
-    def _park_for_load(
-        self, request: Request, hit_blocks: list[KVCacheBlock], num_hit_tokens: int
-    ) -> bool:
-        """When the connector can load full blocks past the request's local hits, give the
-        request their slots (not yet in the prefix cache) and park it until they arrive.
-        True when parked."""
-        connector = self.kv_connector
-        assert connector is not None
-        if request.skip_reading_prefix_cache or request.kv_loaded:
-            return False
-        num_external = connector.num_external_blocks(request, len(hit_blocks))
-        if num_external <= 0:
-            return False
-        new_blocks = self.kv_cache_manager.allocate_slots(
-            request,
-            num_external * self.cache_config.block_size,
-            num_hit_tokens,
-            hit_blocks,
-            cache_new_blocks=False,
-        )
-        if new_blocks is None:
-            return False  # no room to load into: compute it as usual
-        self.waiting.pop_request()
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = num_hit_tokens
-        self.waiting_for_remote_kvs[request.req_id] = request
-        connector.start_load(request, len(hit_blocks), num_external)
-        if request.trace is not None:
-            request.trace.kv_load_started(time.time_ns(), num_external)
-        return True
-
-    def _finish_loads(self, num_loaded_blocks: dict[str, int]) -> None:
-        """Loaded blocks count as computed (and enter the prefix cache); what did not load is
-        recomputed. The request goes back to the head of the queue, holding its blocks."""
-        for req_id, num_loaded in num_loaded_blocks.items():
-            request = self.waiting_for_remote_kvs.pop(req_id, None)
-            if request is None:
-                continue  # aborted while loading
-            request.num_computed_tokens += num_loaded * self.cache_config.block_size
-            if request.trace is not None:
-                request.trace.kv_load_done(time.time_ns(), num_loaded)
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            request.kv_loaded = True
-            request.status = RequestStatus.WAITING
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = request.num_computed_tokens
-            self.waiting.prepend_request(request)
-
-    def _admit_loaded(self, request: Request, plan: StepPlan, lora_ids: set[int]) -> bool:
-        """Schedule a request whose prefix loaded: it holds its blocks already. False when it
-        cannot run in this step (it stays at the head of the queue)."""
-        if self._lora_blocked(request, lora_ids):
-            return False
-        num_new_tokens = self._num_tokens_to_schedule(
-            request, request.num_computed_tokens, plan.token_budget
-        )
-        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-        if new_blocks is None:
-            return False
-        self.waiting.pop_request()
-        self.running.append(request)
-        request.status = RequestStatus.RUNNING
-        self._plan_add(plan, request, num_new_tokens, new_blocks)
-        plan.scheduled_new.append(request)
-        if request.lora_int_id:
-            lora_ids.add(request.lora_int_id)
-        return True
-
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """How long a step took from schedule to outputs (adaptive speculation's input)."""
         if self.spec_decode is not None:
@@ -704,11 +663,12 @@ class Scheduler:
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.kv_connector is not None:
-            self._finish_loads(
+            finish_loads(
+                self,
                 self.kv_connector.update_from_output(
                     scheduler_output.kv_connector_metadata,
                     model_runner_output.kv_connector_output,
-                )
+                ),
             )
         row_of = {req_id: row for row, req_id in enumerate(model_runner_output.req_ids)}
         stopped = []

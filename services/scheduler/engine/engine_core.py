@@ -22,6 +22,7 @@ from kvserve.services.scheduler.executors.executor import Executor, UniExecutor
 from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
 from kvserve.shared.config import CacheConfig, EngineConfig
 from kvserve.shared.env import FAULT_POISON_TOKEN_ID
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
 from kvserve.shared.kv_events import KVEventBatch
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import (
@@ -126,6 +127,9 @@ class EngineCore:
             "gemm_plan", ranks="driver", result_type=dict[str, str]
         )
         self.executor.initialize_kv_cache(num_blocks)
+        (kv_cache_groups,) = self.executor.collective_rpc(
+            "kv_cache_groups", ranks="driver", result_type=list[KVCacheGroupSpec]
+        )
         # What the workers learned at start-up, asked for by name (Executor.collective_rpc).
         # Every rank measures the step costs (their forwards run collectives), once the KV
         # cache is bound, so the steps run the path real ones take; the driver's figures count.
@@ -149,6 +153,7 @@ class EngineCore:
                 speculative_config=config.speculative_config,
                 step_costs=step_costs,
                 kv_connector=self._make_kv_connector(config),
+                kv_cache_groups=kv_cache_groups,
             ),
         )
         self.kv_event_publisher = self._make_kv_event_publisher(config, engine_index)

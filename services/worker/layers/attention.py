@@ -63,6 +63,9 @@ class AttentionMetadata:
             a slot < 0 is not written.
         max_query_len: host-side max of the query lengths.
         max_seq_len: host-side max of seq_lens.
+        group_tables: (block_table, slot_mapping) of KV cache groups 1.. (shared/
+            kv_cache_groups.py), where the model has several; block_table and slot_mapping
+            above are group 0's.
     """
 
     query_start_loc: torch.Tensor  # [R+1] int32
@@ -71,6 +74,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     max_query_len: int
     max_seq_len: int
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def tables_of_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_table, slot_mapping) of KV cache group `group`."""
+        if group == 0:
+            return self.block_table, self.slot_mapping
+        assert self.group_tables is not None, "this step carries one KV cache group"
+        return self.group_tables[group - 1]
 
 
 class Attention(nn.Module):
@@ -90,7 +101,8 @@ class Attention(nn.Module):
             checkpoint's [total heads].
 
     `kv_cache` is [2, num_blocks, block_size, num_kv_heads, D] (keys, then values), bound by
-    the model runner after it sizes the cache; None before that.
+    the model runner after it sizes the cache; None before that. `kv_cache_group` is the KV
+    cache group whose block table the layer reads (0 unless the model has several).
     """
 
     def __init__(
@@ -120,6 +132,7 @@ class Attention(nn.Module):
             )
             set_weight_loader(self.sinks, self._load_sinks)
         self.kv_cache: torch.Tensor | None = None
+        self.kv_cache_group = 0
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The layout of this layer's cache: K and V planes (subclasses may differ)."""
@@ -160,6 +173,7 @@ class Attention(nn.Module):
             )
         else:
             key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+            block_table, slot_mapping = attn_metadata.tables_of_group(self.kv_cache_group)
             if rotary is not None:
                 assert positions is not None, "rotary needs the tokens' positions"
                 q = kernels.rotary_write_kv_cache(
@@ -171,7 +185,7 @@ class Attention(nn.Module):
                     self.head_size,
                     key_cache,
                     value_cache,
-                    attn_metadata.slot_mapping,
+                    slot_mapping,
                 )
             else:
                 kernels.write_kv_cache(
@@ -179,13 +193,13 @@ class Attention(nn.Module):
                     v.view(num_tokens, self.num_kv_heads, self.head_size),
                     key_cache,
                     value_cache,
-                    attn_metadata.slot_mapping,
+                    slot_mapping,
                 )
             out = kernels.paged_attention(
                 q.view(num_tokens, self.num_heads, self.head_size),
                 key_cache,
                 value_cache,
-                attn_metadata.block_table,
+                block_table,
                 attn_metadata.query_start_loc,
                 attn_metadata.seq_lens,
                 self.scale,
