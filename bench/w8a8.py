@@ -15,11 +15,13 @@ Rounds alternate the variants (bf16, W8A8, bf16, ...); the load average is print
 each figure (the machine may be shared).
 
     python bench/w8a8.py --w8a8 /path/to/smollm2-w8a8 [--rounds 3] [--num-prompts 32]
+    python bench/w8a8.py --kernels    # per-shape us per call: bf16 oneDNN, kvq, intmm
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -49,11 +51,63 @@ def _score(llm, sequences, prompt_lens):
     ]
 
 
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def kernel_table(rounds: int, rows_list=(1, 4, 16, 32, 64, 128, 256, 512)) -> None:
+    """Microseconds per call at SmolLM2-135M's shapes, bfloat16 activations, best of rounds
+    (interleaved): oneDNN's bfloat16 linear on a prepacked weight (what the bf16 model runs),
+    the I8 VNNI kernel, the per-token int8 GEMM (the two W8A8 kernels, as shipped)."""
+    import torch
+
+    from kvserve.kernels import w8a8
+    from kvserve.kernels.quant import _quant_linear_blocks, quantize_int8
+
+    def best(fn, reps):
+        fn()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps * 1e6
+
+    print("| shape | rows | bf16 oneDNN us | kvq us | intmm us | intmm / bf16 | load |")
+    print("|---|---|---|---|---|---|---|")
+    totals: dict[int, list[float]] = {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k) * 0.05
+        wb = w.bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(wb, None)
+        qt = quantize_int8(w)
+        wq = qt.data.view(torch.int8)
+        for rows in rows_list:
+            x = torch.randn(rows, k).bfloat16()
+            paths = [
+                functools.partial(
+                    torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""
+                ),
+                functools.partial(_quant_linear_blocks, x, qt, None, None),
+                functools.partial(w8a8.linear_intmm, x, wq, qt.scales),
+            ]
+            reps = max(3, 256 // rows)
+            t = [float("inf")] * 3
+            for _ in range(rounds):
+                for i, fn in enumerate(paths):
+                    t[i] = min(t[i], best(fn, reps))
+            acc = totals.setdefault(rows, [0.0, 0.0, 0.0])
+            for i in range(3):
+                acc[i] += t[i]
+            print(f"| {name} {n}x{k} | {rows} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | "
+                  f"{t[2] / t[0]:.2f} | {os.getloadavg()[0]:.1f} |", flush=True)  # fmt: skip
+    for rows, (b, kvq, intmm) in totals.items():
+        print(f"| all four | {rows} | {b:.0f} | {kvq:.0f} | {intmm:.0f} | {intmm / b:.2f} | |")
+
+
 def main() -> int:
     from kvserve import LLM, SamplingParams
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--w8a8", required=True, help="the W8A8 compressed-tensors folder")
+    parser.add_argument("--w8a8", help="the W8A8 compressed-tensors folder")
+    parser.add_argument("--kernels", action="store_true", help="only the kernel table")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256)
@@ -61,6 +115,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens scored")
     parser.add_argument("--skip-quality", action="store_true")
     args = parser.parse_args()
+    if args.kernels:
+        kernel_table(rounds=args.rounds)
+        return 0
+    if not args.w8a8:
+        parser.error("--w8a8 FOLDER is needed (or --kernels)")
     kw = dict(kv_cache_memory_bytes=1 << 30)
 
     summary: dict[str, dict] = {}
