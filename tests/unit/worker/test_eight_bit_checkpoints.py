@@ -43,6 +43,9 @@ NUM_BLOCKS = 24
 # ~0.01-0.02. A wrong scale axis or a lost channel gives near-chance agreement (1/96).
 MIN_TOP1_AGREEMENT = 0.9
 MAX_MEAN_ABS_DELTA = 0.06
+# bfloat16 activations on top of the int8 rounding (hidden size 64: one scale per 64 values):
+# measured 95.1 % over 6 x 48 positions; a wrong dtype path lands near chance (1/96)
+MIN_BF16_AGREEMENT = 0.8
 
 
 def _dequantized_hf(model_dir: str):
@@ -165,12 +168,18 @@ def test_against_hf_transformers_running_the_checkpoint(model_dir, monkeypatch):
     assert delta <= max_delta, (agreement, delta)
 
 
-def test_w8a8_bfloat16_runs_and_agrees(monkeypatch):
-    monkeypatch.setenv("KVSERVE_W8A8_KERNEL", "intmm")  # its bfloat16 in and out
-    tokens = random_tokens(20, VOCAB, seed=3)
-    f32 = _steps(_ours(W8A8), tokens, [0, 1, 2, 3, 4])
-    b16 = _steps(_ours(W8A8, dtype=torch.bfloat16), tokens, [0, 1, 2, 3, 4]).float()
-    assert (f32.argmax(-1) == b16.argmax(-1)).float().mean().item() >= 0.9
+def test_w8a8_bfloat16_agrees_with_the_dequantized_model(dequantized, monkeypatch):
+    # the bfloat16 model: activations in and out of the int8 GEMM are bfloat16
+    monkeypatch.setenv("KVSERVE_W8A8_KERNEL", "intmm")
+    held = _ours(W8A8, dtype=torch.bfloat16)
+    agree = []
+    for seed in range(6):
+        tokens = random_tokens(48, VOCAB, seed=30 + seed)
+        ref = hf_logits(dequantized[W8A8], tokens)
+        got = run_step(held, [(tokens, 0, list(range(12)))])[0].float()
+        agree.append(got.argmax(-1) == ref.argmax(-1))
+    agreement = torch.cat(agree).float().mean().item()
+    assert agreement >= MIN_BF16_AGREEMENT, agreement
 
 
 def test_tensor_parallel_2_holds_each_ranks_int8_rows(dequantized, tmp_path, monkeypatch):
