@@ -40,6 +40,9 @@ QTYPES: dict[str, tuple[int, int, int]] = {
     "Q4_K": (12, 256, 144),
     "MXFP4": (39, 32, 17),
     "I8": (100, 1, 1),
+    # W8A8: I8's bytes (the C kernels take it as I8), from an int8 checkpoint whose scheme
+    # quantizes activations per token; more rows may run kernels/w8a8.py's int8 GEMM.
+    "W8A8": (100, 1, 1),
 }
 # MXFP4 (OCP microscaling FP4, as gpt-oss checkpoints store it): per 32 elements one e8m0
 # exponent byte e (scale 2^(e - 127)), then 16 bytes of e2m1 nibbles, the low nibble of byte j
@@ -259,7 +262,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 def dequantize_ref(qt: QuantizedTensor) -> torch.Tensor:
     """The float32 weight from torch ops only (the fallback where no C compiler exists)."""
     n, k = qt.shape
-    if qt.qtype == "I8":
+    if qt.qtype in ("I8", "W8A8"):
         assert qt.scales is not None  # I8 always carries its per-row scales
         return qt.data.view(torch.int8).float() * qt.scales[:, None]
     _, elems, bpb = QTYPES[qt.qtype]
@@ -413,6 +416,24 @@ def quant_linear(
 
 
 def _quant_linear_cpu(x, qt, bias, out):
+    # W8A8: the per-token int8 GEMM where measured faster (KVSERVE_QUANT_ACTIVATIONS=float32
+    # keeps the kernel that expands weight tiles instead)
+    if qt.qtype == "W8A8" and out is None and activations() == "int8":
+        from kvserve.kernels import w8a8
+
+        def run_kvq(rows):
+            return _quant_linear_blocks(rows, qt, None, None)
+
+        def run_intmm(rows):
+            return w8a8.linear_intmm(rows, qt.data.view(torch.int8), qt.scales)
+
+        n, k = qt.shape
+        if w8a8.kernel_for(x.shape[0], n, k, x.dtype, run_kvq, run_intmm) == "intmm":
+            return w8a8.linear_intmm(x, qt.data.view(torch.int8), qt.scales, bias)
+    return _quant_linear_blocks(x, qt, bias, out)
+
+
+def _quant_linear_blocks(x, qt, bias, out):
     xf = x.float()
     if xf.stride(1) != 1:
         xf = xf.contiguous()

@@ -11,6 +11,12 @@ The rule (`resolve_quantization`):
     --quantization mxfp4   a checkpoint whose config.json says quant_method mxfp4 (gpt-oss):
                            its MoE experts' MXFP4 blocks held as stored (layers/gpt_oss_moe.py);
                            the default for such a checkpoint
+    --quantization compressed-tensors|fp8
+                           an 8-bit checkpoint whose config.json says that quant_method
+                           (quant_formats/eight_bit.py): compressed-tensors int-quantized
+                           int8 weights held as stored (W8A8 with per-token activations, or
+                           W8A16), float-quantized FP8 and native FP8 expanded to float at
+                           load; the default for such a checkpoint
     --quantization none    nothing held quantized: an mxfp4 checkpoint's experts expand to
                            float at load (the equality reference), a .gguf to float32
     neither                the folder's config.json `quantization_config.quant_method`, when
@@ -42,10 +48,24 @@ from kvserve.services.worker.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from kvserve.services.worker.quant_formats import eight_bit
 
-SUPPORTED_QUANT_METHODS = ("gguf", "int8", "mxfp4", "none")
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("gguf", "int8", "mxfp4", "none")
 # config.json quantization_config.quant_method values we load, and the method they mean.
 _CHECKPOINT_METHODS = {"int8": "int8", "mxfp4": "mxfp4"}
+# 8-bit checkpoints (quant_formats/eight_bit.py): the method is the quant_method.
+SUPPORTED_QUANT_METHODS += eight_bit.METHODS
+_CHECKPOINT_METHODS.update({method: method for method in eight_bit.METHODS})
+
+
+def checkpoint_qconfig(model_dir: str) -> dict | None:
+    """A folder's config.json quantization_config (None: none, or no readable config)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            qconfig = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    return qconfig if isinstance(qconfig, dict) else None
 
 
 def checkpoint_quantization(model_dir: str) -> str | None:
@@ -64,6 +84,8 @@ def checkpoint_quantization(model_dir: str) -> str | None:
             f"kvserve cannot load; supported: {sorted(_CHECKPOINT_METHODS)} (or pass a .gguf "
             "file with --quantization gguf)"
         )
+    if method in eight_bit.METHODS:  # an unsupported scheme is refused here, naming it
+        eight_bit.validate(method, qconfig)
     return _CHECKPOINT_METHODS[method]
 
 
@@ -85,6 +107,13 @@ def resolve_quantization(
         )
     if requested == "mxfp4":
         return "mxfp4", None
+    if requested in eight_bit.METHODS:
+        if detected != requested:
+            raise ValueError(
+                f"--quantization {requested} reads a {requested} checkpoint as stored; "
+                f"{model_dir}/config.json has quantization_config quant_method {detected!r}"
+            )
+        return requested, None
     if detected is not None and detected != requested:
         raise ValueError(
             f"--quantization {requested} conflicts with {model_dir}'s quantization_config "
@@ -198,6 +227,9 @@ def build_quantized(model_class: type[_Model], hf_config, method: str | None) ->
     head) holding `method`'s weights. Call inside the loader's dtype/device scopes."""
     from kvserve.services.worker.layers.linear import quantization_scope
 
+    qconfig = getattr(hf_config, "quantization_config", None)
+    if method in eight_bit.METHODS and not eight_bit.validate(method, _as_dict(qconfig)).held:
+        method = None  # fp8: the linears load the float expansion (quant_formats/eight_bit.py)
     with quantization_scope(method):
         model = model_class(hf_config)
     if method == "gguf":
@@ -205,16 +237,33 @@ def build_quantized(model_class: type[_Model], hf_config, method: str | None) ->
     return model
 
 
+def _as_dict(qconfig) -> dict:
+    return qconfig if isinstance(qconfig, dict) else qconfig.to_dict()
+
+
 def quantized_weights(
-    method: str | None, gguf_path: str | None, fallback: Iterable
+    method: str | None, gguf_path: str | None, fallback: Iterable, model_dir: str | None = None
 ) -> Iterable[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """The checkpoint tensors to load: the .gguf's blocks under gguf, else fallback."""
+    """The checkpoint tensors to load: the .gguf's blocks under gguf, an 8-bit checkpoint's
+    linears joined with their scales (quant_formats/eight_bit.py), else fallback."""
+    qconfig = checkpoint_qconfig(model_dir) if model_dir is not None else None
+    stored = qconfig.get("quant_method") if qconfig is not None else None
+    if eight_bit.handles(stored, qconfig) and method in (stored, None):
+        assert qconfig is not None and stored is not None
+        held = eight_bit.held_weights(eight_bit.validate(stored, qconfig), fallback)
+        # --quantization none: each held weight expanded to float32 (the equality reference)
+        return held if method is not None else _dequantized(held)
     if method == "gguf":
         from kvserve.services.worker.gguf import iterate_gguf_tensors
 
         assert gguf_path is not None
         return iterate_gguf_tensors(gguf_path, keep_quantized=True)
     return fallback
+
+
+def _dequantized(tensors: Iterable) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        yield name, tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
 
 
 def finish_loading(model: nn.Module) -> None:

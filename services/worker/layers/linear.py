@@ -79,7 +79,10 @@ _QUANT_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 # mxfp4 holds only gpt-oss's MoE experts (layers/gpt_oss_moe.py): linear layers stay float,
 # as the published checkpoints keep them.
-LINEAR_QUANTIZATIONS = ("gguf", "int8", "mxfp4")
+LINEAR_QUANTIZATIONS: tuple[str, ...] = ("gguf", "int8", "mxfp4")
+# 8-bit checkpoints held as stored (services/worker/quant_formats/eight_bit.py; fp8 loads
+# float linears: build_quantized builds those with no quantization).
+LINEAR_QUANTIZATIONS += ("compressed-tensors", "fp8")
 
 
 @contextlib.contextmanager
