@@ -143,6 +143,10 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in cpu.DTYPES and cpu.library() is not None
 
 
+# The quantized types kvq_linear (quant_gemm.c) computes; others keep the layer-by-layer path.
+STACK_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "MXFP4", "I8")
+
+
 def quantized_available() -> bool:
     """Quantized parts run here: quant_gemm.c is built and activations are int8 (its
     kvq_linear; KVSERVE_QUANT_ACTIVATIONS=float32 runs another kernel the stack does not

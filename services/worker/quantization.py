@@ -11,6 +11,12 @@ The rule (`resolve_quantization`):
     --quantization mxfp4   a checkpoint whose config.json says quant_method mxfp4 (gpt-oss):
                            its MoE experts' MXFP4 blocks held as stored (layers/gpt_oss_moe.py);
                            the default for such a checkpoint
+    --quantization awq|gptq|compressed-tensors
+                           a 4-bit checkpoint (AWQ GEMM layout, GPTQ, compressed-tensors
+                           pack-quantized W4A16) whose config.json says that quant_method: each
+                           quantized linear held as W4G<g> groups (quant_formats/int4.py); the
+                           default for such a checkpoint (none: each expanded to float32, the
+                           equality reference)
     --quantization none    nothing held quantized: an mxfp4 checkpoint's experts expand to
                            float at load (the equality reference), a .gguf to float32
     neither                the folder's config.json `quantization_config.quant_method`, when
@@ -42,10 +48,24 @@ from kvserve.services.worker.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from kvserve.services.worker.quant_formats.int4 import INT4_METHODS
 
-SUPPORTED_QUANT_METHODS = ("gguf", "int8", "mxfp4", "none")
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("gguf", "int8", "mxfp4", "none")
 # config.json quantization_config.quant_method values we load, and the method they mean.
 _CHECKPOINT_METHODS = {"int8": "int8", "mxfp4": "mxfp4"}
+# 4-bit checkpoints read as stored (quant_formats/int4.py): the method is the quant_method.
+SUPPORTED_QUANT_METHODS += INT4_METHODS
+_CHECKPOINT_METHODS.update({method: method for method in INT4_METHODS})
+
+
+def checkpoint_qconfig(model_dir: str) -> dict | None:
+    """A folder's config.json quantization_config (None: none, or no readable config)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            qconfig = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    return qconfig if isinstance(qconfig, dict) else None
 
 
 def checkpoint_quantization(model_dir: str) -> str | None:
@@ -64,6 +84,10 @@ def checkpoint_quantization(model_dir: str) -> str | None:
             f"kvserve cannot load; supported: {sorted(_CHECKPOINT_METHODS)} (or pass a .gguf "
             "file with --quantization gguf)"
         )
+    if method in INT4_METHODS:
+        from kvserve.services.worker.quant_formats.int4 import validate
+
+        validate(method, qconfig)
     return _CHECKPOINT_METHODS[method]
 
 
@@ -85,6 +109,13 @@ def resolve_quantization(
         )
     if requested == "mxfp4":
         return "mxfp4", None
+    if requested in INT4_METHODS and detected != requested:
+        raise ValueError(
+            f"--quantization {requested} reads a {requested} checkpoint as stored; "
+            f"{model_dir}/config.json has quantization_config quant_method {detected!r}"
+        )
+    if requested in INT4_METHODS:
+        return requested, None
     if detected is not None and detected != requested:
         raise ValueError(
             f"--quantization {requested} conflicts with {model_dir}'s quantization_config "
@@ -206,15 +237,31 @@ def build_quantized(model_class: type[_Model], hf_config, method: str | None) ->
 
 
 def quantized_weights(
-    method: str | None, gguf_path: str | None, fallback: Iterable
+    method: str | None, gguf_path: str | None, fallback: Iterable, model_dir: str | None = None
 ) -> Iterable[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """The checkpoint tensors to load: the .gguf's blocks under gguf, else fallback."""
+    """The checkpoint tensors to load: the .gguf's blocks under gguf, a 4-bit checkpoint's
+    linears as held QuantizedTensors (model_dir's config says how they are stored), else
+    fallback."""
+    qconfig = checkpoint_qconfig(model_dir) if model_dir is not None else None
+    stored = qconfig.get("quant_method") if qconfig is not None else None
+    if stored in INT4_METHODS and method in (stored, None):
+        from kvserve.services.worker.quant_formats.int4 import held_weights
+
+        assert qconfig is not None
+        held = held_weights(stored, qconfig, fallback)
+        # --quantization none: each held weight expanded to float32 (the equality reference)
+        return held if method is not None else _dequantized(held)
     if method == "gguf":
         from kvserve.services.worker.gguf import iterate_gguf_tensors
 
         assert gguf_path is not None
         return iterate_gguf_tensors(gguf_path, keep_quantized=True)
     return fallback
+
+
+def _dequantized(tensors: Iterable) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        yield name, tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
 
 
 def finish_loading(model: nn.Module) -> None:
@@ -249,6 +296,8 @@ def weight_bytes(model: nn.Module) -> int:
                 add(h.data)
                 if h.scales is not None:
                     add(h.scales)
+                if h.perm is not None:
+                    add(h.perm)
             else:
                 add(h)
     return total

@@ -138,6 +138,9 @@ def load_model(
     method, gguf_path = quant.resolve_quantization(quantization, model_arg, model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = quant.build_quantized(model_class, hf_config, method)
-    model.load_weights(quant.quantized_weights(method, gguf_path, iterate_safetensors(model_dir)))
+    weights = quant.quantized_weights(
+        method, gguf_path, iterate_safetensors(model_dir), model_dir=model_dir
+    )
+    model.load_weights(weights)
     quant.finish_loading(model)
     return model.eval(), hf_config.get_text_config()
