@@ -183,12 +183,42 @@ def unpermute(w: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 _LIBRARY = NativeLibrary(
     "kvserve_int4",
     [Path(__file__).parent / "csrc" / "int4_gemm.c"],
-    ("w4_dequantize_rows",),
+    ("w4_dequantize_rows", "w4_init"),
     "4-bit kernel",
     "4-bit matmuls use the torch reference",
-    key_files=[Path(__file__).parent / "csrc" / "quant_gemm.c"],
 )
-_load = _LIBRARY.load
+_init_lock = threading.Lock()
+_initialized: list[ctypes.CDLL] = []
+# quant_gemm.c's library loader, registered by kernels/quant.py (which imports this module).
+_quant_library: list = []
+
+
+def use_quant_library(load) -> None:
+    """kernels/quant.py's library loader: its kvq_quantize_rows and kvq_linear are handed to
+    int4_gemm.c at first use."""
+    _quant_library[:] = [load]
+
+
+def _load() -> ctypes.CDLL | None:
+    """The library, given quant_gemm.c's activation quantization and kvq_linear once (None
+    where either C library cannot be built)."""
+    lib = _LIBRARY.load()
+    if lib is None or _initialized:
+        return lib
+    quant_lib = _quant_library[0]() if _quant_library else None
+    if quant_lib is None:
+        return None
+    with _init_lock:
+        if not _initialized:
+            lib.w4_init(
+                ctypes.cast(quant_lib.kvq_quantize_rows, ctypes.c_void_p),
+                ctypes.cast(quant_lib.kvq_linear, ctypes.c_void_p),
+            )
+            _initialized.append(lib)
+    return lib
+
+
+library = _load  # for the decode stack (kernels/decode_stack.py: w4_any_linear)
 
 
 def c_available() -> bool:

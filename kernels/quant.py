@@ -334,6 +334,7 @@ _LIBRARY = NativeLibrary(
 _load = _LIBRARY.load
 # The loaded library, for the decode stack (kernels/decode_stack.py) that calls kvq_linear.
 library = _LIBRARY.load
+int4.use_quant_library(_LIBRARY.load)  # int4_gemm.c calls its activation quantization
 
 
 def c_available() -> bool:

@@ -12,15 +12,66 @@
 //
 //   w = (q - z) * s      in float32, exactly the checkpoint tool's dequantization
 //
-// The kernels are quant_gemm.c's (included below, built into this library as a copy):
-// activations quantized per row in blocks of 32 (int8, a scale, sums), then per 32-run
+// The kernels are of quant_gemm.c's kind, and use its activation quantization (per row in
+// blocks of 32: int8 values, a scale, sums), called through the pointer w4_init is given
+// (the two libraries load side by side; this one stays small to build). Per 32-run
 //
 //   dot = s dx sum(q qx) - z s (dx sum qx)          (VNNI vpdpbusd: q unsigned, qx signed)
 //
 // and w4_dequantize_rows expands rows to float32 for the many-row path (F.linear on chunks).
-#include "quant_gemm.c"
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define NR_MAX 4
 #define W4_HEADER 8
+
+typedef void (*quantize_rows_fn)(const float *x, int64_t ldx, int M, int K, int8_t *qx,
+                                 float *dx, float *sx, float *dsq);
+typedef int (*linear_fn)(int qtype, const uint8_t *w, int64_t ldw, const float *wscale, int N,
+                         int K, const float *x, int64_t ldx, int M, float *out, int64_t ldo);
+static quantize_rows_fn kvq_quantize_rows = NULL;
+static linear_fn kvq_linear = NULL;
+
+// quant_gemm.c's kvq_quantize_rows and kvq_linear (kernels/int4.py passes them at load).
+void w4_init(quantize_rows_fn quantize_rows, linear_fn linear) {
+    kvq_quantize_rows = quantize_rows;
+    kvq_linear = linear;
+}
+
+#if defined(__AVX2__)
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else  // maddubs saturates at int16: fine here (u <= 15, |s| <= 127, pairs of products)
+    const __m256i pairs = _mm256_maddubs_epi16(u, s);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __m256i nibbles_32(const uint8_t *qs) {  // 16 bytes -> 32 values (lo | hi)
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return _mm256_set_m128i(hi, lo);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define LOAD_X(p) _mm256_loadu_si256((const __m256i *)(p))
+#define ACC(acc, idot, scale) \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), _mm256_set1_ps(scale), acc)
+#endif
 
 static inline int w4_block_bytes(int g) { return W4_HEADER + g / 2; }
 
@@ -137,17 +188,33 @@ int w4_linear(int g, const uint8_t *w, int64_t ldw, int N, int K, const float *x
     return 0;
 }
 
-static void w4_dequantize_row(int g, const uint8_t *w, int K, float *y) {
+// (q - z) * s per element: the subtraction is exact, one rounding in the product, the same
+// as the tools'. The portable loop is not auto-vectorized: GCC's combiner takes tens of
+// seconds on its vectorized form.
+__attribute__((optimize("no-tree-vectorize"))) static void w4_dequantize_row(int g,
+                                                                             const uint8_t *w,
+                                                                             int K, float *y) {
     const int bpb = w4_block_bytes(g);
     for (int gr = 0; gr < K / g; gr++, w += bpb) {
         const float s = w4_scale(w), z = (float)(int8_t)w[4];
         for (int j = 0; j < g / QK; j++) {
             const uint8_t *qs = w + W4_HEADER + 16 * j;
             float *yr = y + gr * g + j * QK;
+#if defined(__AVX2__)
+            const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+            const __m256i q = nibbles_32(qs);  // elements 0..31 as bytes
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int c = 0; c < 4; c++) {
+                const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c]));
+                _mm256_storeu_ps(yr + 8 * c, _mm256_mul_ps(_mm256_sub_ps(v, vz), vs));
+            }
+#else
             for (int i = 0; i < 16; i++) {
                 yr[i] = ((float)(qs[i] & 15) - z) * s;
                 yr[16 + i] = ((float)(qs[i] >> 4) - z) * s;
             }
+#endif
         }
     }
 }
@@ -160,4 +227,14 @@ void w4_dequantize_rows(int g, const uint8_t *w, int64_t ldw, const int64_t *row
         const int64_t n = rows ? rows[r] : r;
         w4_dequantize_row(g, w + n * ldw, K, out + (int64_t)r * ldo);
     }
+}
+
+// kvq_linear's signature over every held type: W4G codes (200 + g / 32) run w4_linear, the
+// rest quant_gemm.c's kvq_linear (through the pointer w4_init got). The native decode stack
+// calls this one when a layer holds W4G parts (kernels/decode_stack.py).
+int w4_any_linear(int qtype, const uint8_t *w, int64_t ldw, const float *wscale, int N, int K,
+                  const float *x, int64_t ldx, int M, float *out, int64_t ldo) {
+    if (qtype == 201 || qtype == 202 || qtype == 204)
+        return w4_linear(32 * (qtype - 200), w, ldw, N, K, x, ldx, M, out, ldo);
+    return kvq_linear(qtype, w, ldw, wscale, N, K, x, ldx, M, out, ldo);
 }

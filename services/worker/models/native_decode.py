@@ -64,7 +64,9 @@ def _matrix(linear: nn.Module, kind: type[LinearBase], dtype: torch.dtype) -> Ma
         raise NotCovered(f"a matrix in {len(parts)} parts")
     for _, weight in parts:
         if isinstance(weight, QuantizedTensor) and weight.qtype not in decode_stack.STACK_QTYPES:
-            raise NotCovered(f"{weight.qtype} weights (4-bit checkpoint groups)")
+            raise NotCovered(f"{weight.qtype} weights")
+        if isinstance(weight, QuantizedTensor) and weight.perm is not None:
+            raise NotCovered("act-order 4-bit weights (activations gathered per call)")
         if isinstance(weight, torch.Tensor) and (
             weight.dtype != dtype or not weight.is_contiguous()
         ):

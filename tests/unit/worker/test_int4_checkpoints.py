@@ -248,3 +248,30 @@ def test_kernel_paths_agree_at_every_row_count(g):
         torch.testing.assert_close(out[:, 4 : 4 + n], got, atol=1e-5, rtol=0)
         ref = int4.w4_linear_ref(x, qt, bias)
         torch.testing.assert_close(ref, expected, atol=1e-4, rtol=1e-5)
+
+
+def _stack_bound(folder: str, max_requests: int):
+    from kvserve.services.worker.models.native_decode import bind_decode_stack
+
+    model = _ours(folder)
+    return model, bind_decode_stack(model, torch.float32, max_requests)
+
+
+def test_w4_groups_run_inside_the_native_decode_stack():
+    # The stack calls int4_gemm.c's w4_any_linear for the W4G parts: its steps equal the
+    # module path's (the same kernel per layer)
+    folder = _folder("ct_w4a16_asym_g32")
+    native, status = _stack_bound(folder, 8)
+    assert status.startswith("on"), status
+    modules, _ = _stack_bound(folder, 0)
+    assert modules.model.decode_stack is None
+    prompt = random_tokens(9, VOCAB, seed=5)
+    blocks = [0, 1, 2, 3]
+    for model in (native, modules):
+        run_step(model, [(prompt[:6], 0, blocks)])
+    for pos in range(6, 9):
+        got = run_step(native, [([prompt[pos]], pos, blocks)])[0]
+        want = run_step(modules, [([prompt[pos]], pos, blocks)])[0]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    act, status = _stack_bound(_folder("gptq_g32_act"), 8)
+    assert "act-order" in status and act.model.decode_stack is None
