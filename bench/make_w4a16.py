@@ -6,6 +6,8 @@ Run in a venv with llm-compressor (not the project's: it pins its own transforme
     SRC=$(.venv/bin/python -c "from kvserve.services.worker.model_loader import \\
         resolve_model; print(resolve_model(None))")
     /tmp/int4tools/bin/python bench/make_w4a16.py $SRC $KVSERVE_CACHE_DIR/smollm2-w4a16-g64
+    /tmp/int4tools/bin/python bench/make_w4a16.py --rtn $SRC $KVSERVE_CACHE_DIR/smollm2-w4a16-rtn
+        (data-free round to nearest, llm-compressor's QuantizationModifier)
 
 Group 64, not the W4A16 preset's 128: SmolLM2-135M's hidden size 576 is 4.5 groups of 128.
 The LM head (tied to the embedding) stays float. Calibration: 16 chat-style sentences, 128
@@ -36,6 +38,25 @@ SENTENCES = [
 ]
 
 
+def main_rtn(src: str, out: str) -> None:
+    """The same scheme by llm-compressor's data-free QuantizationModifier (round to nearest:
+    minutes less than GPTQ on a loaded 2-core machine)."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": 64}  # fmt: skip
+    recipe = QuantizationModifier(
+        config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+        ignore=["lm_head"],
+    )
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="float32")
+    oneshot(model=model, recipe=recipe)
+    model.save_pretrained(out, save_compressed=True)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+
+
 def main(src: str, out: str) -> None:
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -62,4 +83,7 @@ def main(src: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--rtn":
+        main_rtn(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2])
