@@ -100,7 +100,7 @@ def kernel_table(rounds: int) -> None:
             print(f"| {label} | {n}x{k} | {rows} | {cells} | {os.getloadavg()[0]:.1f} |")
 
 
-def end_to_end(w4a16_dir: str, rounds: int) -> None:
+def end_to_end(w4a16_dir: str, rounds: int, speed_only: list[str] | None = None) -> None:
     from quantized import QUESTIONS, _score, _throughput, _tpot, variant_files
 
     from kvserve import LLM, SamplingParams
@@ -122,12 +122,12 @@ def end_to_end(w4a16_dir: str, rounds: int) -> None:
     def model_of(llm):
         return llm.engine_core.executor.worker.runner.model
 
-    variants = ("float32", "bfloat16", "Q4_0", "W4A16")
+    variants = tuple(speed_only or ("float32", "bfloat16", "Q4_0", "W4A16"))
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     greedy = SamplingParams(max_tokens=64, temperature=0.0)
     summary: dict[str, dict] = {}
     ref_lp = sequences = prompts = None
-    for name in variants:
+    for name in ("float32",) if speed_only else variants:
         llm = make(name, max_num_batched_tokens=64, enable_prefix_caching=False)
         if sequences is None:
             outs = llm.chat(conversations, greedy, use_tqdm=False)
@@ -147,6 +147,12 @@ def end_to_end(w4a16_dir: str, rounds: int) -> None:
             "load": [],
         }
         del llm
+    for name in variants:
+        summary.setdefault(name, dict(summary["float32"], tpot=[], tok_s=[], load=[]))
+    if speed_only:  # no quality figures for these
+        for name in variants:
+            summary[name].update(agree=float("nan"), dlogprob=float("nan"), weight_mib=0.0)
+        summary = {name: summary[name] for name in variants}
     engines = {name: make(name) for name in variants}
     batch = (prompts * 3)[:32]
     for _ in range(rounds):
@@ -171,11 +177,14 @@ def main() -> int:
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--w4a16", default=None, help="the W4A16 folder (bench/make_w4a16.py)")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument(
+        "--speed-only", nargs="+", default=None, help="time only these variants (no quality)"
+    )
     args = parser.parse_args()
     if args.kernels:
         kernel_table(args.rounds or 20)
     if args.w4a16:
-        end_to_end(args.w4a16, args.rounds or 3)
+        end_to_end(args.w4a16, args.rounds or 3, args.speed_only)
     if not (args.kernels or args.w4a16):
         parser.error("pass --kernels and/or --w4a16 DIR")
     return 0
