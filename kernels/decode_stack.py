@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kernels import cpu, quant
+from kvserve.kernels import cpu, int4, quant
 from kvserve.kernels.quant import QTYPES, QuantizedTensor
 
 MAX_PARTS = 4  # STACK_MAX_PARTS
@@ -143,11 +143,17 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in cpu.DTYPES and cpu.library() is not None
 
 
+# The quantized types kvq_linear (quant_gemm.c) computes, and the 4-bit checkpoints' W4G
+# groups (int4_gemm.c's w4_any_linear, passed instead when a stack holds them; act-order
+# weights, whose activations are gathered per call, keep the layer-by-layer path).
+STACK_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "MXFP4", "I8", "W4G32", "W4G64", "W4G128")
+
+
 def quantized_available() -> bool:
     """Quantized parts run here: quant_gemm.c is built and activations are int8 (its
     kvq_linear; KVSERVE_QUANT_ACTIVATIONS=float32 runs another kernel the stack does not
     call)."""
-    return quant.c_available() and quant.activations() == "int8"
+    return quant.c_available() and int4.c_available() and quant.activations() == "int8"
 
 
 class DecodeStack:
@@ -186,6 +192,12 @@ class DecodeStack:
             for _, weight in matrix
         )
         assert not quantized or quantized_available()
+        held_w4 = any(
+            isinstance(weight, QuantizedTensor) and weight.qtype in int4.W4_GROUPS
+            for layer in layers
+            for matrix in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
+            for _, weight in matrix
+        )
         self._c_layers = (_Layer * len(layers))(
             *(
                 _Layer(
@@ -216,7 +228,7 @@ class DecodeStack:
             shape.scale,
             shape.soft_cap or 0.0,
             0.0,
-            _kvq_linear_address() if quantized else None,
+            _kvq_linear_address(held_w4) if quantized else None,
         )
         qd, kvd = shape.num_heads * shape.head_size, shape.num_kv_heads * shape.head_size
         per_row = 3 * shape.hidden + qd + 2 * kvd + 3 * qd + 3 * shape.intermediate
@@ -346,7 +358,11 @@ def _check_matrix(name: str, parts: Matrix, n: int, k: int, dtype: torch.dtype) 
         raise ValueError(f"{name}: parts cover {row} rows, want {n}")
 
 
-def _kvq_linear_address() -> int | None:
+def _kvq_linear_address(held_w4: bool = False) -> int | None:
+    if held_w4:
+        w4 = int4.library()
+        assert w4 is not None
+        return ctypes.cast(w4.w4_any_linear, ctypes.c_void_p).value
     lib = quant.library()
     assert lib is not None
     return ctypes.cast(lib.kvq_linear, ctypes.c_void_p).value

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import int4
 from kvserve.kernels._triton import HAS_TRITON, require_triton, tl, triton
 from kvserve.kernels.cpu import NativeLibrary
 from kvserve.shared.env import QUANT_ACTIVATIONS
@@ -43,6 +44,11 @@ QTYPES: dict[str, tuple[int, int, int]] = {
     # W8A8: I8's bytes (the C kernels take it as I8), from an int8 checkpoint whose scheme
     # quantizes activations per token; more rows may run kernels/w8a8.py's int8 GEMM.
     "W8A8": (100, 1, 1),
+    # 4-bit weight-only checkpoints (AWQ, GPTQ, compressed-tensors W4A16): per group of g a
+    # float32 scale, an int8 zero point, g nibbles (kernels/int4.py, kernels/csrc/int4_gemm.c)
+    "W4G32": (201, 32, 24),
+    "W4G64": (202, 64, 40),
+    "W4G128": (204, 128, 72),
 }
 # MXFP4 (OCP microscaling FP4, as gpt-oss checkpoints store it): per 32 elements one e8m0
 # exponent byte e (scale 2^(e - 127)), then 16 bytes of e2m1 nibbles, the low nibble of byte j
@@ -96,12 +102,15 @@ class QuantizedTensor:
         shape: (N, K) of the float weight it stands for.
         data: uint8 [N, row_bytes] (int8 reinterpreted for I8).
         scales: float32 [N] per-row scales of I8, else None.
+        perm: int64 [K] or None: the columns were held permuted (W[:, perm], act-order
+            checkpoints, kernels/int4.py); a matmul gathers x[:, perm].
     """
 
     qtype: str
     shape: tuple[int, int]
     data: torch.Tensor
     scales: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.qtype not in QTYPES:
@@ -127,6 +136,8 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         extra = self.scales.numel() * 4 if self.scales is not None else 0
+        if self.perm is not None:
+            extra += self.perm.numel() * self.perm.element_size()
         return self.data.numel() + extra
 
     @property
@@ -139,10 +150,16 @@ class QuantizedTensor:
         if dim == 0:
             scales = self.scales.narrow(0, start, length) if self.scales is not None else None
             return QuantizedTensor(
-                self.qtype, (length, k), self.data.narrow(0, start, length), scales
+                self.qtype, (length, k), self.data.narrow(0, start, length), scales, self.perm
             )
         if dim != 1:
             raise ValueError(f"a weight has dims 0 and 1, not {dim}")
+        if self.perm is not None and (start, length) != (0, k):
+            raise ValueError(
+                "an act-order weight (g_idx: its groups scattered over the input features) "
+                "cannot be split along its input features (a row-parallel layer under tensor "
+                "parallelism); use tensor-parallel size 1 or a checkpoint without act-order"
+            )
         elems = self.block_elems
         if start % elems or length % elems:
             raise ValueError(
@@ -152,7 +169,7 @@ class QuantizedTensor:
             )
         bpb = QTYPES[self.qtype][2]
         data = self.data.narrow(1, start // elems * bpb, length // elems * bpb)
-        return QuantizedTensor(self.qtype, (n, length), data, self.scales)
+        return QuantizedTensor(self.qtype, (n, length), data, self.scales, self.perm)
 
     def split(self, sizes: list[int], dim: int = 0) -> list[QuantizedTensor]:
         assert dim == 0, "quantized weights split along rows"
@@ -165,18 +182,22 @@ class QuantizedTensor:
     def permute_rows(self, fn) -> QuantizedTensor:
         """Rows reordered by fn (a function of a [N, ...] tensor that reorders dim 0)."""
         scales = fn(self.scales) if self.scales is not None else None
-        return QuantizedTensor(self.qtype, self.shape, fn(self.data).contiguous(), scales)
+        data = fn(self.data).contiguous()
+        return QuantizedTensor(self.qtype, self.shape, data, scales, self.perm)
 
     def contiguous(self) -> QuantizedTensor:
         scales = self.scales.contiguous() if self.scales is not None else None
-        return QuantizedTensor(self.qtype, self.shape, self.data.contiguous(), scales)
+        return QuantizedTensor(self.qtype, self.shape, self.data.contiguous(), scales, self.perm)
 
     def to(self, device: torch.device | str) -> QuantizedTensor:
         scales = self.scales.to(device) if self.scales is not None else None
-        return QuantizedTensor(self.qtype, self.shape, self.data.to(device), scales)
+        perm = self.perm.to(device) if self.perm is not None else None
+        return QuantizedTensor(self.qtype, self.shape, self.data.to(device), scales, perm)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] (C kernel on CPU where built, else torch ops)."""
+        if self.qtype in _W4_QTYPES:
+            return int4.dequantize(self)
         if self.device.type == "cpu" and _load() is not None:
             return dequantize_rows(self, None)
         return dequantize_ref(self)
@@ -223,6 +244,8 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Row-wise concatenation of same-type, same-K quantized weights."""
     qtype, k = parts[0].qtype, parts[0].shape[1]
     assert all(p.qtype == qtype and p.shape[1] == k for p in parts), "mixed types or K"
+    if not all(same_perm(parts[0], p) for p in parts):
+        raise ValueError("cannot concatenate weights whose columns are held in different orders")
     n = sum(p.shape[0] for p in parts)
     data = torch.cat([p.data for p in parts])
     # One qtype: every part has scales (I8) or none has.
@@ -231,7 +254,17 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
         if parts[0].scales is not None
         else None
     )
-    return QuantizedTensor(qtype, (n, k), data, scales)
+    return QuantizedTensor(qtype, (n, k), data, scales, parts[0].perm)
+
+
+def same_perm(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+    """Whether a and b hold their columns in the same order (cat_rows can join them)."""
+    if a.perm is None or b.perm is None:
+        return a.perm is None and b.perm is None
+    return a.perm is b.perm or torch.equal(a.perm, b.perm)
+
+
+_W4_QTYPES = ("W4G32", "W4G64", "W4G128")
 
 
 # ---------------------------------------------------------------------- int8 weight-only
@@ -262,6 +295,8 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 def dequantize_ref(qt: QuantizedTensor) -> torch.Tensor:
     """The float32 weight from torch ops only (the fallback where no C compiler exists)."""
     n, k = qt.shape
+    if qt.qtype in _W4_QTYPES:  # held column order
+        return int4.dequantize_ref(qt)
     if qt.qtype in ("I8", "W8A8"):
         assert qt.scales is not None  # I8 always carries its per-row scales
         return qt.data.view(torch.int8).float() * qt.scales[:, None]
@@ -302,6 +337,7 @@ _LIBRARY = NativeLibrary(
 _load = _LIBRARY.load
 # The loaded library, for the decode stack (kernels/decode_stack.py) that calls kvq_linear.
 library = _LIBRARY.load
+int4.use_quant_library(_LIBRARY.load)  # int4_gemm.c calls its activation quantization
 
 
 def c_available() -> bool:
@@ -401,6 +437,8 @@ def quant_linear(
 ) -> torch.Tensor:
     """y = x W^T (+ bias) for x [M, K], W held quantized; written into out [M, N] if given
     (a float32 view whose last dim is contiguous, e.g. columns of a wider output)."""
+    if qt.qtype in _W4_QTYPES:
+        return int4.w4_linear(x, qt, bias, out)
     if x.is_cuda:
         y = quant_linear_triton(x, qt, bias)
     elif _load() is None:

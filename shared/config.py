@@ -83,13 +83,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = "auto"
     quantization: Annotated[
-        Literal["gguf", "int8", "mxfp4", "none", "compressed-tensors", "fp8"] | None,
+        Literal["gguf", "int8", "mxfp4", "none", "awq", "gptq", "compressed-tensors", "fp8"] | None,
         flag_doc(
             "weights held quantized: gguf keeps a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K blocks "
             "(other types expand to float), int8 quantizes a float checkpoint per output "
             "channel at load, mxfp4 keeps an MXFP4 checkpoint's MoE expert blocks (gpt-oss), "
             "compressed-tensors and fp8 read an 8-bit checkpoint (int8 W8A8 held as stored, "
-            "FP8 expanded to float at load); "
+            "FP8 expanded to float at load); awq, gptq and compressed-tensors read a 4-bit "
+            "checkpoint (AWQ GEMM, GPTQ, W4A16 pack-quantized) as stored; "
             "none expands whatever the checkpoint holds to float; default: a checkpoint's "
             "config.json quantization_config, else none (a .gguf file expands to float32)",
             aliases=["-q"],

@@ -17,6 +17,12 @@ The rule (`resolve_quantization`):
                            int8 weights held as stored (W8A8 with per-token activations, or
                            W8A16), float-quantized FP8 and native FP8 expanded to float at
                            load; the default for such a checkpoint
+    --quantization awq|gptq|compressed-tensors
+                           a 4-bit checkpoint (AWQ GEMM layout, GPTQ, compressed-tensors
+                           pack-quantized W4A16) whose config.json says that quant_method: each
+                           quantized linear held as W4G<g> groups (quant_formats/int4.py); the
+                           default for such a checkpoint (none: each expanded to float32, the
+                           equality reference)
     --quantization none    nothing held quantized: an mxfp4 checkpoint's experts expand to
                            float at load (the equality reference), a .gguf to float32
     neither                the folder's config.json `quantization_config.quant_method`, when
@@ -49,13 +55,16 @@ from kvserve.services.worker.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from kvserve.services.worker.quant_formats import eight_bit
+from kvserve.services.worker.quant_formats.int4 import INT4_METHODS
 
 SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("gguf", "int8", "mxfp4", "none")
 # config.json quantization_config.quant_method values we load, and the method they mean.
 _CHECKPOINT_METHODS = {"int8": "int8", "mxfp4": "mxfp4"}
-# 8-bit checkpoints (quant_formats/eight_bit.py): the method is the quant_method.
-SUPPORTED_QUANT_METHODS += eight_bit.METHODS
-_CHECKPOINT_METHODS.update({method: method for method in eight_bit.METHODS})
+# 8-bit checkpoints (quant_formats/eight_bit.py) and 4-bit ones read as stored
+# (quant_formats/int4.py): the method is the quant_method. compressed-tensors is both: its
+# scheme says which reader (eight_bit.handles, else int4).
+SUPPORTED_QUANT_METHODS += tuple(dict.fromkeys(eight_bit.METHODS + INT4_METHODS))
+_CHECKPOINT_METHODS.update({method: method for method in eight_bit.METHODS + INT4_METHODS})
 
 
 def checkpoint_qconfig(model_dir: str) -> dict | None:
@@ -84,8 +93,13 @@ def checkpoint_quantization(model_dir: str) -> str | None:
             f"kvserve cannot load; supported: {sorted(_CHECKPOINT_METHODS)} (or pass a .gguf "
             "file with --quantization gguf)"
         )
-    if method in eight_bit.METHODS:  # an unsupported scheme is refused here, naming it
+    # an unsupported scheme is refused here, naming it
+    if eight_bit.handles(method, qconfig):
         eight_bit.validate(method, qconfig)
+    elif method in INT4_METHODS:
+        from kvserve.services.worker.quant_formats.int4 import validate
+
+        validate(method, qconfig)
     return _CHECKPOINT_METHODS[method]
 
 
@@ -107,7 +121,7 @@ def resolve_quantization(
         )
     if requested == "mxfp4":
         return "mxfp4", None
-    if requested in eight_bit.METHODS:
+    if requested in eight_bit.METHODS or requested in INT4_METHODS:
         if detected != requested:
             raise ValueError(
                 f"--quantization {requested} reads a {requested} checkpoint as stored; "
@@ -228,7 +242,12 @@ def build_quantized(model_class: type[_Model], hf_config, method: str | None) ->
     from kvserve.services.worker.layers.linear import quantization_scope
 
     qconfig = getattr(hf_config, "quantization_config", None)
-    if method in eight_bit.METHODS and not eight_bit.validate(method, _as_dict(qconfig)).held:
+    if (
+        method in eight_bit.METHODS
+        and qconfig is not None
+        and eight_bit.handles(method, _as_dict(qconfig))
+        and not eight_bit.validate(method, _as_dict(qconfig)).held
+    ):
         method = None  # fp8: the linears load the float expansion (quant_formats/eight_bit.py)
     with quantization_scope(method):
         model = model_class(hf_config)
@@ -245,12 +264,20 @@ def quantized_weights(
     method: str | None, gguf_path: str | None, fallback: Iterable, model_dir: str | None = None
 ) -> Iterable[tuple[str, torch.Tensor | QuantizedTensor]]:
     """The checkpoint tensors to load: the .gguf's blocks under gguf, an 8-bit checkpoint's
-    linears joined with their scales (quant_formats/eight_bit.py), else fallback."""
+    linears joined with their scales (quant_formats/eight_bit.py), a 4-bit checkpoint's linears
+    as held QuantizedTensors (quant_formats/int4.py), else fallback."""
     qconfig = checkpoint_qconfig(model_dir) if model_dir is not None else None
     stored = qconfig.get("quant_method") if qconfig is not None else None
     if eight_bit.handles(stored, qconfig) and method in (stored, None):
         assert qconfig is not None and stored is not None
         held = eight_bit.held_weights(eight_bit.validate(stored, qconfig), fallback)
+        # --quantization none: each held weight expanded to float32 (the equality reference)
+        return held if method is not None else _dequantized(held)
+    if stored in INT4_METHODS and method in (stored, None):
+        from kvserve.services.worker.quant_formats.int4 import held_weights
+
+        assert qconfig is not None
+        held = held_weights(stored, qconfig, fallback)
         # --quantization none: each held weight expanded to float32 (the equality reference)
         return held if method is not None else _dequantized(held)
     if method == "gguf":
@@ -298,6 +325,8 @@ def weight_bytes(model: nn.Module) -> int:
                 add(h.data)
                 if h.scales is not None:
                     add(h.scales)
+                if h.perm is not None:
+                    add(h.perm)
             else:
                 add(h)
     return total

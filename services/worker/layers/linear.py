@@ -28,7 +28,13 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.kernels.gemm import LinearWeights
-from kvserve.kernels.quant import QuantizedTensor, cat_rows, quant_linear, quantize_int8
+from kvserve.kernels.quant import (
+    QuantizedTensor,
+    cat_rows,
+    quant_linear,
+    quantize_int8,
+    same_perm,
+)
 from kvserve.services.worker.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -79,10 +85,13 @@ _QUANT_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 # mxfp4 holds only gpt-oss's MoE experts (layers/gpt_oss_moe.py): linear layers stay float,
 # as the published checkpoints keep them.
-LINEAR_QUANTIZATIONS: tuple[str, ...] = ("gguf", "int8", "mxfp4")
 # 8-bit checkpoints held as stored (services/worker/quant_formats/eight_bit.py; fp8 loads
-# float linears: build_quantized builds those with no quantization).
-LINEAR_QUANTIZATIONS += ("compressed-tensors", "fp8")
+# float linears: build_quantized builds those with no quantization); awq, gptq and
+# compressed-tensors' pack-quantized: 4-bit checkpoints (services/worker/quant_formats/int4.py),
+# held like gguf's blocks.
+LINEAR_QUANTIZATIONS: tuple[str, ...] = (
+    "gguf", "int8", "mxfp4", "awq", "gptq", "compressed-tensors", "fp8"
+)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -219,6 +228,7 @@ class QuantizedLinearMethod(LinearMethod):
                 isinstance(part, QuantizedTensor)
                 and isinstance(prev, QuantizedTensor)
                 and prev.qtype == part.qtype
+                and same_perm(prev, part)
             ):
                 merged[-1] = (merged[-1][0], cat_rows([prev, part]))
             elif isinstance(part, torch.Tensor) and isinstance(prev, torch.Tensor):

@@ -19,6 +19,7 @@ from torch import nn
 
 from kvserve.kernels import decode_stack
 from kvserve.kernels.decode_stack import DecodeStack, Matrix, StackLayer, StackShape
+from kvserve.kernels.quant import QuantizedTensor
 from kvserve.services.worker.layers.activation import SiluAndMul
 from kvserve.services.worker.layers.embed_head import ParallelLMHead
 from kvserve.services.worker.layers.layernorm import RMSNorm
@@ -62,6 +63,10 @@ def _matrix(linear: nn.Module, kind: type[LinearBase], dtype: torch.dtype) -> Ma
     if len(parts) > decode_stack.MAX_PARTS:
         raise NotCovered(f"a matrix in {len(parts)} parts")
     for _, weight in parts:
+        if isinstance(weight, QuantizedTensor) and weight.qtype not in decode_stack.STACK_QTYPES:
+            raise NotCovered(f"{weight.qtype} weights")
+        if isinstance(weight, QuantizedTensor) and weight.perm is not None:
+            raise NotCovered("act-order 4-bit weights (activations gathered per call)")
         if isinstance(weight, torch.Tensor) and (
             weight.dtype != dtype or not weight.is_contiguous()
         ):

@@ -273,8 +273,10 @@ REFUSALS = {
         "int8 weight strategy 'group'",
     ),
     "pack_quantized": (
+        # pack-quantized is the 4-bit reader's (quant_formats/int4.py): it refuses int8
+        # activations with it
         lambda qc: qc.update(format="pack-quantized") or _group(qc).update(format=None),
-        "format 'pack-quantized'",
+        "quantized activations with pack-quantized weights",
     ),
     "kv_cache_scheme": (
         lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float"}),
