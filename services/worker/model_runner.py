@@ -23,6 +23,7 @@ from kvserve.kernels import attention, cpu, gemm
 from kvserve.services.kv_store.connector import WorkerConnector
 from kvserve.services.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvserve.services.worker.input_batch import InputBatch
+from kvserve.services.worker.kv_scales import check_layers_take, resolve_kv_cache_dtype
 from kvserve.services.worker.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -87,6 +88,9 @@ class ModelRunner:
         self.max_model_len = effective_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # --kv-cache-dtype: the model's dtype, or fp8 with each layer's scales (kv_scales.py).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype)
+        check_layers_take(self.kv_cache_dtype, self.attention_layers)
         # LoRA wraps the linear layers before the GEMM plan, which finds them inside.
         self.lora_manager = None
         if config.lora.enable_lora:
@@ -187,7 +191,7 @@ class ModelRunner:
         spec = self.attention_layers[0].kv_cache_spec()
         return KvFingerprint(
             model=self.model_identity,  # not the served name: any node, any path
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(self.kv_cache_dtype).removeprefix("torch."),
             block_size=self.block_size,
             num_layers=len(self.attention_layers),
             num_kv_heads=spec.num_kv_heads,
@@ -198,14 +202,16 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block over every layer (a draft model's own layers too)."""
-        target = kv_cache_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
+        target = kv_cache_bytes_per_block(
+            self.attention_layers, self.block_size, self.kv_cache_dtype
+        )
         return target + (self.proposer.kv_cache_bytes_per_block() if self.proposer else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's cache (its KVCacheSpec: [2, num_blocks, block_size, Hkv, D]
         for full attention) and bind it to the layer."""
         self.kv_caches = bind_kv_caches(
-            self.attention_layers, num_blocks, self.block_size, self.dtype, self.device
+            self.attention_layers, num_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks)
@@ -223,10 +229,11 @@ class ModelRunner:
             self.vocab_size,
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens, %.1f MiB",
+            "KV cache: %d blocks of %d tokens, %.1f MiB, %s",
             num_blocks,
             self.block_size,
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+            str(self.kv_cache_dtype).removeprefix("torch."),
         )
         self.cuda_graphs = self.capture_cuda_graphs(max_blocks_per_req)
         if self.device.type == "cpu":

@@ -90,7 +90,9 @@ class Attention(nn.Module):
             checkpoint's [total heads].
 
     `kv_cache` is [2, num_blocks, block_size, num_kv_heads, D] (keys, then values), bound by
-    the model runner after it sizes the cache; None before that.
+    the model runner after it sizes the cache; None before that. An fp8 cache
+    (--kv-cache-dtype) holds K / k_scale and V / v_scale: the per-tensor scales of this layer,
+    the checkpoint's where it has them (services/worker/kv_scales.py), else 1.0.
     """
 
     def __init__(
@@ -120,6 +122,8 @@ class Attention(nn.Module):
             )
             set_weight_loader(self.sinks, self._load_sinks)
         self.kv_cache: torch.Tensor | None = None
+        self.k_scale = 1.0  # an fp8 cache's scales (floats: read on the host each step)
+        self.v_scale = 1.0
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The layout of this layer's cache: K and V planes (subclasses may differ)."""
@@ -172,6 +176,8 @@ class Attention(nn.Module):
                     key_cache,
                     value_cache,
                     attn_metadata.slot_mapping,
+                    self.k_scale,
+                    self.v_scale,
                 )
             else:
                 kernels.write_kv_cache(
@@ -180,6 +186,8 @@ class Attention(nn.Module):
                     key_cache,
                     value_cache,
                     attn_metadata.slot_mapping,
+                    self.k_scale,
+                    self.v_scale,
                 )
             out = kernels.paged_attention(
                 q.view(num_tokens, self.num_heads, self.head_size),
@@ -195,6 +203,8 @@ class Attention(nn.Module):
                 self.logits_soft_cap,
                 self.attention_chunk_size,
                 self.sinks,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         return out.view(num_tokens, self.num_heads * self.head_size)
 
