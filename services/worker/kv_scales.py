@@ -25,12 +25,13 @@ blocks by the model's weights and the KV dtype: KvFingerprint).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from kvserve.kernels.cache import is_fp8
+from kvserve.services.worker.layers.attention import Attention
 from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
@@ -62,7 +63,7 @@ def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.
     return FP8_KV_CACHE_DTYPES[cache_dtype]
 
 
-def check_layers_take(kv_dtype: torch.dtype, layers: list[nn.Module]) -> None:
+def check_layers_take(kv_dtype: torch.dtype, layers: Sequence[Attention]) -> None:
     """Refuse an fp8 cache for layers whose cache is not K and V planes: multi-head latent
     attention's latent cache is read by its own absorbed path, which is not converted."""
     if not is_fp8(kv_dtype):
@@ -107,8 +108,6 @@ def apply_kv_scales(model: nn.Module, found: dict[str, tuple[str, float]]) -> in
     many layers got one. A layer is matched by its parent module's name (the checkpoint's
     `...self_attn`) or its own. Names no layer of this rank holds are skipped (other
     pipeline stages' layers, a vision tower's)."""
-    from kvserve.services.worker.layers.attention import Attention
-
     layers: dict[str, Attention] = {}
     for module_name, module in model.named_modules():
         if isinstance(module, Attention):
