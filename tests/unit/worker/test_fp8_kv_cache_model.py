@@ -132,3 +132,12 @@ def test_mla_latent_cache_refuses_fp8():
     check_layers_take(torch.bfloat16, layers)
     with pytest.raises(ValueError, match="MLAAttention .multi-head latent attention"):
         check_layers_take(torch.float8_e4m3fn, layers)
+
+
+def test_native_decode_stack_declines_an_fp8_cache(tiny_checkpoint):
+    from kvserve.services.worker.models.native_decode import bind_decode_stack
+
+    model, _ = load_model(tiny_checkpoint("llama")[0], torch.float32, "cpu")
+    _bind(model, torch.float8_e4m3fn, 4)
+    status = bind_decode_stack(model, torch.float32, 8)
+    assert "torch.float8_e4m3fn KV cache (--kv-cache-dtype)" in status, status
