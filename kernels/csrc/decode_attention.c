@@ -266,7 +266,7 @@ DEFINE_ATTEND_ONE(attend_one_bf16_e5m2, uint16_t, uint8_t, load_bf16, store_bf16
 
 // The entry point: requests in parallel; head sizes 64 and 128 get specialized bodies.
 // (v_scale: the fp8 caches' value scale, 1 for float caches.)
-#define DEFINE_DECODE_ATTENTION_SCALED(NAME, T, TC, ATTEND_ONE)                               \
+#define DEFINE_DECODE_ATTENTION_SCALED(NAME, T, TC, ATTEND_ONE, UNIT)                         \
 void NAME##_chunked_scaled(T *out, const T *query, int64_t q_token_stride,                    \
           int64_t q_head_stride, const TC *key_cache, const TC *value_cache,                 \
           int64_t block_stride, int64_t slot_stride, const int32_t *block_table,             \
@@ -274,6 +274,9 @@ void NAME##_chunked_scaled(T *out, const T *query, int64_t q_token_stride,      
           int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size,      \
           float scale, int sliding_window, float soft_cap, int chunk_size,                   \
           const float *sinks, float v_scale) {                                               \
+    /* The cache format's widening gives values / UNIT (fp8_kv.h): scale them back. */       \
+    scale *= UNIT;                                                                           \
+    v_scale *= UNIT;                                                                         \
     const int group = num_heads / num_kv_heads;                                              \
     _Pragma("omp parallel")                                                                  \
     {                                                                                        \
@@ -326,7 +329,7 @@ void NAME##_chunked_scaled(T *out, const T *query, int64_t q_token_stride,      
 }
 
 #define DEFINE_DECODE_ATTENTION(NAME, T, ATTEND_ONE)                                          \
-DEFINE_DECODE_ATTENTION_SCALED(NAME, T, T, ATTEND_ONE)                                        \
+DEFINE_DECODE_ATTENTION_SCALED(NAME, T, T, ATTEND_ONE, 1.f)                                  \
 void NAME##_chunked(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,    \
           const T *key_cache, const T *value_cache, int64_t block_stride,                    \
           int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
@@ -353,9 +356,11 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
 
 DEFINE_DECODE_ATTENTION(decode_attention_f32, float, attend_one_f32)
 DEFINE_DECODE_ATTENTION(decode_attention_bf16, uint16_t, attend_one_bf16)
-DEFINE_DECODE_ATTENTION_SCALED(decode_attention_f32_e4m3, float, uint8_t, attend_one_f32_e4m3)
-DEFINE_DECODE_ATTENTION_SCALED(decode_attention_f32_e5m2, float, uint8_t, attend_one_f32_e5m2)
+DEFINE_DECODE_ATTENTION_SCALED(decode_attention_f32_e4m3, float, uint8_t, attend_one_f32_e4m3,
+                               FP8_E4M3_UNIT)
+DEFINE_DECODE_ATTENTION_SCALED(decode_attention_f32_e5m2, float, uint8_t, attend_one_f32_e5m2,
+                               FP8_E5M2_UNIT)
 DEFINE_DECODE_ATTENTION_SCALED(decode_attention_bf16_e4m3, uint16_t, uint8_t,
-                               attend_one_bf16_e4m3)
+                               attend_one_bf16_e4m3, FP8_E4M3_UNIT)
 DEFINE_DECODE_ATTENTION_SCALED(decode_attention_bf16_e5m2, uint16_t, uint8_t,
-                               attend_one_bf16_e5m2)
+                               attend_one_bf16_e5m2, FP8_E5M2_UNIT)

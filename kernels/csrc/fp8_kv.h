@@ -1,7 +1,8 @@
 // fp8 KV-cache rows (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) widened to float32 for the decode
 // attention (decode_attention.c). The cache holds K / k_scale and V / v_scale as bytes; the
 // kernel folds k_scale into the softmax scale and v_scale into the output, so these return
-// the stored value itself, exactly (every fp8 value is a float16 and a float32).
+// the stored value itself, exactly (every fp8 value is a float16 and a float32), e4m3's
+// divided by FP8_E4M3_UNIT = 2^8 (exact too): the entry point multiplies both scales by it.
 //
 //   e4m3fn: s eeee mmm, bias 7, subnormals m * 2^-9, no infinities (0x7f / 0xff are NaN;
 //           the write path clamps to +-448, so a NaN is only ever one the model produced).
@@ -9,16 +10,20 @@
 //
 // With AVX-512 (F16C's vcvtph2ps), 16 bytes become 16 floats through float16 bits: e5m2 is
 // the byte shifted up 8; e4m3's exponent and mantissa sit 7 bits up in a float16 (whose bias
-// is 8 more, hence the exact * 2^8 after), its sign at bit 15. e4m3 subnormals land on
+// is 8 more: that float16 is the value / 2^8, the unit above), its sign at bit 15. e4m3 subnormals land on
 // float16 subnormals, so nothing passes through a float32 denormal (no DAZ/FTZ surprises).
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
 
+#define FP8_E4M3_UNIT 256.f
+#define FP8_E5M2_UNIT 1.f
+
+// The value / FP8_E4M3_UNIT, as load16_e4m3 gives it.
 static inline float fp8_e4m3_to_f32(uint8_t b) {
     const int e = (b >> 3) & 0xF, m = b & 7;
-    const float magnitude = e ? ldexpf(1.f + 0.125f * m, e - 7) : 0.001953125f * m;
+    const float magnitude = e ? ldexpf(1.f + 0.125f * m, e - 15) : 0x1p-17f * m;
     return b & 0x80 ? -magnitude : magnitude;
 }
 
@@ -51,7 +56,7 @@ static inline __m512 load16_e4m3(const uint8_t *p) {
     const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
     const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
     const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7);
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.f));
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
 }
 
 static inline __m512 load16_e5m2(const uint8_t *p) {
