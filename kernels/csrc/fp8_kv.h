@@ -53,10 +53,11 @@ static inline const float *widen_e5m2(float *buf, const uint8_t *src, int n) {
 #include "qk_avx512.h"
 
 static inline __m512 load16_e4m3(const uint8_t *p) {
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
-    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7);
-    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+    // Sign-extended to 16 bits and shifted up 7: the sign lands on bit 15 and on bit 14,
+    // the float16 exponent's top bit, which the mask clears (an e4m3 exponent is 4 bits).
+    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i bits = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(-16512));
+    return _mm512_cvtph_ps(bits);  // -16512 = 0xbf80: every bit but 14 and the low 7
 }
 
 static inline __m512 load16_e5m2(const uint8_t *p) {
