@@ -24,7 +24,8 @@ K_SCALE, V_SCALE = 0.5, 2.0
 # takes the flash route on an AMX CPU, whose AMX kernel declines fp8 caches.
 LAYOUT = [(17, 17), (1, 29), (7, 40), (1, 1), (3, 16), (80, 100), (1, 16)]
 needs_cpu_kernels = pytest.mark.skipif(
-    not cpu.available(torch.float32), reason="the CPU kernels are not built here (no C compiler, or the build failed)"
+    not cpu.available(torch.float32),
+    reason="the CPU kernels are not built here (no C compiler, or the build failed)",
 )
 
 
