@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import cpu
 from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
+from kvserve.kernels.cache import dequantize_kv, is_fp8
 
 # Keys per inner-loop step of the Triton kernel.
 _TILE_N = 32
@@ -83,6 +84,8 @@ if HAS_TRITON:
         soft_cap,
         chunk_size,
         sinks_ptr,
+        k_scale,
+        v_scale,
         num_reqs,
         query_token_stride,
         query_head_stride,
@@ -104,6 +107,7 @@ if HAS_TRITON:
         USE_SOFT_CAP: tl.constexpr,
         USE_CHUNK: tl.constexpr,
         USE_SINKS: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         # Grid: (q block, KV head). A program's BLOCK_M rows are (query token, query head of
         # this KV head) pairs, row m = token m // G, head m % G, so every K/V tile it loads
@@ -173,6 +177,8 @@ if HAS_TRITON:
                 mask=key_mask[None, :] & dim_mask[:, None],
                 other=0.0,
             )
+            if KV_FP8:  # 8-bit keys times their scale, in registers
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
             if USE_SOFT_CAP:
                 scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
                 scores = soft_cap * _tanh(scores / soft_cap) * 1.4426950408889634
@@ -196,6 +202,8 @@ if HAS_TRITON:
                 mask=key_mask[:, None] & dim_mask[None, :],
                 other=0.0,
             )
+            if KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             acc = acc * rescale[:, None] + tl.dot(
                 probs.to(v.dtype), v, input_precision=DOT_PRECISION
             )
@@ -248,6 +256,8 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton paged attention; contract in kernels.dispatch.paged_attention.
 
@@ -294,6 +304,8 @@ def paged_attention(
         logits_soft_cap or 0.0,
         attention_chunk_size or 1,
         sinks if sinks is not None else out,  # unread without USE_SINKS
+        k_scale,
+        v_scale,
         num_reqs,
         query.stride(0),
         query.stride(1),
@@ -316,6 +328,7 @@ def paged_attention(
         USE_SOFT_CAP=bool(logits_soft_cap),
         USE_CHUNK=bool(attention_chunk_size),
         USE_SINKS=sinks is not None,
+        KV_FP8=is_fp8(key_cache.dtype),
     )
     return out
 
@@ -395,6 +408,8 @@ def _decode_attention_ref(
     soft_cap: float | None = None,
     chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     # query: [R, Hq, D], one token per request, the last of its context. Gather the first
     # num_blocks blocks of every request into a padded [R, Hkv, S_pad, D] view and run one
@@ -415,12 +430,12 @@ def _decode_attention_ref(
     # cache), and a masked NaN still poisons SDPA (0 * NaN): zero those rows after the gather.
     hidden_slots = (~visible).view(-1).nonzero().squeeze(1)
     keys, values = (
-        cache.index_select(0, block_ids)
+        dequantize_kv(cache.index_select(0, block_ids), kv_scale, query.dtype)
         .view(num_reqs * padded_len, num_kv_heads, head_size)
         .index_fill_(0, hidden_slots, 0.0)
         .view(num_reqs, padded_len, num_kv_heads, head_size)
         .transpose(1, 2)
-        for cache in (key_cache, value_cache)
+        for cache, kv_scale in ((key_cache, k_scale), (value_cache, v_scale))
     )
     # A decode token's G query heads share their KV head's keys and mask: fold them into
     # SDPA's query-length dim, so GQA needs no expanded K/V copy.
@@ -444,6 +459,8 @@ def _prefill_attention_ref(
     soft_cap: float | None = None,
     chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     # query: [L, Hq, D], the last L tokens of a seq_len context; block_ids: its table row.
     query_len, num_heads = query.shape[:2]
@@ -457,8 +474,10 @@ def _prefill_attention_ref(
     used_block_ids = block_ids[first_block : -(-seq_len // block_size)]
     num_keys = seq_len - first_block * block_size
     keys, values = (
-        cache.index_select(0, used_block_ids).flatten(0, 1)[:num_keys].transpose(0, 1)
-        for cache in (key_cache, value_cache)
+        dequantize_kv(cache.index_select(0, used_block_ids), kv_scale, query.dtype)
+        .flatten(0, 1)[:num_keys]
+        .transpose(0, 1)
+        for cache, kv_scale in ((key_cache, k_scale), (value_cache, v_scale))
     )
     mask = None
     if query_len < num_keys or sliding_window or chunk_size:
@@ -497,6 +516,8 @@ def paged_attention_ref(
     logits_soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Torch paged attention (the CPU hot path); same contract as `paged_attention`.
 
@@ -530,6 +551,8 @@ def paged_attention_ref(
                 logits_soft_cap,
                 attention_chunk_size,
                 sinks,
+                k_scale,
+                v_scale,
             )
     max_group_tokens = _DECODE_GROUP_BYTES // (
         2 * num_kv_heads * head_size * key_cache.element_size()
@@ -550,6 +573,8 @@ def paged_attention_ref(
                 logits_soft_cap,
                 attention_chunk_size,
                 sinks,
+                k_scale,
+                v_scale,
             )
         req_indices = torch.tensor(group, device=query.device)
         token_indices = torch.tensor([query_starts[req] for req in group], device=query.device)
@@ -565,6 +590,8 @@ def paged_attention_ref(
             logits_soft_cap,
             attention_chunk_size,
             sinks,
+            k_scale,
+            v_scale,
         )
         out.index_copy_(0, token_indices, group_out)
     return out
@@ -584,6 +611,8 @@ def _prefill_attention_cpu(
     seq_len: int,
     scale: float,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     # A chunk that starts mid-sequence needs a bottom-right causal mask, which sends SDPA to
     # its slow math path (a materialized [H, L, S] mask and scores). Instead, two flash calls:
@@ -597,8 +626,11 @@ def _prefill_attention_cpu(
     block_size = key_cache.shape[1]
     used_block_ids = block_ids[: -(-seq_len // block_size)]
     keys, values = (
-        cache.index_select(0, used_block_ids).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
-        for cache in (key_cache, value_cache)
+        dequantize_kv(cache.index_select(0, used_block_ids), kv_scale, query.dtype)
+        .flatten(0, 1)[:seq_len]
+        .transpose(0, 1)
+        .unsqueeze(0)
+        for cache, kv_scale in ((key_cache, k_scale), (value_cache, v_scale))
     )
     q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     out, lse = _flash(q, keys[:, :, context_len:], values[:, :, context_len:], True, scale)
@@ -636,11 +668,14 @@ def _prefill_chunks(
     lens: list[int],
     scale: float,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """out's rows of the prefill chunks of requests `reqs` (starts: query_start_loc, lens:
     seq_lens, as lists): all in one call on AMX tiles where the CPU has them (bfloat16,
     cpu.prefill_attention_amx; not with sinks: the kernel returns no log-sum-exps), else
-    chunk by chunk through torch's flash attention (sinks applied from its log-sum-exps)."""
+    chunk by chunk through torch's flash attention (sinks applied from its log-sum-exps; an
+    fp8 cache's blocks gathered and multiplied back: the AMX kernel reads float caches only)."""
     layout = (query.dtype, query.shape[1], key_cache.shape[2], query.shape[2])
     if sinks is None and cpu.prefill_attention_amx(
         out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, reqs, scale
@@ -651,7 +686,15 @@ def _prefill_chunks(
     for req in reqs:
         start, end = starts[req], starts[req + 1]
         out[start:end] = _prefill_attention_cpu(
-            query[start:end], key_cache, value_cache, block_table[req], lens[req], scale, sinks
+            query[start:end],
+            key_cache,
+            value_cache,
+            block_table[req],
+            lens[req],
+            scale,
+            sinks,
+            k_scale,
+            v_scale,
         )
 
 
@@ -802,6 +845,8 @@ def _prefill_as_decodes(
     soft_cap: float | None = None,
     chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """out[start:end] for one prefill chunk through the decode kernel: token i of the chunk is
     one query over keys [0, context_len + i], every token sharing the chunk's block-table row
@@ -823,6 +868,8 @@ def _prefill_as_decodes(
         soft_cap,
         chunk_size,
         sinks,
+        k_scale,
+        v_scale,
     )
 
 
@@ -840,6 +887,8 @@ def paged_attention_cpu(
     logits_soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The CPU fast path: decodes in the native kernel (K/V read in place, no gather);
     prefill chunks in the same kernel, a query per token, where that is faster
@@ -890,6 +939,8 @@ def paged_attention_cpu(
                     logits_soft_cap,
                     attention_chunk_size,
                     sinks,
+                    k_scale,
+                    v_scale,
                 )
             elif windowed:
                 out[start:end] = _prefill_attention_ref(
@@ -903,6 +954,8 @@ def paged_attention_cpu(
                     soft_cap=logits_soft_cap,
                     chunk_size=attention_chunk_size,
                     sinks=sinks,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
                 )
             else:
                 flash_reqs.append(req)
@@ -920,6 +973,8 @@ def paged_attention_cpu(
                 lens,
                 scale,
                 sinks,
+                k_scale,
+                v_scale,
             )
         decode_reqs = (query_lens == 1).nonzero().squeeze(1)
         if decode_reqs.numel() == 0:
@@ -946,5 +1001,7 @@ def paged_attention_cpu(
         logits_soft_cap,
         attention_chunk_size,
         sinks,
+        k_scale,
+        v_scale,
     )
     return out

@@ -5,6 +5,11 @@
 
 The cache is [num_blocks, block_size, Hkv, D] and contiguous, so slot s is the s-th run of
 Hkv * D elements of the flattened cache.
+
+An fp8 cache (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2: torch.float8_e4m3fn or
+torch.float8_e5m2) holds K / k_scale and V / v_scale rounded to 8 bits (`quantize_kv`, before
+the copy: every write path copies bytes of the cache's dtype); every read path multiplies
+back (`dequantize_kv` in the torch routes, in registers in the C and Triton kernels).
 """
 
 from __future__ import annotations
@@ -12,6 +17,32 @@ from __future__ import annotations
 import torch
 
 from kvserve.kernels._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
+
+# The KV dtypes of --kv-cache-dtype besides the model's own (`auto`).
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype holds scaled 8-bit floats (kernels multiply back)."""
+    return dtype in FP8_KV_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in the fp8 `dtype`, clamped to its finite range first: torch's cast
+    saturates e4m3fn (+-448) but would turn an e5m2 overflow into inf."""
+    finfo = torch.finfo(dtype)
+    scaled = x.float() if scale == 1.0 else x.float() / scale
+    return torch.clamp(scaled, finfo.min, finfo.max).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows read back as `dtype`: fp8 values times their scale; others as they are."""
+    if not is_fp8(x.dtype):
+        return x
+    if scale == 1.0:
+        return x.to(dtype)  # exact: every fp8 value is a bfloat16 and a float32
+    return x.float().mul_(scale).to(dtype)
+
 
 if HAS_TRITON:
 
@@ -111,6 +142,9 @@ def write_kv_cache_ref(
     if bool((slots < 0).any()):
         kept = (slots >= 0).nonzero().squeeze(1)
         slots, key, value = slots[kept], key[kept], value[kept]
+    if is_fp8(key_cache.dtype):  # torch has no index_copy_ for fp8: copy the bytes
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     # index_copy_ on the flat [num_slots, Hkv, D] view: a straight row copy, no index-put.
     key_cache.view(num_blocks * block_size, *key_cache.shape[2:]).index_copy_(0, slots, key)
     value_cache.view(num_blocks * block_size, *value_cache.shape[2:]).index_copy_(0, slots, value)

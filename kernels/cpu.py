@@ -49,6 +49,13 @@ _FUNCTIONS = [
     )
     for suffix in ("f32", "bf16")
 ] + ["bind_omp_threads", "decode_stack", "small_linear_f32", "small_linear_bf16"]
+# The decode kernel over fp8 caches (--kv-cache-dtype): a query dtype by a cache format.
+_FP8_CACHE_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_FUNCTIONS += [
+    f"decode_attention_{q}_{fmt}_chunked_scaled"
+    for q in ("f32", "bf16")
+    for fmt in _FP8_CACHE_FORMATS.values()
+]
 DTYPES = (torch.float32, torch.bfloat16)
 
 _c_int64_p = ctypes.POINTER(ctypes.c_int64)
@@ -273,6 +280,8 @@ def decode_attention(
     soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of one query token per request, written into out[token_rows].
 
@@ -280,7 +289,8 @@ def decode_attention(
         out: [T, Hq, D] contiguous; rows token_rows are written.
         query: [T, Hq, D], head dim contiguous (rows may be strided, e.g. a qkv split).
         key_cache, value_cache: [num_blocks, block_size, Hkv, D], each slot's [Hkv, D]
-            contiguous, same strides.
+            contiguous, same strides; the query's dtype, or fp8 (float8_e4m3fn /
+            float8_e5m2) read as k_scale * K and v_scale * V, converted in registers.
         block_table: [R, max_blocks] int32, row-contiguous; seq_lens: [R] int32.
         token_rows: [R] int64, the query row of each request.
         sliding_window: attend to only the last this many keys; None for all.
@@ -298,11 +308,18 @@ def decode_attention(
     token_rows = token_rows.to(torch.int64).contiguous()
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    fn = (
-        lib.decode_attention_f32_chunked
-        if query.dtype == torch.float32
-        else lib.decode_attention_bf16_chunked
-    )
+    query_kind = "f32" if query.dtype == torch.float32 else "bf16"
+    cache_format = _FP8_CACHE_FORMATS.get(key_cache.dtype)
+    extra: tuple[ctypes.c_float, ...] = ()
+    if cache_format is None:
+        assert key_cache.dtype == query.dtype, (key_cache.dtype, query.dtype)
+        fn = getattr(lib, f"decode_attention_{query_kind}_chunked")
+    else:
+        # The key scale joins the softmax scale (score = scale * q . (k_scale * k)); the
+        # value scale multiplies each output row once.
+        fn = getattr(lib, f"decode_attention_{query_kind}_{cache_format}_chunked_scaled")
+        scale = scale * k_scale
+        extra = (ctypes.c_float(v_scale),)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
         assert sinks.shape == (num_heads,), (sinks.shape, num_heads)
@@ -330,6 +347,7 @@ def decode_attention(
         ctypes.c_float(soft_cap or 0.0),
         ctypes.c_int(attention_chunk_size or 0),
         _ptr(sinks),
+        *extra,
     )
 
 
@@ -477,6 +495,8 @@ def prefill_attention_amx(
     Args: as decode_attention's, plus query_start_loc [R + 1] and seq_lens [R].
     """
     if query.dtype != torch.bfloat16 or not chunk_reqs or not cpu_has_amx():
+        return False
+    if key_cache.dtype != query.dtype:  # an fp8 cache: the caller's flash route converts
         return False
     if not kv_readable_in_place(key_cache, value_cache):
         return False

@@ -73,15 +73,18 @@ def rotary_write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """rotary_embedding of query and key, then write_kv_cache of the rotated key and value;
     returns the rotated query [T, Hq * D]. On CPU one C pass: the rotated key is written
-    only into the cache. Elsewhere (or caches the C pass does not write) the two ops.
+    only into the cache. Elsewhere (or caches the C pass does not write, fp8 ones among
+    them) the two ops.
 
     query: [T, Hq * D]; key, value: [T, Hkv * D]; the caches, slot_mapping and cos_sin_cache
     as in write_kv_cache and rotary_embedding.
     """
-    if _use_cpu_kernel(query):
+    if _use_cpu_kernel(query) and key_cache.dtype == query.dtype:
         rotated = cpu.rotary_write_kv_cache(
             positions,
             query,
@@ -103,6 +106,8 @@ def rotary_write_kv_cache(
         key_cache,
         value_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
     )
     return query
 
@@ -153,13 +158,20 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter K/V of T tokens into the paged cache, in place.
 
     key, value: [T, Hkv, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
     slot_mapping: [T] int64, slot = block_id * block_size + offset; a slot < 0 is skipped.
+    An fp8 cache (kernels/cache.py) gets key / k_scale and value / v_scale, rounded to it.
     """
-    if _use_cpu_kernel(key):
+    on_cpu_kernel = _use_cpu_kernel(key)
+    if cache.is_fp8(key_cache.dtype) and key.dtype != key_cache.dtype:
+        key = cache.quantize_kv(key, k_scale, key_cache.dtype)
+        value = cache.quantize_kv(value, v_scale, value_cache.dtype)
+    if on_cpu_kernel:
         cache._check_kv_cache_args(key, value, key_cache, value_cache, slot_mapping)
         if cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
             return
@@ -181,6 +193,8 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     attention_chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of flattened varlen queries over K/V read through a block table.
 
@@ -198,8 +212,12 @@ def paged_attention(
         p // C * C <= t <= p (Llama 4's chunked local attention).
     sinks: if set, [Hq] float32, one logit per query head that joins each softmax's
         denominator with no value (gpt-oss): out = sum_t e^s_t v_t / (e^sink + sum_t e^s_t).
+    k_scale, v_scale: an fp8 cache's scales (kernels/cache.py): every path reads
+        k_scale * K and v_scale * V; float caches ignore them.
     Returns [T, Hq, D]. Hq must be a multiple of Hkv (GQA).
     """
+    # Float caches keep the call they always had (the scales are an fp8 cache's only).
+    fp8_scales = {"k_scale": k_scale, "v_scale": v_scale} if cache.is_fp8(key_cache.dtype) else {}
     if _use_triton(query):
         fn = attention.paged_attention
     elif _use_cpu_kernel(query):
@@ -220,4 +238,5 @@ def paged_attention(
         logits_soft_cap,
         attention_chunk_size,
         sinks,
+        **fp8_scales,
     )

@@ -14,7 +14,7 @@ travel in the engine's ready message.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -118,6 +118,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 
 
+# --kv-cache-dtype's values (vLLM's names; fp8 is fp8_e4m3).
+KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
+
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The paged KV cache."""
 
@@ -155,10 +159,22 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_offloading_backend: Annotated[
         Literal["native"], flag_doc("the offload tier's store: native (kvserve's kv-store)")
     ] = "native"
+    cache_dtype: Annotated[
+        KvCacheDtype,
+        flag_doc(
+            "KV cache dtype: auto (the model's) or 8-bit floats with a per-layer scale for K and "
+            "for V, the checkpoint's or 1.0 (fp8 = fp8_e4m3; fp8_e5m2)",
+            aliases=["--kv-cache-dtype"],
+        ),
+    ] = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.cache_dtype not in get_args(KvCacheDtype):
+            raise ValueError(
+                f"kv_cache_dtype {self.cache_dtype!r} is not one of {list(get_args(KvCacheDtype))}"
+            )
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError(f"kv_offloading_size must be positive, got {self.kv_offloading_size}")
 
@@ -596,7 +612,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Engine arguments known by an older name too.
-_RENAMED_KWARGS = {"kv_cache_memory": "kv_cache_memory_bytes"}
+_RENAMED_KWARGS = {"kv_cache_memory": "kv_cache_memory_bytes", "kv_cache_dtype": "cache_dtype"}
 _ENGINE_AREAS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig,
     "cache": CacheConfig,

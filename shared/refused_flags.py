@@ -18,9 +18,6 @@ _NO_COMPILE = (
 )
 UNSUPPORTED_VLLM_FLAGS: dict[str, RefusedFlag] = {
     "--cpu-offload-gb": RefusedFlag("weights are never offloaded to CPU memory"),
-    "--kv-cache-dtype": RefusedFlag(
-        "the KV cache holds the model's dtype (only `auto`)", accepted=("auto",)
-    ),
     "--guided-decoding-backend": RefusedFlag(
         "vLLM replaced it with --structured-outputs-config; kvserve's backend is xgrammar",
         accepted=("auto", "xgrammar"),

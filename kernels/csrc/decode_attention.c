@@ -24,11 +24,17 @@
 // size is a compile-time constant for the common sizes (64, 128) so the dot products unroll,
 // and the softmax's exp is a polynomial the compiler vectorizes (libm's expf is a scalar call
 // per score).
+//
+// An fp8 cache (--kv-cache-dtype; the `_<e4m3|e5m2>_chunked_scaled` entry points, bytes for
+// the cache type TC) holds K / k_scale and V / v_scale: its rows are widened to float32 in
+// registers (fp8_kv.h), the caller folds k_scale into `scale`, and `v_scale` multiplies each
+// output row once.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp8_kv.h"
 #include "qk_avx512.h"
 #include "vec_math.h"
 
@@ -64,6 +70,34 @@ static inline void NAME##_portable(float *scores, const float *q_scaled, const T
 
 DEFINE_QK_CHUNK(qk_chunk_f32, float, widen_f32)
 DEFINE_QK_CHUNK(qk_chunk_bf16, uint16_t, widen_bf16)
+DEFINE_QK_CHUNK(qk_chunk_e4m3, uint8_t, widen_e4m3)
+DEFINE_QK_CHUNK(qk_chunk_e5m2, uint8_t, widen_e5m2)
+
+// fp8 keys against the float32 scaled query, whatever the query's own dtype (q_raw unused).
+#ifdef QK_AVX512
+#define QK16_FP8(FMT, ...) qk16_##FMT(__VA_ARGS__)
+#else
+#define QK16_FP8(FMT, ...) ((void)0)
+#endif
+#define DEFINE_QK_CHUNK_FP8(FMT)                                                              \
+static inline void qk_chunk_##FMT(float *scores, const float *q_scaled, const void *q_raw,    \
+                                  const uint8_t *k, int64_t slot_stride, int m,              \
+                                  int head_size, float scale, float *row) {                  \
+    (void)q_raw;                                                                              \
+    (void)scale;                                                                              \
+    if (QK_AVX512_ON && head_size % 16 == 0) {                                                \
+        QK16_FP8(FMT, scores, q_scaled, k, slot_stride, m, head_size);                        \
+        return;                                                                               \
+    }                                                                                         \
+    qk_chunk_##FMT##_portable(scores, q_scaled, k, slot_stride, m, head_size, row);           \
+}
+#ifdef QK_AVX512
+#define QK_AVX512_ON 1
+#else
+#define QK_AVX512_ON 0
+#endif
+DEFINE_QK_CHUNK_FP8(e4m3)
+DEFINE_QK_CHUNK_FP8(e5m2)
 
 static inline void qk_chunk_f32(float *scores, const float *q_scaled, const float *q_raw,
                                 const float *k, int64_t slot_stride, int m, int head_size,
@@ -109,6 +143,7 @@ static inline void qk_chunk_bf16(float *scores, const float *q_scaled, const uin
 #define PV_GROUP_bf16(...) 0
 #endif
 #define PV_GROUP_f32(...) 0
+#define PV_GROUP_fp8(...) 0
 
 #ifdef QK_AVX512
 #define PV_FAST(head_size) ((head_size) % 16 == 0 && (head_size) <= 256)
@@ -116,16 +151,19 @@ static inline void qk_chunk_bf16(float *scores, const float *q_scaled, const uin
 #define PV_FAST(head_size) 0
 #define pv_f32(...) ((void)0)
 #define pv_bf16(...) ((void)0)
+#define pv_e4m3(...) ((void)0)
+#define pv_e5m2(...) ((void)0)
 #endif
 
 // One request. q: [H, D] float scratch; scores: [H, seq_len] scratch; acc: [H, D] scratch.
-#define DEFINE_ATTEND_ONE(NAME, T, LOAD, STORE, WIDEN, QK_CHUNK, PV, PV_GROUP)                \
+// T: the query's and output's type; TC: the cache's (T, or bytes of fp8).
+#define DEFINE_ATTEND_ONE(NAME, T, TC, LOAD, STORE, WIDEN, QK_CHUNK, PV, PV_GROUP)            \
 static inline __attribute__((always_inline)) void NAME(                                       \
-        T *out, const T *query, int64_t q_head_stride, const T *key_cache,                    \
-        const T *value_cache, int64_t block_stride, int64_t slot_stride,                      \
+        T *out, const T *query, int64_t q_head_stride, const TC *key_cache,                   \
+        const TC *value_cache, int64_t block_stride, int64_t slot_stride,                     \
         const int32_t *blocks, int seq_len, int num_masked, int num_heads, int group,         \
         const int head_size, int block_size, float scale, float soft_cap,                     \
-        const float *sinks, float *q, float *scores, float *acc) {                            \
+        const float *sinks, float *q, float *scores, float *acc, float v_scale) {             \
     for (int h = 0; h < num_heads; h++)                                                       \
         for (int d = 0; d < head_size; d++)                                                   \
             q[h * head_size + d] = LOAD(query + h * q_head_stride, d) * scale;                \
@@ -135,7 +173,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t head_offset = (int64_t)kh * head_size;                                  \
         float *sk = scores + (int64_t)kh * group * seq_len;                                   \
         for (int b = 0; b < num_blocks; b++) {                                                \
-            const T *k_block = key_cache + blocks[b] * block_stride + head_offset;            \
+            const TC *k_block = key_cache + blocks[b] * block_stride + head_offset;           \
             const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size    \
                                                                 : block_size;                 \
             /* The first KV head's pass brings in whole blocks ahead, K and V of every head   \
@@ -143,8 +181,8 @@ static inline __attribute__((always_inline)) void NAME(                         
                them from cache, and the memory streams while the first pass computes. */      \
             if (kh == 0 && b + PREFETCH_BLOCKS < num_blocks) {                                \
                 const int64_t ahead = blocks[b + PREFETCH_BLOCKS] * block_stride;             \
-                PREFETCH_ROWS(key_cache + ahead, 1, 0, block_size * slot_stride * sizeof(T)); \
-                PREFETCH_ROWS(value_cache + ahead, 1, 0, block_size * slot_stride * sizeof(T)); \
+                PREFETCH_ROWS(key_cache + ahead, 1, 0, block_size * slot_stride * sizeof(TC)); \
+                PREFETCH_ROWS(value_cache + ahead, 1, 0, block_size * slot_stride * sizeof(TC)); \
             }                                                                                 \
             for (int o = 0; o < n; o += 16) {                                                 \
                 const int m = n - o < 16 ? n - o : 16;                                        \
@@ -194,7 +232,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             const float *sk = scores + (int64_t)kh * group * seq_len;                         \
             float *ak = acc + (int64_t)kh * group * head_size;                                \
             for (int b = 0; b < num_blocks; b++) {                                            \
-                const T *v_block = value_cache + blocks[b] * block_stride + head_offset;      \
+                const TC *v_block = value_cache + blocks[b] * block_stride + head_offset;     \
                 const int n = seq_len - b * block_size < block_size                           \
                               ? seq_len - b * block_size : block_size;                        \
                 for (int o = 0; o < n; o++) {                                                 \
@@ -210,22 +248,35 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                         \
     for (int h = 0; h < num_heads; h++)                                                       \
         for (int d = 0; d < head_size; d++)                                                   \
-            STORE(out + h * head_size, d, acc[h * head_size + d]);                            \
+            STORE(out + h * head_size, d, acc[h * head_size + d] * v_scale);                  \
 }
 
-DEFINE_ATTEND_ONE(attend_one_f32, float, load_f32, store_f32, widen_f32, qk_chunk_f32, pv_f32,
-                  PV_GROUP_f32)
-DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, load_bf16, store_bf16, widen_bf16,
+DEFINE_ATTEND_ONE(attend_one_f32, float, float, load_f32, store_f32, widen_f32, qk_chunk_f32,
+                  pv_f32, PV_GROUP_f32)
+DEFINE_ATTEND_ONE(attend_one_bf16, uint16_t, uint16_t, load_bf16, store_bf16, widen_bf16,
                   qk_chunk_bf16, pv_bf16, PV_GROUP_bf16)
+DEFINE_ATTEND_ONE(attend_one_f32_e4m3, float, uint8_t, load_f32, store_f32, widen_e4m3,
+                  qk_chunk_e4m3, pv_e4m3, PV_GROUP_fp8)
+DEFINE_ATTEND_ONE(attend_one_f32_e5m2, float, uint8_t, load_f32, store_f32, widen_e5m2,
+                  qk_chunk_e5m2, pv_e5m2, PV_GROUP_fp8)
+DEFINE_ATTEND_ONE(attend_one_bf16_e4m3, uint16_t, uint8_t, load_bf16, store_bf16, widen_e4m3,
+                  qk_chunk_e4m3, pv_e4m3, PV_GROUP_fp8)
+DEFINE_ATTEND_ONE(attend_one_bf16_e5m2, uint16_t, uint8_t, load_bf16, store_bf16, widen_e5m2,
+                  qk_chunk_e5m2, pv_e5m2, PV_GROUP_fp8)
 
 // The entry point: requests in parallel; head sizes 64 and 128 get specialized bodies.
-#define DEFINE_DECODE_ATTENTION(NAME, T, ATTEND_ONE)                                          \
-void NAME##_chunked(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,    \
-          const T *key_cache, const T *value_cache, int64_t block_stride,                    \
-          int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
-          const int32_t *seq_lens, const int64_t *token_rows, int num_reqs, int num_heads,   \
-          int num_kv_heads, int head_size, int block_size, float scale, int sliding_window,  \
-          float soft_cap, int chunk_size, const float *sinks) {                              \
+// (v_scale: the fp8 caches' value scale, 1 for float caches.)
+#define DEFINE_DECODE_ATTENTION_SCALED(NAME, T, TC, ATTEND_ONE, UNIT)                         \
+void NAME##_chunked_scaled(T *out, const T *query, int64_t q_token_stride,                    \
+          int64_t q_head_stride, const TC *key_cache, const TC *value_cache,                 \
+          int64_t block_stride, int64_t slot_stride, const int32_t *block_table,             \
+          int64_t table_stride, const int32_t *seq_lens, const int64_t *token_rows,          \
+          int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size,      \
+          float scale, int sliding_window, float soft_cap, int chunk_size,                   \
+          const float *sinks, float v_scale) {                                               \
+    /* The cache format's widening gives values / UNIT (fp8_kv.h): scale them back. */       \
+    scale *= UNIT;                                                                           \
+    v_scale *= UNIT;                                                                         \
     const int group = num_heads / num_kv_heads;                                              \
     _Pragma("omp parallel")                                                                  \
     {                                                                                        \
@@ -259,22 +310,37 @@ void NAME##_chunked(T *out, const T *query, int64_t q_token_stride, int64_t q_he
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
                            slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
                            64, block_size, scale, soft_cap, sinks, q, scores,                \
-                           acc);                                                             \
+                           acc, v_scale);                                                    \
             else if (head_size == 128)                                                       \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
                            slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
                            128, block_size, scale, soft_cap, sinks, q, scores,               \
-                           acc);                                                             \
+                           acc, v_scale);                                                    \
             else                                                                             \
                 ATTEND_ONE(o, qr, q_head_stride, key_cache, value_cache, block_stride,       \
                            slot_stride, blocks, seq_len, num_masked, num_heads, group,       \
                            head_size, block_size, scale, soft_cap, sinks, q, scores,         \
-                           acc);                                                             \
+                           acc, v_scale);                                                    \
         }                                                                                    \
         free(scores);                                                                        \
         free(q);                                                                             \
         free(acc);                                                                           \
     }                                                                                        \
+}
+
+#define DEFINE_DECODE_ATTENTION(NAME, T, ATTEND_ONE)                                          \
+DEFINE_DECODE_ATTENTION_SCALED(NAME, T, T, ATTEND_ONE, 1.f)                                  \
+void NAME##_chunked(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,    \
+          const T *key_cache, const T *value_cache, int64_t block_stride,                    \
+          int64_t slot_stride, const int32_t *block_table, int64_t table_stride,             \
+          const int32_t *seq_lens, const int64_t *token_rows, int num_reqs, int num_heads,   \
+          int num_kv_heads, int head_size, int block_size, float scale, int sliding_window,  \
+          float soft_cap, int chunk_size, const float *sinks) {                              \
+    NAME##_chunked_scaled(out, query, q_token_stride, q_head_stride, key_cache, value_cache, \
+                          block_stride, slot_stride, block_table, table_stride, seq_lens,    \
+                          token_rows, num_reqs, num_heads, num_kv_heads, head_size,          \
+                          block_size, scale, sliding_window, soft_cap, chunk_size, sinks,    \
+                          1.f);                                                              \
 }                                                                                            \
 void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,              \
           const T *key_cache, const T *value_cache, int64_t block_stride,                    \
@@ -290,3 +356,11 @@ void NAME(T *out, const T *query, int64_t q_token_stride, int64_t q_head_stride,
 
 DEFINE_DECODE_ATTENTION(decode_attention_f32, float, attend_one_f32)
 DEFINE_DECODE_ATTENTION(decode_attention_bf16, uint16_t, attend_one_bf16)
+DEFINE_DECODE_ATTENTION_SCALED(decode_attention_f32_e4m3, float, uint8_t, attend_one_f32_e4m3,
+                               FP8_E4M3_UNIT)
+DEFINE_DECODE_ATTENTION_SCALED(decode_attention_f32_e5m2, float, uint8_t, attend_one_f32_e5m2,
+                               FP8_E5M2_UNIT)
+DEFINE_DECODE_ATTENTION_SCALED(decode_attention_bf16_e4m3, uint16_t, uint8_t,
+                               attend_one_bf16_e4m3, FP8_E4M3_UNIT)
+DEFINE_DECODE_ATTENTION_SCALED(decode_attention_bf16_e5m2, uint16_t, uint8_t,
+                               attend_one_bf16_e5m2, FP8_E5M2_UNIT)

@@ -51,6 +51,14 @@ def check_kv_caches(kv_caches: Sequence[torch.Tensor], fingerprint: KvFingerprin
             raise ValueError(f"KV-cache tensors must be contiguous {fp.dtype}, not {cache.dtype}")
 
 
+# Copied as bytes: torch has no index_copy_ for the fp8 caches of --kv-cache-dtype.
+_BYTE_COPIED = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _as_copied(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _BYTE_COPIED else t
+
+
 def _flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], cache.shape[1], -1)  # [planes, num_blocks, E]
 
@@ -72,6 +80,7 @@ def copy_blocks_to_slots(
     """view[slots[i]] = every layer's K and V of block block_ids[i]."""
     if not slots:
         return
+    view, kv_caches = _as_copied(view), [_as_copied(cache) for cache in kv_caches]
     device = kv_caches[0].device
     ids = _ids(block_ids, device)
     runs = slot_runs(slots)
@@ -101,6 +110,7 @@ def copy_slots_to_blocks(
     """Block block_ids[i] of every layer = view[slots[i]]."""
     if not slots:
         return
+    view, kv_caches = _as_copied(view), [_as_copied(cache) for cache in kv_caches]
     device = kv_caches[0].device
     ids = _ids(block_ids, device)
     runs = slot_runs(slots)

@@ -29,6 +29,7 @@ from kvserve.services.worker.kv_cache_groups import (
     group_kv_cache_bytes_per_block,
     plan_kv_cache_groups,
 )
+from kvserve.services.worker.kv_scales import check_layers_take, resolve_kv_cache_dtype
 from kvserve.services.worker.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -96,6 +97,9 @@ class ModelRunner:
         self.kv_cache_groups = plan_kv_cache_groups(
             config, self.attention_layers, self.is_first_stage and self.is_last_stage
         )
+        # --kv-cache-dtype: the model's dtype, or fp8 with each layer's scales (kv_scales.py).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype)
+        check_layers_take(self.kv_cache_dtype, self.attention_layers)
         # LoRA wraps the linear layers before the GEMM plan, which finds them inside.
         self.lora_manager = None
         if config.lora.enable_lora:
@@ -196,7 +200,7 @@ class ModelRunner:
         spec = self.attention_layers[0].kv_cache_spec()
         return KvFingerprint(
             model=self.model_identity,  # not the served name: any node, any path
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(self.kv_cache_dtype).removeprefix("torch."),
             block_size=self.block_size,
             num_layers=len(self.attention_layers),
             num_kv_heads=spec.num_kv_heads,
@@ -207,10 +211,12 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one block over every layer (a draft model's own layers too)."""
-        target = kv_cache_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
+        target = kv_cache_bytes_per_block(
+            self.attention_layers, self.block_size, self.kv_cache_dtype
+        )
         if len(self.kv_cache_groups) > 1:  # a block is a page of one group's layers
             target = group_kv_cache_bytes_per_block(
-                self.attention_layers, self.kv_cache_groups, self.block_size, self.dtype
+                self.attention_layers, self.kv_cache_groups, self.block_size, self.kv_cache_dtype
             )
         return target + (self.proposer.kv_cache_bytes_per_block() if self.proposer else 0)
 
@@ -221,7 +227,7 @@ class ModelRunner:
         if len(self.kv_cache_groups) > 1:
             bind = functools.partial(bind_grouped_kv_caches, groups=self.kv_cache_groups)
         self.kv_caches = bind(
-            self.attention_layers, num_blocks, self.block_size, self.dtype, self.device
+            self.attention_layers, num_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks)
@@ -240,10 +246,11 @@ class ModelRunner:
             len(self.kv_cache_groups),
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens, %.1f MiB",
+            "KV cache: %d blocks of %d tokens, %.1f MiB, %s",
             num_blocks,
             self.block_size,
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
+            str(self.kv_cache_dtype).removeprefix("torch."),
         )
         one_table = len(self.kv_cache_groups) == 1  # what the graphs and the C stack read
         self.cuda_graphs = self.capture_cuda_graphs(max_blocks_per_req) if one_table else None

@@ -102,7 +102,9 @@ class Attention(nn.Module):
 
     `kv_cache` is [2, num_blocks, block_size, num_kv_heads, D] (keys, then values), bound by
     the model runner after it sizes the cache; None before that. `kv_cache_group` is the KV
-    cache group whose block table the layer reads (0 unless the model has several).
+    cache group whose block table the layer reads (0 unless the model has several). An fp8
+    cache (--kv-cache-dtype) holds K / k_scale and V / v_scale: the per-tensor scales of this
+    layer, the checkpoint's where it has them (services/worker/kv_scales.py), else 1.0.
     """
 
     def __init__(
@@ -133,6 +135,8 @@ class Attention(nn.Module):
             set_weight_loader(self.sinks, self._load_sinks)
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_group = 0
+        self.k_scale = 1.0  # an fp8 cache's scales (floats: read on the host each step)
+        self.v_scale = 1.0
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The layout of this layer's cache: K and V planes (subclasses may differ)."""
@@ -186,6 +190,8 @@ class Attention(nn.Module):
                     key_cache,
                     value_cache,
                     slot_mapping,
+                    self.k_scale,
+                    self.v_scale,
                 )
             else:
                 kernels.write_kv_cache(
@@ -194,6 +200,8 @@ class Attention(nn.Module):
                     key_cache,
                     value_cache,
                     slot_mapping,
+                    self.k_scale,
+                    self.v_scale,
                 )
             out = kernels.paged_attention(
                 q.view(num_tokens, self.num_heads, self.head_size),
@@ -209,6 +217,8 @@ class Attention(nn.Module):
                 self.logits_soft_cap,
                 self.attention_chunk_size,
                 self.sinks,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         return out.view(num_tokens, self.num_heads * self.head_size)
 

@@ -134,13 +134,16 @@ def load_model(
     if _TEXT_ONLY_MULTIMODAL.intersection(architectures):
         hf_config = hf_config.get_text_config()
     from kvserve.services.worker import quantization as quant
+    from kvserve.services.worker.kv_scales import apply_kv_scales, take_kv_scales
 
     method, gguf_path = quant.resolve_quantization(quantization, model_arg, model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = quant.build_quantized(model_class, hf_config, method)
-    weights = quant.quantized_weights(
-        method, gguf_path, iterate_safetensors(model_dir), model_dir=model_dir
-    )
+    # fp8 KV-cache scales leave the stream here: no model's loader sees them (worker/kv_scales).
+    kv_scales: dict[str, tuple[str, float]] = {}
+    checkpoint = take_kv_scales(iterate_safetensors(model_dir), kv_scales)
+    weights = quant.quantized_weights(method, gguf_path, checkpoint, model_dir=model_dir)
     model.load_weights(weights)
+    apply_kv_scales(model, kv_scales)
     quant.finish_loading(model)
     return model.eval(), hf_config.get_text_config()

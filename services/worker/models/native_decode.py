@@ -119,6 +119,8 @@ def _stack_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> StackLayer:
         raise NotCovered("a bias on down_proj")
     cache = attn.attn.kv_cache
     assert cache is not None, "bind_decode_stack checks the caches are bound"
+    if cache.dtype != dtype:  # the C stack reads K/V in the model's dtype
+        raise NotCovered(f"a {cache.dtype} KV cache (--kv-cache-dtype) in a {dtype} model")
     qkv_bias = attn.qkv_proj.bias
     return StackLayer(
         input_norm=_norm_weight(layer.input_layernorm),

@@ -62,6 +62,7 @@ CASES = [
     (["--root-path", "/llm"], lambda o: o.http.root_path, "/llm"),
     (["--executor", "mp"], lambda o: o.engine.parallel.distributed_executor_backend, "mp"),
     (["--kv-cache-dtype", "auto"], lambda o: o.engine.cache, ServeOptions().engine.cache),
+    (["--kv-cache-dtype", "fp8"], lambda o: o.engine.cache.cache_dtype, "fp8"),
     (["--load-format", "safetensors"], lambda o: o.engine, ServeOptions().engine),
     (
         ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
@@ -117,7 +118,7 @@ def test_defaults_are_vllms():
             ["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'],
             "medusa needs `model`",
         ),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported"),
+        (["--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
         (["--revision", "main"], "no downloads"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
         (["--ssl-keyfile", "k.pem"], "TLS needs both --ssl-keyfile and --ssl-certfile"),
