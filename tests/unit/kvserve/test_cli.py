@@ -103,8 +103,8 @@ def test_defaults_are_vllms():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--quantization", "awq"], "invalid choice: 'awq'"),
-        (["-q", "gptq"], "invalid choice: 'gptq'"),
+        (["--quantization", "bitsandbytes"], "invalid choice: 'bitsandbytes'"),
+        (["-q", "marlin"], "invalid choice: 'marlin'"),
         (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
         (["--enable-lora", "--lora-modules", "a"], "give name=path or a JSON object"),
         (["--enable-lora", "--max-loras", "0"], "max_loras must be >= 1"),
