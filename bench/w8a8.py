@@ -133,63 +133,40 @@ def _qlinear_prepacked(x, prepacked, weight_scales):
     return y.mul_(sx.to(torch.bfloat16)[:, None])
 
 
-def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: int,
-                   output_len: int) -> None:  # fmt: skip
-    """Where the time of a decode step of num_prompts rows goes, per variant: forward hooks
-    time the linears (every LinearBase), the attention modules, the whole model forward and
-    compute_logits on the steps whose input has exactly num_prompts rows (the steps where
-    every sequence decodes; prefill steps have more); "rest" is forward minus linears minus
-    attention (norms, rotary, SiLU-and-mul, residual adds, embedding, Python)."""
+def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: int) -> None:
+    """Where the time of a decode step of num_prompts requests (input_len cached tokens each)
+    goes, per variant: the model runner's timing step (what its start-up measurements run)
+    through the model and compute_logits, forward hooks timing the linears (every
+    LinearBase) and the attention modules; "rest" is the forward minus both (norms, rotary,
+    SiLU-and-mul, residual adds, embedding, Python). rounds steps per variant, interleaved;
+    the step with the least total is reported (the others were preempted more), with the
+    median total beside it."""
     import torch
 
     from kvserve import LLM
     from kvserve.services.worker.layers.attention import Attention
     from kvserve.services.worker.layers.linear import LinearBase
 
-    def instrument(model):
-        totals = {"linears": 0.0, "attention": 0.0, "forward": 0.0, "logits": 0.0, "steps": 0}
-        state = {"on": False, "start": {}}
-
-        def top_pre(module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            state["on"] = ids is not None and ids.shape[0] == num_prompts
-            state["start"][id(module)] = time.perf_counter()
-
-        def top_post(module, args, kwargs, out):
-            if state["on"]:
-                totals["forward"] += time.perf_counter() - state["start"][id(module)]
-                totals["steps"] += 1
+    def instrument(model) -> dict[str, float]:
+        times = dict.fromkeys(("linears", "attention"), 0.0)
+        start: dict[int, float] = {}
 
         def pre(module, args):
-            state["start"][id(module)] = time.perf_counter()
+            start[id(module)] = time.perf_counter()
 
         def post(kind):
             def hook(module, args, out):
-                if state["on"]:
-                    totals[kind] += time.perf_counter() - state["start"][id(module)]
+                times[kind] += time.perf_counter() - start[id(module)]
 
             return hook
 
-        model.register_forward_pre_hook(top_pre, with_kwargs=True)
-        model.register_forward_hook(top_post, with_kwargs=True)
         for module in model.modules():
             kind = "linears" if isinstance(module, LinearBase) else None
             kind = "attention" if isinstance(module, Attention) else kind
             if kind is not None:
                 module.register_forward_pre_hook(pre)
                 module.register_forward_hook(post(kind))
-        logits = model.compute_logits
-
-        def timed_logits(hidden):
-            start = time.perf_counter()
-            out = logits(hidden)
-            if state["on"]:
-                totals["logits"] += time.perf_counter() - start
-            state["on"] = False
-            return out
-
-        model.compute_logits = timed_logits
-        return totals
+        return times
 
     kw = dict(kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
     engines = {
@@ -198,27 +175,35 @@ def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: i
     }
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, input_len).tolist() for _ in range(num_prompts)]
-    for llm in engines.values():  # warm: plans measured
-        _throughput(llm, prompts[:4], 4)
-    found = {
-        name: instrument(llm.engine_core.executor.worker.runner.model)
-        for name, llm in engines.items()
-    }
-    for _ in range(rounds):
-        for llm in engines.values():
-            with torch.inference_mode():
-                _throughput(llm, prompts, output_len)
-    print(f"\n| variant | ms per {num_prompts}-row decode step | linears | attention | rest | "
-          f"logits (LM head, float) | steps | load |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for name, t in found.items():
-        steps = max(1, t["steps"])
-        ms = {key: t[key] * 1e3 / steps for key in ("linears", "attention", "forward", "logits")}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    setups = {}
+    for name, llm in engines.items():
+        _throughput(llm, prompts, 4)  # warm: plans measured at every row count used
+        runner = llm.engine_core.executor.worker.runner
+        step = runner._timing_step(np.ones(num_prompts, dtype=np.int32), context=input_len)
+        setups[name] = (runner, step, instrument(runner.model))
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, (runner, step, times) in setups.items():
+                for key in times:
+                    times[key] = 0.0
+                begin = time.perf_counter()
+                hidden = runner._run_stage(*step)
+                forward = time.perf_counter() - begin
+                runner.model.compute_logits(hidden)
+                total = time.perf_counter() - begin
+                runs[name].append(dict(times, forward=forward, total=total))
+    print(f"\n| variant | ms per {num_prompts}-request decode step (best; median) | linears | "
+          f"attention | rest | logits (LM head, float) | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, steps in runs.items():
+        best = min(steps, key=lambda r: r["total"])
+        median = statistics.median(r["total"] for r in steps) * 1e3
+        ms = {key: v * 1e3 for key, v in best.items()}
         rest = ms["forward"] - ms["linears"] - ms["attention"]
-        total = ms["forward"] + ms["logits"]
-        share = {key: f"{v:.2f} ({v / total:.0%})" for key, v in ms.items()}
-        print(f"| {name} | {total:.2f} | {share['linears']} | {share['attention']} | "
-              f"{rest:.2f} ({rest / total:.0%}) | {share['logits']} | {t['steps']} | "
+        parts = [ms["linears"], ms["attention"], rest, ms["total"] - ms["forward"]]
+        cells = " | ".join(f"{v:.2f} ({v / ms['total']:.0%})" for v in parts)
+        print(f"| {name} | {ms['total']:.2f}; {median:.2f} | {cells} | "
               f"{os.getloadavg()[0]:.1f} |")  # fmt: skip
 
 
@@ -243,7 +228,7 @@ def main() -> int:
     if not args.w8a8:
         parser.error("--w8a8 FOLDER is needed (or --kernels)")
     if args.profile:
-        decode_profile(args.w8a8, args.rounds, args.num_prompts, args.input_len, args.output_len)
+        decode_profile(args.w8a8, args.rounds, args.num_prompts, args.input_len)
         return 0
     kw = dict(kv_cache_memory_bytes=1 << 30)
 
