@@ -178,8 +178,10 @@ def linear_amx(
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     n = weight.shape[0]
-    packed = packed_for_amx(weight)
     y = torch.empty(m, n, dtype=out_dtype)
+    if m == 0:
+        return y
+    packed = packed_for_amx(weight)
     b = bias.float().contiguous() if bias is not None else None
     status = ctypes.c_int(0)
     lib.kvw8_amx_linear(

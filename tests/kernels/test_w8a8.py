@@ -79,6 +79,13 @@ def test_linear_amx_matches_the_reference(n, k, rows, dtype):
 
 
 @needs_amx
+def test_linear_amx_takes_no_rows():
+    weight = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    y = w8a8.linear_amx(torch.empty(0, 64, dtype=torch.bfloat16), weight, torch.ones(40))
+    assert y.shape == (0, 40) and y.dtype == torch.bfloat16
+
+
+@needs_amx
 def test_amx_weight_is_packed_once_per_weight():
     weight = torch.randint(-127, 128, (64, 128), dtype=torch.int8)
     other = torch.randint(-127, 128, (64, 128), dtype=torch.int8)
