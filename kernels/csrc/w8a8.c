@@ -213,6 +213,7 @@ void kvw8_amx_linear(const void *x, int is_bf16, int64_t ldx, int m, int k, cons
     }
     const int k_pad = (k + 63) / 64 * 64, kbs = k_pad / 64, m_blocks = (m + 15) / 16;
     const int n_pairs = (n + 31) / 32;
+    const int sb_rows = (512 * 1024 / k_pad) / 32 * 32, sb_blocks = sb_rows < 32 ? 2 : sb_rows / 16;
     const size_t elem = is_bf16 ? 2 : 4;
     int8_t *a = aligned_alloc(64, (size_t)m_blocks * 16 * k_pad);
     float *sx = malloc(sizeof(float) * (size_t)m);
@@ -235,50 +236,55 @@ void kvw8_amx_linear(const void *x, int is_bf16, int64_t ldx, int m, int k, cons
         }
         configure_tiles();
         int32_t acc[4][256] __attribute__((aligned(64)));
+        // Row super-blocks of A small enough to stay in L2 (~512 KB) while every column pair
+        // passes over them (a barrier each; one super-block up to ~900 rows at K = 576).
+        for (int sb = 0; sb < m_blocks; sb += sb_blocks) {
+            const int mb_end = sb + sb_blocks < m_blocks ? sb + sb_blocks : m_blocks;
 #pragma omp for schedule(static)
-        for (int np = 0; np < n_pairs; np++) {
-            const int8_t *b0 = packed + (int64_t)(2 * np) * kbs * 1024, *b1 = b0 + kbs * 1024;
-            for (int mb = 0; mb < m_blocks; mb += 2) {
-                const int8_t *a0 = a + (int64_t)mb * 16 * k_pad, *a1 = a0 + 16 * k_pad;
-                const int row0 = 16 * mb, rows0 = m - row0 < 16 ? m - row0 : 16;
-                if (mb + 1 < m_blocks) {
-                    _tile_zero(4);
-                    _tile_zero(5);
-                    _tile_zero(6);
-                    _tile_zero(7);
-                    for (int kb = 0; kb < kbs; kb++) {
-                        _tile_loadd(0, a0 + 64 * kb, k_pad);
-                        _tile_loadd(1, a1 + 64 * kb, k_pad);
-                        _tile_loadd(2, b0 + kb * 1024, 64);
-                        _tile_loadd(3, b1 + kb * 1024, 64);
-                        _tile_dpbssd(4, 0, 2);
-                        _tile_dpbssd(5, 0, 3);
-                        _tile_dpbssd(6, 1, 2);
-                        _tile_dpbssd(7, 1, 3);
+            for (int np = 0; np < n_pairs; np++) {
+                const int8_t *b0 = packed + (int64_t)(2 * np) * kbs * 1024, *b1 = b0 + kbs * 1024;
+                for (int mb = sb; mb < mb_end; mb += 2) {
+                    const int8_t *a0 = a + (int64_t)mb * 16 * k_pad, *a1 = a0 + 16 * k_pad;
+                    const int row0 = 16 * mb, rows0 = m - row0 < 16 ? m - row0 : 16;
+                    if (mb + 1 < mb_end) {
+                        _tile_zero(4);
+                        _tile_zero(5);
+                        _tile_zero(6);
+                        _tile_zero(7);
+                        for (int kb = 0; kb < kbs; kb++) {
+                            _tile_loadd(0, a0 + 64 * kb, k_pad);
+                            _tile_loadd(1, a1 + 64 * kb, k_pad);
+                            _tile_loadd(2, b0 + kb * 1024, 64);
+                            _tile_loadd(3, b1 + kb * 1024, 64);
+                            _tile_dpbssd(4, 0, 2);
+                            _tile_dpbssd(5, 0, 3);
+                            _tile_dpbssd(6, 1, 2);
+                            _tile_dpbssd(7, 1, 3);
+                        }
+                        _tile_stored(4, acc[0], 64);
+                        _tile_stored(5, acc[1], 64);
+                        _tile_stored(6, acc[2], 64);
+                        _tile_stored(7, acc[3], 64);
+                        const int rows1 = m - row0 - 16 < 16 ? m - row0 - 16 : 16;
+                        rescale_tiles(acc[0], acc[1], row0, rows0, 32 * np, n, sx, sw, bias, out,
+                                      out_bf16, ldo);
+                        rescale_tiles(acc[2], acc[3], row0 + 16, rows1, 32 * np, n, sx, sw, bias,
+                                      out, out_bf16, ldo);
+                    } else {
+                        _tile_zero(4);
+                        _tile_zero(5);
+                        for (int kb = 0; kb < kbs; kb++) {
+                            _tile_loadd(0, a0 + 64 * kb, k_pad);
+                            _tile_loadd(2, b0 + kb * 1024, 64);
+                            _tile_loadd(3, b1 + kb * 1024, 64);
+                            _tile_dpbssd(4, 0, 2);
+                            _tile_dpbssd(5, 0, 3);
+                        }
+                        _tile_stored(4, acc[0], 64);
+                        _tile_stored(5, acc[1], 64);
+                        rescale_tiles(acc[0], acc[1], row0, rows0, 32 * np, n, sx, sw, bias, out,
+                                      out_bf16, ldo);
                     }
-                    _tile_stored(4, acc[0], 64);
-                    _tile_stored(5, acc[1], 64);
-                    _tile_stored(6, acc[2], 64);
-                    _tile_stored(7, acc[3], 64);
-                    const int rows1 = m - row0 - 16 < 16 ? m - row0 - 16 : 16;
-                    rescale_tiles(acc[0], acc[1], row0, rows0, 32 * np, n, sx, sw, bias, out,
-                                  out_bf16, ldo);
-                    rescale_tiles(acc[2], acc[3], row0 + 16, rows1, 32 * np, n, sx, sw, bias,
-                                  out, out_bf16, ldo);
-                } else {
-                    _tile_zero(4);
-                    _tile_zero(5);
-                    for (int kb = 0; kb < kbs; kb++) {
-                        _tile_loadd(0, a0 + 64 * kb, k_pad);
-                        _tile_loadd(2, b0 + kb * 1024, 64);
-                        _tile_loadd(3, b1 + kb * 1024, 64);
-                        _tile_dpbssd(4, 0, 2);
-                        _tile_dpbssd(5, 0, 3);
-                    }
-                    _tile_stored(4, acc[0], 64);
-                    _tile_stored(5, acc[1], 64);
-                    rescale_tiles(acc[0], acc[1], row0, rows0, 32 * np, n, sx, sw, bias, out,
-                                  out_bf16, ldo);
                 }
             }
         }
