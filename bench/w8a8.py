@@ -15,7 +15,10 @@ Rounds alternate the variants (bf16, W8A8, bf16, ...); the load average is print
 each figure (the machine may be shared).
 
     python bench/w8a8.py --w8a8 /path/to/smollm2-w8a8 [--rounds 3] [--num-prompts 32]
-    python bench/w8a8.py --kernels    # per-shape us per call: bf16 oneDNN, kvq, intmm
+    python bench/w8a8.py --kernels [--rows 1,4,16,32,128,512]
+        # per-shape us per call: bf16 oneDNN, kvq, intmm, oneDNN qlinear, the AMX kernel
+    python bench/w8a8.py --w8a8 /path/to/smollm2-w8a8 --profile
+        # where a 32-row decode step's time goes: linears, attention, the rest, logits
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 def kernel_table(rounds: int, rows_list=(1, 4, 16, 32, 64, 128, 256, 512)) -> None:
     """Microseconds per call at SmolLM2-135M's shapes, bfloat16 activations, best of rounds
     (interleaved): oneDNN's bfloat16 linear on a prepacked weight (what the bf16 model runs),
-    the I8 VNNI kernel, the per-token int8 GEMM (the two W8A8 kernels, as shipped), and
-    oneDNN's int8 linear on a prepacked weight (not shipped: `_qlinear_prepacked`)."""
+    the I8 VNNI kernel, the per-token int8 GEMM by torch._int_mm, oneDNN's int8 linear on a
+    prepacked weight (not shipped: `_qlinear_prepacked`) and the fused AMX-INT8 kernel (its
+    weight packed before timing, as at a layer's first call); the shipped W8A8 plan picks
+    among kvq, intmm and amx."""
     import torch
 
     from kvserve.kernels import w8a8
@@ -71,9 +76,10 @@ def kernel_table(rounds: int, rows_list=(1, 4, 16, 32, 64, 128, 256, 512)) -> No
             fn()
         return (time.perf_counter() - start) / reps * 1e6
 
+    has_amx = w8a8.amx_available()
     print("| shape | rows | bf16 oneDNN us | kvq us | intmm us | intmm / bf16 | "
-          "qlinear us | qlinear / bf16 | load |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "qlinear us | qlinear / bf16 | amx us | amx / bf16 | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     totals: dict[int, list[float]] = {}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k) * 0.05
@@ -89,23 +95,25 @@ def kernel_table(rounds: int, rows_list=(1, 4, 16, 32, 64, 128, 256, 512)) -> No
                     torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""
                 ),
                 functools.partial(_quant_linear_blocks, x, qt, None, None),
-                functools.partial(w8a8.linear_intmm, x, wq, qt.scales),
+                functools.partial(w8a8.linear_torch_int_mm, x, wq, qt.scales),
                 functools.partial(_qlinear_prepacked, x, prepacked, qt.scales),
             ]
+            if has_amx:
+                paths.append(functools.partial(w8a8.linear_amx, x, wq, qt.scales))
             reps = max(3, 256 // rows)
-            t = [float("inf")] * 4
+            t = [float("inf")] * 5
             for _ in range(rounds):
                 for i, fn in enumerate(paths):
                     t[i] = min(t[i], best(fn, reps))
-            acc = totals.setdefault(rows, [0.0] * 4)
-            for i in range(4):
+            acc = totals.setdefault(rows, [0.0] * 5)
+            for i in range(5):
                 acc[i] += t[i]
             print(f"| {name} {n}x{k} | {rows} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | "
-                  f"{t[2] / t[0]:.2f} | {t[3]:.1f} | {t[3] / t[0]:.2f} | "
-                  f"{os.getloadavg()[0]:.1f} |", flush=True)  # fmt: skip
-    for rows, (b, kvq, intmm, ql) in totals.items():
+                  f"{t[2] / t[0]:.2f} | {t[3]:.1f} | {t[3] / t[0]:.2f} | {t[4]:.1f} | "
+                  f"{t[4] / t[0]:.2f} | {os.getloadavg()[0]:.1f} |", flush=True)  # fmt: skip
+    for rows, (b, kvq, intmm, ql, amx) in totals.items():
         print(f"| all four | {rows} | {b:.0f} | {kvq:.0f} | {intmm:.0f} | {intmm / b:.2f} | "
-              f"{ql:.0f} | {ql / b:.2f} | |")  # fmt: skip
+              f"{ql:.0f} | {ql / b:.2f} | {amx:.0f} | {amx / b:.2f} | |")  # fmt: skip
 
 
 def _qlinear_prepacked(x, prepacked, weight_scales):
@@ -125,6 +133,80 @@ def _qlinear_prepacked(x, prepacked, weight_scales):
     return y.mul_(sx.to(torch.bfloat16)[:, None])
 
 
+def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: int) -> None:
+    """Where the time of a decode step of num_prompts requests (input_len cached tokens each)
+    goes, per variant: the model runner's timing step (what its start-up measurements run)
+    through the model and compute_logits, forward hooks timing the linears (every
+    LinearBase) and the attention modules; "rest" is the forward minus both (norms, rotary,
+    SiLU-and-mul, residual adds, embedding, Python). rounds steps per variant, interleaved;
+    the step with the least total is reported (the others were preempted more), with the
+    median total beside it."""
+    import torch
+
+    from kvserve import LLM
+    from kvserve.services.worker.layers.attention import Attention
+    from kvserve.services.worker.layers.linear import LinearBase
+
+    def instrument(model) -> dict[str, float]:
+        times = dict.fromkeys(("linears", "attention"), 0.0)
+        start: dict[int, float] = {}
+
+        def pre(module, args):
+            start[id(module)] = time.perf_counter()
+
+        def post(kind):
+            def hook(module, args, out):
+                times[kind] += time.perf_counter() - start[id(module)]
+
+            return hook
+
+        for module in model.modules():
+            kind = "linears" if isinstance(module, LinearBase) else None
+            kind = "attention" if isinstance(module, Attention) else kind
+            if kind is not None:
+                module.register_forward_pre_hook(pre)
+                module.register_forward_hook(post(kind))
+        return times
+
+    kw = dict(kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
+    engines = {
+        "bfloat16": LLM(dtype="bfloat16", **kw),
+        "W8A8": LLM(model=w8a8_folder, dtype="bfloat16", **kw),
+    }
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, input_len).tolist() for _ in range(num_prompts)]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    setups = {}
+    for name, llm in engines.items():
+        _throughput(llm, prompts, 4)  # warm: plans measured at every row count used
+        runner = llm.engine_core.executor.worker.runner
+        step = runner._timing_step(np.ones(num_prompts, dtype=np.int32), context=input_len)
+        setups[name] = (runner, step, instrument(runner.model))
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, (runner, step, times) in setups.items():
+                for key in times:
+                    times[key] = 0.0
+                begin = time.perf_counter()
+                hidden = runner._run_stage(*step)
+                forward = time.perf_counter() - begin
+                runner.model.compute_logits(hidden)
+                total = time.perf_counter() - begin
+                runs[name].append(dict(times, forward=forward, total=total))
+    print(f"\n| variant | ms per {num_prompts}-request decode step (best; median) | linears | "
+          f"attention | rest | logits (LM head, float) | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, steps in runs.items():
+        best = min(steps, key=lambda r: r["total"])
+        median = statistics.median(r["total"] for r in steps) * 1e3
+        ms = {key: v * 1e3 for key, v in best.items()}
+        rest = ms["forward"] - ms["linears"] - ms["attention"]
+        parts = [ms["linears"], ms["attention"], rest, ms["total"] - ms["forward"]]
+        cells = " | ".join(f"{v:.2f} ({v / ms['total']:.0%})" for v in parts)
+        print(f"| {name} | {ms['total']:.2f}; {median:.2f} | {cells} | "
+              f"{os.getloadavg()[0]:.1f} |")  # fmt: skip
+
+
 def main() -> int:
     from kvserve import LLM, SamplingParams
 
@@ -137,12 +219,17 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=48, help="greedy tokens scored")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--rows", default="1,4,16,32,64,128,256,512", help="--kernels' rows")
+    parser.add_argument("--profile", action="store_true", help="only the decode-step profile")
     args = parser.parse_args()
     if args.kernels:
-        kernel_table(rounds=args.rounds)
+        kernel_table(rounds=args.rounds, rows_list=[int(r) for r in args.rows.split(",")])
         return 0
     if not args.w8a8:
         parser.error("--w8a8 FOLDER is needed (or --kernels)")
+    if args.profile:
+        decode_profile(args.w8a8, args.rounds, args.num_prompts, args.input_len)
+        return 0
     kw = dict(kv_cache_memory_bytes=1 << 30)
 
     summary: dict[str, dict] = {}
