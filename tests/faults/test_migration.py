@@ -406,9 +406,11 @@ def poisoned_server(tiny_llama_dir, tmp_path_factory):
         yield server
 
 
-def _run_greedy(url: str, on_started=None, token_prompts: bool = False) -> list[Stream]:
-    """Six greedy streams at once; `on_started()` runs (once) when the first has 3
-    chunks.
+def _run_greedy(
+    url: str, on_started=None, token_prompts: bool = False, after_chunks: int = 3
+) -> list[Stream]:
+    """Six greedy streams at once; `on_started()` runs (once, in a thread) when the first
+    has `after_chunks` chunks (0: as they are sent).
 
     Args:
         token_prompts: prompts of token ids below 100, and 200 tokens (for the
@@ -423,13 +425,15 @@ def _run_greedy(url: str, on_started=None, token_prompts: bool = False) -> list[
     lock = threading.Lock()
 
     def on_chunk(stream: Stream) -> None:
-        if on_started is None or fired or stream.num_chunks < 3:
+        if on_started is None or fired or stream.num_chunks < after_chunks:
             return
         with lock:
             if not fired:
                 fired.append(threading.Thread(target=on_started))
                 fired[0].start()
 
+    if after_chunks == 0:
+        on_chunk(streams[0])
     with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
         for future in [pool.submit(_run, url, stream, on_chunk) for stream in streams]:
             future.result(timeout=180)
@@ -537,7 +541,9 @@ def test_pd_a_killed_decode_engine_streams_resume_through_the_store(pd_server):
         victim.update(_busiest(pd_server, (1, 2)))
         os.kill(victim["pid"], signal.SIGKILL)
 
-    streams = _run_greedy(pd_server.url, kill_decode_engine)
+    # Watched from the start, not from a client's third chunk: a loaded client reads its
+    # stream far behind the server, whose decode engines may have ended every stream by then.
+    streams = _run_greedy(pd_server.url, kill_decode_engine, after_chunks=0)
 
     _assert_same(streams, reference)
     assert _moved_kinds(pd_server, streams) == {"greedy"}
