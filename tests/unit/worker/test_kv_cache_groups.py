@@ -231,6 +231,8 @@ def _null_pattern(group_block_ids: list[list[int]], num_blocks: int) -> list[lis
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_kv_store_moves_each_groups_blocks_and_loads_what_a_local_hit_gives(store_engines, kind):
     producer, consumer, hf_model, folder = store_engines(kind)
+    num_groups = {"gemma2": 2, "gemma3": 6, "mistral": 1}[kind]
+    assert len(consumer.scheduler.kv_cache_manager.groups) == num_groups
     prompt = random_tokens(PROMPT_LEN, VOCAB_SIZE, seed=31)
     first = _run(producer, {"a": prompt})["a"]
     _assert_equals_hf(hf_model, prompt, first[0], first[1])
@@ -282,3 +284,43 @@ def test_preemption_with_the_kv_store_equals_hf(store_engines, kind):
     for req_id, prompt in prompts.items():
         _assert_equals_hf(hf_model, prompt, *results[req_id][:2])
     assert_no_leaked_blocks(core.scheduler)
+
+
+def test_the_offload_tier_keeps_evicted_blocks_per_group_and_loads_them_back(engines):
+    """--kv-offloading-size (its own `kvserve kv-store` child): the blocks other prompts
+    evict go to the tier under their group's keys, and the prompt's second round loads them."""
+    local, hf_model = engines("gemma3")
+    config = msgspec.structs.replace(
+        local.config, cache=msgspec.structs.replace(local.config.cache, kv_offloading_size=0.01)
+    )
+    core = EngineCore(config, local.config.model.model)
+    try:
+        assert len(core.scheduler.kv_cache_manager.groups) == 6  # groups beside the tier
+        prompt = random_tokens(PROMPT_LEN, VOCAB_SIZE, seed=51)
+        first = _run(core, {"a": prompt})["a"]
+        evictions = core.scheduler.kv_cache_manager.block_pool.num_cached_block_evictions
+        others = {f"o{i}": random_tokens(PROMPT_LEN, VOCAB_SIZE, seed=52 + i) for i in range(2)}
+        _run(core, others)
+        assert core.scheduler.kv_cache_manager.block_pool.num_cached_block_evictions > evictions
+        hits: list[int] = []
+        core.add_request(
+            EngineCoreRequest(
+                "a2",
+                prompt,
+                SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=1),
+            )
+        )
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        while core.scheduler.has_requests():
+            outputs = core.step()
+            hits.append(outputs.scheduler_stats.external_prefix_cache_hits)
+            for out in outputs.outputs:
+                tokens += out.new_token_ids
+                logprobs += [row[0] for row in out.new_logprobs.logprobs]
+        assert sum(hits) > 0  # loaded from the tier
+        assert tokens == first[0]
+        _assert_equals_hf(hf_model, prompt, tokens, logprobs)
+        assert_no_leaked_blocks(core.scheduler)
+    finally:
+        core.shutdown()
