@@ -60,8 +60,6 @@ def _one_table_reason(
 
         if not walks_kv_cache_groups(transfer.kv_connector):
             return f"the KV connector {transfer.kv_connector} moves one table's blocks"
-    if config.kv_events_config is not None:
-        return "--kv-events-config reports one table's block hashes"
     if not single_stage:
         return "pipeline parallel: the scheduler needs every stage's layers in one grouping"
     if len({layer.kv_cache_spec() for layer in layers}) > 1:

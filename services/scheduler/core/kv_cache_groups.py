@@ -21,7 +21,7 @@ from __future__ import annotations
 from kvserve.services.scheduler.core.block_pool import KVCacheBlock
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.services.scheduler.core.request import Request
-from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, hash_suffix
 
 
 class GroupedKVCacheManager(KVCacheManager):
@@ -47,9 +47,7 @@ class GroupedKVCacheManager(KVCacheManager):
         self.groups = groups
         self.num_groups = len(groups)
         # Group 0 keys blocks under the request's hashes, group g under hash + g.
-        self.hash_suffixes = [
-            b"" if g == 0 else g.to_bytes(2, "little") for g in range(len(groups))
-        ]
+        self.hash_suffixes = [hash_suffix(g) for g in range(len(groups))]
         self.req_to_group_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         # Per request and group: the leading places already null (given back or never
         # needed), so each step looks only at the blocks that left the window since.
@@ -247,9 +245,9 @@ class GroupedKVCacheManager(KVCacheManager):
         num_cached_blocks = self.num_cached_block[request.req_id]
         if num_full_blocks <= num_cached_blocks:
             return
-        for blocks, suffix in zip(held, self.hash_suffixes):
+        for g, blocks in enumerate(held):
             self.block_pool.cache_full_blocks(
-                request, blocks, num_cached_blocks, num_full_blocks, suffix
+                request, blocks, num_cached_blocks, num_full_blocks, g
             )
         self.num_cached_block[request.req_id] = num_full_blocks
 
@@ -260,6 +258,10 @@ class GroupedKVCacheManager(KVCacheManager):
         self.num_null_blocks.pop(request.req_id, None)
         for blocks in held:
             self.block_pool.free_blocks(block for block in reversed(blocks) if not block.is_null)
+
+    def enable_kv_events(self) -> None:
+        """Events per group, naming it (vLLM's hybrid KV events)."""
+        self.block_pool.enable_kv_events(self.block_size, self.groups)
 
     # ------------------------------------------------------------------ queries
 

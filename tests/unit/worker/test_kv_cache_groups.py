@@ -21,6 +21,7 @@ from kvserve.services.worker.layers.attention import Attention
 from kvserve.shared.config import (
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -176,8 +177,13 @@ def test_parts_that_move_one_table_keep_one_group_of_every_layer():
             kv_connector_extra_config={"store_address": "ipc:///tmp/kv"},
         )
     )
-    # The store's connectors move each group's blocks; one of its own may walk one table.
-    assert plan_kv_cache_groups(transfer, layers, single_stage=True) == groups
+    # The store's connectors move each group's blocks, KV events name each group; a
+    # connector of one's own may walk one table.
+    events = EngineConfig(
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq")
+    )
+    for config in (transfer, events):
+        assert plan_kv_cache_groups(config, layers, single_stage=True) == groups
     toy = EngineConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="ToyOneTableConnector",
