@@ -81,7 +81,9 @@ def park_for_load(
 
 def finish_loads(scheduler: LoadingScheduler, num_loaded_blocks: dict[str, int]) -> None:
     """Loaded blocks count as computed (and enter the prefix cache); what did not load is
-    recomputed. The request goes back to the head of the queue, holding its blocks."""
+    recomputed. The request goes back to the head of the queue, holding its blocks (with
+    KV cache groups, unless a short load left a window without the blocks its recompute
+    writes: then it holds none and starts over from the local prefix cache)."""
     for req_id, num_loaded in num_loaded_blocks.items():
         request = scheduler.waiting_for_remote_kvs.pop(req_id, None)
         if request is None:
