@@ -285,8 +285,14 @@ def test_preemption_with_the_kv_store_equals_hf(store_engines, kind):
     prompts = {
         f"s{i}": random_tokens(PROMPT_LEN - 10 * i, VOCAB_SIZE, seed=40 + i) for i in range(3)
     }
-    results = _run(core, prompts)
+    loaded: set[str] = set()
+
+    def record_loads():
+        loaded.update(r.req_id for r in core.scheduler.requests.values() if r.kv_loaded)
+
+    results = _run(core, prompts, record_loads)
     assert core.scheduler.num_preemptions_total > num_preemptions
+    assert loaded, "no preempted request came back from the store"
     for req_id, prompt in prompts.items():
         _assert_equals_hf(hf_model, prompt, *results[req_id][:2])
     assert_no_leaked_blocks(core.scheduler)
