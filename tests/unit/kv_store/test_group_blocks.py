@@ -51,6 +51,11 @@ def test_a_hit_needs_every_full_block_and_only_the_window_of_a_sliding_group(tmp
     # Saves: every full block; of the sliding group, what a hit at 7 or 8 blocks reads.
     assert walk.save_ranges(0, 8) == [(5, 8), (0, 8)]
     assert walk.save_ranges(7, 8) == [(7, 8), (7, 8)]
+    # A chunked-local group (Llama 4) reads its chunk: 8 tokens, blocks 2k and 2k + 1.
+    chunked = GroupBlocks([KVCacheGroupSpec(layer_indices=[0], chunk_size=8), FULL], SUFFIXES, 4)
+    assert chunked.load_ranges(0, 5) == [(4, 5), (0, 5)]
+    assert chunked.load_ranges(0, 4) == [(4, 4), (0, 4)]  # a chunk starts: nothing to read
+    assert chunked.save_ranges(0, 6) == [(4, 6), (0, 6)]
 
 
 def _consumer(folder) -> Scheduler:
