@@ -264,13 +264,11 @@ class BlockPool:
             f"{request} has {len(request.block_hashes)} hashes, needs {num_full_blocks}"
         )
         suffix = hash_suffix(group_idx)
-        run_start = None  # the first block of the run of cached blocks (an event each)
-        for block_index in range(num_cached_blocks, num_full_blocks + 1):
-            block = blocks[block_index] if block_index < num_full_blocks else None
-            if block is None or block.is_null:
-                if run_start is not None and self.kv_events is not None:
-                    event = self._stored_event(request, run_start, block_index, group_idx)
-                    self.kv_events.append(event)
+        run_start = None  # the first block of the current run of cached blocks
+        for block_index in range(num_cached_blocks, num_full_blocks):
+            block = blocks[block_index]
+            if block.is_null:  # given back: a run ends (one BlockStored per run)
+                self._record_stored(request, run_start, block_index, group_idx)
                 run_start = None
                 continue
             assert block.block_hash is None, f"{block} is cached twice"
@@ -280,6 +278,11 @@ class BlockPool:
             self._insert_cached_block(block_hash, block)
             if run_start is None:
                 run_start = block_index
+        self._record_stored(request, run_start, num_full_blocks, group_idx)
+
+    def _record_stored(self, request: Request, start: int | None, end: int, group_idx: int) -> None:
+        if start is not None and self.kv_events is not None:
+            self.kv_events.append(self._stored_event(request, start, end, group_idx))
 
     def _stored_event(self, request: Request, start: int, end: int, group_idx: int) -> BlockStored:
         """BlockStored for the request's blocks [start, end), chained to block start - 1."""
