@@ -44,6 +44,13 @@ class KVCacheGroupSpec(msgspec.Struct, frozen=True, kw_only=True):
         """Every key stays visible: the group never gives blocks back."""
         return self.sliding_window == 0 and self.chunk_size == 0
 
+    @property
+    def spec_kind(self) -> str:
+        """vLLM's name for the kind (`KVCacheSpecKind`, in KV events)."""
+        if self.chunk_size:
+            return "chunked_local_attention"
+        return "sliding_window" if self.sliding_window else "full_attention"
+
     def first_needed_token(self, num_computed_tokens: int) -> int:
         """The first key position any query from `num_computed_tokens` on still reads."""
         first = 0
@@ -52,6 +59,12 @@ class KVCacheGroupSpec(msgspec.Struct, frozen=True, kw_only=True):
         if self.chunk_size:
             first = max(first, num_computed_tokens // self.chunk_size * self.chunk_size)
         return first
+
+
+def hash_suffix(group_index: int) -> bytes:
+    """What group `group_index` appends to a block hash to key its own blocks (group 0:
+    nothing, so its keys are the request's hashes)."""
+    return group_index.to_bytes(2, "little") if group_index else b""
 
 
 def make_kv_cache_groups(kinds: list[tuple[int, int]]) -> list[KVCacheGroupSpec]:

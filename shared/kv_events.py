@@ -14,7 +14,10 @@ each as [b"", topic, seq, payload], then [b"", b"", END_SEQ, b""].
 
 The structs keep vLLM 0.32's field names, order and options, so vLLM's own decoder reads
 kvserve's messages and the other way round. Block hashes are kvserve's (bytes, see
-shared/hashing.py), medium is always "GPU" (the engine's own cache, CPU or GPU alike).
+shared/hashing.py), medium is always "GPU" (the engine's own cache, CPU or GPU alike). With
+KV cache groups, each event also names its group as vLLM's hybrid manager does
+(`group_idx`, `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`: trailing fields with
+defaults, so they are left out without groups and older decoders skip them).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ class BlockStored(KVCacheEvent):
         lora_id: the adapter's int id (None: the base model); deprecated in vLLM.
         medium: where the blocks are ("GPU").
         lora_name: the adapter's name (None: the base model).
+        group_idx: the KV cache group whose blocks these are (None: one table for every
+            layer); the hashes are the request's, whatever the group.
+        kv_cache_spec_kind: the group's kind ("full_attention", "sliding_window",
+            "chunked_local_attention"; None without groups).
+        kv_cache_spec_sliding_window: a sliding group's window in tokens (else None).
     """
 
     block_hashes: list[bytes | int]
@@ -52,13 +60,17 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
-    """Blocks left the prefix cache (evicted for reuse)."""
+    """Blocks left the prefix cache (evicted for reuse); group_idx as BlockStored's."""
 
     block_hashes: list[bytes | int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -92,9 +104,15 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _decoder.decode(payload)
 
 
+_GROUP_FIELDS = ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+
+
 def event_to_json(seq: int, batch: KVEventBatch, event: KVCacheEvent) -> dict[str, Any]:
     """One event as a flat JSON-able dict (hashes as hex): what `kvserve kv-events` prints."""
     fields = msgspec.structs.asdict(event)
+    for name in _GROUP_FIELDS:  # only with KV cache groups, as on the wire
+        if fields.get(name, 0) is None:
+            del fields[name]
     for name in ("block_hashes",):
         if name in fields:
             fields[name] = [_hash_text(h) for h in fields[name]]

@@ -25,10 +25,16 @@ _CONNECTORS: dict[str, tuple[SchedulerFactory, WorkerFactory]] = {
     name: (StoreSchedulerConnector, StoreWorkerConnector)
     for name in ("KvStoreConnector", "SharedStorageConnector", "OffloadingConnector")
 }
+# Connectors that move each KV cache group's blocks (group_blocks.py); with any other, the
+# worker keeps one group of every layer (services/worker/kv_cache_groups.py).
+_WALKS_KV_CACHE_GROUPS = set(_CONNECTORS)
 
 
 def register_kv_connector(
-    name: str, scheduler_cls: SchedulerFactory, worker_cls: WorkerFactory
+    name: str,
+    scheduler_cls: SchedulerFactory,
+    worker_cls: WorkerFactory,
+    walks_kv_cache_groups: bool = False,
 ) -> None:
     """Make `name` a kv_connector choice.
 
@@ -36,8 +42,20 @@ def register_kv_connector(
         name: the KVTransferConfig.kv_connector value that selects it.
         scheduler_cls: built as scheduler_cls(config, fingerprint, block_size).
         worker_cls: built as worker_cls(config, fingerprint, kv_caches) on every rank.
+        walks_kv_cache_groups: it moves each group's blocks under its own keys (the KV
+            cache manager's `groups`, `hash_suffixes`, `get_group_block_ids`), so a model
+            with several kinds of attention layer keeps its groups beside it.
     """
     _CONNECTORS[name] = (scheduler_cls, worker_cls)
+    if walks_kv_cache_groups:
+        _WALKS_KV_CACHE_GROUPS.add(name)
+    else:
+        _WALKS_KV_CACHE_GROUPS.discard(name)
+
+
+def walks_kv_cache_groups(name: str) -> bool:
+    """Whether connector `name` moves each KV cache group's blocks."""
+    return name in _WALKS_KV_CACHE_GROUPS
 
 
 def _lookup(name: str) -> tuple[SchedulerFactory, WorkerFactory]:

@@ -6,6 +6,9 @@ OffloadingConnector): external hits, what each step loads and saves, and the fig
 - a producer (kv_producer, kv_both) saves every full block it computes, once;
 - the offloading connector is a CPU tier: it saves the prefix blocks the engine's cache
   evicts (before the step rewrites them) and loads them back like external hits.
+
+With KV cache groups, every step walks each group's blocks under its own keys (which blocks
+of which group: group_blocks.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.services.kv_store.backends import GuardedBackend, make_backend
 from kvserve.services.kv_store.connector import SchedulerConnector
+from kvserve.services.kv_store.group_blocks import GroupBlocks, Range
 from kvserve.services.kv_store.transfers import (
     KVBlockTransfer,
     StoreConnectorMeta,
@@ -23,6 +27,7 @@ from kvserve.services.kv_store.transfers import (
     encode,
 )
 from kvserve.shared.config import KVTransferConfig
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import KvFingerprint, KvStoreStats
 
@@ -50,8 +55,11 @@ class StoreSchedulerConnector(SchedulerConnector):
         self.loads_external = config.is_consumer or offloading
         self.saves_computed = config.is_producer and not offloading
         self.saves_evicted = offloading
+        # One table until bind() tells the KV cache manager's groups.
+        self.group_blocks = GroupBlocks([KVCacheGroupSpec(layer_indices=[])], [b""], block_size)
         self._loads: list[KVBlockTransfer] = []  # listed in the next metadata
-        self._loading: dict[str, int] = {}  # req id -> blocks asked, until answered
+        # req id -> (local blocks, each group's blocks asked), until answered
+        self._loading: dict[str, tuple[int, list[Range]]] = {}
         self._num_saved: dict[str, int] = {}  # req id -> full blocks already saved
         self._stats = _StoreStats()
         # The store's own figures, refreshed at most once a second for the stats.
@@ -60,6 +68,9 @@ class StoreSchedulerConnector(SchedulerConnector):
 
     def bind(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind(kv_cache_manager)
+        self.group_blocks = GroupBlocks(
+            kv_cache_manager.groups, kv_cache_manager.hash_suffixes, self.block_size
+        )
         if self.saves_evicted:
             kv_cache_manager.block_pool.evicted = []
 
@@ -75,17 +86,20 @@ class StoreSchedulerConnector(SchedulerConnector):
             return 0
         # From the first block the engine lacks: each hash names its whole prefix, and the
         # offload tier holds only the blocks the engine evicted (a chain's tail first).
-        return self.store.call(0, "lookup", block_hashes[num_local_blocks:])
+        end = self.group_blocks.hit_end(
+            block_hashes, num_local_blocks, lambda keys: self.store.call(0, "lookup", keys)
+        )
+        return end - num_local_blocks
 
     def start_load(self, request: Request, first_block: int, num_blocks: int) -> None:
-        block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
-        end = first_block + num_blocks
-        self._loads.append(
-            KVBlockTransfer(
-                request.req_id, request.block_hashes[first_block:end], block_ids[first_block:end]
-            )
+        ranges = self.group_blocks.load_ranges(first_block, first_block + num_blocks)
+        group_block_ids = self.kv_cache_manager.get_group_block_ids(request.req_id)
+        load = self.group_blocks.transfer(
+            request.req_id, request.block_hashes, group_block_ids, ranges
         )
-        self._loading[request.req_id] = num_blocks
+        assert load is not None, f"{request} loads no block"
+        self._loads.append(load)
+        self._loading[request.req_id] = (first_block, ranges)
 
     def update_from_output(self, metadata: bytes, output: bytes) -> dict[str, int]:
         answer = decode_output(output)
@@ -95,17 +109,19 @@ class StoreSchedulerConnector(SchedulerConnector):
         loaded.update(answer.loaded)
         done = {}
         for req_id, num_loaded in loaded.items():
-            num_asked = self._loading.pop(req_id, None)
-            if num_asked is None:
+            asked = self._loading.pop(req_id, None)
+            if asked is None:
                 continue  # aborted while loading
-            if num_loaded < num_asked:
+            num_local, ranges = asked
+            num_asked = ranges[0][1] - num_local
+            done[req_id] = self.group_blocks.loaded_end(num_local, ranges, num_loaded) - num_local
+            if done[req_id] < num_asked:
                 logger.warning(
                     "request %s: %d of %d external blocks loaded; recomputing the rest",
                     req_id,
-                    num_loaded,
+                    done[req_id],
                     num_asked,
                 )
-            done[req_id] = min(num_loaded, num_asked)
             self._stats.hits += done[req_id] * self.block_size
         return done
 
@@ -140,12 +156,14 @@ class StoreSchedulerConnector(SchedulerConnector):
         first = self._num_saved.get(request.req_id, 0)
         if num_full <= first:
             return
-        block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
-        meta.saves.append(
-            KVBlockTransfer(
-                request.req_id, request.block_hashes[first:num_full], block_ids[first:num_full]
-            )
+        save = self.group_blocks.transfer(
+            request.req_id,
+            request.block_hashes,
+            self.kv_cache_manager.get_group_block_ids(request.req_id),
+            self.group_blocks.save_ranges(first, num_full),
         )
+        if save is not None:
+            meta.saves.append(save)
         self._num_saved[request.req_id] = num_full
 
     def request_finished(self, request: Request) -> None:

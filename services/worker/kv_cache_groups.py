@@ -54,10 +54,12 @@ def _one_table_reason(
 ) -> str | None:
     if config.speculative_config is not None:
         return "--speculative-config: the proposer's cache follows one block table"
-    if config.kv_transfer_config is not None:
-        return "--kv-transfer-config / --kv-offloading-size move one table's blocks"
-    if config.kv_events_config is not None:
-        return "--kv-events-config reports one table's block hashes"
+    transfer = config.kv_transfer_config
+    if transfer is not None:
+        from kvserve.services.kv_store.registry import walks_kv_cache_groups
+
+        if not walks_kv_cache_groups(transfer.kv_connector):
+            return f"the KV connector {transfer.kv_connector} moves one table's blocks"
     if not single_stage:
         return "pipeline parallel: the scheduler needs every stage's layers in one grouping"
     if len({layer.kv_cache_spec() for layer in layers}) > 1:

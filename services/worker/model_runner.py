@@ -63,6 +63,7 @@ from kvserve.services.worker.spec_decode.rejection_sampler import verify
 from kvserve.services.worker.step_inputs import StepBatch, prepare_inputs
 from kvserve.shared import env
 from kvserve.shared.config import EngineConfig, SpeculativeConfig
+from kvserve.shared.kv_cache_groups import group_size_of
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import KvFingerprint, Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -202,7 +203,9 @@ class ModelRunner:
             model=self.model_identity,  # not the served name: any node, any path
             dtype=str(self.kv_cache_dtype).removeprefix("torch."),
             block_size=self.block_size,
-            num_layers=len(self.attention_layers),
+            # A block is a page of each cache tensor: every layer's, or with KV cache
+            # groups one group's (each group's blocks keyed apart: its hash suffix).
+            num_layers=group_size_of(self.kv_cache_groups),
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
             tp_rank=get_tp_rank(),

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, hash_suffix
 from kvserve.shared.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -32,6 +33,7 @@ class KVCacheBlock:
         block_hash: the prefix hash of its tokens once full and cached, else None.
         prev_free_block, next_free_block: free-queue links, None while not in the queue.
         is_null: block 0, a placeholder that is never allocated.
+        group_idx: the KV cache group whose key `block_hash` is (0 without groups).
     """
 
     block_id: int
@@ -40,6 +42,7 @@ class KVCacheBlock:
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     is_null: bool = False
+    group_idx: int = 0  # the KV cache group it is cached for (its hash carries the suffix)
 
     def __repr__(self) -> str:
         # Only neighbour ids: the default repr would recurse along the whole list.
@@ -178,11 +181,17 @@ class BlockPool:
         # nothing is collected).
         self.kv_events: list[KVEvent] | None = None
         self.block_size = 0
+        # The KV cache groups the events name (None: one table, events without groups).
+        self.event_groups: list[KVCacheGroupSpec] | None = None
 
-    def enable_kv_events(self, block_size: int) -> None:
-        """Collect a BlockStored / BlockRemoved / AllBlocksCleared per prefix-cache change."""
+    def enable_kv_events(
+        self, block_size: int, groups: list[KVCacheGroupSpec] | None = None
+    ) -> None:
+        """Collect a BlockStored / BlockRemoved / AllBlocksCleared per prefix-cache change;
+        with `groups`, one per group, naming it (vLLM's hybrid events)."""
         self.kv_events = []
         self.block_size = block_size
+        self.event_groups = groups
 
     def take_events(self) -> list[KVEvent]:
         """The events since the last call, oldest first."""
@@ -236,7 +245,7 @@ class BlockPool:
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
-        hash_suffix: bytes = b"",
+        group_idx: int = 0,
     ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under the request's hashes.
 
@@ -245,30 +254,40 @@ class BlockPool:
             blocks: all blocks of the request, in order.
             num_cached_blocks: blocks already registered (prefix hits or earlier steps).
             num_full_blocks: blocks that are full once this step's tokens are written.
-            hash_suffix: appended to each hash (a KV cache group's own key, so that its
-                blocks never answer another group's lookup; b"": the request's hashes, the
-                only ones KV events report). Null blocks (given back) are skipped.
+            group_idx: the KV cache group the blocks serve; its suffix goes after each
+                hash (`hash_suffix`: a group's own key, so that its blocks never answer
+                another group's lookup). Null blocks (given back) are skipped.
         """
         if not self.enable_caching or num_cached_blocks >= num_full_blocks:
             return
         assert len(request.block_hashes) >= num_full_blocks, (
             f"{request} has {len(request.block_hashes)} hashes, needs {num_full_blocks}"
         )
+        suffix = hash_suffix(group_idx)
+        run_start = None  # the first block of the current run of cached blocks
         for block_index in range(num_cached_blocks, num_full_blocks):
             block = blocks[block_index]
-            if block.is_null:
+            if block.is_null:  # given back: a run ends (one BlockStored per run)
+                self._record_stored(request, run_start, block_index, group_idx)
+                run_start = None
                 continue
             assert block.block_hash is None, f"{block} is cached twice"
-            block_hash = request.block_hashes[block_index] + hash_suffix
+            block_hash = request.block_hashes[block_index] + suffix
             block.block_hash = block_hash
+            block.group_idx = group_idx
             self._insert_cached_block(block_hash, block)
-        if self.kv_events is not None and not hash_suffix:
-            self.kv_events.append(self._stored_event(request, num_cached_blocks, num_full_blocks))
+            if run_start is None:
+                run_start = block_index
+        self._record_stored(request, run_start, num_full_blocks, group_idx)
 
-    def _stored_event(self, request: Request, start: int, end: int) -> BlockStored:
+    def _record_stored(self, request: Request, start: int | None, end: int, group_idx: int) -> None:
+        if start is not None and self.kv_events is not None:
+            self.kv_events.append(self._stored_event(request, start, end, group_idx))
+
+    def _stored_event(self, request: Request, start: int, end: int, group_idx: int) -> BlockStored:
         """BlockStored for the request's blocks [start, end), chained to block start - 1."""
         lora = request.lora_request
-        return BlockStored(
+        event = BlockStored(
             block_hashes=list(request.block_hashes[start:end]),
             parent_block_hash=request.block_hashes[start - 1] if start > 0 else None,
             token_ids=request.all_token_ids[start * self.block_size : end * self.block_size],
@@ -277,6 +296,12 @@ class BlockPool:
             medium=MEDIUM_GPU,
             lora_name=lora.lora_name if lora is not None else None,
         )
+        if self.event_groups is not None:
+            group = self.event_groups[group_idx]
+            event.group_idx = group_idx
+            event.kv_cache_spec_kind = group.spec_kind
+            event.kv_cache_spec_sliding_window = group.sliding_window or None
+        return event
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """Any block that holds `block_hash`, or None."""
@@ -312,14 +337,23 @@ class BlockPool:
         else:
             entry[block.block_id] = block
 
+    def _removed_event(self, block: KVCacheBlock) -> BlockRemoved:
+        """BlockRemoved for a cached block: the request's hash (its group's suffix off)."""
+        assert block.block_hash is not None
+        key_size = len(block.block_hash) - len(hash_suffix(block.group_idx))
+        event = BlockRemoved(block_hashes=[block.block_hash[:key_size]], medium=MEDIUM_GPU)
+        if self.event_groups is not None:
+            event.group_idx = block.group_idx
+        return event
+
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
         if block_hash is None:
             return
-        block.block_hash = None
         self.num_cached_block_evictions += 1
         if self.kv_events is not None:
-            self.kv_events.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_GPU))
+            self.kv_events.append(self._removed_event(block))
+        block.block_hash = None
         entry = self.cached_block_hash_to_block.get(block_hash)
         if isinstance(entry, KVCacheBlock):
             assert entry is block, f"hash map points at {entry}, not {block}"

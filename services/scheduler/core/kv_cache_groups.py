@@ -21,7 +21,7 @@ from __future__ import annotations
 from kvserve.services.scheduler.core.block_pool import KVCacheBlock
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager, cdiv
 from kvserve.services.scheduler.core.request import Request
-from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, hash_suffix
 
 
 class GroupedKVCacheManager(KVCacheManager):
@@ -47,9 +47,7 @@ class GroupedKVCacheManager(KVCacheManager):
         self.groups = groups
         self.num_groups = len(groups)
         # Group 0 keys blocks under the request's hashes, group g under hash + g.
-        self.hash_suffixes = [
-            b"" if g == 0 else g.to_bytes(2, "little") for g in range(len(groups))
-        ]
+        self.hash_suffixes = [hash_suffix(g) for g in range(len(groups))]
         self.req_to_group_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         # Per request and group: the leading places already null (given back or never
         # needed), so each step looks only at the blocks that left the window since.
@@ -166,6 +164,52 @@ class GroupedKVCacheManager(KVCacheManager):
             self._cache_full_blocks_of_groups(request, held, num_tokens_with_slots)
         return new_blocks
 
+    def allocate_for_load(
+        self,
+        request: Request,
+        num_load_tokens: int,
+        num_hit_tokens: int,
+        hit_blocks: list[KVCacheBlock],
+    ) -> list[KVCacheBlock] | None:
+        """KVCacheManager.allocate_for_load per group: a windowed group gets only the blocks
+        its first query past the loaded ones reads (its table is null before them), as a
+        local hit of that length would give it. Returns the new blocks, group after group."""
+        assert request.req_id not in self.req_to_group_blocks, f"{request} already holds blocks"
+        num_held = len(hit_blocks) // self.num_groups
+        num_tokens = num_hit_tokens + num_load_tokens
+        end = cdiv(num_tokens, self.block_size)
+        firsts = [
+            min(max(num_held, self._first_needed_block(group, num_tokens)), end)
+            for group in self.groups
+        ]
+        num_new = sum(end - first for first in firsts)
+        num_evictable_hit_blocks = sum(
+            1 for block in hit_blocks if block.ref_cnt == 0 and not block.is_null
+        )
+        if num_new + num_evictable_hit_blocks > self.block_pool.get_num_free_blocks():
+            return None
+        self.block_pool.touch(block for block in hit_blocks if not block.is_null)
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        held, taken = [], 0
+        for g, first in enumerate(firsts):
+            blocks = hit_blocks[g * num_held : (g + 1) * num_held]
+            blocks += [self.block_pool.null_block] * (first - num_held)
+            blocks += new_blocks[taken : taken + end - first]
+            taken += end - first
+            held.append(blocks)
+        self.req_to_group_blocks[request.req_id] = held
+        self.num_null_blocks[request.req_id] = [_num_leading_null(blocks) for blocks in held]
+        self.num_cached_block[request.req_id] = num_held
+        return new_blocks
+
+    def holds_window_from(self, request: Request, num_computed_tokens: int) -> bool:
+        held = self.req_to_group_blocks.get(request.req_id, ())
+        return all(
+            not block.is_null
+            for group, blocks in zip(self.groups, held)
+            for block in blocks[self._first_needed_block(group, num_computed_tokens) :]
+        )
+
     def _free_out_of_window(
         self, req_id: str, held: list[list[KVCacheBlock]], num_computed: int
     ) -> None:
@@ -184,8 +228,14 @@ class GroupedKVCacheManager(KVCacheManager):
             self.block_pool.free_blocks(reversed(freed))
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        if self.enable_caching and request.req_id in self.req_to_group_blocks:
-            held = self.req_to_group_blocks[request.req_id]
+        """Register the request's blocks of its first `num_tokens` (loaded by a KV connector,
+        which fills a windowed group's window only): the blocks a windowed group no longer
+        reads go back first, so that no block that was never filled enters the cache."""
+        held = self.req_to_group_blocks.get(request.req_id)
+        if held is None:
+            return
+        self._free_out_of_window(request.req_id, held, num_tokens)
+        if self.enable_caching:
             self._cache_full_blocks_of_groups(request, held, num_tokens)
 
     def _cache_full_blocks_of_groups(
@@ -195,9 +245,9 @@ class GroupedKVCacheManager(KVCacheManager):
         num_cached_blocks = self.num_cached_block[request.req_id]
         if num_full_blocks <= num_cached_blocks:
             return
-        for blocks, suffix in zip(held, self.hash_suffixes):
+        for g, blocks in enumerate(held):
             self.block_pool.cache_full_blocks(
-                request, blocks, num_cached_blocks, num_full_blocks, suffix
+                request, blocks, num_cached_blocks, num_full_blocks, g
             )
         self.num_cached_block[request.req_id] = num_full_blocks
 
@@ -209,12 +259,21 @@ class GroupedKVCacheManager(KVCacheManager):
         for blocks in held:
             self.block_pool.free_blocks(block for block in reversed(blocks) if not block.is_null)
 
+    def enable_kv_events(self) -> None:
+        """Events per group, naming it (vLLM's hybrid KV events)."""
+        self.block_pool.enable_kv_events(self.block_size, self.groups)
+
     # ------------------------------------------------------------------ queries
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """Every group's table, group-major (null blocks as 0)."""
         held = self.req_to_group_blocks.get(req_id, ())
         return [block.block_id for blocks in held for block in blocks]
+
+    def get_group_block_ids(self, req_id: str) -> list[list[int]]:
+        """Each group's table (null blocks as 0)."""
+        held = self.req_to_group_blocks.get(req_id, ())
+        return [[block.block_id for block in blocks] for blocks in held]
 
     def num_held_blocks(self, req_id: str) -> int:
         """Blocks the request holds over all groups (null places not counted)."""
@@ -246,3 +305,7 @@ def _last_miss_before(found: list[KVCacheBlock | None]) -> list[int]:
     for index, block in enumerate(found):
         last_miss.append(index if block is None else last_miss[-1])
     return last_miss
+
+
+def _num_leading_null(blocks: list[KVCacheBlock]) -> int:
+    return next((i for i, block in enumerate(blocks) if not block.is_null), len(blocks))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.services.scheduler.core.block_pool import BlockPool, KVCacheBlock
 from kvserve.services.scheduler.core.request import Request
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
 from kvserve.shared.kv_events import KVEvent
 
 
@@ -46,6 +47,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        # One group of every layer, keyed by the request's own hashes (what a KV connector
+        # walks; GroupedKVCacheManager has several).
+        self.groups = [KVCacheGroupSpec(layer_indices=[])]
+        self.hash_suffixes = [b""]
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
@@ -156,6 +161,24 @@ class KVCacheManager:
             self._cache_full_blocks(request, held_blocks, num_tokens_with_slots)
         return new_blocks
 
+    def allocate_for_load(
+        self,
+        request: Request,
+        num_load_tokens: int,
+        num_hit_tokens: int,
+        hit_blocks: list[KVCacheBlock],
+    ) -> list[KVCacheBlock] | None:
+        """Slots for `num_load_tokens` that a KV connector loads past a new request's prefix
+        hit, kept out of the prefix cache until they hold their data (`cache_blocks`)."""
+        return self.allocate_slots(
+            request, num_load_tokens, num_hit_tokens, hit_blocks, cache_new_blocks=False
+        )
+
+    def holds_window_from(self, request: Request, num_computed_tokens: int) -> bool:
+        """Whether the request holds every block its queries from `num_computed_tokens` on
+        read (after a short load; one table always does)."""
+        return True
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks up to `num_tokens` in the prefix cache (blocks
         loaded by a KV connector, now that they hold their data)."""
@@ -184,6 +207,10 @@ class KVCacheManager:
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
+
+    def get_group_block_ids(self, req_id: str) -> list[list[int]]:
+        """Each group's block table (here the one table)."""
+        return [self.get_block_ids(req_id)]
 
     def enable_kv_events(self) -> None:
         """Collect prefix-cache events (--kv-events-config); `take_events` drains them."""

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from kvserve.services.scheduler.core.request import Request, RequestStatus
+from kvserve.shared.logging import init_logger
 
 if TYPE_CHECKING:
     from kvserve.services.kv_store.connector import SchedulerConnector
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from kvserve.services.scheduler.core.request_queue import RequestQueue
     from kvserve.services.scheduler.core.step_plan import StepPlan
     from kvserve.shared.config import CacheConfig
+
+logger = init_logger(__name__)
 
 
 class LoadingScheduler(Protocol):
@@ -57,15 +60,12 @@ def park_for_load(
     assert connector is not None
     if request.skip_reading_prefix_cache or request.kv_loaded:
         return False
-    num_external = connector.num_external_blocks(request, len(hit_blocks))
+    num_local_blocks = num_hit_tokens // scheduler.cache_config.block_size
+    num_external = connector.num_external_blocks(request, num_local_blocks)
     if num_external <= 0:
         return False
-    new_blocks = scheduler.kv_cache_manager.allocate_slots(
-        request,
-        num_external * scheduler.cache_config.block_size,
-        num_hit_tokens,
-        hit_blocks,
-        cache_new_blocks=False,
+    new_blocks = scheduler.kv_cache_manager.allocate_for_load(
+        request, num_external * scheduler.cache_config.block_size, num_hit_tokens, hit_blocks
     )
     if new_blocks is None:
         return False  # no room to load into: compute it as usual
@@ -73,7 +73,7 @@ def park_for_load(
     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
     request.num_computed_tokens = num_hit_tokens
     scheduler.waiting_for_remote_kvs[request.req_id] = request
-    connector.start_load(request, len(hit_blocks), num_external)
+    connector.start_load(request, num_local_blocks, num_external)
     if request.trace is not None:
         request.trace.kv_load_started(time.time_ns(), num_external)
     return True
@@ -81,17 +81,29 @@ def park_for_load(
 
 def finish_loads(scheduler: LoadingScheduler, num_loaded_blocks: dict[str, int]) -> None:
     """Loaded blocks count as computed (and enter the prefix cache); what did not load is
-    recomputed. The request goes back to the head of the queue, holding its blocks."""
+    recomputed. The request goes back to the head of the queue, holding its blocks (with
+    KV cache groups, unless a short load left a window without the blocks its recompute
+    writes: then it holds none and starts over from the local prefix cache)."""
     for req_id, num_loaded in num_loaded_blocks.items():
         request = scheduler.waiting_for_remote_kvs.pop(req_id, None)
         if request is None:
             continue  # aborted while loading
-        request.num_computed_tokens += num_loaded * scheduler.cache_config.block_size
+        num_computed = request.num_computed_tokens + num_loaded * scheduler.cache_config.block_size
         if request.trace is not None:
             request.trace.kv_load_done(time.time_ns(), num_loaded)
-        scheduler.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        manager = scheduler.kv_cache_manager
         request.kv_loaded = True
         request.status = RequestStatus.WAITING
+        if not manager.holds_window_from(request, num_computed):
+            # A short load left a windowed group (KV cache groups) without blocks it must
+            # recompute into: start over from the local prefix cache.
+            logger.info("request %s: the short load leaves a window unfilled; recomputing", req_id)
+            manager.free(request)
+            request.num_computed_tokens = 0
+            scheduler.waiting.prepend_request(request)
+            continue
+        request.num_computed_tokens = num_computed
+        manager.cache_blocks(request, num_computed)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = request.num_computed_tokens
         scheduler.waiting.prepend_request(request)

@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from kvserve.cli import main
+from kvserve.services.scheduler.core.kv_cache_groups import GroupedKVCacheManager
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.engine.kv_event_publisher import (
     KVEventPublisher,
@@ -20,6 +21,7 @@ from kvserve.services.scheduler.engine.kv_event_publisher import (
 from kvserve.shared import transport_security
 from kvserve.shared.config import EngineConfig, KVEventsConfig
 from kvserve.shared.env import INSECURE_TRANSPORT, TRANSPORT_KEYS
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
 from kvserve.shared.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -30,6 +32,7 @@ from kvserve.shared.kv_events import (
 )
 from kvserve.shared.transport import make_socket
 from kvserve.shared.transport_security import generate_keys
+from tests.support.kv import assert_all_blocks_free
 from tests.support.ports import free_port
 from tests.support.scheduler import make_hashed_request
 
@@ -148,6 +151,45 @@ def test_evicted_blocks_are_removed_in_eviction_order():
     manager.free(other)
     assert manager.reset_prefix_cache()
     assert manager.take_events() == [AllBlocksCleared()]
+
+
+def test_with_kv_cache_groups_each_group_stores_and_removes_under_the_request_hashes():
+    # vLLM's hybrid events: one BlockStored per group, naming it, with the request's hashes
+    # (a group's key suffix stays inside the engine); a window's blocks leave as it moves.
+    sliding = KVCacheGroupSpec(layer_indices=[0], sliding_window=4)
+    full = KVCacheGroupSpec(layer_indices=[1])
+    manager = GroupedKVCacheManager(10, BLOCK_SIZE, [sliding, full], max_model_len=64)
+    manager.enable_kv_events()
+    request = make_request("a", list(range(12)))  # 3 full blocks
+    for num_tokens in (4, 4, 4):  # a block a step: the window gives blocks back
+        assert manager.allocate_slots(request, num_tokens) is not None
+        request.num_computed_tokens += num_tokens
+    stored = [event for event in manager.take_events() if isinstance(event, BlockStored)]
+    assert [(event.group_idx, event.block_hashes) for event in stored] == [
+        (g, [request.block_hashes[i]]) for i in range(3) for g in (0, 1)
+    ]
+    assert [event.kv_cache_spec_kind for event in stored[:2]] == [
+        "sliding_window",
+        "full_attention",
+    ]
+    assert [event.kv_cache_spec_sliding_window for event in stored[:2]] == [4, None]
+    assert stored[2].parent_block_hash == request.block_hashes[0]
+    manager.free(request)
+    # 9 usable blocks, 3 never used; 4 blocks a group evict the sliding block that left
+    # the window first, then the request's tails (each group's reversed, group after group).
+    other = make_request("b", list(range(100, 116)))
+    assert manager.allocate_slots(other, 16) is not None
+    removed = [event for event in manager.take_events() if isinstance(event, BlockRemoved)]
+    hashes = request.block_hashes
+    assert [(event.group_idx, event.block_hashes) for event in removed] == [
+        (0, [hashes[0]]),
+        (0, [hashes[2]]),
+        (0, [hashes[1]]),
+        (1, [hashes[2]]),
+        (1, [hashes[1]]),
+    ]
+    manager.free(other)
+    assert_all_blocks_free(manager)
 
 
 def test_no_events_are_collected_unless_enabled():
