@@ -30,6 +30,9 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.slow
 
 HEAVY_BACKLOG = 8
+# Tokens of each heavy request: long beside the moment the light ones take to arrive after the
+# backlog is let go (asserted: most of the backlog is still queued then).
+HEAVY_TOKENS = 200
 RECEIVED = "Received request"  # the api's --enable-log-requests line
 
 
@@ -137,7 +140,7 @@ def _scheduling_order(server: ServeProcess) -> tuple[list[str], int]:
     with concurrent.futures.ThreadPoolExecutor(HEAVY_BACKLOG + 2) as pool:
         with _paused(server) as submitted:
             futures = [
-                pool.submit(_stream, heavy, [5 + i, 6, 7], 400, ended(f"heavy{i}"))
+                pool.submit(_stream, heavy, [5 + i, 6, 7], HEAVY_TOKENS, ended(f"heavy{i}"))
                 for i in range(HEAVY_BACKLOG)
             ]
             submitted(HEAVY_BACKLOG)
