@@ -8,7 +8,8 @@
 //   gate|up GEMV -> SiLU-and-mul -> down GEMV.
 // Weights are read once per step whatever M is (each W row meets all M inputs while it is in
 // L1), so a batch-1 step is bound by the weights' bytes over the memory bandwidth. A matrix
-// may be held quantized (GGUF blocks, int8): its parts then run quant_gemm.c's kvq_linear.
+// may be held quantized (GGUF blocks, int8): its parts then run quant_gemm.c's kvq_linear, or
+// (W8A8 weights packed into AMX tiles, STACK_AMX_W8A8) w8a8.c's kvw8_amx_linear.
 //
 // Activations live in float32 work buffers; in bfloat16 each stage's output is rounded to
 // bfloat16 where the module path stores a bfloat16 tensor. The caller owns every buffer.
@@ -22,7 +23,9 @@
 
 // One run of a matrix's output rows: float rows in the model dtype (qtype 0, [rows, K]
 // contiguous) or GGUF / int8 blocks (qtype a kvq code of quant_gemm.c, rows of ldw bytes,
-// wscale the I8 per-row scales or NULL), multiplied by kvq_linear.
+// wscale the I8 per-row scales or NULL), multiplied by kvq_linear; or qtype STACK_AMX_W8A8:
+// a W8A8 int8 weight as kvw8_amx_pack packs it (w), its per-row scales (wscale), multiplied
+// by kvw8_amx_linear (activations quantized per token, int8 tiles).
 typedef struct {
     const void *w;
     const float *wscale;
@@ -33,6 +36,7 @@ typedef struct {
 } stack_part;
 
 #define STACK_MAX_PARTS 4
+#define STACK_AMX_W8A8 300  // kernels/decode_stack.py AMX_W8A8
 // A matrix [N, K]: its parts cover rows 0..N in order (a fused qkv of three GGUF tensors may
 // hold three types).
 typedef struct {
@@ -59,6 +63,10 @@ typedef struct {
 typedef int (*kvq_linear_fn)(int qtype, const uint8_t *w, int64_t ldw, const float *wscale,
                              int N, int K, const float *x, int64_t ldx, int M, float *out,
                              int64_t ldo);
+// w8a8.c's kvw8_amx_linear (another library: the caller passes its address).
+typedef void (*amx_linear_fn)(const void *x, int is_bf16, int64_t ldx, int m, int k,
+                              const int8_t *packed, int n, const float *sw, const float *bias,
+                              void *out, int out_bf16, int64_t ldo, int *status);
 
 // The model's shape (the same for every layer of the stack).
 typedef struct {
@@ -66,6 +74,7 @@ typedef struct {
     int64_t is_bf16;
     float eps, scale, soft_cap, pad;
     const void *kvq_linear;  // a kvq_linear_fn, or NULL when no part is quantized
+    const void *amx_linear;  // an amx_linear_fn, or NULL when no part is STACK_AMX_W8A8
 } stack_shape;
 
 void decode_attention_f32(float *out, const float *query, int64_t q_token_stride,
@@ -196,7 +205,13 @@ static void gemv(const stack_shape *s, float *y, const float *x, const stack_mat
     for (int p = 0; p < w->num_parts; p++) {
         const stack_part *part = &w->parts[p];
         float *yp = y + part->row_offset;
-        if (part->qtype != 0)
+        if (part->qtype == STACK_AMX_W8A8) {
+            // float32 in and out; each row quantized alone, exact int32 sums: a row's result
+            // does not depend on the rows beside it (the Python side checked AMX is granted)
+            int status = 0;
+            ((amx_linear_fn)s->amx_linear)(x, 0, K, M, K, (const int8_t *)part->w, (int)part->rows,
+                                           part->wscale, NULL, yp, 0, N, &status);
+        } else if (part->qtype != 0)
             ((kvq_linear_fn)s->kvq_linear)((int)part->qtype, (const uint8_t *)part->w, part->ldw,
                                            part->wscale, (int)part->rows, K, x, K, M, yp, N);
         else if (s->is_bf16)
