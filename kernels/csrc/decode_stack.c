@@ -244,9 +244,15 @@ static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = f32_to_b
 DEFINE_SMALL_LINEAR(small_linear_f32, float, gemv_f32, load_f32, store_f32)
 DEFINE_SMALL_LINEAR(small_linear_bf16, uint16_t, gemv_bf16, load_bf16, store_bf16)
 
+// The per-row stages (norms, bias + RoPE + the K/V write, SiLU-and-mul) split their rows over
+// the threads from this many rows on: at 32-64 rows they cost as much as the W8A8 GEMMs.
+#define PARALLEL_ROWS 8
+
 // out[m] = rms_norm(x[m]) * weight, rounded; x float32 [M, H] (already rounded).
 static void rms_norm_rows(float *out, const float *x, const float *weight, int M, int H,
                           float eps, int bf16) {
+    // rows apart over the threads from PARALLEL_ROWS on (each row's arithmetic unchanged)
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
     for (int m = 0; m < M; m++) {
         const float *xm = x + (int64_t)m * H;
         float sum_sq = 0.f;
@@ -333,6 +339,7 @@ void decode_stack(const stack_layer *layers, int num_layers, const stack_shape *
 
         // qkv, RoPE, the K/V write.
         gemv(s, qkv, xn, &L->qkv, M, NQKV, H);
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
         for (int m = 0; m < M; m++) {
             float *row = qkv + (int64_t)m * NQKV;
             for (int i = 0; i < NQKV; i++)
@@ -371,6 +378,7 @@ void decode_stack(const stack_layer *layers, int num_layers, const stack_shape *
         for (int64_t i = 0; i < (int64_t)M * H; i++) res[i] = round_to(h[i] + res[i], bf16);
         rms_norm_rows(xn, res, L->post_norm, M, H, s->eps, bf16);
         gemv(s, gate_up, xn, &L->gate_up, M, 2 * I, H);
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
         for (int m = 0; m < M; m++) {
             const float *g = gate_up + (int64_t)m * 2 * I, *u = g + I;
             float *a = act + (int64_t)m * I;
