@@ -133,14 +133,18 @@ def _qlinear_prepacked(x, prepacked, weight_scales):
     return y.mul_(sx.to(torch.bfloat16)[:, None])
 
 
-def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: int) -> None:
+def decode_profile(
+    w8a8_folder: str, rounds: int, num_prompts: int, input_len: int, query_len: int = 1
+) -> None:
     """Where the time of a decode step of num_prompts requests (input_len cached tokens each)
     goes, per variant: the model runner's timing step (what its start-up measurements run)
     through the model and compute_logits, forward hooks timing the linears (every
     LinearBase) and the attention modules; "rest" is the forward minus both (norms, rotary,
     SiLU-and-mul, residual adds, embedding, Python). rounds steps per variant, interleaved;
     the step with the least total is reported (the others were preempted more), with the
-    median total beside it."""
+    median total beside it. query_len > 1: a prefill step of num_prompts x query_len tokens
+    instead (after input_len cached tokens each; 0 for fresh prompts). Steps the native
+    decode stack takes time it whole: their linears and attention count under "rest"."""
     import torch
 
     from kvserve import LLM
@@ -174,13 +178,15 @@ def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: i
         "W8A8": LLM(model=w8a8_folder, dtype="bfloat16", **kw),
     }
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 40000, input_len).tolist() for _ in range(num_prompts)]
+    prompt_len = max(input_len, query_len)
+    prompts = [rng.integers(100, 40000, prompt_len).tolist() for _ in range(num_prompts)]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     setups = {}
     for name, llm in engines.items():
         _throughput(llm, prompts, 4)  # warm: plans measured at every row count used
         runner = llm.engine_core.executor.worker.runner
-        step = runner._timing_step(np.ones(num_prompts, dtype=np.int32), context=input_len)
+        lens = np.full(num_prompts, query_len, dtype=np.int32)
+        step = runner._timing_step(lens, context=input_len)
         setups[name] = (runner, step, instrument(runner.model))
     with torch.inference_mode():
         for _ in range(rounds):
@@ -193,7 +199,8 @@ def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: i
                 runner.model.compute_logits(hidden)
                 total = time.perf_counter() - begin
                 runs[name].append(dict(times, forward=forward, total=total))
-    print(f"\n| variant | ms per {num_prompts}-request decode step (best; median) | linears | "
+    kind = "decode" if query_len == 1 else f"{query_len}-token prefill"
+    print(f"\n| variant | ms per {num_prompts}-request {kind} step (best; median) | linears | "
           f"attention | rest | logits (LM head, float) | load |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for name, steps in runs.items():
@@ -221,6 +228,9 @@ def main() -> int:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--rows", default="1,4,16,32,64,128,256,512", help="--kernels' rows")
     parser.add_argument("--profile", action="store_true", help="only the decode-step profile")
+    parser.add_argument(
+        "--query-len", type=int, default=1, help="--profile: tokens per request (1: decode)"
+    )
     args = parser.parse_args()
     if args.kernels:
         kernel_table(rounds=args.rounds, rows_list=[int(r) for r in args.rows.split(",")])
@@ -228,7 +238,7 @@ def main() -> int:
     if not args.w8a8:
         parser.error("--w8a8 FOLDER is needed (or --kernels)")
     if args.profile:
-        decode_profile(args.w8a8, args.rounds, args.num_prompts, args.input_len)
+        decode_profile(args.w8a8, args.rounds, args.num_prompts, args.input_len, args.query_len)
         return 0
     kw = dict(kv_cache_memory_bytes=1 << 30)
 
