@@ -214,6 +214,51 @@ def decode_profile(
               f"{os.getloadavg()[0]:.1f} |")  # fmt: skip
 
 
+def forward_share(w8a8_folder: str, num_prompts: int, input_len: int, output_len: int) -> None:
+    """Per variant, one offline round (after a warm one) with the model runner's steps timed:
+    how much of the round's wall time is the runner's execute_model (the forward, logits and
+    sampling of every step) and how much is outside it (scheduling, inputs, outputs)."""
+    from kvserve import LLM
+
+    kw = dict(kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, input_len).tolist() for _ in range(num_prompts)]
+    print("\n| variant | round s | execute_model s (steps) | forward s | of which steps of "
+          "> 128 tokens s (steps) | outside s | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, model in (("bfloat16", None), ("W8A8", w8a8_folder)):
+        llm = LLM(model=model, dtype="bfloat16", **kw)
+        runner = llm.engine_core.executor.worker.runner
+        _throughput(llm, prompts[:8], 4)  # warm
+        spent = {"execute": 0.0, "forward": 0.0, "steps": 0, "big": 0.0, "big_steps": 0}
+
+        def timed(fn, key, spent=spent):
+            def call(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    took = time.perf_counter() - start
+                    spent[key] += took
+                    spent["steps"] += key == "execute"
+                    if key == "forward" and args[0].shape[0] > 128:  # carries prefill chunks
+                        spent["big"] += took
+                        spent["big_steps"] += 1
+
+            return call
+
+        runner.execute_model = timed(runner.execute_model, "execute")
+        runner._run_stage = timed(runner._run_stage, "forward")
+        start = time.perf_counter()
+        tok_s = _throughput(llm, prompts, output_len)
+        total = time.perf_counter() - start
+        print(f"| {name} ({tok_s:.0f} tok/s) | {total:.2f} | {spent['execute']:.2f} "
+              f"({spent['steps']}) | {spent['forward']:.2f} | {spent['big']:.2f} "
+              f"({spent['big_steps']}) | {total - spent['execute']:.2f} | "
+              f"{os.getloadavg()[0]:.1f} |")  # fmt: skip
+        del llm
+
+
 def main() -> int:
     from kvserve import LLM, SamplingParams
 
@@ -229,6 +274,9 @@ def main() -> int:
     parser.add_argument("--rows", default="1,4,16,32,64,128,256,512", help="--kernels' rows")
     parser.add_argument("--profile", action="store_true", help="only the decode-step profile")
     parser.add_argument(
+        "--forward-share", action="store_true", help="only the step time against the round's"
+    )
+    parser.add_argument(
         "--query-len", type=int, default=1, help="--profile: tokens per request (1: decode)"
     )
     args = parser.parse_args()
@@ -237,6 +285,9 @@ def main() -> int:
         return 0
     if not args.w8a8:
         parser.error("--w8a8 FOLDER is needed (or --kernels)")
+    if args.forward_share:
+        forward_share(args.w8a8, args.num_prompts, args.input_len, args.output_len)
+        return 0
     if args.profile:
         decode_profile(args.w8a8, args.rounds, args.num_prompts, args.input_len, args.query_len)
         return 0
