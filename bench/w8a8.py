@@ -133,14 +133,18 @@ def _qlinear_prepacked(x, prepacked, weight_scales):
     return y.mul_(sx.to(torch.bfloat16)[:, None])
 
 
-def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: int) -> None:
+def decode_profile(
+    w8a8_folder: str, rounds: int, num_prompts: int, input_len: int, query_len: int = 1
+) -> None:
     """Where the time of a decode step of num_prompts requests (input_len cached tokens each)
     goes, per variant: the model runner's timing step (what its start-up measurements run)
     through the model and compute_logits, forward hooks timing the linears (every
     LinearBase) and the attention modules; "rest" is the forward minus both (norms, rotary,
     SiLU-and-mul, residual adds, embedding, Python). rounds steps per variant, interleaved;
     the step with the least total is reported (the others were preempted more), with the
-    median total beside it."""
+    median total beside it. query_len > 1: a prefill step of num_prompts x query_len tokens
+    instead (after input_len cached tokens each; 0 for fresh prompts). Steps the native
+    decode stack takes time it whole: their linears and attention count under "rest"."""
     import torch
 
     from kvserve import LLM
@@ -174,13 +178,15 @@ def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: i
         "W8A8": LLM(model=w8a8_folder, dtype="bfloat16", **kw),
     }
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 40000, input_len).tolist() for _ in range(num_prompts)]
+    prompt_len = max(input_len, query_len)
+    prompts = [rng.integers(100, 40000, prompt_len).tolist() for _ in range(num_prompts)]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     setups = {}
     for name, llm in engines.items():
         _throughput(llm, prompts, 4)  # warm: plans measured at every row count used
         runner = llm.engine_core.executor.worker.runner
-        step = runner._timing_step(np.ones(num_prompts, dtype=np.int32), context=input_len)
+        lens = np.full(num_prompts, query_len, dtype=np.int32)
+        step = runner._timing_step(lens, context=input_len)
         setups[name] = (runner, step, instrument(runner.model))
     with torch.inference_mode():
         for _ in range(rounds):
@@ -193,7 +199,8 @@ def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: i
                 runner.model.compute_logits(hidden)
                 total = time.perf_counter() - begin
                 runs[name].append(dict(times, forward=forward, total=total))
-    print(f"\n| variant | ms per {num_prompts}-request decode step (best; median) | linears | "
+    kind = "decode" if query_len == 1 else f"{query_len}-token prefill"
+    print(f"\n| variant | ms per {num_prompts}-request {kind} step (best; median) | linears | "
           f"attention | rest | logits (LM head, float) | load |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for name, steps in runs.items():
@@ -205,6 +212,51 @@ def decode_profile(w8a8_folder: str, rounds: int, num_prompts: int, input_len: i
         cells = " | ".join(f"{v:.2f} ({v / ms['total']:.0%})" for v in parts)
         print(f"| {name} | {ms['total']:.2f}; {median:.2f} | {cells} | "
               f"{os.getloadavg()[0]:.1f} |")  # fmt: skip
+
+
+def forward_share(w8a8_folder: str, num_prompts: int, input_len: int, output_len: int) -> None:
+    """Per variant, one offline round (after a warm one) with the model runner's steps timed:
+    how much of the round's wall time is the runner's execute_model (the forward, logits and
+    sampling of every step) and how much is outside it (scheduling, inputs, outputs)."""
+    from kvserve import LLM
+
+    kw = dict(kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, input_len).tolist() for _ in range(num_prompts)]
+    print("\n| variant | round s | execute_model s (steps) | forward s | of which steps of "
+          "> 128 tokens s (steps) | outside s | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, model in (("bfloat16", None), ("W8A8", w8a8_folder)):
+        llm = LLM(model=model, dtype="bfloat16", **kw)
+        runner = llm.engine_core.executor.worker.runner
+        _throughput(llm, prompts[:8], 4)  # warm
+        spent = {"execute": 0.0, "forward": 0.0, "steps": 0, "big": 0.0, "big_steps": 0}
+
+        def timed(fn, key, spent=spent):
+            def call(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    took = time.perf_counter() - start
+                    spent[key] += took
+                    spent["steps"] += key == "execute"
+                    if key == "forward" and args[0].shape[0] > 128:  # carries prefill chunks
+                        spent["big"] += took
+                        spent["big_steps"] += 1
+
+            return call
+
+        runner.execute_model = timed(runner.execute_model, "execute")
+        runner._run_stage = timed(runner._run_stage, "forward")
+        start = time.perf_counter()
+        tok_s = _throughput(llm, prompts, output_len)
+        total = time.perf_counter() - start
+        print(f"| {name} ({tok_s:.0f} tok/s) | {total:.2f} | {spent['execute']:.2f} "
+              f"({spent['steps']}) | {spent['forward']:.2f} | {spent['big']:.2f} "
+              f"({spent['big_steps']}) | {total - spent['execute']:.2f} | "
+              f"{os.getloadavg()[0]:.1f} |")  # fmt: skip
+        del llm
 
 
 def main() -> int:
@@ -221,14 +273,23 @@ def main() -> int:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--rows", default="1,4,16,32,64,128,256,512", help="--kernels' rows")
     parser.add_argument("--profile", action="store_true", help="only the decode-step profile")
+    parser.add_argument(
+        "--forward-share", action="store_true", help="only the step time against the round's"
+    )
+    parser.add_argument(
+        "--query-len", type=int, default=1, help="--profile: tokens per request (1: decode)"
+    )
     args = parser.parse_args()
     if args.kernels:
         kernel_table(rounds=args.rounds, rows_list=[int(r) for r in args.rows.split(",")])
         return 0
     if not args.w8a8:
         parser.error("--w8a8 FOLDER is needed (or --kernels)")
+    if args.forward_share:
+        forward_share(args.w8a8, args.num_prompts, args.input_len, args.output_len)
+        return 0
     if args.profile:
-        decode_profile(args.w8a8, args.rounds, args.num_prompts, args.input_len)
+        decode_profile(args.w8a8, args.rounds, args.num_prompts, args.input_len, args.query_len)
         return 0
     kw = dict(kv_cache_memory_bytes=1 << 30)
 

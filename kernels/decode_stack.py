@@ -24,10 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kernels import cpu, int4, quant
+from kvserve.kernels import cpu, int4, quant, w8a8
 from kvserve.kernels.quant import QTYPES, QuantizedTensor
 
 MAX_PARTS = 4  # STACK_MAX_PARTS
+# A W8A8 part packed for csrc/w8a8.c's AMX-INT8 kernel (STACK_AMX_W8A8): what the stack runs
+# for W8A8 weights where that kernel runs (the module path's kernel too, kernels/w8a8.py).
+AMX_W8A8 = 300
 
 
 class _Part(ctypes.Structure):
@@ -75,6 +78,7 @@ class _Shape(ctypes.Structure):
         ("soft_cap", ctypes.c_float),
         ("pad", ctypes.c_float),
         ("kvq_linear", ctypes.c_void_p),
+        ("amx_linear", ctypes.c_void_p),
     ]
 
 
@@ -83,11 +87,18 @@ class _Shape(ctypes.Structure):
 Matrix = list[tuple[int, "torch.Tensor | QuantizedTensor"]]
 
 
-def _c_matrix(parts: Matrix) -> _Matrix:
+def _c_matrix(parts: Matrix, amx: bool) -> _Matrix:
     matrix = _Matrix()
     matrix.num_parts = len(parts)
     for i, (offset, weight) in enumerate(parts):
-        if isinstance(weight, QuantizedTensor):
+        if amx and isinstance(weight, QuantizedTensor) and weight.qtype == "W8A8":
+            assert weight.scales is not None and weight.data.is_contiguous()
+            # packed once, kept on the weight's storage (the module path shares it)
+            packed = w8a8.packed_for_amx(weight.data.view(torch.int8))
+            matrix.parts[i] = _Part(
+                packed.data_ptr(), weight.scales.data_ptr(), AMX_W8A8, 0, offset, weight.shape[0]
+            )
+        elif isinstance(weight, QuantizedTensor):
             scales = weight.scales
             matrix.parts[i] = _Part(
                 weight.data.data_ptr(),
@@ -146,7 +157,18 @@ def available(dtype: torch.dtype) -> bool:
 # The quantized types kvq_linear (quant_gemm.c) computes, and the 4-bit checkpoints' W4G
 # groups (int4_gemm.c's w4_any_linear, passed instead when a stack holds them; act-order
 # weights, whose activations are gathered per call, keep the layer-by-layer path).
-STACK_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "MXFP4", "I8", "W4G32", "W4G64", "W4G128")
+# W8A8 (I8's bytes) runs csrc/w8a8.c's AMX-INT8 kernel where it runs (w8a8_amx), else
+# kvq_linear's I8 path.
+STACK_QTYPES = (
+    "Q8_0", "Q4_0", "Q4_1", "Q4_K", "MXFP4", "I8", "W8A8", "W4G32", "W4G64", "W4G128"
+)  # fmt: skip
+
+
+def w8a8_amx() -> bool:
+    """Whether the stack runs W8A8 parts on the AMX-INT8 kernel: it runs here and
+    KVSERVE_W8A8_KERNEL does not force another (kvq keeps quant_gemm.c's I8 VNNI path; intmm,
+    torch._int_mm, has no C entry, so the stack runs kvq's for it)."""
+    return w8a8.amx_available() and w8a8.forced() in (None, "amx")
 
 
 def quantized_available() -> bool:
@@ -198,16 +220,23 @@ class DecodeStack:
             for matrix in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
             for _, weight in matrix
         )
+        held_w8a8 = any(
+            isinstance(weight, QuantizedTensor) and weight.qtype == "W8A8"
+            for layer in layers
+            for matrix in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
+            for _, weight in matrix
+        )
+        self.amx = amx = held_w8a8 and w8a8_amx()
         self._c_layers = (_Layer * len(layers))(
             *(
                 _Layer(
                     layer.input_norm.data_ptr(),
                     layer.post_norm.data_ptr(),
-                    _c_matrix(layer.qkv_w),
+                    _c_matrix(layer.qkv_w, amx),
                     None if layer.qkv_b is None else layer.qkv_b.data_ptr(),
-                    _c_matrix(layer.o_w),
-                    _c_matrix(layer.gate_up_w),
-                    _c_matrix(layer.down_w),
+                    _c_matrix(layer.o_w, amx),
+                    _c_matrix(layer.gate_up_w, amx),
+                    _c_matrix(layer.down_w, amx),
                     layer.key_cache.data_ptr(),
                     layer.value_cache.data_ptr(),
                     layer.cos_sin.data_ptr(),
@@ -229,6 +258,7 @@ class DecodeStack:
             shape.soft_cap or 0.0,
             0.0,
             _kvq_linear_address(held_w4) if quantized else None,
+            w8a8.amx_linear_address() if amx else None,
         )
         qd, kvd = shape.num_heads * shape.head_size, shape.num_kv_heads * shape.head_size
         per_row = 3 * shape.hidden + qd + 2 * kvd + 3 * qd + 3 * shape.intermediate

@@ -60,6 +60,8 @@ _LIBRARY = NativeLibrary(
         "kvw8_amx_available",
         "kvw8_amx_pack",
         "kvw8_amx_linear",
+        "kvw8_amx_bf16_pack",
+        "kvw8_amx_bf16_linear",
     ),
     "W8A8 kernel",
     "W8A8 matmuls use the I8 kernel",
@@ -80,6 +82,15 @@ def amx_available() -> bool:
     ok = ctypes.c_int(0)
     lib.kvw8_amx_available(ctypes.byref(ok))
     return bool(ok.value)
+
+
+def amx_linear_address() -> int:
+    """kvw8_amx_linear's address, for C callers (the native decode stack)."""
+    lib = _LIBRARY.load()
+    assert lib is not None
+    address = ctypes.cast(lib.kvw8_amx_linear, ctypes.c_void_p).value
+    assert address is not None
+    return address
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -193,6 +204,51 @@ def linear_amx(
     if status.value != 0:
         raise RuntimeError(f"kvw8_amx_linear failed (status {status.value})")
     return y
+
+
+def packed_for_amx_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """weight bfloat16 [N, K] packed into kvw8_amx_bf16_linear's B tiles, once (kept on the
+    weight's storage as packed_for_amx keeps the int8 packing)."""
+    cache = weight.untyped_storage().__dict__.setdefault("_kvserve_amx_bf16_packed", {})
+    n, k = weight.shape
+    key = (weight.data_ptr(), n, k)
+    packed = cache.get(key)
+    if packed is None:
+        lib = _LIBRARY.load()
+        assert lib is not None and weight.dtype == torch.bfloat16
+        packed = torch.empty(((n + 31) // 32 * 32) * ((k + 31) // 32 * 32), dtype=torch.bfloat16)
+        lib.kvw8_amx_bf16_pack(
+            _p(weight.contiguous()), ctypes.c_int(n), ctypes.c_int(k), _p(packed)
+        )
+        cache[key] = packed
+    return packed
+
+
+def linear_amx_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x W^T in bfloat16 (float32 sums, one fixed order per output whatever the row count)
+    by csrc/w8a8.c's AMX-BF16 kernel: x and weight bfloat16, the weight packed once. What the
+    native decode stack's LM head runs where amx_available()."""
+    lib = _LIBRARY.load()
+    if lib is None or not amx_available():
+        raise RuntimeError("the AMX-BF16 linear needs a CPU with AMX (and AVX512-BF16)")
+    assert x.dtype == weight.dtype == torch.bfloat16
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m > 0:
+        packed = packed_for_amx_bf16(weight)
+        status = ctypes.c_int(0)
+        lib.kvw8_amx_bf16_linear(
+            _p(x), ctypes.c_int64(x.stride(0)), ctypes.c_int(m), ctypes.c_int(k), _p(packed),
+            ctypes.c_int(n), _p(y), ctypes.c_int(1), ctypes.c_int64(n), ctypes.byref(status),
+        )  # fmt: skip
+        if status.value != 0:
+            raise RuntimeError(f"kvw8_amx_bf16_linear failed (status {status.value})")
+    return y.view(*lead, n)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor, bias=None):

@@ -8,7 +8,8 @@
 //   gate|up GEMV -> SiLU-and-mul -> down GEMV.
 // Weights are read once per step whatever M is (each W row meets all M inputs while it is in
 // L1), so a batch-1 step is bound by the weights' bytes over the memory bandwidth. A matrix
-// may be held quantized (GGUF blocks, int8): its parts then run quant_gemm.c's kvq_linear.
+// may be held quantized (GGUF blocks, int8): its parts then run quant_gemm.c's kvq_linear, or
+// (W8A8 weights packed into AMX tiles, STACK_AMX_W8A8) w8a8.c's kvw8_amx_linear.
 //
 // Activations live in float32 work buffers; in bfloat16 each stage's output is rounded to
 // bfloat16 where the module path stores a bfloat16 tensor. The caller owns every buffer.
@@ -22,7 +23,9 @@
 
 // One run of a matrix's output rows: float rows in the model dtype (qtype 0, [rows, K]
 // contiguous) or GGUF / int8 blocks (qtype a kvq code of quant_gemm.c, rows of ldw bytes,
-// wscale the I8 per-row scales or NULL), multiplied by kvq_linear.
+// wscale the I8 per-row scales or NULL), multiplied by kvq_linear; or qtype STACK_AMX_W8A8:
+// a W8A8 int8 weight as kvw8_amx_pack packs it (w), its per-row scales (wscale), multiplied
+// by kvw8_amx_linear (activations quantized per token, int8 tiles).
 typedef struct {
     const void *w;
     const float *wscale;
@@ -33,6 +36,7 @@ typedef struct {
 } stack_part;
 
 #define STACK_MAX_PARTS 4
+#define STACK_AMX_W8A8 300  // kernels/decode_stack.py AMX_W8A8
 // A matrix [N, K]: its parts cover rows 0..N in order (a fused qkv of three GGUF tensors may
 // hold three types).
 typedef struct {
@@ -59,6 +63,10 @@ typedef struct {
 typedef int (*kvq_linear_fn)(int qtype, const uint8_t *w, int64_t ldw, const float *wscale,
                              int N, int K, const float *x, int64_t ldx, int M, float *out,
                              int64_t ldo);
+// w8a8.c's kvw8_amx_linear (another library: the caller passes its address).
+typedef void (*amx_linear_fn)(const void *x, int is_bf16, int64_t ldx, int m, int k,
+                              const int8_t *packed, int n, const float *sw, const float *bias,
+                              void *out, int out_bf16, int64_t ldo, int *status);
 
 // The model's shape (the same for every layer of the stack).
 typedef struct {
@@ -66,6 +74,7 @@ typedef struct {
     int64_t is_bf16;
     float eps, scale, soft_cap, pad;
     const void *kvq_linear;  // a kvq_linear_fn, or NULL when no part is quantized
+    const void *amx_linear;  // an amx_linear_fn, or NULL when no part is STACK_AMX_W8A8
 } stack_shape;
 
 void decode_attention_f32(float *out, const float *query, int64_t q_token_stride,
@@ -196,7 +205,13 @@ static void gemv(const stack_shape *s, float *y, const float *x, const stack_mat
     for (int p = 0; p < w->num_parts; p++) {
         const stack_part *part = &w->parts[p];
         float *yp = y + part->row_offset;
-        if (part->qtype != 0)
+        if (part->qtype == STACK_AMX_W8A8) {
+            // float32 in and out; each row quantized alone, exact int32 sums: a row's result
+            // does not depend on the rows beside it (the Python side checked AMX is granted)
+            int status = 0;
+            ((amx_linear_fn)s->amx_linear)(x, 0, K, M, K, (const int8_t *)part->w, (int)part->rows,
+                                           part->wscale, NULL, yp, 0, N, &status);
+        } else if (part->qtype != 0)
             ((kvq_linear_fn)s->kvq_linear)((int)part->qtype, (const uint8_t *)part->w, part->ldw,
                                            part->wscale, (int)part->rows, K, x, K, M, yp, N);
         else if (s->is_bf16)
@@ -229,9 +244,15 @@ static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = f32_to_b
 DEFINE_SMALL_LINEAR(small_linear_f32, float, gemv_f32, load_f32, store_f32)
 DEFINE_SMALL_LINEAR(small_linear_bf16, uint16_t, gemv_bf16, load_bf16, store_bf16)
 
+// The per-row stages (norms, bias + RoPE + the K/V write, SiLU-and-mul) split their rows over
+// the threads from this many rows on: at 32-64 rows they cost as much as the W8A8 GEMMs.
+#define PARALLEL_ROWS 8
+
 // out[m] = rms_norm(x[m]) * weight, rounded; x float32 [M, H] (already rounded).
 static void rms_norm_rows(float *out, const float *x, const float *weight, int M, int H,
                           float eps, int bf16) {
+    // rows apart over the threads from PARALLEL_ROWS on (each row's arithmetic unchanged)
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
     for (int m = 0; m < M; m++) {
         const float *xm = x + (int64_t)m * H;
         float sum_sq = 0.f;
@@ -318,6 +339,7 @@ void decode_stack(const stack_layer *layers, int num_layers, const stack_shape *
 
         // qkv, RoPE, the K/V write.
         gemv(s, qkv, xn, &L->qkv, M, NQKV, H);
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
         for (int m = 0; m < M; m++) {
             float *row = qkv + (int64_t)m * NQKV;
             for (int i = 0; i < NQKV; i++)
@@ -356,6 +378,7 @@ void decode_stack(const stack_layer *layers, int num_layers, const stack_shape *
         for (int64_t i = 0; i < (int64_t)M * H; i++) res[i] = round_to(h[i] + res[i], bf16);
         rms_norm_rows(xn, res, L->post_norm, M, H, s->eps, bf16);
         gemv(s, gate_up, xn, &L->gate_up, M, 2 * I, H);
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
         for (int m = 0; m < M; m++) {
             const float *g = gate_up + (int64_t)m * 2 * I, *u = g + I;
             float *a = act + (int64_t)m * I;

@@ -116,7 +116,8 @@ void kvw8_scale_rows(const int32_t *acc, int m, int n, const float *sx, const fl
 //                        are exact, so y is the per-token reference's up to float rounding.
 // Without AMX-INT8 (or AVX512-BF16) on the CPU this was built for, or when Linux refuses the
 // tile state, kvw8_amx_available says 0 and kvw8_amx_linear sets *status = -1.
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__)
 #define W8A8_AMX 1
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -295,6 +296,140 @@ void kvw8_amx_linear(const void *x, int is_bf16, int64_t ldx, int m, int k, cons
 #else
     (void)x, (void)is_bf16, (void)ldx, (void)m, (void)k, (void)packed, (void)n, (void)sw;
     (void)bias, (void)out, (void)out_bf16, (void)ldo;
+    *status = -1;
+#endif
+}
+
+// ------------------------------------------------------------------ a bfloat16 AMX linear
+//
+// y [M, N] = x W^T for bfloat16 x [M, K] and W [N, K], float32 sums on AMX-BF16 tiles: what
+// the native decode stack's LM head runs (services/worker/layers/embed_head.py), where the
+// stack's AVX2 GEMV costs 3.6x oneDNN at 32 rows and oneDNN's result for a row depends on
+// how many rows share the call. Here every output is one fixed sum (the tiles over K in
+// order, each TDPBF16PS's pairs in the hardware's order), whatever M is.
+//   kvw8_amx_bf16_pack    once per weight: W into B tiles, N padded to 32 and K to 32 with
+//                         zeros; tile (nb, kb) = 1024 bytes at (nb * K_pad / 32 + kb) * 1024,
+//                         its row r holding for the 16 columns c the pair W[16 nb + c][32 kb
+//                         + 2 r, + 1] (TDPBF16PS's B layout)
+//   kvw8_amx_bf16_linear  per call: x copied into zero-padded 16-row A blocks, then per pair
+//                         of 16-column blocks (static over threads: the weight is read once)
+//                         and pair of row blocks, 2 A x 2 B tiles into 4 float32 C tiles over
+//                         K, written as bfloat16 (round to nearest even) or float32.
+void kvw8_amx_bf16_pack(const uint16_t *w, int n, int k, uint16_t *packed) {
+    const int n_pad = (n + 31) / 32 * 32, kbs = (k + 31) / 32;
+#pragma omp parallel for schedule(static)
+    for (int nb = 0; nb < n_pad / 16; nb++)
+        for (int kb = 0; kb < kbs; kb++) {
+            uint16_t *tile = packed + ((int64_t)nb * kbs + kb) * 512;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++)
+                    for (int j = 0; j < 2; j++) {
+                        const int row = 16 * nb + c, col = 32 * kb + 2 * r + j;
+                        tile[r * 32 + c * 2 + j] =
+                            row < n && col < k ? w[(int64_t)row * k + col] : 0;
+                    }
+        }
+}
+
+#ifdef W8A8_AMX
+static void store_tile_f32(const float *c, int row0, int rows, int col, int n, void *out,
+                           int out_bf16, int64_t ldo) {
+    if (col >= n) return;
+    const __mmask16 mask = first_lanes(n - col);
+    for (int r = 0; r < rows; r++) {
+        const __m512 y = _mm512_load_ps(c + 16 * r);
+        const int64_t at = (int64_t)(row0 + r) * ldo + col;
+        if (out_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)out + at, mask, (__m256i)_mm512_cvtneps_pbh(y));
+        else
+            _mm512_mask_storeu_ps((float *)out + at, mask, y);
+    }
+}
+#endif
+
+void kvw8_amx_bf16_linear(const uint16_t *x, int64_t ldx, int m, int k, const uint16_t *packed,
+                          int n, void *out, int out_bf16, int64_t ldo, int *status) {
+#ifdef W8A8_AMX
+    if (!amx_permitted()) {
+        *status = -1;
+        return;
+    }
+    const int k_pad = (k + 31) / 32 * 32, kbs = k_pad / 32, m_blocks = (m + 15) / 16;
+    const int n_pairs = (n + 31) / 32;
+    uint16_t *a = aligned_alloc(64, (size_t)m_blocks * 16 * k_pad * 2);
+    if (a == NULL) {
+        *status = -2;
+        return;
+    }
+    for (int i = 0; i < m_blocks * 16; i++) {
+        uint16_t *dst = a + (int64_t)i * k_pad;
+        if (i < m) {
+            memcpy(dst, x + (int64_t)i * ldx, sizeof(uint16_t) * (size_t)k);
+            memset(dst + k, 0, sizeof(uint16_t) * (size_t)(k_pad - k));
+        } else {
+            memset(dst, 0, sizeof(uint16_t) * (size_t)k_pad);
+        }
+    }
+    const int64_t lda = (int64_t)k_pad * 2;  // bytes
+#pragma omp parallel
+    {
+        configure_tiles();
+        float acc[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int np = 0; np < n_pairs; np++) {
+            const uint16_t *b0 = packed + (int64_t)(2 * np) * kbs * 512, *b1 = b0 + kbs * 512;
+            for (int mb = 0; mb < m_blocks; mb += 2) {
+                const uint16_t *a0 = a + (int64_t)mb * 16 * k_pad, *a1 = a0 + 16 * k_pad;
+                const int row0 = 16 * mb, rows0 = m - row0 < 16 ? m - row0 : 16;
+                const int col = 32 * np;
+                if (mb + 1 < m_blocks) {
+                    _tile_zero(4);
+                    _tile_zero(5);
+                    _tile_zero(6);
+                    _tile_zero(7);
+                    for (int kb = 0; kb < kbs; kb++) {
+                        _tile_loadd(0, a0 + 32 * kb, lda);
+                        _tile_loadd(1, a1 + 32 * kb, lda);
+                        _tile_loadd(2, b0 + kb * 512, 64);
+                        _tile_loadd(3, b1 + kb * 512, 64);
+                        _tile_dpbf16ps(4, 0, 2);
+                        _tile_dpbf16ps(5, 0, 3);
+                        _tile_dpbf16ps(6, 1, 2);
+                        _tile_dpbf16ps(7, 1, 3);
+                    }
+                    _tile_stored(4, acc[0], 64);
+                    _tile_stored(5, acc[1], 64);
+                    _tile_stored(6, acc[2], 64);
+                    _tile_stored(7, acc[3], 64);
+                    const int rows1 = m - row0 - 16 < 16 ? m - row0 - 16 : 16;
+                    store_tile_f32(acc[0], row0, rows0, col, n, out, out_bf16, ldo);
+                    store_tile_f32(acc[1], row0, rows0, col + 16, n, out, out_bf16, ldo);
+                    store_tile_f32(acc[2], row0 + 16, rows1, col, n, out, out_bf16, ldo);
+                    store_tile_f32(acc[3], row0 + 16, rows1, col + 16, n, out, out_bf16, ldo);
+                } else {
+                    _tile_zero(4);
+                    _tile_zero(5);
+                    for (int kb = 0; kb < kbs; kb++) {
+                        _tile_loadd(0, a0 + 32 * kb, lda);
+                        _tile_loadd(2, b0 + kb * 512, 64);
+                        _tile_loadd(3, b1 + kb * 512, 64);
+                        _tile_dpbf16ps(4, 0, 2);
+                        _tile_dpbf16ps(5, 0, 3);
+                    }
+                    _tile_stored(4, acc[0], 64);
+                    _tile_stored(5, acc[1], 64);
+                    store_tile_f32(acc[0], row0, rows0, col, n, out, out_bf16, ldo);
+                    store_tile_f32(acc[1], row0, rows0, col + 16, n, out, out_bf16, ldo);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(a);
+    *status = 0;
+#else
+    (void)x, (void)ldx, (void)m, (void)k, (void)packed, (void)n, (void)out, (void)out_bf16;
+    (void)ldo;
     *status = -1;
 #endif
 }

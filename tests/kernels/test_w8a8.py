@@ -125,3 +125,23 @@ def test_forcing_an_unknown_kernel_is_refused(monkeypatch):
     monkeypatch.setenv("KVSERVE_W8A8_KERNEL", "onednn")
     with pytest.raises(ValueError, match="KVSERVE_W8A8_KERNEL must be one of"):
         w8a8.forced()
+
+
+@needs_amx
+@pytest.mark.parametrize(("n", "k"), [(96, 160), (50, 70), (1000, 576)])
+def test_linear_amx_bf16_matches_float_and_gives_each_row_alone(n, k):
+    """The LM head's AMX-BF16 linear (the native decode stack's): float32 sums of bfloat16
+    products, rounded once to bfloat16; N and K not multiples of the tiles; a row's result
+    bit for bit the same whatever number of rows shares the call (1 to 33 and beyond)."""
+    gen = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    full = w8a8.linear_amx_bf16(x, weight)
+    assert full.dtype == torch.bfloat16 and full.shape == (40, n)
+    want = x.double() @ weight.double().t()
+    err = (full.double() - want).abs()
+    assert (err <= 2**-8 * want.abs() + 1e-5).all(), err.max().item()  # bfloat16's rounding
+    for rows in (1, 15, 16, 17, 32, 33):
+        assert torch.equal(w8a8.linear_amx_bf16(x[:rows], weight), full[:rows]), rows
+    assert w8a8.linear_amx_bf16(x[:0], weight).shape == (0, n)
+    assert w8a8.packed_for_amx_bf16(weight) is w8a8.packed_for_amx_bf16(weight)

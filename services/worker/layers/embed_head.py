@@ -72,9 +72,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     # models/native_decode.py when it binds the stack): each row's logits are then the same
     # whatever else shares the step, as the stack's hidden states are.
     native_rows: int = 0
+    # Those steps run csrc/w8a8.c's AMX-BF16 linear instead (bfloat16 on a CPU with AMX; set
+    # with native_rows): one fixed sum per output as well, 3x faster than the GEMV at 32 rows.
+    native_amx: bool = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.shape[0] <= self.native_rows:
+        if hidden_states.shape[0] <= self.native_rows and self.native_amx:
+            from kvserve.kernels import w8a8
+
+            logits = w8a8.linear_amx_bf16(hidden_states, self.weight)
+        elif hidden_states.shape[0] <= self.native_rows:
             logits = native_linear(hidden_states, self.weight, None)
         else:
             logits = kernels.linear(hidden_states, self.weight, None, self.gemm)

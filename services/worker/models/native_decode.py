@@ -17,7 +17,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from kvserve.kernels import decode_stack
+from kvserve.kernels import decode_stack, w8a8
 from kvserve.kernels.decode_stack import DecodeStack, Matrix, StackLayer, StackShape
 from kvserve.kernels.quant import QuantizedTensor
 from kvserve.services.worker.layers.activation import SiluAndMul
@@ -180,6 +180,7 @@ def bind_decode_stack(
     head = getattr(model, "lm_head", None)
     if isinstance(head, ParallelLMHead):
         head.native_rows = 0
+        head.native_amx = False
     if max_requests <= 0:
         return "off (KVSERVE_NATIVE_DECODE_ROWS=0)"
     try:
@@ -195,6 +196,8 @@ def bind_decode_stack(
     inner.decode_stack = stack
     if isinstance(head, ParallelLMHead) and _plain(head.weight, dtype):
         head.native_rows = stack.max_rows  # the same per-row arithmetic for the logits
+        # on AMX: tiles with that property (kernels/w8a8.py linear_amx_bf16)
+        head.native_amx = dtype == torch.bfloat16 and w8a8.amx_available()
     return (
         f"on: steps of up to {max_requests} requests of up to {tokens_per_request} tokens "
         f"run {len(stage)} layers in one C call"
