@@ -262,6 +262,8 @@ class MPEngineClient(EngineClient):
         engines = []
         for engine in self.pool.sorted_engines():
             entry = engine.describe(self.pool.stall_timeout_s)
+            # Sent to it and not seen to end: counted here, so true however silent it is.
+            entry["num_in_flight"] = self.pool.num_in_flight.get(engine.engine_index, 0)
             if engine.handshake.kv_role is not None:
                 entry["kv_role"] = engine.handshake.kv_role
             engines.append(entry)

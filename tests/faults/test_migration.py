@@ -535,15 +535,33 @@ def test_pd_a_killed_decode_engine_streams_resume_through_the_store(pd_server):
     loaded_before = {
         i: pd_server.metric("kvserve:external_prefix_cache_hits_total", i) for i in (1, 2)
     }
+    pids = {e["engine"]: e["pid"] for e in decode}
     victim: dict = {}
 
     def kill_decode_engine() -> None:
-        victim.update(_busiest(pd_server, (1, 2)))
-        os.kill(victim["pid"], signal.SIGKILL)
+        # Once every stream's prefill is done and its request sent to a paused decode engine
+        # (the api's own count), the one sent the most dies; the other goes on.
+        def routed() -> bool:
+            _, body = pd_server.health()
+            sent = [e for e in body["engines"] if e["engine"] in pids]
+            victim.update(max(sent, key=lambda e: (e["num_in_flight"], e["engine"])))
+            return sum(e["num_in_flight"] for e in sent) == 6
 
-    # Watched from the start, not from a client's third chunk: a loaded client reads its
-    # stream far behind the server, whose decode engines may have ended every stream by then.
-    streams = _run_greedy(pd_server.url, kill_decode_engine, after_chunks=0)
+        assert wait_until(routed, timeout_s=60), victim
+        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(pids[3 - victim["engine"]], signal.SIGCONT)
+
+    # Paused before the streams are sent: none can end before the kill. (A loaded client
+    # reads far behind the server, and the tiny model ends 300 tokens in well under a second:
+    # a kill timed from the streams could come after they all ended.)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        streams = _run_greedy(pd_server.url, kill_decode_engine, after_chunks=0)
+    finally:
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     _assert_same(streams, reference)
     assert _moved_kinds(pd_server, streams) == {"greedy"}
