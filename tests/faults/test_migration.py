@@ -407,10 +407,14 @@ def poisoned_server(tiny_llama_dir, tmp_path_factory):
 
 
 def _run_greedy(
-    url: str, on_started=None, token_prompts: bool = False, after_chunks: int = 3
+    url: str,
+    on_started=None,
+    token_prompts: bool = False,
+    after_chunks: int = 3,
+    every_stream: bool = False,
 ) -> list[Stream]:
     """Six greedy streams at once; `on_started()` runs (once, in a thread) when the first
-    has `after_chunks` chunks (0: as they are sent).
+    has `after_chunks` chunks (0: as they are sent), or with `every_stream`, when each has.
 
     Args:
         token_prompts: prompts of token ids below 100, and 200 tokens (for the
@@ -426,6 +430,8 @@ def _run_greedy(
 
     def on_chunk(stream: Stream) -> None:
         if on_started is None or fired or stream.num_chunks < after_chunks:
+            return
+        if every_stream and any(s.num_chunks < after_chunks for s in streams):
             return
         with lock:
             if not fired:
@@ -459,7 +465,9 @@ def test_a_poison_request_is_quarantined_and_the_others_finish(poisoned_server):
         except openai.OpenAIError as exc:
             poison["error"] = exc
 
-    streams = _run_greedy(server.url, on_started=send_poison)
+    # Sent once every bystander streams: one still on its way to an engine as the last one
+    # dies is refused (EngineDeadError), not moved; those in flight wait for the restarts.
+    streams = _run_greedy(server.url, on_started=send_poison, after_chunks=1, every_stream=True)
 
     _assert_same(streams, reference)  # the bystanders moved (twice, some) and finished
     error = poison["error"]
