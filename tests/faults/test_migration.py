@@ -373,7 +373,28 @@ def test_one_engine_streams_wait_for_its_restart(restarting_server):
     reference = _run_all(server.url)
     (victim,) = _engine_pids(server)
 
-    streams = _run_all(server.url, KillMidStream(server))
+    # The engine is paused before the streams are sent and killed once the api has sent it
+    # every one (its own count): each kind is surely on it. (A kill timed from a loaded
+    # client's chunks could come after the fast ones, the JSON streams, ended.)
+    num_streams = len(_streams())
+
+    def kill_once_sent() -> None:
+        def sent() -> bool:
+            (engine,) = server.health()[1]["engines"]
+            return engine["num_in_flight"] == num_streams
+
+        assert wait_until(sent, timeout_s=60), server.health()[1]
+        os.kill(victim, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_sent)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        killer.start()
+        streams = _run_all(server.url)
+    finally:
+        killer.join(timeout=120)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
 
     _assert_same(streams, reference)
     assert _moved_kinds(server, streams) == {"greedy", "seeded", "json"}
