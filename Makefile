@@ -43,12 +43,14 @@ browser:
 		echo "warning: could not install chromium; the status page's browser test will be skipped"
 
 # Gates that run before the tests: lint and format (ruff), types (mypy on every shipped
-# module, .ci/typecheck.py), and the import graph (no cycles, no layering breaks).
+# module, .ci/typecheck.py), the import graph (no cycles, no layering breaks), and sizes
+# (no module over 650 lines, no function over 60: .ci/check_sizes.py).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python .ci/typecheck.py
 	$(BIN)/python .ci/check_imports.py
+	$(BIN)/python .ci/check_sizes.py
 
 # --durations=10: every run ends with its ten slowest tests (the suite's budget is 15 minutes
 # and 8 GiB on a two-core machine; bench/suite_profile.py measures a whole run's time and
