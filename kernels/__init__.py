@@ -6,7 +6,10 @@ import the op names below and never pick an implementation themselves.
 This folder is the package `kvserve.kernels` (pyproject's package-dir). When a checkout's root is
 on `sys.path` (`python -m ...` or pytest run from it), the folder is also importable as a
 top-level `kernels`, which shadows PyPI's `kernels`: transformers >= 5.25 depends on that package
-and imports it. Imported under that name, this module hands the name to the installed package.
+and probes for it. Imported under that name, this module hands the name to the installed
+package; when none is installed it becomes what Python makes of a bare folder on the path, an
+empty namespace package (no `__file__`, no names, no submodules), which probes such as
+transformers' `is_kernels_available()` count as absent.
 """
 
 import sys
@@ -16,19 +19,21 @@ if __name__ == "kernels":
     import importlib.util
     import os
 
-    def _load_the_shadowed_package() -> None:
+    def _hand_over_the_name() -> None:
         checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = [p for p in sys.path if os.path.abspath(p or os.curdir) != checkout]
         spec = importlib.machinery.PathFinder.find_spec("kernels", path)
-        if spec is None or spec.loader is None:
-            raise ImportError(
-                f"no package 'kernels' is installed; {checkout}/kernels is kvserve.kernels"
-            )
+        if spec is None:
+            # Nothing installed: an empty namespace package, as a folder without
+            # __init__.py would be.
+            spec = importlib.machinery.ModuleSpec("kernels", None, is_package=True)
+            spec.submodule_search_locations = []
         module = importlib.util.module_from_spec(spec)
         sys.modules["kernels"] = module
-        spec.loader.exec_module(module)
+        if spec.loader is not None:
+            spec.loader.exec_module(module)
 
-    _load_the_shadowed_package()
+    _hand_over_the_name()
 else:
     from kvserve.kernels.dispatch import (
         argmax,
