@@ -11,7 +11,7 @@ from kvserve.shared.cli_args import RefusedFlag
 
 _NO_HUB = "kvserve loads local folders, GGUF files and the local HF cache only (no downloads)"
 _LATER = "not built yet"
-# Measured and declined: docs/architecture.md, "No `torch.compile`".
+# Measured and declined: docs/kernels.md, "No `torch.compile`".
 _NO_COMPILE = (
     "torch.compile is not used (measured slower, with a 47 s start-up); CUDA graphs are "
     "set with --cuda-graph-sizes and --enforce-eager"
