@@ -17,7 +17,7 @@ when its output returns, so state stays consistent even if two schedules run bac
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,13 +25,13 @@ from typing import Any
 from kvserve.services.kv_store.connector import SchedulerConnector
 from kvserve.services.scheduler.core.block_pool import KVCacheBlock
 from kvserve.services.scheduler.core.encoder_budget import EncoderBudget
-from kvserve.services.scheduler.core.fair_share import FairRequestQueue, TenantLedger
 from kvserve.services.scheduler.core.kv_cache_groups import (
     GroupedKVCacheManager,
     max_tokens_in_cache,
 )
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.core.kv_load import admit_loaded, finish_loads, park_for_load
+from kvserve.services.scheduler.core.policies import create_policy
 from kvserve.services.scheduler.core.request import (
     Request,
     RequestStatus,
@@ -46,7 +46,7 @@ from kvserve.services.scheduler.core.request_output import (
     make_request_output,
     pooled_output,
 )
-from kvserve.services.scheduler.core.request_queue import RequestQueue, create_request_queue
+from kvserve.services.scheduler.core.request_queue import RequestQueue
 from kvserve.services.scheduler.core.request_trace import RequestTrace
 from kvserve.services.scheduler.core.spec_scheduler import SpecDecodeScheduler
 from kvserve.services.scheduler.core.step_plan import StepPlan, make_scheduler_output
@@ -168,13 +168,9 @@ class Scheduler:
         # Images in the prompt: which images' vision encoder runs in a step.
         encoder_tokens = scheduler_config.encoder_token_budget
         self.encoder = EncoderBudget(encoder_tokens, encoder_tokens)
-        # --scheduling-policy fair: the tenants' virtual token counters (fair_share.py).
-        self.fair: TenantLedger | None = None
-        if scheduler_config.scheduling_policy == "fair":
-            self.fair = TenantLedger()
-            self.waiting: RequestQueue = FairRequestQueue(self.fair)
-        else:
-            self.waiting = create_request_queue(scheduler_config.scheduling_policy)
+        # The waiting queue's order, the step's rounds and the preemption victim (policies/).
+        self.policy = create_policy(scheduler_config)
+        self.waiting: RequestQueue = self.policy.waiting
         self.running: list[Request] = []
         # Structured-output requests whose grammar is compiling, in arrival order.
         self.waiting_for_grammar: dict[str, Request] = {}
@@ -232,8 +228,7 @@ class Scheduler:
         if engine_request.trace_context is not None:
             request.trace = RequestTrace(time.time_ns())
             self._num_traced += 1
-        if self.fair is not None:
-            self.fair.add(request)
+        self.policy.on_request_added(request)
         if request.sampling_params.thinking_token_budget is not None:
             self._num_thinking_budgets += 1
         if request.sampling_params.pooling is not None:
@@ -307,8 +302,7 @@ class Scheduler:
         self.encoder.free(request)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(request)
-        if self.fair is not None:
-            self.fair.remove(request)
+        self.policy.on_request_freed(request)
         self.finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
 
@@ -320,13 +314,12 @@ class Scheduler:
             self._admit_compiled_grammars()
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
         self.encoder.start_step()
-        if self.fair is not None:
-            self._schedule_fair(plan)
-        else:
-            self._schedule_running(plan, self.running)
+        for step_round in self.policy.rounds(self.running, plan):
+            self._schedule_running(plan, step_round.running)
             # A step that had to preempt is short of blocks: admitting more would thrash.
-            if not plan.preempted:
-                self._schedule_waiting(plan)
+            if plan.preempted:
+                break
+            self._schedule_waiting(plan, step_round.admits)
         if self.spec_decode is not None:
             self.spec_decode.plan_proposals(plan, len(self.running), self.kv_cache_manager)
         finished_req_ids, self.finished_req_ids = sorted(self.finished_req_ids), set()
@@ -357,8 +350,7 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.mm_inputs:
                 self.encoder.release_computed(request)
-        if self.fair is not None:
-            self.fair.publish()
+        self.policy.on_step_planned()
         if self.log_stats:
             plan.record_events(time.monotonic())
             self._num_step_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
@@ -411,43 +403,6 @@ class Scheduler:
             if r.structured_output is not None
         ]
 
-    def _schedule_fair(self, plan: StepPlan) -> None:
-        """The fair policy's step (fair_share.py). While requests wait whose tenant ranks
-        below some running request's, the running requests of the tenants ranked no higher
-        than the waiting head's go first, then those waiting requests are admitted, and if
-        any was, the step ends there: the less served tenants get a short step of their own
-        (a CPU step's time grows with its tokens, so their first tokens come sooner; the
-        others lose one step, not throughput). Otherwise every running request, decodes
-        first, then prompts by rank; then the waiting queue."""
-        assert self.fair is not None and isinstance(self.waiting, FairRequestQueue)
-        rank = self.fair.rank
-        head = self.waiting.head_rank()
-        above = [r for r in self.running if head is not None and rank(r.tenant) > head]
-        if above:
-            above_ids = {id(r) for r in above}
-            self._schedule_running(
-                plan, self._fair_order(r for r in self.running if id(r) not in above_ids)
-            )
-            if plan.preempted:
-                return  # short of blocks: admitting more would thrash
-            num_admitted = len(plan.scheduled_new)
-            self._schedule_waiting(plan, below=min(rank(r.tenant) for r in above))
-            if len(plan.scheduled_new) > num_admitted:
-                return
-            self._schedule_running(plan, self._fair_order(above))
-        else:
-            self._schedule_running(plan, self._fair_order(self.running))
-        if not plan.preempted:
-            self._schedule_waiting(plan)
-
-    def _fair_order(self, requests: Iterable[Request]) -> list[Request]:
-        """Decodes first (a token each), then prompts, the least served tenant's first."""
-        assert self.fair is not None
-        rank = self.fair.rank
-        return sorted(
-            requests, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, rank(r.tenant))
-        )
-
     def _schedule_running(
         self, plan: StepPlan, requests: list[Request], may_preempt: bool = True
     ) -> None:
@@ -482,25 +437,27 @@ class Scheduler:
             if draft_token_ids:
                 plan.spec_token_ids[request.req_id] = draft_token_ids
 
-    def _schedule_waiting(self, plan: StepPlan, below: tuple[float, int] | None = None) -> None:
-        """Admit waiting requests while budget, seats and blocks last (`below`: the fair
-        policy's bound: only tenants ranked under it, TenantLedger.rank)."""
+    def _schedule_waiting(
+        self, plan: StepPlan, admits: Callable[[Request], bool] | None = None
+    ) -> None:
+        """Admit waiting requests while budget, seats and blocks last, and while `admits`
+        (the policy's Round.admits) accepts the queue's head."""
         # Requests whose adapter would be one too many wait, in their order, for the next step.
         skipped: list[Request] = []
         try:
-            self._admit_waiting(plan, skipped, below)
+            self._admit_waiting(plan, skipped, admits)
         finally:
             for request in reversed(skipped):
                 self.waiting.prepend_request(request)
 
     def _admit_waiting(
-        self, plan: StepPlan, skipped: list[Request], below: tuple[float, int] | None
+        self, plan: StepPlan, skipped: list[Request], admits: Callable[[Request], bool] | None
     ) -> None:
         config = self.scheduler_config
         lora_ids = self._running_lora_ids()
         while self.waiting and plan.token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
-            if below is not None and self._rank(request) >= below:
+            if admits is not None and not admits(request):
                 break
             if request.kv_loaded and request.num_computed_tokens > 0:
                 if not admit_loaded(self, request, plan, lora_ids):
@@ -550,13 +507,7 @@ class Scheduler:
             encoded = self.encoder.commit(request)
             if encoded:
                 plan.encoder_inputs[request.req_id] = encoded
-        if self.fair is not None:
-            self.fair.charge(request, num_new_tokens)
-
-    def _rank(self, request: Request) -> tuple[float, int]:
-        """The request's tenant's rank under the fair policy (TenantLedger.rank)."""
-        assert self.fair is not None
-        return self.fair.rank(request.tenant)
+        self.policy.on_tokens_scheduled(request, num_new_tokens)
 
     def _running_lora_ids(self) -> set[int]:
         """The adapters of the running requests (the ones the workers hold)."""
@@ -597,24 +548,10 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
                 return new_blocks
-            victim = self._pick_preemption_victim()
+            victim = self.policy.pick_preemption_victim(self.running)
             self._preempt(victim, plan)
             if victim is request:
                 return None
-
-    def _pick_preemption_victim(self) -> Request:
-        if self.fair is not None:
-            # The most served tenant's; inside it as the priority policy (the last admitted
-            # on exact ties).
-            return max(
-                reversed(self.running),
-                key=lambda r: (self._rank(r), r.priority, r.arrival_time),
-            )
-        if self.scheduler_config.scheduling_policy == "priority":
-            # Largest (priority, arrival_time): least important, then latest; on exact ties
-            # the last admitted (max keeps the first maximum it meets).
-            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free a running request's blocks and queue it to recompute from scratch."""
