@@ -1,9 +1,6 @@
-"""What the scheduler makes of a request's sampled tokens: grammar steps, logprob rows,
-and the counts its stats report."""
+"""What the scheduler makes of a request's sampled tokens: grammar steps and logprob rows."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from kvserve.services.scheduler.core.request import Request, RequestStatus
 from kvserve.services.scheduler.core.step_plan import StepPlan
@@ -156,24 +153,6 @@ def take_new_prompt_logprobs(request: Request, prompt_logprobs: Logprobs | None)
         return None
     request.num_prompt_logprobs_sent += num_rows - first_new_row
     return slice_logprobs(prompt_logprobs, first_new_row, num_rows)
-
-
-def count_tenants(requests: Iterable[Request]) -> dict[str, int]:
-    """Requests per tenant name."""
-    counts: dict[str, int] = {}
-    for request in requests:
-        counts[request.tenant] = counts.get(request.tenant, 0) + 1
-    return counts
-
-
-def count_adapters(requests: Iterable[Request]) -> dict[str, int]:
-    """Requests per adapter name (the base model's are not counted)."""
-    counts: dict[str, int] = {}
-    for request in requests:
-        if request.lora_request is not None:
-            name = request.lora_request.lora_name
-            counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 def slice_logprobs(logprobs: Logprobs, start: int, stop: int) -> Logprobs:

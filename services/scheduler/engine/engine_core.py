@@ -13,7 +13,8 @@ import time
 
 import msgspec
 
-from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
+from kvserve.services.scheduler.core.features import SchedulerFeatures
+from kvserve.services.scheduler.core.scheduler import Scheduler
 from kvserve.services.scheduler.engine.request_checks import (
     RequestChecker,
     queue_full_error,
