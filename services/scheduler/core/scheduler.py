@@ -42,8 +42,7 @@ from kvserve.services.scheduler.core.request import Request, RequestStatus, make
 from kvserve.services.scheduler.core.request_output import (
     forced_tokens_of,
     grammar_bitmask_of,
-    make_request_output,
-    pooled_output,
+    take_step_output,
 )
 from kvserve.services.scheduler.core.request_queue import RequestQueue
 from kvserve.services.scheduler.core.request_trace import RequestTrace
@@ -527,15 +526,14 @@ class Scheduler:
                 continue  # aborted (or preempted) while the step ran
             if request.trace is not None:
                 request.trace.step_done(now_ns)
-            pooled = model_runner_output.pooled.get(req_id)
-            if pooled is not None:  # an embedding: its prompt is done, and so is it
-                request.status = RequestStatus.FINISHED_STOPPED
-                outputs.append(pooled_output(request, pooled))
-                stopped.append(request)
-                continue
-            row = row_of.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[row] if row is not None else []
-            output = self._take_sampled(request, sampled, scheduler_output, model_runner_output)
+            output = take_step_output(
+                request,
+                row_of.get(req_id),
+                scheduler_output,
+                model_runner_output,
+                self.spec_decode,
+                self.max_model_len,
+            )
             if output is not None:
                 outputs.append(output)
             if request.is_finished:
@@ -546,25 +544,6 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
         return outputs
-
-    def _take_sampled(
-        self,
-        request: Request,
-        sampled_token_ids: list[int],
-        scheduler_output: SchedulerOutput,
-        model_runner_output: ModelRunnerOutput,
-    ) -> EngineCoreOutput | None:
-        """One request's part of the step's output: drafts rolled back, tokens appended."""
-        if self.spec_decode is not None and request.spec is not None:
-            self.spec_decode.on_output(
-                request,
-                scheduler_output.spec_decode,
-                sampled_token_ids,
-                model_runner_output.spec_token_ids.get(request.req_id, []),
-            )
-        return make_request_output(
-            request, sampled_token_ids, model_runner_output, self.max_model_len
-        )
 
     # ------------------------------------------------------------------ state and stats
 
