@@ -256,6 +256,12 @@ class Scheduler:
         self.finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
 
+    def _fail_request(self, request: Request, error: str) -> None:
+        """End a request that never ran with an ERROR output (sent with the next outputs)."""
+        request.status = RequestStatus.FINISHED_ERROR
+        self.reject(request.req_id, error)
+        self._free_request(request)
+
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
@@ -264,6 +270,7 @@ class Scheduler:
             admit_compiled_grammars(self)
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
         self.encoder.start_step()
+        # The policy's rounds: one, but for the fair policy's short steps (policies/).
         for step_round in self.policy.rounds(self.running, plan):
             self._schedule_running(plan, step_round.running)
             # A step that had to preempt is short of blocks: admitting more would thrash.
@@ -272,14 +279,24 @@ class Scheduler:
             self._schedule_waiting(plan, step_round.admits)
         if self.spec_decode is not None:
             self.spec_decode.plan_proposals(plan, len(self.running), self.kv_cache_manager)
+        # Built before num_computed_tokens advances: the workers get pre-step values.
+        scheduler_output = self._make_output(plan)
+        self._advance(plan)
+        self.policy.on_step_planned()
+        if self.log_stats:
+            plan.record_events(time.monotonic())
+            self._num_step_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+        return scheduler_output
+
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
+        """The plan as the workers take it, with what each feature adds to the step."""
         finished_req_ids, self.finished_req_ids = sorted(self.finished_req_ids), set()
         grammar_req_ids, grammar_bitmask = (
             grammar_bitmask_of(plan, self.requests, self.structured_output_manager)
             if self.live.num_grammars
             else ([], b"")
         )
-        # Built before num_computed_tokens advances: the workers get pre-step values.
-        scheduler_output = make_scheduler_output(
+        return make_scheduler_output(
             plan,
             self.kv_cache_manager,
             finished_req_ids,
@@ -290,6 +307,9 @@ class Scheduler:
             forced_tokens_of(plan, self.requests) if self.live.num_thinking_budgets else None,
             has_pooling=self.live.num_pooling > 0,
         )
+
+    def _advance(self, plan: StepPlan) -> None:
+        """Count the scheduled tokens as computed: their K/V is being written."""
         now_ns = time.time_ns() if self.live.num_traced else 0
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -300,32 +320,6 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.mm_inputs:
                 self.encoder.release_computed(request)
-        self.policy.on_step_planned()
-        if self.log_stats:
-            plan.record_events(time.monotonic())
-            self._num_step_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
-        return scheduler_output
-
-    def _fail_request(self, request: Request, error: str) -> None:
-        """End a request that never ran with an ERROR output (sent with the next outputs)."""
-        request.status = RequestStatus.FINISHED_ERROR
-        self.reject(request.req_id, error)
-        self._free_request(request)
-
-    def only_waiting_for_grammars(self) -> bool:
-        """Every unfinished request waits for its grammar, and nothing else is to be done:
-        the engine may block on the compiles instead of stepping idle."""
-        return bool(self.waiting_for_grammar) and not (
-            self.waiting or self.running or self.finished_req_ids or self._pending_outputs
-        )
-
-    def pending_grammar_futures(self) -> list[Future[Any]]:
-        """The compiles the waiting_for_grammar requests wait for."""
-        return [
-            r.structured_output.future
-            for r in self.waiting_for_grammar.values()
-            if r.structured_output is not None
-        ]
 
     def _schedule_running(self, plan: StepPlan, requests: list[Request]) -> None:
         """Schedule `requests` (running ones) in their order, preempting others for blocks."""
@@ -566,6 +560,21 @@ class Scheduler:
             or bool(self.finished_req_ids)
             or bool(self._pending_outputs)
         )
+
+    def only_waiting_for_grammars(self) -> bool:
+        """Every unfinished request waits for its grammar, and nothing else is to be done:
+        the engine may block on the compiles instead of stepping idle."""
+        return bool(self.waiting_for_grammar) and not (
+            self.waiting or self.running or self.finished_req_ids or self._pending_outputs
+        )
+
+    def pending_grammar_futures(self) -> list[Future[Any]]:
+        """The compiles the waiting_for_grammar requests wait for."""
+        return [
+            r.structured_output.future
+            for r in self.waiting_for_grammar.values()
+            if r.structured_output is not None
+        ]
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing done) while requests hold blocks."""

@@ -40,7 +40,8 @@ class FairPolicy(SchedulingPolicy):
             yield Round(self._order(running))
             return
         above_ids = {id(r) for r in above}
-        # Only the tenants ranked under every one of `above` (their charges do not move it).
+        # The first round admits tenants ranked under all of `above` only; the bound holds
+        # still, as that round charges none of `above`'s tenants.
         bound = min(rank(r.tenant) for r in above)
         num_admitted = len(plan.scheduled_new)
         yield Round(
@@ -49,7 +50,7 @@ class FairPolicy(SchedulingPolicy):
         )
         if len(plan.scheduled_new) > num_admitted:
             return  # the less served tenants' short step
-        yield Round(self._order(above))  # ordered now: the first round charged its tenants
+        yield Round(self._order(above))
 
     def _order(self, requests: Iterable[Request]) -> list[Request]:
         """Decodes first (a token each), then prompts, the least served tenant's first."""
