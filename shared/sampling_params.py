@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import msgspec
 
@@ -32,6 +32,11 @@ class _StrictKeywords(msgspec.StructMeta):
                 f"valid ones are {sorted(cls.__struct_fields__)}"
             )
         return super().__call__(*args, **kwargs)
+
+
+def _bad(field: str, value: object, why: str) -> NoReturn:
+    """Refuse a field's value: `{field} {why}, got {value!r}`."""
+    raise ValueError(f"{field} {why}, got {value!r}")
 
 
 class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, omit_defaults=True):
@@ -107,62 +112,73 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
         self._verify()
 
     def _verify(self) -> None:
-        def bad(field: str, value, why: str):
-            raise ValueError(f"{field} {why}, got {value!r}")
-
+        """Raise a ValueError naming the first field out of its range."""
         non_finite = non_finite_error(self)  # NaN passes every comparison below
         if non_finite is not None:
             raise ValueError(non_finite)
+        self._verify_sampling()
+        self._verify_lengths()
+        self._verify_token_lists()
+        self._verify_modes()
+
+    def _verify_sampling(self) -> None:
         if self.n < 1:
-            bad("n", self.n, "must be at least 1")
+            _bad("n", self.n, "must be at least 1")
         if self.temperature < 0.0:
-            bad("temperature", self.temperature, "must be non-negative")
+            _bad("temperature", self.temperature, "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", self.top_p, "must be in (0, 1]")
+            _bad("top_p", self.top_p, "must be in (0, 1]")
         if self.top_k < 0:
-            bad("top_k", self.top_k, "must be -1 (off), 0 (off) or positive")
+            _bad("top_k", self.top_k, "must be -1 (off), 0 (off) or positive")
         if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", self.min_p, "must be in [0, 1]")
+            _bad("min_p", self.min_p, "must be in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+            _bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+            _bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         if self.repetition_penalty <= 0.0:
-            bad("repetition_penalty", self.repetition_penalty, "must be positive")
+            _bad("repetition_penalty", self.repetition_penalty, "must be positive")
+
+    def _verify_lengths(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", self.max_tokens, "must be at least 1")
+            _bad("max_tokens", self.max_tokens, "must be at least 1")
         if self.min_tokens < 0:
-            bad("min_tokens", self.min_tokens, "must be non-negative")
+            _bad("min_tokens", self.min_tokens, "must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
+            _bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
         # The upper bound is the engine's --max-logprobs, checked where requests come in.
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                bad(name, value, "must be non-negative")
+                _bad(name, value, "must be non-negative")
+
+    def _verify_token_lists(self) -> None:
         if self.stop is not None and any(not s for s in self.stop):
-            bad("stop", self.stop, "must not contain empty strings")
+            _bad("stop", self.stop, "must not contain empty strings")
         if self.logit_bias and not all(abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):
-            bad("logit_bias", self.logit_bias, "values must be in [-100, 100]")
+            _bad("logit_bias", self.logit_bias, "values must be in [-100, 100]")
         if self.logit_bias and min(self.logit_bias) < 0:
-            bad("logit_bias", self.logit_bias, "keys must be token ids (>= 0)")
+            _bad("logit_bias", self.logit_bias, "keys must be token ids (>= 0)")
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or min(self.allowed_token_ids) < 0
         ):
-            bad("allowed_token_ids", self.allowed_token_ids, "must list token ids (>= 0)")
+            _bad("allowed_token_ids", self.allowed_token_ids, "must list token ids (>= 0)")
         if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
-            bad("bad_words", self.bad_words, "must not contain empty words")
+            _bad("bad_words", self.bad_words, "must not contain empty words")
+
+    def _verify_modes(self) -> None:
+        """Embedding (pooling) and thinking (reasoning) requests."""
         if self.pooling is not None and self.n != 1:
-            bad("n", self.n, "must be 1 for an embedding (pooling) request")
+            _bad("n", self.n, "must be 1 for an embedding (pooling) request")
         if self.reasoning_end_token_ids is not None and (
             not self.reasoning_end_token_ids or min(self.reasoning_end_token_ids) < 0
         ):
-            bad("reasoning_end_token_ids", self.reasoning_end_token_ids, "must list token ids")
+            _bad("reasoning_end_token_ids", self.reasoning_end_token_ids, "must list token ids")
         if self.thinking_token_budget is not None:
             if self.thinking_token_budget < 0:
-                bad("thinking_token_budget", self.thinking_token_budget, "must be non-negative")
+                _bad("thinking_token_budget", self.thinking_token_budget, "must be non-negative")
             if self.reasoning_end_token_ids is None:
-                bad(
+                _bad(
                     "thinking_token_budget",
                     self.thinking_token_budget,
                     "needs reasoning_end_token_ids (a reasoning parser)",

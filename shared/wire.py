@@ -218,7 +218,7 @@ class EngineLoad(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_waiting: int
     num_running: int
     # --scheduling-policy fair: this engine's virtual token counter per tenant
-    # (services/scheduler/core/fair_share.py); empty under the other policies.
+    # (services/scheduler/core/policies/fair_share.py); empty under the other policies.
     tenant_service: dict[str, float] = {}
 
 

@@ -42,6 +42,16 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 def add_parser(kinds) -> None:
     p = kinds.add_parser("serve", help="online serving benchmark (any OpenAI-compatible server)")
+    _add_server_args(p)
+    add_dataset_args(p)
+    _add_load_args(p)
+    _add_tenant_args(p)
+    _add_report_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """Which server, endpoint, model and key."""
     server = p.add_argument_group("server")
     server.add_argument(
         "--base-url", default=None, help="e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)"
@@ -63,8 +73,9 @@ def add_parser(kinds) -> None:
         help="bearer token (default: $OPENAI_API_KEY)",
     )
 
-    add_dataset_args(p)
 
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    """How the requests arrive and what they ask for."""
     load = p.add_argument_group("load")
     load.add_argument(
         "--request-rate",
@@ -93,6 +104,9 @@ def add_parser(kinds) -> None:
     )
     load.add_argument("--disable-tqdm", action="store_true")
 
+
+def _add_tenant_args(p: argparse.ArgumentParser) -> None:
+    """--tenants: several traffic sources at once, one per tenant (tenants.py)."""
     mix = p.add_argument_group("tenants")
     mix.add_argument(
         "--tenants",
@@ -119,6 +133,9 @@ def add_parser(kinds) -> None:
         help="the header that names each request's tenant under --tenants (empty: none)",
     )
 
+
+def _add_report_args(p: argparse.ArgumentParser) -> None:
+    """Which figures are printed, and where the JSON result goes."""
     report = p.add_argument_group("report")
     report.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     report.add_argument("--metric-percentiles", default="99")
@@ -134,7 +151,6 @@ def add_parser(kinds) -> None:
     report.add_argument("--result-filename", default=None)
     report.add_argument("--label", default=None, help="name of this run in the JSON and plots")
     report.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

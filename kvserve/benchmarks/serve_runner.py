@@ -250,30 +250,14 @@ async def benchmark(
         sources: the traffic sources (build_sources).
         tokenizer: counts output tokens when the server sends no usage.
     """
-    percentiles, metric_names, slos = options.percentiles, options.metric_names, options.slos
+    percentiles, slos = options.percentiles, options.slos
     # /v1/models and /metrics are asked with the first source's key.
     headers = sources[0].headers
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = args.model or await _resolve_model(session, base_url, headers)
-        specs_of_sources = [
-            [
-                RequestSpec(
-                    base_url + args.endpoint,
-                    args.endpoint.endswith("chat/completions"),
-                    model,
-                    r.prompt,
-                    r.prompt_len,
-                    r.expected_output_len,
-                    args.ignore_eos,
-                    args.temperature,
-                    args.extra_body or {},
-                )
-                for r in source.requests
-            ]
-            for source in sources
-        ]
+        specs_of_sources = [_request_specs(args, base_url, model, source) for source in sources]
         num_requests = sum(len(specs) for specs in specs_of_sources)
         watcher = ServerMetricsWatcher(session, base_url + "/metrics", headers)
         await watcher.start()
@@ -283,15 +267,7 @@ async def benchmark(
 
             progress = tqdm(total=num_requests)
         for source, specs in zip(sources, specs_of_sources):
-            logger.info(
-                "bench serve: %s%d requests to %s%s, rate %s, max concurrency %s",
-                f"tenant {source.tenant.name}: " if source.tenant else "",
-                len(specs),
-                base_url,
-                args.endpoint,
-                source.tenant.request_rate if source.tenant else args.request_rate,
-                source.max_concurrency,
-            )
+            _log_source(args, base_url, source, len(specs))
         bench_start = time.perf_counter()
         runs = await asyncio.gather(
             *(
@@ -308,6 +284,63 @@ async def benchmark(
     tenant_part = {}
     if options.tenants:
         tenant_part = _tenant_results(sources, runs, tokenizer, options, bench_start)
+    _print_reports(args, options, summary, tenant_part, server)
+    for error in sorted({e for e in detail["errors"] if e})[:5]:
+        logger.warning("failed requests, e.g.: %s", error)
+    return {
+        **_run_config(args, options, base_url, model, len(records)),
+        **options.metadata,
+        **summary,
+        **(server or {}),
+        **tenant_part,
+        **detail,
+    }
+
+
+def _request_specs(
+    args: argparse.Namespace, base_url: str, model: str, source: TrafficSource
+) -> list[RequestSpec]:
+    """One source's requests as the client sends them."""
+    return [
+        RequestSpec(
+            base_url + args.endpoint,
+            args.endpoint.endswith("chat/completions"),
+            model,
+            r.prompt,
+            r.prompt_len,
+            r.expected_output_len,
+            args.ignore_eos,
+            args.temperature,
+            args.extra_body or {},
+        )
+        for r in source.requests
+    ]
+
+
+def _log_source(
+    args: argparse.Namespace, base_url: str, source: TrafficSource, num_requests: int
+) -> None:
+    logger.info(
+        "bench serve: %s%d requests to %s%s, rate %s, max concurrency %s",
+        f"tenant {source.tenant.name}: " if source.tenant else "",
+        num_requests,
+        base_url,
+        args.endpoint,
+        source.tenant.request_rate if source.tenant else args.request_rate,
+        source.max_concurrency,
+    )
+
+
+def _print_reports(
+    args: argparse.Namespace,
+    options: RunOptions,
+    summary: dict,
+    tenant_part: dict,
+    server: dict | None,
+) -> None:
+    """The result block as vllm bench serve prints it, then each tenant's and the server's."""
+    metric_names, percentiles = options.metric_names, options.percentiles
+    if options.tenants:
         # The flags' rate and concurrency are only the tenants' defaults: not printed.
         print(format_report(summary, metric_names, percentiles, None, float("inf")))
         print(format_tenant_report(tenant_part["tenants"], metric_names))
@@ -319,16 +352,6 @@ async def benchmark(
         )
     if server is not None:
         print(format_server_report(server))
-    for error in sorted({e for e in detail["errors"] if e})[:5]:
-        logger.warning("failed requests, e.g.: %s", error)
-    return {
-        **_run_config(args, options, base_url, model, len(records)),
-        **options.metadata,
-        **summary,
-        **(server or {}),
-        **tenant_part,
-        **detail,
-    }
 
 
 def _tenant_results(

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import itertools
 
+from kvserve.services.scheduler.core.features import SchedulerFeatures
 from kvserve.services.scheduler.core.request import Request, make_block_hasher
-from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
+from kvserve.services.scheduler.core.scheduler import Scheduler
 from kvserve.services.scheduler.engine.request_checks import RequestChecker
 from kvserve.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.hashing import get_hash_fn

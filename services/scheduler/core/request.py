@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -137,21 +138,17 @@ class Request:
         self.extra_keys = make_extra_keys(cache_salt, lora_extra_key(lora_request))
         # Read once per sampled token, so frozen here rather than rebuilt by the property.
         self.stop_token_ids = frozenset(sampling_params.all_stop_token_ids)
+        self._init_progress(prompt_token_ids)
+        self._init_feature_state(sampling_params)
+        self._block_hasher = block_hasher
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
 
+    def _init_progress(self, prompt_token_ids: list[int]) -> None:
+        """Its tokens, its status, and what it computed, sent and recorded so far."""
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.error: str | None = None  # why it ended, when FINISHED_ERROR
-        self.structured_output: StructuredOutputState | None = None
-        # Thinking before the answer (reasoning parsers): counted, and its end forced at a
-        # budget (thinking.py); None for a request that does not think.
-        end_ids = sampling_params.reasoning_end_token_ids
-        self.thinking = (
-            ThinkingState(end_ids, sampling_params.thinking_token_budget) if end_ids else None
-        )
-        # Speculative decoding: drafts and acceptance (None when the engine has none).
-        self.spec: SpecRequestState | None = None
-        # KV connector: whether the current tokens came partly from its loads.
-        self.kv_loaded = False
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose K/V is in the cache or being written by the step in flight.
@@ -167,14 +164,24 @@ class Request:
         self.num_prompt_logprobs_seen = 0
         # Timed events not yet sent (the scheduler records them only with log_stats).
         self.events: list[EngineCoreEvent] = []
-        # --otlp-traces-endpoint: its phases, when the api traces it (request_trace.py).
-        self.trace: RequestTrace | None = None
 
-        self._block_hasher = block_hasher
-        self.block_hashes: list[bytes] = []
-        self._update_block_hashes()
+    def _init_feature_state(self, sampling_params: SamplingParams) -> None:
+        """The state of the optional features it may use, each set up by its own code."""
+        self.structured_output: StructuredOutputState | None = None
         # Resumed answer tokens the grammar has yet to walk (it compiles after arrival).
         self.grammar_replay: list[int] = []
+        # Thinking before the answer (reasoning parsers): counted, and its end forced at a
+        # budget (thinking.py); None for a request that does not think.
+        end_ids = sampling_params.reasoning_end_token_ids
+        self.thinking = (
+            ThinkingState(end_ids, sampling_params.thinking_token_budget) if end_ids else None
+        )
+        # Speculative decoding: drafts and acceptance (None when the engine has none).
+        self.spec: SpecRequestState | None = None
+        # KV connector: whether the current tokens came partly from its loads.
+        self.kv_loaded = False
+        # --otlp-traces-endpoint: its phases, when the api traces it (request_trace.py).
+        self.trace: RequestTrace | None = None
 
     @classmethod
     def from_engine_core_request(
@@ -207,6 +214,18 @@ class Request:
             if answering and self.sampling_params.structured_outputs is not None:
                 self.grammar_replay.append(token_id)
         self.append_output_token_ids(output_token_ids)
+
+    def preempt(self) -> None:
+        """Its blocks were freed to make room: it recomputes everything when it runs again."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.kv_loaded = False
+        if self.spec is not None:
+            self.spec.draft_token_ids = []  # they followed tokens it recomputes
+        self.num_preemptions += 1
+        self.num_prompt_logprobs_seen = 0
+        if self.trace is not None:
+            self.trace.preempted(time.time_ns())
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens and hash any block they complete."""

@@ -1,16 +1,18 @@
-"""What the scheduler makes of a request's sampled tokens: grammar steps, logprob rows,
-and the counts its stats report."""
+"""What the scheduler makes of a request's sampled tokens: grammar steps and logprob rows."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kvserve.services.scheduler.core.request import Request, RequestStatus
 from kvserve.services.scheduler.core.step_plan import StepPlan
 from kvserve.services.scheduler.core.stop_check import check_stop
 from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
 from kvserve.shared.logging import init_logger
-from kvserve.shared.messages import EngineCoreOutput, Logprobs, ModelRunnerOutput
+from kvserve.shared.messages import EngineCoreOutput, Logprobs, ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvserve.services.scheduler.core.spec_scheduler import SpecDecodeScheduler
 
 logger = init_logger(__name__)
 
@@ -58,6 +60,40 @@ def take_num_cached_tokens(request: Request) -> int:
         return 0
     request.sent_first_output = True
     return max(request.num_cached_tokens, 0)
+
+
+def take_step_output(
+    request: Request,
+    row: int | None,
+    scheduler_output: SchedulerOutput,
+    model_runner_output: ModelRunnerOutput,
+    spec_decode: SpecDecodeScheduler | None,
+    max_model_len: int,
+) -> EngineCoreOutput | None:
+    """One running request's part of a step's output: an embedding's vector (it is then
+    done), or its rejected drafts rolled back and its sampled tokens appended.
+
+    Args:
+        request: a request the step scheduled, still running.
+        row: its row in `model_runner_output.sampled_token_ids` (None: nothing sampled).
+        scheduler_output: the plan of the step.
+        model_runner_output: what the step computed.
+        spec_decode: the speculative decoding rules (None: off).
+        max_model_len: the longest a request may grow.
+    """
+    pooled = model_runner_output.pooled.get(request.req_id)
+    if pooled is not None:  # an embedding: its prompt is done, and so is it
+        request.status = RequestStatus.FINISHED_STOPPED
+        return pooled_output(request, pooled)
+    sampled_token_ids = model_runner_output.sampled_token_ids[row] if row is not None else []
+    if spec_decode is not None and request.spec is not None:
+        spec_decode.on_output(
+            request,
+            scheduler_output.spec_decode,
+            sampled_token_ids,
+            model_runner_output.spec_token_ids.get(request.req_id, []),
+        )
+    return make_request_output(request, sampled_token_ids, model_runner_output, max_model_len)
 
 
 def pooled_output(request: Request, pooled: bytes) -> EngineCoreOutput:
@@ -156,24 +192,6 @@ def take_new_prompt_logprobs(request: Request, prompt_logprobs: Logprobs | None)
         return None
     request.num_prompt_logprobs_sent += num_rows - first_new_row
     return slice_logprobs(prompt_logprobs, first_new_row, num_rows)
-
-
-def count_tenants(requests: Iterable[Request]) -> dict[str, int]:
-    """Requests per tenant name."""
-    counts: dict[str, int] = {}
-    for request in requests:
-        counts[request.tenant] = counts.get(request.tenant, 0) + 1
-    return counts
-
-
-def count_adapters(requests: Iterable[Request]) -> dict[str, int]:
-    """Requests per adapter name (the base model's are not counted)."""
-    counts: dict[str, int] = {}
-    for request in requests:
-        if request.lora_request is not None:
-            name = request.lora_request.lora_name
-            counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 def slice_logprobs(logprobs: Logprobs, start: int, stop: int) -> Logprobs:

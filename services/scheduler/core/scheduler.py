@@ -6,9 +6,11 @@ tail when the cache is full), then waiting requests (after a prefix-cache lookup
 long prompts. One `schedule()` makes a `SchedulerOutput`, a diff against the workers' state;
 `update_from_output()` takes the sampled tokens back and checks the stop conditions.
 
-A structured-output request first waits in `waiting_for_grammar` while its grammar compiles
-on the StructuredOutputManager's threads; each step's SchedulerOutput carries the bitmask of
-the grammars that sample in it, and their matchers advance on the sampled tokens.
+The scheduling policy (`--scheduling-policy`, policies/) orders the waiting queue, splits a
+step into rounds of running then waiting requests, and picks the preemption victim; the
+optional features plug in at their seams (features.py): a structured-output request waits
+for its grammar first (grammar_wait.py), a KV connector's loads park a request for a step
+(kv_load.py), and so on.
 
 `num_computed_tokens` advances when a step is scheduled (its K/V is then being written), not
 when its output returns, so state stays consistent even if two schedules run back to back.
@@ -17,41 +19,37 @@ when its output returns, so state stays consistent even if two schedules run bac
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.services.kv_store.connector import SchedulerConnector
 from kvserve.services.scheduler.core.block_pool import KVCacheBlock
 from kvserve.services.scheduler.core.encoder_budget import EncoderBudget
-from kvserve.services.scheduler.core.fair_share import FairRequestQueue, TenantLedger
+from kvserve.services.scheduler.core.features import (
+    NO_FEATURES,
+    LiveFeatureCounts,
+    SchedulerFeatures,
+)
+from kvserve.services.scheduler.core.grammar_wait import admit_compiled_grammars, wait_for_grammar
 from kvserve.services.scheduler.core.kv_cache_groups import (
     GroupedKVCacheManager,
     max_tokens_in_cache,
 )
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.core.kv_load import admit_loaded, finish_loads, park_for_load
-from kvserve.services.scheduler.core.request import (
-    Request,
-    RequestStatus,
-    StructuredOutputState,
-    make_block_hasher,
-)
+from kvserve.services.scheduler.core.policies import create_policy
+from kvserve.services.scheduler.core.request import Request, RequestStatus, make_block_hasher
 from kvserve.services.scheduler.core.request_output import (
-    count_adapters,
-    count_tenants,
     forced_tokens_of,
     grammar_bitmask_of,
-    make_request_output,
-    pooled_output,
+    take_step_output,
 )
-from kvserve.services.scheduler.core.request_queue import RequestQueue, create_request_queue
+from kvserve.services.scheduler.core.request_queue import RequestQueue
 from kvserve.services.scheduler.core.request_trace import RequestTrace
+from kvserve.services.scheduler.core.scheduler_stats import make_scheduler_stats
 from kvserve.services.scheduler.core.spec_scheduler import SpecDecodeScheduler
 from kvserve.services.scheduler.core.step_plan import StepPlan, make_scheduler_output
-from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
-from kvserve.shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.shared.config import CacheConfig, SchedulerConfig
 from kvserve.shared.hashing import get_hash_fn
 from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, is_single_full_group
 from kvserve.shared.logging import init_logger
@@ -66,37 +64,6 @@ from kvserve.shared.messages import (
 )
 
 logger = init_logger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerFeatures:
-    """The optional features a Scheduler plugs in, each at its seam (all off by default).
-
-    Args:
-        structured_output_manager: compiles grammars; None refuses structured requests.
-        lora_config: with enable_lora, requests may name adapters, and the running requests
-            use max_loras distinct adapters at most (the others wait); else LoRA requests
-            are refused.
-        speculative_config: speculative decoding (None: off). Each decoding request's drafts
-            from the last step are scheduled as extra query tokens; the ones the target
-            rejects are rolled back (num_computed_tokens and the KV slots they wrote).
-            The rules are spec_scheduler.py's (`Scheduler.spec_decode`).
-        step_costs: (query tokens, seconds) of a forward, measured by the workers; the
-            adaptive speculation rule (spec_decode.py) weighs drafts against them.
-        kv_connector: the KV connector's scheduler half (services/kv_store/connector.py):
-            a waiting request with external prefix hits parks until they load; what else
-            the connector moves (saves, evicted blocks) is its own business.
-        kv_cache_groups: the model's KV cache groups (shared/kv_cache_groups.py); a
-            sliding-window or chunked-local one gives back blocks out of its window
-            (GroupedKVCacheManager). None or one full group: one block table.
-    """
-
-    structured_output_manager: StructuredOutputManager | None = None
-    lora_config: LoRAConfig | None = None
-    speculative_config: SpeculativeConfig | None = None
-    step_costs: list[tuple[int, float]] = field(default_factory=list)
-    kv_connector: SchedulerConnector | None = None
-    kv_cache_groups: list[KVCacheGroupSpec] | None = None
 
 
 class Scheduler:
@@ -120,77 +87,73 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         log_stats: bool = True,
-        features: SchedulerFeatures = SchedulerFeatures(),
+        features: SchedulerFeatures = NO_FEATURES,
     ) -> None:
-        lora_config = features.lora_config
-        speculative_config = features.speculative_config
-        structured_output_manager = features.structured_output_manager
-        kv_connector = features.kv_connector
         self.scheduler_config = scheduler_config
-        self.speculative_config = speculative_config
-        self.lora_config = lora_config if lora_config and lora_config.enable_lora else None
-        self.structured_output_manager = structured_output_manager
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.log_stats = log_stats
         self._fit_max_model_len_to_cache(num_blocks, features.kv_cache_groups)
         self._check_config()
-        self.spec_decode = (
-            SpecDecodeScheduler(speculative_config, features.step_costs, self.max_model_len)
-            if speculative_config is not None
-            else None
-        )
+        self._init_kv_cache(num_blocks, features.kv_cache_groups)
+        self._init_features(features)
+        self._init_queues()
+        self.num_preemptions_total = 0
+        self._num_step_preemptions = 0
+        self._num_step_scheduled_tokens = 0
 
-        block_size = cache_config.block_size
-        groups = features.kv_cache_groups
+    def _init_kv_cache(self, num_blocks: int, groups: list[KVCacheGroupSpec] | None) -> None:
+        """The KV cache manager (one block table, or one per group) and the block hasher."""
+        block_size = self.cache_config.block_size
+        enable_prefix_caching = self.cache_config.enable_prefix_caching
         self.kv_cache_manager = (
-            KVCacheManager(
-                num_blocks, block_size, cache_config.enable_prefix_caching, self.max_model_len
-            )
+            KVCacheManager(num_blocks, block_size, enable_prefix_caching, self.max_model_len)
             if is_single_full_group(groups)
             else GroupedKVCacheManager(
-                num_blocks,
-                block_size,
-                groups or [],
-                cache_config.enable_prefix_caching,
-                self.max_model_len,
+                num_blocks, block_size, groups or [], enable_prefix_caching, self.max_model_len
             )
         )
         self.block_hasher = None
-        if cache_config.enable_prefix_caching:
-            hash_fn = get_hash_fn(cache_config.prefix_caching_hash_algo)
+        if enable_prefix_caching:
+            hash_fn = get_hash_fn(self.cache_config.prefix_caching_hash_algo)
             self.block_hasher = make_block_hasher(block_size, hash_fn)
 
-        self.kv_connector = kv_connector
-        if kv_connector is not None:
-            kv_connector.bind(self.kv_cache_manager)
-        self.requests: dict[str, Request] = {}
+    def _init_features(self, features: SchedulerFeatures) -> None:
+        """The optional features, each at its seam, and the policy (policies/)."""
+        lora_config = features.lora_config
+        self.lora_config = lora_config if lora_config and lora_config.enable_lora else None
+        self.structured_output_manager = features.structured_output_manager
+        self.speculative_config = features.speculative_config
+        self.spec_decode = (
+            SpecDecodeScheduler(
+                features.speculative_config, features.step_costs, self.max_model_len
+            )
+            if features.speculative_config is not None
+            else None
+        )
+        self.kv_connector = features.kv_connector
+        if self.kv_connector is not None:
+            self.kv_connector.bind(self.kv_cache_manager)
         # Images in the prompt: which images' vision encoder runs in a step.
-        encoder_tokens = scheduler_config.encoder_token_budget
+        encoder_tokens = self.scheduler_config.encoder_token_budget
         self.encoder = EncoderBudget(encoder_tokens, encoder_tokens)
-        # --scheduling-policy fair: the tenants' virtual token counters (fair_share.py).
-        self.fair: TenantLedger | None = None
-        if scheduler_config.scheduling_policy == "fair":
-            self.fair = TenantLedger()
-            self.waiting: RequestQueue = FairRequestQueue(self.fair)
-        else:
-            self.waiting = create_request_queue(scheduler_config.scheduling_policy)
+        # The waiting queue's order, the step's rounds and the preemption victim.
+        self.policy = create_policy(self.scheduler_config)
+        self.live = LiveFeatureCounts()
+
+    def _init_queues(self) -> None:
+        """Every live request, by id, and the queues it moves between."""
+        self.requests: dict[str, Request] = {}
+        self.waiting: RequestQueue = self.policy.waiting
         self.running: list[Request] = []
         # Structured-output requests whose grammar is compiling, in arrival order.
         self.waiting_for_grammar: dict[str, Request] = {}
         # Requests whose external prefix blocks load in the step in flight.
         self.waiting_for_remote_kvs: dict[str, Request] = {}
-        self._num_live_grammars = 0  # requests holding a matcher (bitmask work to do)
-        self._num_thinking_budgets = 0  # live requests whose thinking end may be forced
-        self._num_pooling = 0  # live embedding requests (the runner pools their prompts)
-        self._num_traced = 0  # live requests with a RequestTrace (--otlp-traces-endpoint)
         # Finished or aborted since the last schedule(): the workers drop their state.
         self.finished_req_ids: set[str] = set()
         # Outputs not tied to a step (rejected requests), sent with the next step's outputs.
         self._pending_outputs: list[EngineCoreOutput] = []
-        self.num_preemptions_total = 0
-        self._num_step_preemptions = 0
-        self._num_step_scheduled_tokens = 0
 
     def _check_config(self) -> None:
         config = self.scheduler_config
@@ -231,22 +194,12 @@ class Scheduler:
         self.requests[request.req_id] = request
         if engine_request.trace_context is not None:
             request.trace = RequestTrace(time.time_ns())
-            self._num_traced += 1
-        if self.fair is not None:
-            self.fair.add(request)
-        if request.sampling_params.thinking_token_budget is not None:
-            self._num_thinking_budgets += 1
-        if request.sampling_params.pooling is not None:
-            self._num_pooling += 1
+        self.live.add(request)
+        self.policy.on_request_added(request)
         if self.spec_decode is not None:
             self.spec_decode.add_request(request)
-        params = request.sampling_params.structured_outputs
-        if params is not None:
-            assert self.structured_output_manager is not None, "request_checks refuses these"
-            future = self.structured_output_manager.compile(params)
-            request.structured_output = StructuredOutputState(future)
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
-            self.waiting_for_grammar[request.req_id] = request
+        if request.sampling_params.structured_outputs is not None:
+            wait_for_grammar(self, request)  # request_checks refused them without a manager
         else:
             self.waiting.add_request(request)
         if self.log_stats:
@@ -294,49 +247,56 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         assert request.is_finished, f"{request} freed before it finished"
-        if request.sampling_params.thinking_token_budget is not None:
-            self._num_thinking_budgets -= 1
-        if request.sampling_params.pooling is not None:
-            self._num_pooling -= 1
-        if request.trace is not None:
-            self._num_traced -= 1
-        if request.structured_output is not None and request.structured_output.grammar:
-            request.structured_output.grammar = None
-            self._num_live_grammars -= 1
+        self.live.remove(request)
         self.kv_cache_manager.free(request)
         self.encoder.free(request)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(request)
-        if self.fair is not None:
-            self.fair.remove(request)
+        self.policy.on_request_freed(request)
         self.finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
+
+    def _fail_request(self, request: Request, error: str) -> None:
+        """End a request that never ran with an ERROR output (sent with the next outputs)."""
+        request.status = RequestStatus.FINISHED_ERROR
+        self.reject(request.req_id, error)
+        self._free_request(request)
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then waiting ones if nothing was preempted."""
         if self.waiting_for_grammar:
-            self._admit_compiled_grammars()
+            admit_compiled_grammars(self)
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
         self.encoder.start_step()
-        if self.fair is not None:
-            self._schedule_fair(plan)
-        else:
-            self._schedule_running(plan, self.running)
+        # The policy's rounds: one, but for the fair policy's short steps (policies/).
+        for step_round in self.policy.rounds(self.running, plan):
+            self._schedule_running(plan, step_round.running)
             # A step that had to preempt is short of blocks: admitting more would thrash.
-            if not plan.preempted:
-                self._schedule_waiting(plan)
+            if plan.preempted:
+                break
+            self._schedule_waiting(plan, step_round.admits)
         if self.spec_decode is not None:
             self.spec_decode.plan_proposals(plan, len(self.running), self.kv_cache_manager)
+        # Built before num_computed_tokens advances: the workers get pre-step values.
+        scheduler_output = self._make_output(plan)
+        self._advance(plan)
+        self.policy.on_step_planned()
+        if self.log_stats:
+            plan.record_events(time.monotonic())
+            self._num_step_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+        return scheduler_output
+
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
+        """The plan as the workers take it, with what each feature adds to the step."""
         finished_req_ids, self.finished_req_ids = sorted(self.finished_req_ids), set()
         grammar_req_ids, grammar_bitmask = (
             grammar_bitmask_of(plan, self.requests, self.structured_output_manager)
-            if self._num_live_grammars
+            if self.live.num_grammars
             else ([], b"")
         )
-        # Built before num_computed_tokens advances: the workers get pre-step values.
-        scheduler_output = make_scheduler_output(
+        return make_scheduler_output(
             plan,
             self.kv_cache_manager,
             finished_req_ids,
@@ -344,10 +304,13 @@ class Scheduler:
             grammar_bitmask,
             SpecDecodeScheduler.make_metadata(plan),
             self.kv_connector.build_connector_meta(plan) if self.kv_connector else b"",
-            forced_tokens_of(plan, self.requests) if self._num_thinking_budgets else None,
-            has_pooling=self._num_pooling > 0,
+            forced_tokens_of(plan, self.requests) if self.live.num_thinking_budgets else None,
+            has_pooling=self.live.num_pooling > 0,
         )
-        now_ns = time.time_ns() if self._num_traced else 0
+
+    def _advance(self, plan: StepPlan) -> None:
+        """Count the scheduled tokens as computed: their K/V is being written."""
+        now_ns = time.time_ns() if self.live.num_traced else 0
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
             if request.trace is not None:
@@ -357,102 +320,9 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.mm_inputs:
                 self.encoder.release_computed(request)
-        if self.fair is not None:
-            self.fair.publish()
-        if self.log_stats:
-            plan.record_events(time.monotonic())
-            self._num_step_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
-        return scheduler_output
 
-    def _admit_compiled_grammars(self) -> None:
-        """Requests whose grammar compiled join the waiting queue; a failed compile ends its
-        request with the compile's error (the api answers it as a 400)."""
-        manager = self.structured_output_manager
-        assert manager is not None, "only a manager's compiles wait here"
-        for request in list(self.waiting_for_grammar.values()):
-            state = request.structured_output
-            assert state is not None, f"{request} waits for a grammar it does not have"
-            if not state.future.done():
-                continue
-            del self.waiting_for_grammar[request.req_id]
-            try:
-                state.grammar = manager.make_grammar(state.future)
-            except Exception as exc:  # noqa: BLE001 - a bad grammar costs its request only
-                self._fail_request(request, str(exc))
-                continue
-            self._num_live_grammars += 1
-            replay, request.grammar_replay = request.grammar_replay, []
-            if replay and not state.grammar.accept_tokens(replay):
-                self._fail_request(
-                    request, "the tokens it emitted before it moved do not fit its grammar"
-                )
-                continue
-            request.status = RequestStatus.WAITING
-            self.waiting.add_request(request)
-
-    def _fail_request(self, request: Request, error: str) -> None:
-        """End a request that never ran with an ERROR output (sent with the next outputs)."""
-        request.status = RequestStatus.FINISHED_ERROR
-        self.reject(request.req_id, error)
-        self._free_request(request)
-
-    def only_waiting_for_grammars(self) -> bool:
-        """Every unfinished request waits for its grammar, and nothing else is to be done:
-        the engine may block on the compiles instead of stepping idle."""
-        return bool(self.waiting_for_grammar) and not (
-            self.waiting or self.running or self.finished_req_ids or self._pending_outputs
-        )
-
-    def pending_grammar_futures(self) -> list[Future[Any]]:
-        """The compiles the waiting_for_grammar requests wait for."""
-        return [
-            r.structured_output.future
-            for r in self.waiting_for_grammar.values()
-            if r.structured_output is not None
-        ]
-
-    def _schedule_fair(self, plan: StepPlan) -> None:
-        """The fair policy's step (fair_share.py). While requests wait whose tenant ranks
-        below some running request's, the running requests of the tenants ranked no higher
-        than the waiting head's go first, then those waiting requests are admitted, and if
-        any was, the step ends there: the less served tenants get a short step of their own
-        (a CPU step's time grows with its tokens, so their first tokens come sooner; the
-        others lose one step, not throughput). Otherwise every running request, decodes
-        first, then prompts by rank; then the waiting queue."""
-        assert self.fair is not None and isinstance(self.waiting, FairRequestQueue)
-        rank = self.fair.rank
-        head = self.waiting.head_rank()
-        above = [r for r in self.running if head is not None and rank(r.tenant) > head]
-        if above:
-            above_ids = {id(r) for r in above}
-            self._schedule_running(
-                plan, self._fair_order(r for r in self.running if id(r) not in above_ids)
-            )
-            if plan.preempted:
-                return  # short of blocks: admitting more would thrash
-            num_admitted = len(plan.scheduled_new)
-            self._schedule_waiting(plan, below=min(rank(r.tenant) for r in above))
-            if len(plan.scheduled_new) > num_admitted:
-                return
-            self._schedule_running(plan, self._fair_order(above))
-        else:
-            self._schedule_running(plan, self._fair_order(self.running))
-        if not plan.preempted:
-            self._schedule_waiting(plan)
-
-    def _fair_order(self, requests: Iterable[Request]) -> list[Request]:
-        """Decodes first (a token each), then prompts, the least served tenant's first."""
-        assert self.fair is not None
-        rank = self.fair.rank
-        return sorted(
-            requests, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, rank(r.tenant))
-        )
-
-    def _schedule_running(
-        self, plan: StepPlan, requests: list[Request], may_preempt: bool = True
-    ) -> None:
-        """Schedule `requests` (running ones) in their order, preempting others for blocks
-        (`may_preempt`; else the first that does not fit ends the pass)."""
+    def _schedule_running(self, plan: StepPlan, requests: list[Request]) -> None:
+        """Schedule `requests` (running ones) in their order, preempting others for blocks."""
         # Iterate over a snapshot: preemption removes requests from self.running.
         for request in list(requests):
             if plan.token_budget <= 0:
@@ -471,36 +341,35 @@ class Scheduler:
                     request, plan.token_budget - num_new_tokens
                 )
                 num_new_tokens += len(draft_token_ids)
-            if may_preempt:
-                new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
-            else:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
             if new_blocks is None:
-                break  # the cache is full (the request itself was preempted, if it may be)
+                break  # the cache is full: the request itself was preempted
             self._plan_add(plan, request, num_new_tokens, new_blocks)
             plan.scheduled_running.append(request)
             if draft_token_ids:
                 plan.spec_token_ids[request.req_id] = draft_token_ids
 
-    def _schedule_waiting(self, plan: StepPlan, below: tuple[float, int] | None = None) -> None:
-        """Admit waiting requests while budget, seats and blocks last (`below`: the fair
-        policy's bound: only tenants ranked under it, TenantLedger.rank)."""
+    def _schedule_waiting(
+        self, plan: StepPlan, admits: Callable[[Request], bool] | None = None
+    ) -> None:
+        """Admit waiting requests while budget, seats and blocks last, and while `admits`
+        (the policy's Round.admits) accepts the queue's head."""
         # Requests whose adapter would be one too many wait, in their order, for the next step.
         skipped: list[Request] = []
         try:
-            self._admit_waiting(plan, skipped, below)
+            self._admit_waiting(plan, skipped, admits)
         finally:
             for request in reversed(skipped):
                 self.waiting.prepend_request(request)
 
     def _admit_waiting(
-        self, plan: StepPlan, skipped: list[Request], below: tuple[float, int] | None
+        self, plan: StepPlan, skipped: list[Request], admits: Callable[[Request], bool] | None
     ) -> None:
         config = self.scheduler_config
         lora_ids = self._running_lora_ids()
         while self.waiting and plan.token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
-            if below is not None and self._rank(request) >= below:
+            if admits is not None and not admits(request):
                 break
             if request.kv_loaded and request.num_computed_tokens > 0:
                 if not admit_loaded(self, request, plan, lora_ids):
@@ -550,13 +419,7 @@ class Scheduler:
             encoded = self.encoder.commit(request)
             if encoded:
                 plan.encoder_inputs[request.req_id] = encoded
-        if self.fair is not None:
-            self.fair.charge(request, num_new_tokens)
-
-    def _rank(self, request: Request) -> tuple[float, int]:
-        """The request's tenant's rank under the fair policy (TenantLedger.rank)."""
-        assert self.fair is not None
-        return self.fair.rank(request.tenant)
+        self.policy.on_tokens_scheduled(request, num_new_tokens)
 
     def _running_lora_ids(self) -> set[int]:
         """The adapters of the running requests (the ones the workers hold)."""
@@ -597,24 +460,10 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
                 return new_blocks
-            victim = self._pick_preemption_victim()
+            victim = self.policy.pick_preemption_victim(self.running)
             self._preempt(victim, plan)
             if victim is request:
                 return None
-
-    def _pick_preemption_victim(self) -> Request:
-        if self.fair is not None:
-            # The most served tenant's; inside it as the priority policy (the last admitted
-            # on exact ties).
-            return max(
-                reversed(self.running),
-                key=lambda r: (self._rank(r), r.priority, r.arrival_time),
-            )
-        if self.scheduler_config.scheduling_policy == "priority":
-            # Largest (priority, arrival_time): least important, then latest; on exact ties
-            # the last admitted (max keeps the first maximum it meets).
-            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free a running request's blocks and queue it to recompute from scratch."""
@@ -622,15 +471,7 @@ class Scheduler:
         plan.undo(request)
         self.kv_cache_manager.free(request)
         self.encoder.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.kv_loaded = False
-        if request.spec is not None:
-            request.spec.draft_token_ids = []  # they followed tokens it recomputes
-        request.num_preemptions += 1
-        request.num_prompt_logprobs_seen = 0
-        if request.trace is not None:
-            request.trace.preempted(time.time_ns())
+        request.preempt()
         self.waiting.prepend_request(request)
         plan.preempted.append(request)
         self.num_preemptions_total += 1
@@ -672,22 +513,21 @@ class Scheduler:
             )
         row_of = {req_id: row for row, req_id in enumerate(model_runner_output.req_ids)}
         stopped = []
-        now_ns = time.time_ns() if self._num_traced else 0
+        now_ns = time.time_ns() if self.live.num_traced else 0
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran
             if request.trace is not None:
                 request.trace.step_done(now_ns)
-            pooled = model_runner_output.pooled.get(req_id)
-            if pooled is not None:  # an embedding: its prompt is done, and so is it
-                request.status = RequestStatus.FINISHED_STOPPED
-                outputs.append(pooled_output(request, pooled))
-                stopped.append(request)
-                continue
-            row = row_of.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[row] if row is not None else []
-            output = self._take_sampled(request, sampled, scheduler_output, model_runner_output)
+            output = take_step_output(
+                request,
+                row_of.get(req_id),
+                scheduler_output,
+                model_runner_output,
+                self.spec_decode,
+                self.max_model_len,
+            )
             if output is not None:
                 outputs.append(output)
             if request.is_finished:
@@ -698,25 +538,6 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
         return outputs
-
-    def _take_sampled(
-        self,
-        request: Request,
-        sampled_token_ids: list[int],
-        scheduler_output: SchedulerOutput,
-        model_runner_output: ModelRunnerOutput,
-    ) -> EngineCoreOutput | None:
-        """One request's part of the step's output: drafts rolled back, tokens appended."""
-        if self.spec_decode is not None and request.spec is not None:
-            self.spec_decode.on_output(
-                request,
-                scheduler_output.spec_decode,
-                sampled_token_ids,
-                model_runner_output.spec_token_ids.get(request.req_id, []),
-            )
-        return make_request_output(
-            request, sampled_token_ids, model_runner_output, self.max_model_len
-        )
 
     # ------------------------------------------------------------------ state and stats
 
@@ -740,6 +561,21 @@ class Scheduler:
             or bool(self._pending_outputs)
         )
 
+    def only_waiting_for_grammars(self) -> bool:
+        """Every unfinished request waits for its grammar, and nothing else is to be done:
+        the engine may block on the compiles instead of stepping idle."""
+        return bool(self.waiting_for_grammar) and not (
+            self.waiting or self.running or self.finished_req_ids or self._pending_outputs
+        )
+
+    def pending_grammar_futures(self) -> list[Future[Any]]:
+        """The compiles the waiting_for_grammar requests wait for."""
+        return [
+            r.structured_output.future
+            for r in self.waiting_for_grammar.values()
+            if r.structured_output is not None
+        ]
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing done) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
@@ -748,30 +584,6 @@ class Scheduler:
         """This step's load and counters (the counters then restart); None without log_stats."""
         if not self.log_stats:
             return None
-        prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
         num_preemptions, self._num_step_preemptions = self._num_step_preemptions, 0
         num_scheduled_tokens, self._num_step_scheduled_tokens = self._num_step_scheduled_tokens, 0
-        grammar_queries, grammar_hits, compile_times = 0, 0, list[float]()
-        if self.structured_output_manager is not None:
-            grammar_queries, grammar_hits, compile_times = (
-                self.structured_output_manager.take_stats()
-            )
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            num_preemptions=num_preemptions,
-            prefix_cache_queries=prefix_stats.num_queried_tokens,
-            prefix_cache_hits=prefix_stats.num_hit_tokens,
-            num_scheduled_tokens=num_scheduled_tokens,
-            num_waiting_for_grammar=len(self.waiting_for_grammar),
-            grammar_cache_queries=grammar_queries,
-            grammar_cache_hits=grammar_hits,
-            grammar_compile_times=compile_times,
-            running_lora_adapters=count_adapters(self.running) if self.lora_config else {},
-            waiting_lora_adapters=count_adapters(self.waiting) if self.lora_config else {},
-            running_by_tenant=count_tenants(self.running),
-            waiting_by_tenant=count_tenants([*self.waiting, *self.waiting_for_grammar.values()]),
-            **(self.spec_decode.take_stats() if self.spec_decode is not None else {}),
-            **(self.kv_connector.take_stats() if self.kv_connector is not None else {}),
-        )
+        return make_scheduler_stats(self, num_preemptions, num_scheduled_tokens)

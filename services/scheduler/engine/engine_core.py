@@ -13,7 +13,8 @@ import time
 
 import msgspec
 
-from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
+from kvserve.services.scheduler.core.features import SchedulerFeatures
+from kvserve.services.scheduler.core.scheduler import Scheduler
 from kvserve.services.scheduler.engine.request_checks import (
     RequestChecker,
     queue_full_error,
@@ -127,10 +128,32 @@ class EngineCore:
             "gemm_plan", ranks="driver", result_type=dict[str, str]
         )
         self.executor.initialize_kv_cache(num_blocks)
+        self._init_scheduler(config, model_dir, num_blocks)
+        self.kv_event_publisher = self._make_kv_event_publisher(config, engine_index)
+        self.vocab_size = model_vocab_size(model_dir)
+        self.bound_waiting = bound_waiting
+        self.request_checker = RequestChecker(
+            self.vocab_size,
+            config.model.max_logprobs,
+            self.scheduler.max_model_len,
+            structured_outputs=True,
+            lora_config=config.lora,
+            speculative=config.speculative_config is not None,
+        )
+        self.ready = self._make_ready(config, engine_index, num_blocks, gemm_plan)
+        logger.info(
+            "engine core ready in %.1f s: %d KV blocks, max_model_len %d",
+            time.perf_counter() - start,
+            num_blocks,
+            self.ready.max_model_len,
+        )
+
+    def _init_scheduler(self, config: EngineConfig, model_dir: str, num_blocks: int) -> None:
+        """The scheduler over the bound KV cache, with what the workers learned at start-up
+        (asked for by name, Executor.collective_rpc) and the grammar compiler."""
         (kv_cache_groups,) = self.executor.collective_rpc(
             "kv_cache_groups", ranks="driver", result_type=list[KVCacheGroupSpec]
         )
-        # What the workers learned at start-up, asked for by name (Executor.collective_rpc).
         # Every rank measures the step costs (their forwards run collectives), once the KV
         # cache is bound, so the steps run the path real ones take; the driver's figures count.
         step_costs = self.executor.collective_rpc(
@@ -156,19 +179,13 @@ class EngineCore:
                 kv_cache_groups=kv_cache_groups,
             ),
         )
-        self.kv_event_publisher = self._make_kv_event_publisher(config, engine_index)
-        self.vocab_size = model_vocab_size(model_dir)
-        self.bound_waiting = bound_waiting
-        self.request_checker = RequestChecker(
-            self.vocab_size,
-            config.model.max_logprobs,
-            self.scheduler.max_model_len,
-            structured_outputs=True,
-            lora_config=config.lora,
-            speculative=config.speculative_config is not None,
-        )
+
+    def _make_ready(
+        self, config: EngineConfig, engine_index: int, num_blocks: int, gemm_plan: dict[str, str]
+    ) -> EngineReady:
+        """The READY message: what the api needs to know of this engine."""
         # The scheduler may cap max_model_len to what the KV cache holds.
-        self.ready = EngineReady(
+        return EngineReady(
             engine_index=engine_index,
             num_blocks=num_blocks,
             max_model_len=self.scheduler.max_model_len,
@@ -184,12 +201,6 @@ class EngineCore:
             gemm_plan=gemm_plan,
             kv_role=config.kv_transfer_config.kv_role if config.kv_transfer_config else None,
             enable_sleep_mode=config.model.enable_sleep_mode,
-        )
-        logger.info(
-            "engine core ready in %.1f s: %d KV blocks, max_model_len %d",
-            time.perf_counter() - start,
-            num_blocks,
-            self.ready.max_model_len,
         )
 
     def _start_offload_tier(self, config: EngineConfig) -> EngineConfig:

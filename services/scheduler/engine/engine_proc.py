@@ -201,9 +201,7 @@ class EngineCoreProc:
         elif msg_type == MsgType.UTILITY:
             self.output_queue.put_nowait((MsgType.UTILITY_OUTPUT, self._run_utility(payload)))
         elif msg_type == MsgType.TENANT_SERVICE:
-            fair = self._core.scheduler.fair
-            if fair is not None:
-                fair.set_remote(payload.remote)
+            self._core.scheduler.policy.set_remote_tenant_service(payload.remote)
         else:
             assert msg_type is None, msg_type
             raise EngineFailure(payload)
@@ -274,7 +272,7 @@ class EngineCoreProc:
         if scheduler is None:
             return EngineLoad(self.engine_index, 0, 0)
         num_waiting = len(scheduler.waiting) + len(scheduler.waiting_for_grammar)
-        tenant_service = scheduler.fair.reported if scheduler.fair is not None else {}
+        tenant_service = scheduler.policy.tenant_service()
         return EngineLoad(self.engine_index, num_waiting, len(scheduler.running), tenant_service)
 
     # ------------------------------------------------------------------ IO threads

@@ -99,13 +99,7 @@ class MpExecutor(RankedExecutor):
                 parallel.tensor_parallel_size,
                 parallel.pipeline_parallel_size,
             )
-        self.start_timeout_s = start_timeout_s
-        self.execute_timeout_s = execute_timeout_s
-        self._heartbeat_timeout_s = WORKER_HEARTBEAT_TIMEOUT_S.get()
-        self._hung_timeout_s = read_hung_timeout_s(
-            WORKER_HUNG_TIMEOUT_S, WORKER_HEARTBEAT_TIMEOUT_S
-        )
-        self._dead_reason: str | None = None
+        self._init_timeouts(start_timeout_s, execute_timeout_s)
         self._encoder = msgspec.msgpack.Encoder()
         self._send_buf = bytearray()  # reused for every ring message
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
@@ -144,6 +138,17 @@ class MpExecutor(RankedExecutor):
             self._finalizer()
             raise
         self._take_readies(readies)
+
+    def _init_timeouts(self, start_timeout_s: float, execute_timeout_s: float) -> None:
+        """How long a start, a step, a missing heartbeat and a hang may last (see the
+        module docstring); none has run out yet."""
+        self.start_timeout_s = start_timeout_s
+        self.execute_timeout_s = execute_timeout_s
+        self._heartbeat_timeout_s = WORKER_HEARTBEAT_TIMEOUT_S.get()
+        self._hung_timeout_s = read_hung_timeout_s(
+            WORKER_HUNG_TIMEOUT_S, WORKER_HEARTBEAT_TIMEOUT_S
+        )
+        self._dead_reason: str | None = None
 
     # ------------------------------------------------------------------ Executor API
 

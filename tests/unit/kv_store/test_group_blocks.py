@@ -8,8 +8,9 @@ from kvserve.services.kv_store.backends import SharedStorageBackend
 from kvserve.services.kv_store.group_blocks import GroupBlocks
 from kvserve.services.kv_store.scheduler_connector import StoreSchedulerConnector
 from kvserve.services.kv_store.transfers import StoreConnectorOutput, decode_meta, encode
+from kvserve.services.scheduler.core.features import SchedulerFeatures
 from kvserve.services.scheduler.core.request import Request, RequestStatus
-from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
+from kvserve.services.scheduler.core.scheduler import Scheduler
 from kvserve.shared.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
 from tests.support.kv import assert_no_leaked_blocks

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from functools import partial
 
+from kvserve.services.scheduler.core.features import SchedulerFeatures
 from kvserve.services.scheduler.core.kv_cache_groups import (
     GroupedKVCacheManager,
     max_tokens_in_cache,
 )
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
-from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
+from kvserve.services.scheduler.core.scheduler import Scheduler
 from kvserve.shared.config import CacheConfig, SchedulerConfig
 from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, make_kv_cache_groups
 from tests.support.kv import assert_all_blocks_free

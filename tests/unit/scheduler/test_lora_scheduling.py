@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from kvserve.services.scheduler.core.scheduler import Scheduler, SchedulerFeatures
+from kvserve.services.scheduler.core.features import SchedulerFeatures
+from kvserve.services.scheduler.core.scheduler import Scheduler
 from kvserve.shared.config import CacheConfig, LoRAConfig, SchedulerConfig
 from kvserve.shared.lora import LoRARequest
 from kvserve.shared.messages import EngineCoreRequest, FinishReason

@@ -85,30 +85,6 @@ def test_a_request_preempts_itself_when_it_is_last():
     assert_no_leaked_blocks(scheduler)
 
 
-def test_priority_preempts_the_lowest_priority_even_if_already_scheduled():
-    scheduler = create_scheduler(
-        block_size=4, num_blocks=5, max_model_len=16, scheduling_policy="priority"
-    )
-    scheduler.add_request(create_request("low", num_tokens=5, max_tokens=8, priority=5))
-    step(scheduler)
-    scheduler.add_request(
-        create_request("high", num_tokens=8, max_tokens=3, priority=0, arrival_time=1.0)
-    )
-    step(scheduler)  # low decodes in place, high takes the last two blocks
-    assert scheduler.kv_cache_manager.num_free_blocks == 0
-
-    # "low" runs first and fits; "high" needs a block, so "low" loses its slot in the step.
-    scheduler_output, _ = step(scheduler)
-    assert scheduler_output.preempted_req_ids == ["low"]
-    assert scheduler_output.num_scheduled_tokens == {"high": 1}
-    assert scheduler_output.scheduled_cached_reqs.req_ids == ["high"]
-    assert scheduler_output.total_num_scheduled_tokens == 1
-    assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
-    finals = run_to_completion(scheduler)
-    assert len(finals["low"].new_token_ids) == 1 and sorted(finals) == ["high", "low"]
-    assert_no_leaked_blocks(scheduler)
-
-
 def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
     # 7 usable blocks: a (8 tokens) and b (6 tokens) take 2 each, c (12 tokens) takes 3.
     scheduler = create_scheduler(

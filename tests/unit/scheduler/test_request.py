@@ -1,11 +1,10 @@
-"""Request state, incremental block hashes, and the waiting queues."""
+"""Request state and incremental block hashes (the waiting queues: policies/)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvserve.services.scheduler.core.request import Request, RequestStatus, make_block_hasher
-from kvserve.services.scheduler.core.request_queue import create_request_queue
 from kvserve.shared.hashing import get_hash_fn, hash_new_full_blocks, make_extra_keys
 from kvserve.shared.messages import EngineCoreRequest, FinishReason
 from kvserve.shared.sampling_params import SamplingParams
@@ -104,37 +103,3 @@ def test_prompt_logprobs_skip_cache_reads():
     assert not make_request().skip_reading_prefix_cache
     request = Request("r", [1], SamplingParams(prompt_logprobs=0))
     assert request.skip_reading_prefix_cache
-
-
-def test_fcfs_queue_order_prepend_and_remove():
-    queue = create_request_queue("fcfs")
-    a, b, c, d = (make_request(name) for name in "abcd")
-    for request in (a, b, c):
-        queue.add_request(request)
-    queue.prepend_request(d)
-    assert list(queue) == [d, a, b, c] and len(queue) == 4
-    queue.remove_requests([a, c])
-    assert queue.peek_request() is d
-    assert queue.pop_request() is d and queue.pop_request() is b
-    assert not queue
-    with pytest.raises(IndexError):
-        queue.peek_request()
-
-
-def test_priority_queue_orders_by_priority_then_arrival():
-    queue = create_request_queue("priority")
-    late_urgent = make_request("late_urgent", priority=0, arrival_time=5.0)
-    early_urgent = make_request("early_urgent", priority=0, arrival_time=1.0)
-    low = make_request("low", priority=3, arrival_time=0.0)
-    mid = make_request("mid", priority=1, arrival_time=2.0)
-    for request in (low, late_urgent, mid, early_urgent):
-        queue.add_request(request)
-    assert list(queue) == [early_urgent, late_urgent, mid, low]
-    assert queue.pop_request() is early_urgent
-    # A preempted request keeps its key: ahead of later arrivals at its priority.
-    queue.prepend_request(early_urgent)
-    assert queue.peek_request() is early_urgent
-    queue.remove_requests([early_urgent, mid])
-    assert [queue.pop_request() for _ in range(len(queue))] == [late_urgent, low]
-    with pytest.raises(ValueError, match="fcfs"):
-        create_request_queue("lifo")

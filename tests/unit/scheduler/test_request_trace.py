@@ -44,7 +44,7 @@ def test_a_chunked_prompt_has_one_prefill_span_per_chunk_then_one_decode_span():
         assert span.start_ns <= span.end_ns
     for before, after in zip(spans, spans[1:]):
         assert before.end_ns <= after.start_ns
-    assert scheduler._num_traced == 0
+    assert scheduler.live.num_traced == 0
     assert_no_leaked_blocks(scheduler)
 
 

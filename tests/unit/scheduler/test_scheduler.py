@@ -121,32 +121,6 @@ def test_max_num_seqs_caps_running_requests():
     assert_no_leaked_blocks(scheduler)
 
 
-def test_fcfs_admits_in_arrival_order():
-    scheduler = create_scheduler(max_num_seqs=1)
-    for req_id, priority in (("first", 5), ("second", 0), ("third", 1)):
-        scheduler.add_request(create_request(req_id, max_tokens=1, priority=priority))
-    order = [next(iter(step(scheduler)[0].num_scheduled_tokens)) for _ in range(3)]
-    assert order == ["first", "second", "third"]
-    run_to_completion(scheduler)
-    assert_no_leaked_blocks(scheduler)
-
-
-def test_priority_admits_lowest_priority_value_then_earliest():
-    scheduler = create_scheduler(max_num_seqs=1, scheduling_policy="priority")
-    for req_id, priority, arrival in (
-        ("p3", 3, 0.0),
-        ("p1_late", 1, 2.0),
-        ("p2", 2, 1.0),
-        ("p1_early", 1, 0.5),
-    ):
-        scheduler.add_request(
-            create_request(req_id, max_tokens=1, priority=priority, arrival_time=arrival)
-        )
-    order = [next(iter(step(scheduler)[0].num_scheduled_tokens)) for _ in range(4)]
-    assert order == ["p1_early", "p1_late", "p2", "p3"]
-    assert_no_leaked_blocks(scheduler)
-
-
 def test_prefix_hit_of_a_200_token_shared_prefix():
     scheduler = create_scheduler()
     prefix = list(range(3000, 3200))

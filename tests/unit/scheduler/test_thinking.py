@@ -54,7 +54,7 @@ def test_the_budget_forces_the_end_tokens_step_by_step():
     while scheduler.has_requests():
         step(scheduler)
     assert_no_leaked_blocks(scheduler)
-    assert scheduler._num_thinking_budgets == 0
+    assert scheduler.live.num_thinking_budgets == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""--scheduling-policy fair: tenants served by their virtual token counters (fair_share.py),
-driven through the real Scheduler with a fake model (tests/support/scheduler.py)."""
+"""--scheduling-policy fair: tenants served by their virtual token counters (fair.py and
+fair_share.py), driven through the real Scheduler with a fake model (tests/support/scheduler.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvserve.services.scheduler.core.fair_share import OUTPUT_TOKEN_COST
+from kvserve.services.scheduler.core.policies.fair_share import OUTPUT_TOKEN_COST
 from tests.support.kv import assert_no_leaked_blocks
 from tests.support.scheduler import create_request, create_scheduler, run_to_completion, step
 
@@ -84,7 +84,7 @@ def test_a_newly_active_tenant_banks_no_credit_for_its_idle_time():
         scheduler.add_request(create_request(f"a{i}", 8, max_tokens=8, arrival_time=i, tenant="a"))
     for _ in range(40):
         step(scheduler)  # "a" alone: its counter grows, "b" has none
-    ledger = scheduler.fair
+    ledger = scheduler.policy.ledger
     for i in range(20):
         scheduler.add_request(
             create_request(f"b{i}", 8, max_tokens=8, arrival_time=100 + i, tenant="b")
@@ -108,7 +108,8 @@ def test_the_most_served_tenant_is_preempted_first():
     scheduler.add_request(create_request("big1", 8, max_tokens=6, arrival_time=1, tenant="big"))
     scheduler.add_request(create_request("big2", 8, max_tokens=6, arrival_time=2, tenant="big"))
     step(scheduler)
-    assert scheduler.fair.counter("big") > scheduler.fair.counter("small")
+    ledger = scheduler.policy.ledger
+    assert ledger.counter("big") > ledger.counter("small")
     scheduler_output, _ = step(scheduler)  # every request needs a third block
     # The victim is big's, never small's, though small is not the last admitted either way.
     assert scheduler_output.preempted_req_ids and all(
@@ -158,7 +159,8 @@ def test_service_on_other_engines_counts():
     scheduler.add_request(create_request("x1", 8, max_tokens=2, arrival_time=0, tenant="x"))
     scheduler.add_request(create_request("y1", 8, max_tokens=2, arrival_time=1, tenant="y"))
     scheduler.add_request(create_request("y2", 8, max_tokens=2, arrival_time=2, tenant="y"))
-    scheduler.fair.set_remote({"x": 1000.0})  # "x" was served elsewhere in the cluster
+    # "x" was served elsewhere in the cluster (what the api sends, MsgType.TENANT_SERVICE).
+    scheduler.policy.set_remote_tenant_service({"x": 1000.0})
     # "y" arrived second but is the least served cluster-wide: its requests go first.
     assert _admission_order(scheduler) == ["y1", "y2", "x1"]
 
@@ -175,9 +177,11 @@ def test_counters_weigh_output_tokens_and_divide_by_the_weight():
     scheduler.add_request(create_request("r", 10, max_tokens=3, tenant="t", tenant_weight=2.0))
     run_to_completion(scheduler)
     # 10 prompt tokens, then 2 decode steps (the first token comes with the prompt's step).
-    assert scheduler.fair.local["t"] == pytest.approx((10 + 2 * OUTPUT_TOKEN_COST) / 2.0)
-    assert scheduler.fair.reported == scheduler.fair.local
-    assert scheduler.fair.num_live == {}
+    ledger = scheduler.policy.ledger
+    assert ledger.local["t"] == pytest.approx((10 + 2 * OUTPUT_TOKEN_COST) / 2.0)
+    # What the engine reports in its load (EngineLoad.tenant_service).
+    assert ledger.reported == ledger.local == scheduler.policy.tenant_service()
+    assert ledger.num_live == {}
 
 
 def test_a_light_tenants_prompt_gets_a_step_without_the_heavy_decodes():

@@ -1,4 +1,4 @@
-"""--scheduling-policy fair: tenants served by their virtual token counters.
+"""--scheduling-policy fair: tenants served by their virtual token counters (the policy: fair.py).
 
 The rule is the Virtual Token Counter of "Fairness in Serving Large Language Models" (Sheng
 et al., OSDI '24): each tenant's counter grows by the service it gets, prompt tokens weighted
@@ -10,7 +10,7 @@ tenant with the smallest counter is served next. Where it acts in the scheduler:
   equal counters go by the requests they hold here, fewest first;
 - prompt work: running requests still in their prompt (chunked prefill) of tenants more
   served than the waiting head's wait until it is admitted, so a light tenant's prompt does
-  not queue behind a heavy tenant's long prompts already running (Scheduler.schedule);
+  not queue behind a heavy tenant's long prompts already running (FairPolicy.rounds);
 - preemption: the victim is a request of the most-served running tenant.
 
 A tenant that becomes active (a request arrives while it has none on this engine) is lifted
