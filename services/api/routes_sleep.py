@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvserve.services.api.app_context import AppContext, context_of, with_errors
-from kvserve.services.api.protocol import APIError
+from kvserve.services.api.serving.errors import APIError
 from kvserve.shared.logging import init_logger
 from kvserve.shared.wire import check_sleep_tags
 

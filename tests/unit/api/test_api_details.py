@@ -12,19 +12,16 @@ import msgspec
 import pytest
 from starlette.requests import Request
 
-from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.output_processor import OutputProcessor
-from kvserve.services.api.outputs import Logprob
-from kvserve.services.api.protocol import (
-    APIError,
-    CompletionRequest,
-    UsageInfo,
-    decode_request,
-)
-from kvserve.services.api.request_logger import RequestLogger
-from kvserve.services.api.serving_base import OpenAIServing, prompt_logprobs_body
-from kvserve.services.api.tokenizer import TokenizerInfo
-from kvserve.services.api.validation import check_prompt_logprobs
+from kvserve.services.api.engine_client.client import EngineClient
+from kvserve.services.api.observability.request_logger import RequestLogger
+from kvserve.services.api.serving.base import OpenAIServing, prompt_logprobs_body
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.output_processor import OutputProcessor
+from kvserve.services.api.serving.outputs import Logprob
+from kvserve.services.api.serving.protocol import UsageInfo, decode_request
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
+from kvserve.services.api.serving.validation import check_prompt_logprobs
+from kvserve.services.api.surfaces.openai_protocol import CompletionRequest
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.messages import EngineCoreOutput, FinishReason
 from kvserve.shared.sampling_params import SamplingParams, logprobs_over_limit
@@ -90,7 +87,7 @@ def test_usage_has_prompt_tokens_details_only_with_the_flag():
 
 
 def test_serving_usage_sums_cached_tokens_over_prompts(tokenizer_info):
-    from kvserve.services.api.outputs import CompletionOutput, RequestOutput
+    from kvserve.services.api.serving.outputs import CompletionOutput, RequestOutput
 
     def final(num_cached: int) -> RequestOutput:
         completion_output = CompletionOutput(0, "x", [1], finish_reason="length")
@@ -191,7 +188,7 @@ class _Records(logging.Handler):
 
 def test_request_log_truncates_prompt_and_token_ids():
     handler = _Records()
-    log = logging.getLogger("kvserve.services.api.request_logger")
+    log = logging.getLogger("kvserve.services.api.observability.request_logger")
     log.addHandler(handler)
     try:
         RequestLogger(max_log_len=4).log_inputs(

@@ -1,5 +1,6 @@
-"""The status page's JSON (services/api/dashboard.py) from hand-built engine steps through the
-real ApiMetrics, and who may read it (routes_dashboard.py, dashboard_auth.py)."""
+"""The status page's JSON (services/api/observability/dashboard.py) from hand-built engine steps
+through the real ApiMetrics, and who may read it (observability/routes_dashboard.py,
+observability/dashboard_auth.py)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,29 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from kvserve.services.api.dashboard import dashboard_state
-from kvserve.services.api.dashboard_auth import (
+from kvserve.services.api.engine_client.client import EngineClient
+from kvserve.services.api.observability.dashboard import dashboard_state
+from kvserve.services.api.observability.dashboard_auth import (
     COOKIE_NAME,
     SESSION_S,
     session_token,
     token_key_name,
 )
-from kvserve.services.api.dashboard_sampler import (
+from kvserve.services.api.observability.dashboard_sampler import (
     NUM_HISTORY_POINTS,
     SAMPLE_INTERVAL_S,
     WINDOW_S,
     DashboardSampler,
     quantile,
 )
-from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.observability.metrics import ApiMetrics
+from kvserve.services.api.observability.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    RequestUsage,
+)
 from kvserve.services.api.server import build_app
-from kvserve.services.api.stats import FinishedRequestStats, IterationStats, RequestUsage
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.api_config import FrontendConfig, TenantConfig
 from kvserve.shared.messages import SchedulerStats
 

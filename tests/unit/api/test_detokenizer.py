@@ -11,14 +11,14 @@ import os
 
 import pytest
 
-from kvserve.services.api import detokenizer
-from kvserve.services.api.detokenizer import (
+from kvserve.services.api.serving import detokenizer
+from kvserve.services.api.serving.detokenizer import (
     FastIncrementalDetokenizer,
     IncrementalDetokenizer,
     check_stop_strings,
     make_detokenizer,
 )
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 
 REPLACEMENT_CHAR = "\ufffd"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

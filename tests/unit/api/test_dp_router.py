@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.services.api.dp_router import PREFIX_LOAD_SLACK, WAITING_WEIGHT, DPRouter
+from kvserve.services.api.engine_client.dp_router import PREFIX_LOAD_SLACK, WAITING_WEIGHT, DPRouter
 from kvserve.shared.hashing import get_hash_fn, hash_new_full_blocks
 from kvserve.shared.wire import EngineLoad
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvserve.services.api.generation_config import load_generation_defaults
+from kvserve.services.api.serving.generation_config import load_generation_defaults
 
 
 def _write(folder, **config) -> str:

@@ -1,5 +1,5 @@
-"""Request bounds: JSON depth (protocol.py), the body-size middleware under a real starlette
-app, and each --max-* limit on decoded requests (services/api/validation.py)."""
+"""Request bounds: JSON depth (serving/protocol.py), the body-size middleware under a real starlette
+app, and each --max-* limit on decoded requests (services/api/serving/validation.py)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvserve.services.api.limits import BodySizeLimitMiddleware
-from kvserve.services.api.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    decode_request,
-    json_depth,
-)
-from kvserve.services.api.validation import check_request, max_prompt_chars
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.limits import BodySizeLimitMiddleware
+from kvserve.services.api.serving.protocol import ChatCompletionRequest, decode_request, json_depth
+from kvserve.services.api.serving.validation import check_request, max_prompt_chars
+from kvserve.services.api.surfaces.openai_protocol import CompletionRequest
 from kvserve.shared.api_config import LimitsConfig
 
 LIMITS = LimitsConfig()

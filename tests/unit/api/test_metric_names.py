@@ -1,6 +1,6 @@
 """--metrics-prefix vllm: the api's series under vLLM 0.32's names and labels, from the one
-table in services/api/metric_names.py; the Grafana board made from it; the PromQL reader
-the e2e tests check boards with."""
+table in services/api/observability/metric_names.py; the Grafana board made from it; the PromQL
+reader the e2e tests check boards with."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.metric_names import VLLM_NAMES, exposed_name
-from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.engine_client.client import EngineClient
+from kvserve.services.api.observability.metric_names import VLLM_NAMES, exposed_name
+from kvserve.services.api.observability.metrics import ApiMetrics
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.messages import (
     EngineCoreEvent,

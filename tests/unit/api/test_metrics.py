@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.log_stats import LoggingStatLogger
-from kvserve.services.api.metrics import ApiMetrics, build_1_2_5_buckets
-from kvserve.services.api.output_processor import OutputProcessor
-from kvserve.services.api.stats import IterationStats, PhaseTimes, RequestTimes
+from kvserve.services.api.engine_client.client import EngineClient
+from kvserve.services.api.observability.log_stats import LoggingStatLogger
+from kvserve.services.api.observability.metrics import ApiMetrics, build_1_2_5_buckets
+from kvserve.services.api.observability.stats import IterationStats, PhaseTimes, RequestTimes
+from kvserve.services.api.serving.output_processor import OutputProcessor
 from kvserve.shared.messages import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -338,7 +338,7 @@ def test_log_timer_runs_while_active_and_stops_when_idle():
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("kvserve.services.api.log_stats").addHandler(handler)
+    logging.getLogger("kvserve.services.api.observability.log_stats").addHandler(handler)
     stat_logger = LoggingStatLogger(interval_s=0.05)
 
     async def run():
@@ -355,7 +355,7 @@ def test_log_timer_runs_while_active_and_stops_when_idle():
     try:
         num_lines = asyncio.run(run())
     finally:
-        logging.getLogger("kvserve.services.api.log_stats").removeHandler(handler)
+        logging.getLogger("kvserve.services.api.observability.log_stats").removeHandler(handler)
     assert num_lines >= 2 and len(lines) <= num_lines + 1, lines
     assert all(line.startswith("Engine 000: Avg prompt throughput") for line in lines)
     assert stat_logger._timer is None

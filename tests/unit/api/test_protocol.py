@@ -10,18 +10,20 @@ import sys
 import msgspec
 import pytest
 
-from kvserve.services.api.protocol import (
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.protocol import (
     UNSET,
-    APIError,
     ChatCompletionRequest,
+    UsageInfo,
+    decode_request,
+)
+from kvserve.services.api.surfaces.openai_protocol import (
     ChatCompletionStreamResponse,
     ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
     CompletionStreamResponse,
     DeltaMessage,
-    UsageInfo,
-    decode_request,
 )
 from tests.support import REPO_ROOT
 
@@ -65,7 +67,7 @@ def test_unknown_fields_are_ignored_like_vllm():
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("kvserve.services.api.protocol")
+    logger = logging.getLogger("kvserve.services.api.serving.protocol")
     logger.addHandler(handler)
     try:
         request = decode({"prompt": "x", "no_such_field": 1, "another_one": {"a": 2}})
@@ -173,9 +175,10 @@ def test_api_modules_do_not_import_torch():
     # load torch only when it builds its engine.
     code = (
         "import sys\n"
-        "import kvserve.services.api.server, kvserve.services.api.protocol\n"
-        "import kvserve.services.api.metrics, kvserve.services.api.serving_completions\n"
-        "import kvserve.services.api.serving_chat\n"
+        "import kvserve.services.api.server, kvserve.services.api.serving.protocol\n"
+        "import kvserve.services.api.observability.metrics\n"
+        "import kvserve.services.api.surfaces.completions\n"
+        "import kvserve.services.api.surfaces.chat\n"
         "assert 'torch' not in sys.modules, 'the api imported torch'\n"
         "from tests.support.inproc_client import InprocEngineClient\n"
         "assert 'torch' not in sys.modules, 'inproc_client imports torch at import time'\n"

@@ -1,4 +1,4 @@
-"""Per-tenant quotas (services/api/quotas.py) on a fake clock: concurrency, requests and
+"""Per-tenant quotas (services/api/tenancy/quotas.py) on a fake clock: concurrency, requests and
 tokens per minute, reservations kept honest when a request ends early, Retry-After, idle
 tenants forgotten; and SettledResults, which settles a ticket however a stream ends."""
 
@@ -9,10 +9,10 @@ import gc
 
 import pytest
 
-from kvserve.services.api.outputs import CompletionOutput, RequestOutput
-from kvserve.services.api.protocol import APIError
-from kvserve.services.api.quotas import SettledResults, TenantQuotas, has_quotas
-from kvserve.services.api.tenants import TenantSpec
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.outputs import CompletionOutput, RequestOutput
+from kvserve.services.api.tenancy.quotas import SettledResults, TenantQuotas, has_quotas
+from kvserve.services.api.tenancy.tenants import TenantSpec
 
 
 class FakeClock:

@@ -1,11 +1,11 @@
-"""Reasoning parsers (services/api/reasoning_parsers.py): the whole split, and the streamed
+"""Reasoning parsers (services/api/parsers/reasoning_parsers.py): the whole split, and the streamed
 pieces adding up to it whatever the delta boundaries (tags cut anywhere)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvserve.services.api.reasoning_parsers import (
+from kvserve.services.api.parsers.reasoning_parsers import (
     REASONING_PARSERS,
     ReasoningSplitter,
     get_reasoning_parser,

@@ -9,17 +9,14 @@ import json
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from kvserve.services.api.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    decode_request,
-)
-from kvserve.services.api.request_constraints import (
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.protocol import ChatCompletionRequest, decode_request
+from kvserve.services.api.serving.request_constraints import (
     bad_words_token_ids,
     logits_processor_kwargs,
     structured_outputs_of,
 )
+from kvserve.services.api.surfaces.openai_protocol import CompletionRequest
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 

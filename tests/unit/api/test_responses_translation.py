@@ -1,14 +1,14 @@
 """The Responses API's translation to the chat path and its response store
-(services/api/serving_responses.py), without a server: the e2e test drives the whole route."""
+(services/api/surfaces/responses.py), without a server: the e2e test drives the whole route."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from kvserve.services.api.protocol import APIError
-from kvserve.services.api.responses_protocol import ResponseObject, ResponsesRequest
-from kvserve.services.api.serving_responses import ResponseStore, input_messages, to_chat_request
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.surfaces.responses import ResponseStore, input_messages, to_chat_request
+from kvserve.services.api.surfaces.responses_protocol import ResponseObject, ResponsesRequest
 
 
 def request(**fields) -> ResponsesRequest:

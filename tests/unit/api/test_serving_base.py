@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from kvserve.services.api.outputs import CompletionOutput
-from kvserve.services.api.serving_base import StreamedChoice, merge_async_iterators
-from kvserve.services.api.stop_strings import check_stop_strings
+from kvserve.services.api.serving.base import StreamedChoice, merge_async_iterators
+from kvserve.services.api.serving.outputs import CompletionOutput
+from kvserve.services.api.serving.stop_strings import check_stop_strings
 
 
 def stream_texts(steps: list[str], stop: list[str], holdback: int) -> tuple[str, str]:

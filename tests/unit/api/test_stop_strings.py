@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.services.api.stop_strings import check_stop_strings, num_held_back_chars
+from kvserve.services.api.serving.stop_strings import check_stop_strings, num_held_back_chars
 
 
 def test_match_straddling_the_new_tail():

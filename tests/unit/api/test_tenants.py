@@ -1,4 +1,4 @@
-"""Tenants (services/api/tenants.py): key file columns, the flags' defaults, reloading, and
+"""Tenants (services/api/tenancy/tenants.py): key file columns, the flags' defaults, reloading, and
 the middleware that names each request's tenant under a real starlette app."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from kvserve.services.api.tenants import (
+from kvserve.services.api.tenancy.tenants import (
     CURRENT_TENANT,
     TenantDirectory,
     TenantMiddleware,

@@ -9,14 +9,15 @@ import jsonschema
 import msgspec
 import pytest
 
-from kvserve.services.api.protocol import APIError, ChatCompletionRequest
-from kvserve.services.api.tool_calls import (
+from kvserve.services.api.parsers.tool_calls import (
     ToolCallOutput,
     required_calls_schema,
     resolve_tool_choice,
     tool_constraint,
 )
-from kvserve.services.api.tool_parsers import TOOL_PARSERS
+from kvserve.services.api.parsers.tool_parsers import TOOL_PARSERS
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.protocol import ChatCompletionRequest
 from kvserve.shared.api_config import FrontendConfig
 
 WEATHER = {

@@ -1,5 +1,5 @@
-"""The api's tracing helpers (services/api/tracing.py): W3C trace context in and out, the
-engine's phases as spans with their own times, and nothing at all when tracing is off."""
+"""The api's tracing helpers (services/api/observability/tracing.py): W3C trace context in and out,
+the engine's phases as spans with their own times, and nothing at all when tracing is off."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
     InMemorySpanExporter,
 )
 
-from kvserve.services.api.tracing import (  # noqa: E402
+from kvserve.services.api.observability.tracing import (  # noqa: E402
     CURRENT_TRACER,
     PROTOCOL_ENV,
     ApiTracer,

@@ -9,14 +9,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.services.api.engine_client import EngineClient, StatsTotals
-from kvserve.services.api.metrics import ApiMetrics
-from kvserve.services.api.output_processor import OutputProcessor
+from kvserve.services.api.engine_client.client import EngineClient, StatsTotals
+from kvserve.services.api.observability.metrics import ApiMetrics
+from kvserve.services.api.observability.stats import IterationStats, RequestUsage
 from kvserve.services.api.server import build_app
-from kvserve.services.api.serving_base import count_usage
-from kvserve.services.api.stats import IterationStats, RequestUsage
-from kvserve.services.api.tokenizer import TokenizerInfo
-from kvserve.services.api.usage import OTHER_TENANT, TenantCap, UsageLedger
+from kvserve.services.api.serving.base import count_usage
+from kvserve.services.api.serving.output_processor import OutputProcessor
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
+from kvserve.services.api.tenancy.usage import OTHER_TENANT, TenantCap, UsageLedger
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.messages import EngineCoreOutput, FinishReason, SchedulerStats
 from kvserve.shared.sampling_params import SamplingParams

@@ -1,12 +1,12 @@
-"""The api's request checks (services/api/validation.py): one place, one error format (a 400
+"""The api's request checks (services/api/serving/validation.py): one place, one error format (a 400
 naming the field)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvserve.services.api.protocol import APIError
-from kvserve.services.api.validation import (
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.validation import (
     check_prompt_tokens,
     check_sampling_params,
     check_token_id_range,
