@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.services.api.observability.request_logger import key_name_suffix
 from kvserve.services.api.observability.stats import IterationStats, MigrationStats
-from kvserve.services.api.observability.tracing import CURRENT_TRACER
+from kvserve.services.api.observability.tracing import CURRENT_TRACER, ApiTracer
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.serving.outputs import RequestOutput
@@ -46,6 +46,62 @@ class EngineOverloadedError(RuntimeError):
             err_type="RateLimitError",
             headers={"Retry-After": str(self.RETRY_AFTER_S)},
         )
+
+
+class _RequestTrace:
+    """One generate() call's spans, each a no-op without a tracer: `generate` over the
+    whole request, `queue_to_engine` around the send, `detokenize_stream` from the first
+    output on, and the engine core's phases as they come back.
+
+    Args:
+        tracer: the process's tracer (None: tracing is off).
+        request_id: the request's id, an attribute of its span.
+    """
+
+    def __init__(self, tracer: ApiTracer | None, request_id: str):
+        self.tracer = tracer
+        self.span = None if tracer is None else tracer.start_span("generate", request_id=request_id)
+        self.stream_span = None
+
+    def carrier(self) -> dict[str, str] | None:
+        """The trace context the engine requests carry (None without a tracer)."""
+        return None if self.tracer is None else self.tracer.inject(self.span)
+
+    async def send(self, sending: Awaitable[None]) -> None:
+        if self.tracer is None:
+            await sending
+            return
+        queue_span = self.tracer.start_span("queue_to_engine", self.span)
+        try:
+            await sending
+        finally:
+            queue_span.end()
+
+    def on_output(self, item: RequestOutput) -> None:
+        if self.tracer is None:
+            return
+        if self.stream_span is None:
+            self.stream_span = self.tracer.start_span("detokenize_stream", self.span)
+        for child_id, engine_spans in item.engine_spans or ():
+            self.tracer.add_engine_spans(self.span, engine_spans, request_id=child_id)
+
+    def end(self) -> None:
+        if self.stream_span is not None:
+            self.stream_span.end()
+        if self.span is not None:
+            self.span.end()
+
+
+def _log_finished(request_id: str, num_prompt_tokens: int, item: RequestOutput) -> None:
+    logger.info(
+        "request %s%s finished (%s): %d prompt + %d output tokens, %d cached",
+        request_id,
+        key_name_suffix(),
+        ",".join(str(c.finish_reason) for c in item.outputs),
+        num_prompt_tokens,
+        sum(len(c.token_ids) for c in item.outputs),
+        item.num_cached_tokens,
+    )
 
 
 @dataclass(slots=True)
@@ -229,17 +285,14 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         queue: asyncio.Queue = asyncio.Queue()
-        tracer = CURRENT_TRACER.get()
-        span = stream_span = None
-        if tracer is not None:
-            span = tracer.start_span("generate", request_id=request_id)
+        trace = _RequestTrace(CURRENT_TRACER.get(), request_id)
         child_ids = self.output_processor.add_request(
             request_id,
             prompt,
             prompt_token_ids,
             params,
             tenant.name if tenant else DEFAULT_TENANT,
-            traced=tracer is not None,
+            traced=trace.tracer is not None,
         )
         self.queues[request_id] = queue
         finished = False
@@ -252,46 +305,24 @@ class EngineClient:
                 self.tokenizer_info,
                 lora_request,
                 tenant,
-                tracer.inject(span) if tracer is not None else None,
+                trace.carrier(),
             )
-            if tracer is None:
-                await self._send_requests(requests)
-            else:
-                queue_span = tracer.start_span("queue_to_engine", span)
-                try:
-                    await self._send_requests(requests)
-                finally:
-                    queue_span.end()
+            await trace.send(self._send_requests(requests))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                if tracer is not None:
-                    if stream_span is None:
-                        stream_span = tracer.start_span("detokenize_stream", span)
-                    for child_id, engine_spans in item.engine_spans or ():
-                        tracer.add_engine_spans(span, engine_spans, request_id=child_id)
+                trace.on_output(item)
                 if finished:
-                    logger.info(
-                        "request %s%s finished (%s): %d prompt + %d output tokens, %d cached",
-                        request_id,
-                        key_name_suffix(),
-                        ",".join(str(c.finish_reason) for c in item.outputs),
-                        len(prompt_token_ids),
-                        sum(len(c.token_ids) for c in item.outputs),
-                        item.num_cached_tokens,
-                    )
+                    _log_finished(request_id, len(prompt_token_ids), item)
                 yield item
         finally:
             self.queues.pop(request_id, None)
             if not finished:
                 await self.abort(request_id)
             self._forget_request(request_id, child_ids)
-            if stream_span is not None:
-                stream_span.end()
-            if span is not None:
-                span.end()
+            trace.end()
 
     def _engine_index_of(self, engine_request_id: str) -> int:
         """The engine an engine request went to (one engine here)."""

@@ -162,18 +162,23 @@ class MPEngineClient(EngineClient):
             topology.max_request_migrations,
             topology.migration_wait_s,
         )
-        self._tasks = [
+        self._tasks = self._start_tasks(topology.load_table_addr)
+
+    def _start_tasks(self, load_table_addr: str | None) -> list[asyncio.Task]:
+        """The client's loops: outputs, liveness, readmissions, and the DP load table."""
+        tasks = [
             asyncio.create_task(self._process_outputs(), name="engine-outputs"),
             asyncio.create_task(self.liveness.watch(), name="engine-liveness"),
             asyncio.create_task(self.liveness.receive_readmissions(), name="engine-readmissions"),
         ]
-        if topology.load_table_addr is not None:
-            self._tasks.append(
+        if load_table_addr is not None:
+            tasks.append(
                 asyncio.create_task(
-                    self.routing.receive_load_tables(topology.load_table_addr),
+                    self.routing.receive_load_tables(load_table_addr),
                     name="dp-load-table",
                 )
             )
+        return tasks
 
     @classmethod
     async def connect(

@@ -87,9 +87,64 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
+# The per-request latency series (`_request_series`' second half): fixed buckets.
+_LATENCY_SERIES: dict[str, tuple[str, list | None]] = {
+    "time_to_first_token_seconds": (
+        "Histogram of time to first token in seconds.",
+        _TTFT_BUCKETS,
+    ),
+    "inter_token_latency_seconds": (
+        "Histogram of inter-token latency in seconds.",
+        _ITL_BUCKETS,
+    ),
+    "time_per_output_token_seconds": (
+        "Histogram of time per output token in seconds. "
+        "DEPRECATED: Use kvserve:inter_token_latency_seconds instead.",
+        _ITL_BUCKETS,
+    ),
+    "request_time_per_output_token_seconds": (
+        "Histogram of time_per_output_token_seconds per request.",
+        _ITL_BUCKETS,
+    ),
+    "e2e_request_latency_seconds": (
+        "Histogram of e2e request latency in seconds.",
+        _REQUEST_BUCKETS,
+    ),
+    "request_queue_time_seconds": (
+        "Histogram of time spent in WAITING phase for request.",
+        _REQUEST_BUCKETS,
+    ),
+    "request_inference_time_seconds": (
+        "Histogram of time spent in RUNNING phase for request.",
+        _REQUEST_BUCKETS,
+    ),
+    "request_prefill_time_seconds": (
+        "Histogram of time spent in PREFILL phase for request.",
+        _REQUEST_BUCKETS,
+    ),
+    "request_decode_time_seconds": (
+        "Histogram of time spent in DECODE phase for request.",
+        _REQUEST_BUCKETS,
+    ),
+    "structured_output_compile_time_seconds": (
+        "Histogram of the time to compile a request's grammar (JSON schema, regex, ...).",
+        _COMPILE_BUCKETS,
+    ),
+    "kv_transfer_seconds": (
+        "Histogram of the time of one batch of KV blocks moved to or from the KV store.",
+        _COMPILE_BUCKETS,
+    ),
+}
+
+
 def _request_series(max_model_len: int) -> dict[str, tuple[str, list | None]]:
-    """name -> (documentation, buckets, None for a counter) of each series `record` updates."""
-    tokens = build_1_2_5_buckets(max_model_len)
+    """name -> (documentation, buckets, None for a counter) of each series `record` updates:
+    the token counts (bucketed up to max_model_len), then the latencies."""
+    return {**_token_series(build_1_2_5_buckets(max_model_len)), **_LATENCY_SERIES}
+
+
+def _token_series(tokens: list[int]) -> dict[str, tuple[str, list | None]]:
+    """The token-count series; `tokens`: the buckets of a per-request token count."""
     return {
         "prompt_tokens": ("Number of prefill tokens processed.", None),
         "generation_tokens": ("Number of generation tokens processed.", None),
@@ -114,51 +169,6 @@ def _request_series(max_model_len: int) -> dict[str, tuple[str, list | None]]:
             tokens,
         ),
         "request_params_max_tokens": ("Histogram of the max_tokens request parameter.", tokens),
-        "time_to_first_token_seconds": (
-            "Histogram of time to first token in seconds.",
-            _TTFT_BUCKETS,
-        ),
-        "inter_token_latency_seconds": (
-            "Histogram of inter-token latency in seconds.",
-            _ITL_BUCKETS,
-        ),
-        "time_per_output_token_seconds": (
-            "Histogram of time per output token in seconds. "
-            "DEPRECATED: Use kvserve:inter_token_latency_seconds instead.",
-            _ITL_BUCKETS,
-        ),
-        "request_time_per_output_token_seconds": (
-            "Histogram of time_per_output_token_seconds per request.",
-            _ITL_BUCKETS,
-        ),
-        "e2e_request_latency_seconds": (
-            "Histogram of e2e request latency in seconds.",
-            _REQUEST_BUCKETS,
-        ),
-        "request_queue_time_seconds": (
-            "Histogram of time spent in WAITING phase for request.",
-            _REQUEST_BUCKETS,
-        ),
-        "request_inference_time_seconds": (
-            "Histogram of time spent in RUNNING phase for request.",
-            _REQUEST_BUCKETS,
-        ),
-        "request_prefill_time_seconds": (
-            "Histogram of time spent in PREFILL phase for request.",
-            _REQUEST_BUCKETS,
-        ),
-        "request_decode_time_seconds": (
-            "Histogram of time spent in DECODE phase for request.",
-            _REQUEST_BUCKETS,
-        ),
-        "structured_output_compile_time_seconds": (
-            "Histogram of the time to compile a request's grammar (JSON schema, regex, ...).",
-            _COMPILE_BUCKETS,
-        ),
-        "kv_transfer_seconds": (
-            "Histogram of the time of one batch of KV blocks moved to or from the KV store.",
-            _COMPILE_BUCKETS,
-        ),
     }
 
 

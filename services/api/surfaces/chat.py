@@ -7,7 +7,7 @@ each choice's text becomes content and OpenAI tool calls (finish_reason "tool_ca
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -52,7 +52,7 @@ from kvserve.services.api.serving.multimodal import (
     load_image_bytes,
     load_image_processor,
 )
-from kvserve.services.api.serving.outputs import Logprob, RequestOutput
+from kvserve.services.api.serving.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.services.api.serving.protocol import (
     UNSET,
     ChatCompletionRequest,
@@ -462,99 +462,19 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         results: AsyncGenerator[tuple[int, RequestOutput], None],
     ):
-        request_id, params, tool_choice = prepared.ids[0], prepared.params, prepared.tool_choice
-        created = now_seconds()
-        usage: UsageInfo | msgspec.UnsetType | None = None if request.include_usage else UNSET
-
-        def chunk(choices: list[ChatStreamChoice]) -> bytes:
-            return sse_event(
-                ChatCompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=self.response_model(request.model),
-                    choices=choices,
-                    usage=usage,
-                )
-            )
-
+        stream = _ChatStream(self, prepared, request)
         final: RequestOutput | None = None
-        streamed = [StreamedChoice(stop_holdback(params)) for _ in range(params.n)]
-        tool_outputs = [self.tool_output(request, tool_choice) for _ in range(params.n)]
-        splitters = [
-            ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
-            for _ in range(params.n)
-        ]
         try:
-            # OpenAI opens every choice with the role and empty content.
-            for index in range(params.n):
-                yield chunk([ChatStreamChoice(index, DeltaMessage("assistant", ""), None, None)])
+            for chunk in stream.role_chunks():
+                yield chunk
             async with aclosing(results):
                 async for _, final in results:
-                    raise_if_failed(final)
-                    for completion in final.outputs:
-                        delta = streamed[completion.index].next_delta(
-                            completion, want_tokens=request.logprobs
-                        )
-                        if delta is None:
-                            continue
-                        text, first_token, finish_reason = delta
-                        reasoning = None
-                        splitter = splitters[completion.index]
-                        if splitter is not None:
-                            reasoning, text = splitter.feed(text, finish_reason is not None)
-                            reasoning = reasoning or None
-                        message = DeltaMessage(
-                            content=text, reasoning=reasoning, reasoning_content=reasoning
-                        )
-                        tool_output = tool_outputs[completion.index]
-                        if tool_output.uses_tools:
-                            content, tool_deltas = tool_output.update(
-                                text, finish_reason is not None
-                            )
-                            message = DeltaMessage(
-                                content=content,
-                                reasoning=reasoning,
-                                reasoning_content=reasoning,
-                                tool_calls=tool_deltas or None,
-                            )
-                            finish_reason = tool_output.finish_reason(
-                                finish_reason, tool_output.num_calls
-                            )
-                            if not (
-                                content
-                                or reasoning
-                                or tool_deltas
-                                or finish_reason
-                                or request.logprobs
-                            ):
-                                continue
-                        elif splitter is not None and not (
-                            text or reasoning or finish_reason or request.logprobs
-                        ):
-                            continue  # a tag held back: nothing to send yet
-                        logprobs = None
-                        if request.logprobs:
-                            logprobs = self._logprobs(
-                                completion.token_ids[first_token:],
-                                (completion.logprobs or [])[first_token:],
-                                request,
-                            )
-                        yield chunk(
-                            [
-                                ChatStreamChoice(
-                                    completion.index,
-                                    message,
-                                    logprobs,
-                                    finish_reason,
-                                    completion.stop_reason if finish_reason else None,
-                                )
-                            ]
-                        )
+                    for chunk in stream.output_chunks(final):
+                        yield chunk
             if request.include_usage:
-                usage = self.usage([final])
-                yield chunk([])
+                yield stream.usage_chunk(final)
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
-            logger.warning("chat stream %s failed: %r", request_id, exc)
+            logger.warning("chat stream %s failed: %r", prepared.ids[0], exc)
             yield error_event(exc)
         yield SSE_DONE
 
@@ -594,3 +514,117 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatLogprobs(entries)
+
+
+class _ChatStream:
+    """One streamed chat request: per choice its progress, tool parsing and reasoning split,
+    and the chunks it emits.
+
+    Args:
+        serving: the chat endpoint (tool parsing, logprobs, model name, usage).
+        prepared: the request as submitted.
+        request: the request.
+    """
+
+    def __init__(
+        self, serving: OpenAIServingChat, prepared: PreparedChat, request: ChatCompletionRequest
+    ):
+        self.serving = serving
+        self.request = request
+        self.request_id = prepared.ids[0]
+        self.created = now_seconds()
+        self.usage: UsageInfo | msgspec.UnsetType | None = None if request.include_usage else UNSET
+        params = prepared.params
+        self.num_choices = params.n
+        self.streamed = [StreamedChoice(stop_holdback(params)) for _ in range(params.n)]
+        self.tool_outputs = [
+            serving.tool_output(request, prepared.tool_choice) for _ in range(params.n)
+        ]
+        self.splitters = [
+            ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
+            for _ in range(params.n)
+        ]
+
+    def role_chunks(self) -> Iterator[bytes]:
+        """OpenAI opens every choice with the role and empty content."""
+        for index in range(self.num_choices):
+            yield self._chunk([ChatStreamChoice(index, DeltaMessage("assistant", ""), None, None)])
+
+    def output_chunks(self, final: RequestOutput) -> Iterator[bytes]:
+        """One chunk per choice of `final` that has something new; failures raise."""
+        raise_if_failed(final)
+        for completion in final.outputs:
+            choice = self._choice(completion)
+            if choice is not None:
+                yield self._chunk([choice])
+
+    def usage_chunk(self, final: RequestOutput | None) -> bytes:
+        """The last chunk: no choices, the request's usage."""
+        self.usage = self.serving.usage([final])
+        return self._chunk([])
+
+    def _chunk(self, choices: list[ChatStreamChoice]) -> bytes:
+        return sse_event(
+            ChatCompletionStreamResponse(
+                id=self.request_id,
+                created=self.created,
+                model=self.serving.response_model(self.request.model),
+                choices=choices,
+                usage=self.usage,
+            )
+        )
+
+    def _choice(self, completion: CompletionOutput) -> ChatStreamChoice | None:
+        """The choice's new delta since the last chunk; None when there is none to send."""
+        request = self.request
+        delta = self.streamed[completion.index].next_delta(completion, want_tokens=request.logprobs)
+        if delta is None:
+            return None
+        text, first_token, finish_reason = delta
+        message, finish_reason = self._message(completion.index, text, finish_reason)
+        if message is None:
+            return None
+        logprobs = None
+        if request.logprobs:
+            logprobs = self.serving._logprobs(
+                completion.token_ids[first_token:],
+                (completion.logprobs or [])[first_token:],
+                request,
+            )
+        return ChatStreamChoice(
+            completion.index,
+            message,
+            logprobs,
+            finish_reason,
+            completion.stop_reason if finish_reason else None,
+        )
+
+    def _message(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[DeltaMessage | None, str | None]:
+        """One choice's new text as a delta (reasoning split off, tool calls parsed) and its
+        finish reason (tool calls make it "tool_calls"); None while nothing is to be sent."""
+        reasoning = None
+        splitter = self.splitters[index]
+        if splitter is not None:
+            reasoning, text = splitter.feed(text, finish_reason is not None)
+            reasoning = reasoning or None
+        tool_output = self.tool_outputs[index]
+        if not tool_output.uses_tools:
+            if splitter is not None and not (
+                text or reasoning or finish_reason or self.request.logprobs
+            ):
+                return None, finish_reason  # a tag held back: nothing to send yet
+            message = DeltaMessage(content=text, reasoning=reasoning, reasoning_content=reasoning)
+            return message, finish_reason
+        content, tool_deltas = tool_output.update(text, finish_reason is not None)
+        message = DeltaMessage(
+            content=content,
+            reasoning=reasoning,
+            reasoning_content=reasoning,
+            tool_calls=tool_deltas or None,
+        )
+        finish_reason = tool_output.finish_reason(finish_reason, tool_output.num_calls)
+        if not (content or reasoning or tool_deltas or finish_reason or self.request.logprobs):
+            return None, finish_reason
+        return message, finish_reason

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
 
 import msgspec
@@ -26,7 +26,7 @@ from kvserve.services.api.serving.base import (
     stop_holdback,
 )
 from kvserve.services.api.serving.errors import APIError
-from kvserve.services.api.serving.outputs import Logprob, RequestOutput
+from kvserve.services.api.serving.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.services.api.serving.protocol import UNSET, now_seconds
 from kvserve.services.api.serving.request_constraints import structured_outputs_of
 from kvserve.services.api.surfaces.openai_protocol import (
@@ -179,85 +179,16 @@ class OpenAIServingCompletion(OpenAIServing):
         params_list: list[SamplingParams],
         results: AsyncGenerator[tuple[int, RequestOutput], None],
     ):
-        request_id = ids[0]
-        created = now_seconds()
-        as_ids = self.tokens_as_ids(request)
-        want_logprobs = request.logprobs is not None
-        usage = None if request.include_usage else UNSET
-        final: list[RequestOutput | None] = [None] * len(prompts)
-        streamed: dict[tuple[int, int], StreamedChoice] = {}
-        next_offsets: dict[tuple[int, int], int] = {}
+        stream = _CompletionStream(self, ids[0], request, prompts, params_list)
         try:
             async with aclosing(results):
                 async for prompt_index, output in results:
-                    final[prompt_index] = output
-                    raise_if_failed(output)
-                    for completion in output.outputs:
-                        key = (prompt_index, completion.index)
-                        if key not in streamed:
-                            prefix = (
-                                self._prompt_text(prompts[prompt_index]) if request.echo else ""
-                            )
-                            streamed[key] = StreamedChoice(
-                                stop_holdback(params_list[prompt_index]), prefix
-                            )
-                        state = streamed[key]
-                        is_first = not state.started
-                        delta = state.next_delta(completion, want_tokens=want_logprobs)
-                        if delta is None:
-                            continue
-                        text, first_token, finish_reason = delta
-                        logprobs = None
-                        if want_logprobs:
-                            logprobs = CompletionLogprobs()
-                            # Offsets run on across chunks, from where the last one ended.
-                            offset = next_offsets.get(key, 0)
-                            if is_first and request.echo:
-                                self._add_logprobs(
-                                    logprobs,
-                                    output.prompt_token_ids,
-                                    output.prompt_logprobs,
-                                    offset,
-                                    as_ids,
-                                )
-                                offset = _next_offset(logprobs)
-                            self._add_logprobs(
-                                logprobs,
-                                completion.token_ids[first_token:],
-                                (completion.logprobs or [])[first_token:],
-                                offset,
-                                as_ids,
-                            )
-                            if logprobs.tokens:
-                                next_offsets[key] = _next_offset(logprobs)
-                        choice = CompletionChoice(
-                            prompt_index * request.n + completion.index,
-                            text,
-                            logprobs,
-                            finish_reason,
-                            completion.stop_reason if finish_reason else None,
-                        )
-                        yield sse_event(
-                            CompletionStreamResponse(
-                                id=request_id,
-                                created=created,
-                                model=self.response_model(request.model),
-                                choices=[choice],
-                                usage=usage,
-                            )
-                        )
+                    for chunk in stream.output_chunks(prompt_index, output):
+                        yield chunk
             if request.include_usage:
-                yield sse_event(
-                    CompletionStreamResponse(
-                        id=request_id,
-                        created=created,
-                        model=self.response_model(request.model),
-                        choices=[],
-                        usage=self.usage(final),
-                    )
-                )
+                yield stream.usage_chunk()
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
-            logger.warning("completion stream %s failed: %r", request_id, exc)
+            logger.warning("completion stream %s failed: %r", ids[0], exc)
             yield error_event(exc)
         yield SSE_DONE
 
@@ -304,3 +235,126 @@ def _next_offset(logprobs: CompletionLogprobs) -> int:
     if not logprobs.tokens:
         return 0
     return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+
+
+class _CompletionStream:
+    """One streamed completions request: each choice's progress, and the chunks it emits.
+
+    Args:
+        serving: the endpoint (prompt text, logprobs, model name, usage).
+        request_id: the response's id.
+        request: the request.
+        prompts: its prompts, by prompt index.
+        params_list: each prompt's SamplingParams.
+    """
+
+    def __init__(
+        self,
+        serving: OpenAIServingCompletion,
+        request_id: str,
+        request: CompletionRequest,
+        prompts: list[PromptInput],
+        params_list: list[SamplingParams],
+    ):
+        self.serving = serving
+        self.request_id = request_id
+        self.request = request
+        self.prompts = prompts
+        self.params_list = params_list
+        self.created = now_seconds()
+        self.as_ids = serving.tokens_as_ids(request)
+        self.want_logprobs = request.logprobs is not None
+        self.usage = None if request.include_usage else UNSET
+        self.final: list[RequestOutput | None] = [None] * len(prompts)
+        self.streamed: dict[tuple[int, int], StreamedChoice] = {}
+        self.next_offsets: dict[tuple[int, int], int] = {}
+
+    def output_chunks(self, prompt_index: int, output: RequestOutput) -> Iterator[bytes]:
+        """One chunk per choice of `output` that has something new; failures raise."""
+        self.final[prompt_index] = output
+        raise_if_failed(output)
+        for completion in output.outputs:
+            choice = self._choice(prompt_index, output, completion)
+            if choice is not None:
+                yield self._chunk([choice], self.usage)
+
+    def usage_chunk(self) -> bytes:
+        """The last chunk: no choices, the whole request's usage."""
+        return self._chunk([], self.serving.usage(self.final))
+
+    def _chunk(self, choices: list[CompletionChoice], usage) -> bytes:
+        return sse_event(
+            CompletionStreamResponse(
+                id=self.request_id,
+                created=self.created,
+                model=self.serving.response_model(self.request.model),
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    def _choice(
+        self, prompt_index: int, output: RequestOutput, completion: CompletionOutput
+    ) -> CompletionChoice | None:
+        """The choice's new text (and logprobs) since the last chunk; None when none."""
+        key = (prompt_index, completion.index)
+        state = self._streamed(key)
+        is_first = not state.started
+        delta = state.next_delta(completion, want_tokens=self.want_logprobs)
+        if delta is None:
+            return None
+        text, first_token, finish_reason = delta
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = self._logprobs(key, output, completion, first_token, is_first)
+        return CompletionChoice(
+            prompt_index * self.request.n + completion.index,
+            text,
+            logprobs,
+            finish_reason,
+            completion.stop_reason if finish_reason else None,
+        )
+
+    def _streamed(self, key: tuple[int, int]) -> StreamedChoice:
+        """The choice's progress, made at its first output (with the echoed prompt)."""
+        if key not in self.streamed:
+            prompt_index = key[0]
+            prefix = (
+                self.serving._prompt_text(self.prompts[prompt_index]) if self.request.echo else ""
+            )
+            self.streamed[key] = StreamedChoice(
+                stop_holdback(self.params_list[prompt_index]), prefix
+            )
+        return self.streamed[key]
+
+    def _logprobs(
+        self,
+        key: tuple[int, int],
+        output: RequestOutput,
+        completion: CompletionOutput,
+        first_token: int,
+        is_first: bool,
+    ) -> CompletionLogprobs:
+        """The new tokens' logprobs (the echoed prompt's first, in the choice's first chunk)."""
+        logprobs = CompletionLogprobs()
+        # Offsets run on across chunks, from where the last one ended.
+        offset = self.next_offsets.get(key, 0)
+        if is_first and self.request.echo:
+            self.serving._add_logprobs(
+                logprobs,
+                output.prompt_token_ids,
+                output.prompt_logprobs,
+                offset,
+                self.as_ids,
+            )
+            offset = _next_offset(logprobs)
+        self.serving._add_logprobs(
+            logprobs,
+            completion.token_ids[first_token:],
+            (completion.logprobs or [])[first_token:],
+            offset,
+            self.as_ids,
+        )
+        if logprobs.tokens:
+            self.next_offsets[key] = _next_offset(logprobs)
+        return logprobs

@@ -25,7 +25,7 @@ standard_only. Earlier turns' thinking blocks are dropped from the prompt.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import msgspec
@@ -39,7 +39,7 @@ from kvserve.services.api.serving.base import (
 )
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.outputs import RequestOutput
-from kvserve.services.api.serving.protocol import ChatCompletionRequest, ToolCall
+from kvserve.services.api.serving.protocol import ChatCompletionRequest, DeltaToolCall, ToolCall
 from kvserve.services.api.surfaces.anthropic_protocol import (
     CountTokensRequest,
     CountTokensResponse,
@@ -53,13 +53,20 @@ from kvserve.services.api.surfaces.anthropic_protocol import (
     TextOut,
     ThinkingBlock,
     ThinkingOut,
+    Tool,
+    ToolChoice,
     ToolResultBlock,
     ToolUseBlock,
     ToolUseOut,
     Usage,
     error_body,
 )
-from kvserve.services.api.surfaces.chat import OpenAIServingChat, PreparedChat, split_reasoning
+from kvserve.services.api.surfaces.chat import (
+    ChatDelta,
+    OpenAIServingChat,
+    PreparedChat,
+    split_reasoning,
+)
 from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
@@ -176,30 +183,9 @@ def to_chat_request(
         if budget is not None:
             fields["thinking_token_budget"] = budget
     if request.tools:
-        for tool in request.tools:
-            if tool.type not in (None, "custom"):
-                raise APIError(400, f"server tool {tool.type!r} is not supported", "tools")
-        fields["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": tool.name,
-                    "description": tool.description,
-                    "parameters": tool.input_schema,
-                },
-            }
-            for tool in request.tools
-        ]
-    choice = request.tool_choice
-    if choice is not None:
-        if choice.type == "tool":
-            if not choice.name:
-                raise APIError(400, 'tool_choice {"type": "tool"} needs a name', "tool_choice")
-            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-        else:
-            fields["tool_choice"] = _TOOL_CHOICES[choice.type]
-        if choice.disable_parallel_tool_use:
-            fields["parallel_tool_calls"] = False
+        fields["tools"] = _chat_tools(request.tools)
+    if request.tool_choice is not None:
+        fields |= _tool_choice_fields(request.tool_choice)
     if isinstance(request, MessagesRequest):
         if request.service_tier not in (None, "auto", "standard_only"):
             raise APIError(400, f"service_tier {request.service_tier!r}", "service_tier")
@@ -218,6 +204,38 @@ def to_chat_request(
         return msgspec.convert(fields, ChatCompletionRequest)
     except msgspec.ValidationError as exc:
         raise APIError(400, f"invalid request: {exc}") from None
+
+
+def _chat_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """Anthropic's client tools as chat function tools; a server tool is a 400."""
+    for tool in tools:
+        if tool.type not in (None, "custom"):
+            raise APIError(400, f"server tool {tool.type!r} is not supported", "tools")
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": tool.input_schema,
+            },
+        }
+        for tool in tools
+    ]
+
+
+def _tool_choice_fields(choice: ToolChoice) -> dict[str, Any]:
+    """Anthropic's tool_choice as the chat request's tool_choice and parallel_tool_calls."""
+    fields: dict[str, Any] = {}
+    if choice.type == "tool":
+        if not choice.name:
+            raise APIError(400, 'tool_choice {"type": "tool"} needs a name', "tool_choice")
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    else:
+        fields["tool_choice"] = _TOOL_CHOICES[choice.type]
+    if choice.disable_parallel_tool_use:
+        fields["parallel_tool_calls"] = False
+    return fields
 
 
 def _tool_input(call: ToolCall) -> dict[str, Any]:
@@ -320,98 +338,16 @@ class AnthropicServingMessages:
             },
         )
         yield _event("ping", {"type": "ping"})
-        index, open_block = -1, False  # the block being written, and whether one is open
-
-        def close() -> list[bytes]:
-            nonlocal open_block
-            if not open_block:
-                return []
-            open_block = False
-            return [_event("content_block_stop", {"type": "content_block_stop", "index": index})]
-
-        def start(block: dict[str, Any]) -> list[bytes]:
-            nonlocal index, open_block
-            events = close()
-            index, open_block = index + 1, True
-            events.append(
-                _event(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": block},
-                )
-            )
-            return events
-
-        block_type: str | None = None
+        blocks = _BlockWriter()
         try:
             async for step in self.chat.chat_deltas(prepared, request, results):
-                content, finish_reason = step.content, step.finish_reason
-                if step.reasoning:
-                    if block_type != "thinking":
-                        opened = {"type": "thinking", "thinking": "", "signature": ""}
-                        for event in start(opened):
-                            yield event
-                        block_type = "thinking"
-                    yield _event(
-                        "content_block_delta",
-                        {
-                            "type": "content_block_delta",
-                            "index": index,
-                            "delta": {"type": "thinking_delta", "thinking": step.reasoning},
-                        },
-                    )
-                if content:
-                    if block_type != "text":
-                        for event in start({"type": "text", "text": ""}):
-                            yield event
-                        block_type = "text"
-                    yield _event(
-                        "content_block_delta",
-                        {
-                            "type": "content_block_delta",
-                            "index": index,
-                            "delta": {"type": "text_delta", "text": content},
-                        },
-                    )
-                for call in step.tool_deltas:
-                    function = call.function
-                    if call.id is not None:  # a new call
-                        name = function.name if function is not None else ""
-                        block: dict[str, Any] = {
-                            "type": "tool_use",
-                            "id": call.id,
-                            "name": name,
-                            "input": {},
-                        }
-                        for event in start(block):
-                            yield event
-                        block_type = "tool_use"
-                    if function is not None and function.arguments:
-                        yield _event(
-                            "content_block_delta",
-                            {
-                                "type": "content_block_delta",
-                                "index": index,
-                                "delta": {
-                                    "type": "input_json_delta",
-                                    "partial_json": function.arguments,
-                                },
-                            },
-                        )
-                if finish_reason is not None:
-                    for event in close():
+                for event in blocks.step_events(step):
+                    yield event
+                if step.finish_reason is not None:
+                    for event in blocks.close():
                         yield event
-                    completion = step.final.outputs[0]
-                    stop_reason, stop_sequence = _stop(completion, step.num_calls)
-                    usage = _usage(step.final, num_prompt_tokens, len(completion.token_ids))
-                    yield _event(
-                        "message_delta",
-                        {
-                            "type": "message_delta",
-                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                            "usage": msgspec.to_builtins(usage),
-                        },
-                    )
-                    yield _event("message_stop", {"type": "message_stop"})
+                    for event in _finish_events(step, num_prompt_tokens):
+                        yield event
                     return
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
             logger.warning("messages stream %s failed: %r", prepared.ids[0], exc)
@@ -420,3 +356,81 @@ class AnthropicServingMessages:
             yield _event("error", msgspec.to_builtins(error_body(status, message)))
         finally:
             await results.aclose()
+
+
+def _finish_events(step: ChatDelta, num_prompt_tokens: int) -> list[bytes]:
+    """message_delta (stop reason and usage), then message_stop."""
+    completion = step.final.outputs[0]
+    stop_reason, stop_sequence = _stop(completion, step.num_calls)
+    usage = _usage(step.final, num_prompt_tokens, len(completion.token_ids))
+    return [
+        _event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": msgspec.to_builtins(usage),
+            },
+        ),
+        _event("message_stop", {"type": "message_stop"}),
+    ]
+
+
+class _BlockWriter:
+    """The content blocks of one Messages stream: thinking, text and tool_use blocks, each
+    opened by content_block_start, grown by content_block_deltas, ended by
+    content_block_stop; a block of another kind closes the one before."""
+
+    def __init__(self):
+        self.index = -1  # the block being written
+        self.open_block = False
+        self.block_type: str | None = None
+
+    def step_events(self, step: ChatDelta) -> Iterator[bytes]:
+        """The events of one step of the chat: its thinking, text and tool-call pieces."""
+        if step.reasoning:
+            if self.block_type != "thinking":
+                yield from self._start({"type": "thinking", "thinking": "", "signature": ""})
+                self.block_type = "thinking"
+            yield self._delta({"type": "thinking_delta", "thinking": step.reasoning})
+        if step.content:
+            if self.block_type != "text":
+                yield from self._start({"type": "text", "text": ""})
+                self.block_type = "text"
+            yield self._delta({"type": "text_delta", "text": step.content})
+        for call in step.tool_deltas:
+            yield from self._tool_call_events(call)
+
+    def _tool_call_events(self, call: DeltaToolCall) -> Iterator[bytes]:
+        function = call.function
+        if call.id is not None:  # a new call
+            name = function.name if function is not None else ""
+            block: dict[str, Any] = {"type": "tool_use", "id": call.id, "name": name, "input": {}}
+            yield from self._start(block)
+            self.block_type = "tool_use"
+        if function is not None and function.arguments:
+            yield self._delta({"type": "input_json_delta", "partial_json": function.arguments})
+
+    def close(self) -> list[bytes]:
+        """content_block_stop for the open block, if one is."""
+        if not self.open_block:
+            return []
+        self.open_block = False
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        events = self.close()
+        self.index, self.open_block = self.index + 1, True
+        events.append(
+            _event(
+                "content_block_start",
+                {"type": "content_block_start", "index": self.index, "content_block": block},
+            )
+        )
+        return events
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": self.index, "delta": delta},
+        )

@@ -1,5 +1,6 @@
 """GET /openapi.json: the routes and their bodies as OpenAPI 3.1, generated from the msgspec
-structs of serving/protocol.py (msgspec.json.schema_components), so the description is the decoder.
+structs the routes decode and answer (msgspec.json.schema_components), so the description is
+the decoder.
 
 Used by clients and by the fuzz tests (schemathesis, tests/e2e/test_api_fuzz.py and
 bench/fuzz_api.py), which send what the schemas allow and what they do not.
@@ -112,36 +113,50 @@ def _get_usage() -> dict[str, Any]:
     return route
 
 
+# Every body the routes take or answer, each a component of the document.
+_BODY_TYPES = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    CompletionResponse,
+    ChatCompletionResponse,
+    ModelList,
+    TokenizeResponse,
+    DetokenizeResponse,
+    ErrorResponse,
+    MessagesRequest,
+    MessageResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    ErrorBody,
+    ResponsesRequest,
+    ResponseObject,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    UsageReport,
+)
+
+
 def openapi_document(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the app's routes (server.build_app)."""
-    _, components = msgspec.json.schema_components(
-        [
-            CompletionRequest,
-            ChatCompletionRequest,
-            TokenizeRequest,
-            DetokenizeRequest,
-            CompletionResponse,
-            ChatCompletionResponse,
-            ModelList,
-            TokenizeResponse,
-            DetokenizeResponse,
-            ErrorResponse,
-            MessagesRequest,
-            MessageResponse,
-            CountTokensRequest,
-            CountTokensResponse,
-            ErrorBody,
-            ResponsesRequest,
-            ResponseObject,
-            EmbeddingRequest,
-            EmbeddingResponse,
-            UsageReport,
-        ],
-        ref_template=_REF,
-    )
+    _, components = msgspec.json.schema_components(_BODY_TYPES, ref_template=_REF)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvserve", "version": version},
+        "paths": _paths(),
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _paths() -> dict[str, Any]:
+    """Each route's path -> its methods, bodies and answers."""
     health = _get("200 while an engine core serves, else 503; lists every engine's state")
     health["get"]["responses"]["503"] = {"description": "no engine core serves"}
-    paths = {
+    return {
         "/v1/completions": _post(
             "OpenAI completions", "CompletionRequest", "CompletionResponse", stream=True
         ),
@@ -180,13 +195,4 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/health": health,
         "/version": _get("kvserve's version"),
         "/metrics": _get("Prometheus metrics", "text/plain"),
-    }
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "kvserve", "version": version},
-        "paths": paths,
-        "components": {
-            "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
     }

@@ -30,7 +30,6 @@ prompt templates, conversations, `item_reference` items.
 from __future__ import annotations
 
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -61,6 +60,7 @@ from kvserve.services.api.surfaces.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
+from kvserve.services.api.surfaces.responses_stream import EventWriter, OutputWriter, new_id
 from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
@@ -272,12 +272,8 @@ def to_chat_request(
         raise APIError(400, f"invalid request: {exc}") from None
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 def _function_call(call: ToolCall) -> FunctionCallItem:
-    return FunctionCallItem(_new_id("fc"), call.id, call.function.name, call.function.arguments)
+    return FunctionCallItem(new_id("fc"), call.id, call.function.name, call.function.arguments)
 
 
 def _usage(final: RequestOutput, num_prompt_tokens: int, num_output_tokens: int) -> ResponseUsage:
@@ -397,9 +393,9 @@ class OpenAIServingResponses:
         content, calls = self.chat.tool_output(chat_request, prepared.tool_choice).result(text)
         output: list[OutputItem] = []
         if reasoning:
-            output.append(ReasoningItem(_new_id("rs"), [ReasoningText(reasoning)]))
+            output.append(ReasoningItem(new_id("rs"), [ReasoningText(reasoning)]))
         if content or not calls:
-            output.append(MessageItem(_new_id("msg"), [OutputText(content or "")]))
+            output.append(MessageItem(new_id("msg"), [OutputText(content or "")]))
         output += [_function_call(call) for call in calls]
         response = self._finish(request, prepared, output, final, conversation)
         return Response(msgspec.json.encode(response), media_type="application/json")
@@ -412,151 +408,19 @@ class OpenAIServingResponses:
         conversation: list[dict[str, Any]],
         results: AsyncGenerator[tuple[int, RequestOutput], None],
     ) -> AsyncGenerator[bytes, None]:
-        events = _EventWriter()
+        events = EventWriter()
         output: list[OutputItem] = []
         started = self._response(request, prepared, output, "in_progress", None)
         yield events.send("response.created", response=started)
         yield events.send("response.in_progress", response=started)
-        call_by_index: dict[int, int] = {}  # the parser's call index -> output index
-
-        def close_reasoning() -> list[bytes]:
-            item = output[-1] if output else None
-            if not isinstance(item, ReasoningItem) or item.status == "completed":
-                return []
-            item.status = "completed"
-            index = len(output) - 1
-            where = {"item_id": item.id, "output_index": index, "content_index": 0}
-            text = item.content[0].text
-            return [
-                events.send("response.reasoning_text.done", **where, text=text),
-                events.send("response.output_item.done", output_index=index, item=item),
-            ]
-
-        def close_text() -> list[bytes]:
-            item = output[-1] if output else None
-            if not isinstance(item, MessageItem) or item.status == "completed":
-                return []
-            item.status = "completed"
-            index, part = len(output) - 1, item.content[0]
-            where = {"item_id": item.id, "output_index": index, "content_index": 0}
-            return [
-                events.send("response.output_text.done", **where, text=part.text, logprobs=[]),
-                events.send("response.content_part.done", **where, part=part),
-                events.send("response.output_item.done", output_index=index, item=item),
-            ]
-
-        def close_calls() -> list[bytes]:
-            sent = []
-            for index in call_by_index.values():
-                item = output[index]
-                assert isinstance(item, FunctionCallItem)
-                if item.status == "completed":
-                    continue
-                item.status = "completed"
-                where = {"item_id": item.id, "output_index": index}
-                sent += [
-                    events.send(
-                        "response.function_call_arguments.done",
-                        **where,
-                        name=item.name,
-                        arguments=item.arguments,
-                    ),
-                    events.send("response.output_item.done", output_index=index, item=item),
-                ]
-            return sent
-
+        items = OutputWriter(events, output)
         try:
             async for step in self.chat.chat_deltas(prepared, chat_request, results):
-                content, finish_reason = step.content, step.finish_reason
-                if step.reasoning:
-                    item = output[-1] if output else None
-                    if not isinstance(item, ReasoningItem):
-                        item = ReasoningItem(
-                            _new_id("rs"), [ReasoningText("")], status="in_progress"
-                        )
-                        output.append(item)
-                        yield events.send(
-                            "response.output_item.added",
-                            output_index=len(output) - 1,
-                            item=msgspec.structs.replace(item, content=[]),
-                        )
-                    item.content[0].text += step.reasoning
-                    yield events.send(
-                        "response.reasoning_text.delta",
-                        item_id=item.id,
-                        output_index=len(output) - 1,
-                        content_index=0,
-                        delta=step.reasoning,
-                    )
-                if content:
-                    item = output[-1] if output else None
-                    if not isinstance(item, MessageItem) or item.status == "completed":
-                        for event in close_reasoning() + close_calls():
-                            yield event
-                        item = MessageItem(_new_id("msg"), [], status="in_progress")
-                        output.append(item)
-                        index = len(output) - 1
-                        yield events.send(
-                            "response.output_item.added", output_index=index, item=item
-                        )
-                        item.content.append(OutputText(""))
-                        yield events.send(
-                            "response.content_part.added",
-                            item_id=item.id,
-                            output_index=index,
-                            content_index=0,
-                            part=OutputText(""),
-                        )
-                    item.content[0].text += content
-                    yield events.send(
-                        "response.output_text.delta",
-                        item_id=item.id,
-                        output_index=len(output) - 1,
-                        content_index=0,
-                        delta=content,
-                        logprobs=[],
-                    )
-                for call in step.tool_deltas:
-                    function = call.function
-                    if call.index not in call_by_index:  # a new call
-                        for event in close_reasoning() + close_text():
-                            yield event
-                        name = function.name if function is not None and function.name else ""
-                        item = FunctionCallItem(
-                            _new_id("fc"), call.id or _new_id("call"), name, "", "in_progress"
-                        )
-                        output.append(item)
-                        call_by_index[call.index] = len(output) - 1
-                        yield events.send(
-                            "response.output_item.added",
-                            output_index=len(output) - 1,
-                            item=msgspec.structs.replace(item),
-                        )
-                    index = call_by_index[call.index]
-                    item = output[index]
-                    assert isinstance(item, FunctionCallItem)
-                    if function is not None and function.arguments:
-                        item.arguments += function.arguments
-                        yield events.send(
-                            "response.function_call_arguments.delta",
-                            item_id=item.id,
-                            output_index=index,
-                            delta=function.arguments,
-                        )
-                if finish_reason is not None:
-                    for event in close_reasoning() + close_text() + close_calls():
+                for event in items.step_events(step):
+                    yield event
+                if step.finish_reason is not None:
+                    for event in items.finish_events():
                         yield event
-                    if not any(isinstance(item, MessageItem | FunctionCallItem) for item in output):
-                        # Nothing said: one empty message, as a whole response has.
-                        item = MessageItem(_new_id("msg"), [OutputText("")])
-                        index = len(output)
-                        yield events.send(
-                            "response.output_item.added", output_index=index, item=item
-                        )
-                        output.append(item)
-                        yield events.send(
-                            "response.output_item.done", output_index=index, item=item
-                        )
                     response = self._finish(request, prepared, output, step.final, conversation)
                     name = (
                         "response.completed"
@@ -577,16 +441,3 @@ class OpenAIServingResponses:
             yield events.send("response.failed", response=failed)
         finally:
             await results.aclose()
-
-
-class _EventWriter:
-    """Server-sent events of the Responses stream, numbered in order."""
-
-    def __init__(self):
-        self.sequence_number = 0
-
-    def send(self, event_type: str, /, **fields: Any) -> bytes:
-        body = {"type": event_type, "sequence_number": self.sequence_number} | fields
-        self.sequence_number += 1
-        data = msgspec.json.encode(body)
-        return b"event: " + event_type.encode() + b"\ndata: " + data + b"\n\n"
