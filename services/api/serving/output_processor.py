@@ -94,7 +94,7 @@ class _Parent:
     engine_spans: list[tuple[str, list[EngineSpan]]] | None = None
 
     def usage(self) -> RequestUsage:
-        """The tokens its response's `usage` counts (serving_base.count_usage): the prompt
+        """The tokens its response's `usage` counts (serving/base.py's count_usage): the prompt
         once, every choice's tokens; a choice still unfinished counts as aborted."""
         return RequestUsage(
             self.tenant,
