@@ -140,15 +140,15 @@ class OutputWriter:
         if call.index not in self.call_by_index:  # a new call
             yield from self._close_reasoning() + self._close_text()
             name = function.name if function is not None and function.name else ""
-            item = FunctionCallItem(
+            added = FunctionCallItem(
                 new_id("fc"), call.id or new_id("call"), name, "", "in_progress"
             )
-            output.append(item)
+            output.append(added)
             self.call_by_index[call.index] = len(output) - 1
             yield events.send(
                 "response.output_item.added",
                 output_index=len(output) - 1,
-                item=msgspec.structs.replace(item),
+                item=msgspec.structs.replace(added),
             )
         index = self.call_by_index[call.index]
         item = output[index]
