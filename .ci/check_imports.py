@@ -56,6 +56,80 @@ OLD_TOP_LEVEL_NAMES = tuple(PACKAGE_DIRS[name] for name in CORE_PACKAGES)
 # (importing package, forbidden packages, why). A package covers its __init__ and everything
 # below it; "kvserve facade" stands for kvserve.* outside CORE_PACKAGES (kvserve, llm, cli, ...).
 FACADE = "kvserve facade"
+
+# The api's subpackages (services/api/): the HTTP surfaces over the serving core, which drives
+# the engine client; tenancy and observability are bookkeeping the others report to. Only
+# EngineClient (engine_client.client) is the engine client's public face; only the parts of
+# serving that turn engine outputs into text (outputs, output_processor, detokenizer,
+# tokenizer, stop_strings) and its errors sit below the engine client.
+API = "kvserve.services.api"
+API_SUBPACKAGES = tuple(
+    f"{API}.{name}"
+    for name in ("surfaces", "serving", "parsers", "engine_client", "tenancy", "observability")
+)
+ENGINE_CLIENT_INTERNALS = tuple(
+    f"{API}.engine_client.{name}"
+    for name in (
+        "connection",
+        "liveness",
+        "pool",
+        "routing",
+        "utility",
+        "migration",
+        "pd_flow",
+        "mp_client",
+        "dp_router",
+    )
+)
+SERVING_FRONT_END = tuple(
+    f"{API}.serving.{name}"
+    for name in (
+        "base",
+        "models",
+        "protocol",
+        "validation",
+        "request_constraints",
+        "limits",
+        "multimodal",
+        "generation_config",
+    )
+)
+API_LAYERS = [
+    (
+        f"{API}.surfaces",
+        ENGINE_CLIENT_INTERNALS,
+        "a surface reaches the engines through EngineClient only",
+    ),
+    (
+        f"{API}.serving",
+        (f"{API}.surfaces", *ENGINE_CLIENT_INTERNALS),
+        "the serving core sits below every surface, over EngineClient",
+    ),
+    (
+        f"{API}.parsers",
+        (f"{API}.surfaces", f"{API}.engine_client", f"{API}.tenancy", f"{API}.observability"),
+        "a parser reads model text into OpenAI's shapes, nothing more",
+    ),
+    (
+        f"{API}.engine_client",
+        (f"{API}.surfaces", f"{API}.parsers", *SERVING_FRONT_END),
+        "the engine client takes engine requests and gives outputs: no HTTP, no request checks",
+    ),
+    (
+        f"{API}.tenancy",
+        (f"{API}.surfaces", f"{API}.parsers", f"{API}.engine_client"),
+        "tenancy is bookkeeping that the serving core and the engine client consult",
+    ),
+    (
+        f"{API}.observability",
+        (f"{API}.surfaces", f"{API}.parsers", *ENGINE_CLIENT_INTERNALS),
+        "observability reads the surfaces' outcomes and EngineClient, never their internals",
+    ),
+    *(
+        (package, (f"{API}.server",), "build_app assembles the subpackages, none reaches up")
+        for package in API_SUBPACKAGES
+    ),
+]
 LAYERS = [
     ("kvserve.shared", ("kvserve.services", FACADE), "shared code sits below every service"),
     ("kvserve.kernels", ("kvserve.services", FACADE), "kernels sit below every service"),
@@ -86,6 +160,7 @@ LAYERS = [
         "grammars are a service the engine core calls, beside the scheduler",
     ),
     ("kvserve.services", ("kvserve.training",), "draft training is offline code"),
+    *API_LAYERS,
 ]
 CLI_MODULE = "kvserve.cli"
 CLI_IMPORTERS = ("kvserve.__main__",)

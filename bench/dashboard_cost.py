@@ -17,11 +17,11 @@ from types import SimpleNamespace
 
 import msgspec
 
-from kvserve.services.api.dashboard import dashboard_state
-from kvserve.services.api.dashboard_sampler import WINDOW_S, DashboardSampler
-from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.metrics import ApiMetrics
-from kvserve.services.api.stats import IterationStats
+from kvserve.services.api.engine_client.client import EngineClient
+from kvserve.services.api.observability.dashboard import dashboard_state
+from kvserve.services.api.observability.dashboard_sampler import WINDOW_S, DashboardSampler
+from kvserve.services.api.observability.metrics import ApiMetrics
+from kvserve.services.api.observability.stats import IterationStats
 from kvserve.shared.messages import SchedulerStats
 
 

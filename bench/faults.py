@@ -22,8 +22,8 @@ of a process that was serving, which restarts at once, not a crash loop, which b
 
 --data-parallel-size N runs the engine and worker kinds with N engine cores (the victim is the
 last one). A request in flight on a killed engine core moves to a live one (with one engine
-core: to its restart) and its stream goes on (services/api/migration.py); its "added latency"
-is its duration less the median duration of the requests no kill overlapped.
+core: to its restart) and its stream goes on (services/api/engine_client/migration.py); its "added
+latency" is its duration less the median duration of the requests no kill overlapped.
 
 Per kill it records what the clients saw: the requests in flight at the kill that ended with
 an error, and the longest time from the kill to such an error (the bound is 5 s); /health

@@ -1,5 +1,6 @@
 """What `--metrics-prefix vllm` costs a scrape: the api's /metrics rendered under kvserve's
-names and under vLLM's (the renaming view of services/api/metric_names.py), in process.
+names and under vLLM's (the renaming view of services/api/observability/metric_names.py), in
+process.
 
     .venv/bin/python bench/metrics_prefix.py [--scrapes 300]
 
@@ -15,8 +16,8 @@ import statistics
 import time
 from types import SimpleNamespace
 
-from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.engine_client.client import EngineClient
+from kvserve.services.api.observability.metrics import ApiMetrics
 
 
 def median_render_ms(metrics: ApiMetrics, scrapes: int) -> tuple[float, int]:

@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import msgspec
 
-from kvserve.services.api.tracing import make_tracer
+from kvserve.services.api.observability.tracing import make_tracer
 from kvserve.shared.messages import EngineSpan
 from tests.support.models import TINY_KV_CACHE_MEMORY, TINY_VOCAB_SIZE, build_tiny_llama
 from tests.support.scheduler import create_request, create_scheduler, step

@@ -8,7 +8,7 @@ A 448x448 image is a 32x32 grid of 14-pixel patches, 1024 patches merged 2x2 int
 tokens; the prompt is those plus the chat template and the question (~270 tokens).
 
 Per round, for each model:
-- preprocessing: what the api does for a chat image_url part (services/api/multimodal.py):
+- preprocessing: what the api does for a chat image_url part (services/api/serving/multimodal.py):
   base64 decode of a PNG data: URL, PIL decode, the HF image processor (resize, normalise,
   patchify), the placeholder expansion and the content hash;
 - encoder and prefill: the first engine step of the request in a real EngineCore (uni
@@ -33,7 +33,11 @@ import time
 
 import numpy as np
 
-from kvserve.services.api.multimodal import decode_image, load_image_bytes, load_image_processor
+from kvserve.services.api.serving.multimodal import (
+    decode_image,
+    load_image_bytes,
+    load_image_processor,
+)
 from kvserve.services.scheduler.engine.engine_core import EngineCore
 from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig
 from kvserve.shared.messages import EngineCoreRequest

@@ -3,7 +3,7 @@
 from kvserve import LLM, SamplingParams, StructuredOutputsParams, LoRARequest
 """
 
-from kvserve.services.api.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.services.api.serving.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.shared.lora import LoRARequest
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.structured_outputs import StructuredOutputsParams

@@ -9,12 +9,12 @@ from typing import Any, cast
 
 import msgspec
 
-from kvserve.services.api.engine_client import StatsTotals
-from kvserve.services.api.generation_config import load_generation_defaults
-from kvserve.services.api.output_processor import OutputProcessor, make_engine_requests
-from kvserve.services.api.outputs import RequestOutput
-from kvserve.services.api.request_constraints import bad_words_token_ids
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.engine_client.client import StatsTotals
+from kvserve.services.api.serving.generation_config import load_generation_defaults
+from kvserve.services.api.serving.output_processor import OutputProcessor, make_engine_requests
+from kvserve.services.api.serving.outputs import RequestOutput
+from kvserve.services.api.serving.request_constraints import bad_words_token_ids
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.lora import LoRARequest, read_adapter_config
 from kvserve.shared.sampling_params import (

@@ -85,7 +85,7 @@ class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What one request may ask for: past a limit the api answers 400 naming it, before
-    anything is tokenized or queued (services/api/limits.py)."""
+    anything is tokenized or queued (services/api/serving/limits.py)."""
 
     max_request_body_bytes: Annotated[
         int, flag_doc("bytes of a request body at most (413 past it, unparsed)", parse="size")
@@ -114,7 +114,7 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TenantConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Tenants: who a request is served for (services/api/tenants.py). A tenant is the name
+    """Tenants: who a request is served for (services/api/tenancy/tenants.py). A tenant is the name
     of the API key a request used, or the `tenant_header` when one is trusted, else
     "default". Quotas given here apply to each tenant; a key file line's own columns
     (`name:key weight=2 max_concurrent=4 ...`) override them for that key's tenant."""
@@ -298,7 +298,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
 def check_otlp_exporter(endpoint: str) -> None:
     """--otlp-traces-endpoint: refused at start-up, before any engine starts, when its
     exporter is not installed or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL names another protocol
-    (services/api/tracing.py builds the exporter)."""
+    (services/api/observability/tracing.py builds the exporter)."""
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or "http/protobuf"
     packages = {"http/protobuf": "http", "grpc": "grpc"}
     if protocol not in packages:

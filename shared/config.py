@@ -280,7 +280,7 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return "uni" if self.world_size == 1 else "mp"
 
 
-# The --reasoning-parser names (services/api/reasoning_parsers.py registers each).
+# The --reasoning-parser names (services/api/parsers/reasoning_parsers.py registers each).
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 

@@ -30,7 +30,7 @@ class FinishReason(enum.IntEnum):
 
 
 class ImageInput(msgspec.Struct, **_HOT):
-    """One image of a prompt, preprocessed by the api (services/api/multimodal.py).
+    """One image of a prompt, preprocessed by the api (services/api/serving/multimodal.py).
 
     The pixels travel as raw bytes with their dtype and shape (the processor's flattened
     patches, [num_patches, channels * temporal_patch * patch * patch] for Qwen2.5-VL), never
@@ -68,7 +68,7 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     # engine recomputes with the prompt and counts as output (max_tokens, penalties, the
     # grammar, the thinking, the seeded generator's draws), emitting only what follows.
     resumed_output_token_ids: list[int] = []
-    # Who the request is served for (services/api/tenants.py) and that tenant's weight: the
+    # Who the request is served for (services/api/tenancy/tenants.py) and that tenant's weight: the
     # fair scheduler serves tenants in proportion to their weights.
     tenant: str = "default"
     tenant_weight: float = 1.0

@@ -4,7 +4,7 @@ Replays a multi-tenant workload (Zipf-popular tenants with shared prefixes, uniq
 Poisson arrivals, real token ids) over a fleet of simulated kvserve engines. The routing and
 the prefix caches are kvserve's shipped code, not copies of it:
 
-    load, prefix    kvserve.services.api.dp_router.DPRouter, fed load tables every
+    load, prefix    kvserve.services.api.engine_client.dp_router.DPRouter, fed load tables every
                     `refresh_s` and each prompt's token ids (it hashes them itself)
     KV cache        kvserve.services.scheduler.core.kv_cache_manager.KVCacheManager over
                     kvserve.services.scheduler.core.block_pool.BlockPool, one per engine, with

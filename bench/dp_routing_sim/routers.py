@@ -1,11 +1,10 @@
 """Routers: which engine gets a new request.
 
-`load` and `prefix` are the shipped router, kvserve.services.api.dp_router.DPRouter, built as
-the api builds it (make_router in services/api/engine_routing.py: the engines' block size and
-hash function, one `add_engine` per engine with its KV blocks) and driven through its own API:
-`choose` with the prompt's token ids, `update_loads` with the coordinator's load table.
-Nothing of its rule (scores, tie-breaks, prefix slack, hashing, its per-engine record) is
-repeated here.
+`load` and `prefix` are the shipped router, kvserve.services.api.engine_client.dp_router.DPRouter,
+built as the api builds it (make_router in services/api/engine_client/routing.py: the engines' block
+size and hash function, one `add_engine` per engine with its KV blocks) and driven through its own
+API: `choose` with the prompt's token ids, `update_loads` with the coordinator's load table. Nothing
+of its rule (scores, tie-breaks, prefix slack, hashing, its per-engine record) is repeated here.
 
 `round_robin` is a baseline of this simulator only; kvserve ships no such policy.
 """
@@ -14,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvserve.services.api import dp_router
-from kvserve.services.api.dp_router import DPRouter
+from kvserve.services.api.engine_client import dp_router
+from kvserve.services.api.engine_client.dp_router import DPRouter
 from kvserve.shared.hashing import HashFn
 from kvserve.shared.wire import EngineLoad
 

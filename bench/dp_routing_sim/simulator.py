@@ -20,7 +20,7 @@ import numpy as np
 from bench.dp_routing_sim.engine import EngineConfig, SimEngine, StepTimeModel
 from bench.dp_routing_sim.routers import RoundRobinRouter
 from bench.dp_routing_sim.workload import SimRequest, ideal_cached_tokens
-from kvserve.services.api.dp_router import DPRouter
+from kvserve.services.api.engine_client.dp_router import DPRouter
 from kvserve.shared.hashing import HashFn
 from kvserve.shared.wire import EngineLoad
 

@@ -31,7 +31,7 @@ class SweepConfig:
         warmup_frac: leading share of requests left out of the metrics (cold caches).
         refresh_s: load-table refresh period of the coordinator.
         prefix_slack: score slack of the prefix router; None keeps the shipped
-            PREFIX_LOAD_SLACK (services/api/dp_router.py).
+            PREFIX_LOAD_SLACK (services/api/engine_client/dp_router.py).
         hash_algo: block hash of the engines and the router (the engines' default sha256).
         calibration_requests: requests queued on one engine to measure its capacity.
         seed: workload seed.

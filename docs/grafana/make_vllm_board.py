@@ -3,8 +3,8 @@
     python docs/grafana/make_vllm_board.py
 
 Every metric name in the board (queries, variables, texts) goes through the server's own
-table (services/api/metric_names.py: `exposed_name`), so a series vLLM also has is queried
-under its `vllm:` name and a kvserve-only one keeps its `kvserve:` name. Edit kvserve.json,
+table (services/api/observability/metric_names.py: `exposed_name`), so a series vLLM also has is
+queried under its `vllm:` name and a kvserve-only one keeps its `kvserve:` name. Edit kvserve.json,
 then run this; tests/e2e/test_metrics_vllm_names.py fails while the two disagree.
 """
 
@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from kvserve.services.api.metric_names import exposed_name
+from kvserve.services.api.observability.metric_names import exposed_name
 
 BOARDS = Path(__file__).resolve().parent
 SOURCE, TARGET = BOARDS / "kvserve.json", BOARDS / "kvserve-vllm.json"
@@ -38,8 +38,8 @@ def vllm_board(board: dict) -> dict:
     renamed["title"] = board["title"] + " (--metrics-prefix vllm)"
     renamed["description"] = (
         "kvserve serve --metrics-prefix vllm: vLLM's names where vLLM has the series, kvserve: "
-        "for kvserve's own (services/api/metric_names.py). Generated from kvserve.json by "
-        "make_vllm_board.py."
+        "for kvserve's own (services/api/observability/metric_names.py). Generated from "
+        "kvserve.json by make_vllm_board.py."
     )
     return renamed
 

@@ -30,8 +30,8 @@ P/D disaggregation (`--prefill-size N --decode-size M`): a KV store on an ipc://
 fresh temporary folder, engines 0..N-1 with kv_role kv_producer and N..N+M-1 with
 kv_consumer, each a KvStoreConnector to that store (children.py). The api sends each request
 to a prefill engine first (max_tokens 1), then to a decode engine (see
-services/api/pd_flow.py). The store stops after the engines, and takes its shared memory
-with it.
+services/api/engine_client/pd_flow.py). The store stops after the engines, and takes its shared
+memory with it.
 
 Modules: serve.py (the `serve`, `engine` and `coordinator` commands), api_server.py (the api
 process; `kvserve api`), engines.py (the engine core processes), children.py (the

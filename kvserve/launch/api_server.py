@@ -24,9 +24,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvserve.launch.engines import EngineCores, resolve_model_dir
-from kvserve.services.api.engine_client import EngineDeadError
-from kvserve.services.api.mp_client import ClientTopology, EngineChannel, MPEngineClient
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.engine_client.client import EngineDeadError
+from kvserve.services.api.engine_client.mp_client import (
+    ClientTopology,
+    EngineChannel,
+    MPEngineClient,
+)
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.api_config import FrontendConfig, HTTPConfig
 from kvserve.shared.config import LoRAConfig, ModelConfig
 from kvserve.shared.launch_options import APIOptions, DPRouting
@@ -34,7 +38,7 @@ from kvserve.shared.logging import init_logger
 from kvserve.shared.transport import EngineAddresses
 
 if TYPE_CHECKING:
-    from kvserve.services.api.tenants import TenantDirectory
+    from kvserve.services.api.tenancy.tenants import TenantDirectory
 
 logger = init_logger(__name__)
 
@@ -82,7 +86,7 @@ class EngineTopology(msgspec.Struct, frozen=True, kw_only=True):
 
     num_engines: int = 1
     routing: DPRouting = "load"
-    prefix_slack: int = 8  # services/api/dp_router.py PREFIX_LOAD_SLACK
+    prefix_slack: int = 8  # services/api/engine_client/dp_router.py PREFIX_LOAD_SLACK
     load_table_addr: str | None = None
     kv_store_address: str | None = None
     wait_for_restarts: bool = False
@@ -244,7 +248,7 @@ async def serve_http(client: MPEngineClient, api: APIServer, stop: asyncio.Event
 
 def _build_app(client: MPEngineClient, api: APIServer) -> Any:
     from kvserve.services.api.server import build_app as default_build_app
-    from kvserve.services.api.tenants import TenantDirectory
+    from kvserve.services.api.tenancy.tenants import TenantDirectory
 
     build_app: AppFactory = api.build_app or default_build_app
     tenants = TenantDirectory(api.http, api.frontend.tenants)

@@ -30,7 +30,7 @@ from kvserve.launch.children import (
 from kvserve.launch.engines import EngineCores, EngineLaunch, resolve_model_dir
 from kvserve.launch.headless import run_headless
 from kvserve.launch.supervisor import ChildStartError
-from kvserve.services.api.mp_client import EngineChannel
+from kvserve.services.api.engine_client.mp_client import EngineChannel
 from kvserve.services.coordinator.coordinator import run_coordinator
 from kvserve.shared.env import FRONTEND_TIMEOUT_S
 from kvserve.shared.launch_options import CoordinatorOptions, EngineOptions, ServeOptions

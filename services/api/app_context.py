@@ -17,20 +17,24 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.services.api.dashboard_sampler import DashboardSampler
-from kvserve.services.api.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
-from kvserve.services.api.generation_config import load_generation_defaults
-from kvserve.services.api.log_stats import LoggingStatLogger
-from kvserve.services.api.metrics import ApiMetrics
-from kvserve.services.api.protocol import APIError
-from kvserve.services.api.quotas import TenantQuotas
-from kvserve.services.api.serving_chat import OpenAIServingChat
-from kvserve.services.api.serving_completions import OpenAIServingCompletion
-from kvserve.services.api.serving_embeddings import OpenAIServingEmbedding
-from kvserve.services.api.serving_messages import AnthropicServingMessages
-from kvserve.services.api.serving_models import ServingModels
-from kvserve.services.api.serving_responses import OpenAIServingResponses, ResponseStore
-from kvserve.services.api.tenants import TenantDirectory
+from kvserve.services.api.engine_client.client import (
+    EngineClient,
+    EngineDeadError,
+    EngineOverloadedError,
+)
+from kvserve.services.api.observability.dashboard_sampler import DashboardSampler
+from kvserve.services.api.observability.log_stats import LoggingStatLogger
+from kvserve.services.api.observability.metrics import ApiMetrics
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.generation_config import load_generation_defaults
+from kvserve.services.api.serving.models import ServingModels
+from kvserve.services.api.surfaces.chat import OpenAIServingChat
+from kvserve.services.api.surfaces.completions import OpenAIServingCompletion
+from kvserve.services.api.surfaces.embeddings import OpenAIServingEmbedding
+from kvserve.services.api.surfaces.messages import AnthropicServingMessages
+from kvserve.services.api.surfaces.responses import OpenAIServingResponses, ResponseStore
+from kvserve.services.api.tenancy.quotas import TenantQuotas
+from kvserve.services.api.tenancy.tenants import TenantDirectory
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.config import LoRAConfig
 from kvserve.shared.logging import init_logger
@@ -57,7 +61,7 @@ class AppContext:
         tenants: the keys and tenants (weights, quotas), reloaded on SIGHUP.
         quotas: what each tenant has in flight and used in the last minute (every
             handler's `quotas`).
-        dashboard: the status page's readings of the series (routes_dashboard.py).
+        dashboard: the status page's readings of the series (observability/routes_dashboard.py).
     """
 
     engine_client: EngineClient

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.services.api.anthropic_protocol import error_body
-from kvserve.services.api.protocol import APIError
-from kvserve.services.api.request_logger import API_KEY_NAME
-from kvserve.services.api.tenants import DEFAULT_KEY_NAME, TenantDirectory
+from kvserve.services.api.observability.request_logger import API_KEY_NAME
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.surfaces.anthropic_protocol import error_body
+from kvserve.services.api.tenancy.tenants import DEFAULT_KEY_NAME, TenantDirectory
 from kvserve.shared.api_config import HTTPConfig, TenantConfig
 
 __all__ = ["DEFAULT_KEY_NAME", "APIKeyMiddleware", "load_api_keys", "match_key"]

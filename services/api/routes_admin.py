@@ -6,7 +6,7 @@ GET  /health        200 while an engine core serves, else 503; the JSON body lis
 GET|POST /ping      /health's answer (vLLM's, for SageMaker-style probes)
 GET  /metrics       Prometheus text
 GET  /version       {"version": kvserve's package version}
-GET  /openapi.json  the OpenAPI 3.1 description of the routes (services/api/openapi.py)
+GET  /openapi.json  the OpenAPI 3.1 description of the routes (services/api/surfaces/openapi.py)
 POST /reset_prefix_cache   every engine forgets its cached prefixes: 200, or 409 while
                     running requests hold KV blocks
 """
@@ -22,8 +22,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvserve.services.api.app_context import AppContext, context_of, with_errors
-from kvserve.services.api.openapi import openapi_document
-from kvserve.services.api.protocol import APIError
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.surfaces.openapi import openapi_document
 from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)

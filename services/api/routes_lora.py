@@ -1,4 +1,4 @@
-"""vLLM's runtime LoRA adapter routes, with --enable-lora (services/api/serving_models.py).
+"""vLLM's runtime LoRA adapter routes, with --enable-lora (services/api/serving/models.py).
 
 POST /v1/load_lora_adapter, /v1/unload_lora_adapter   serve a PEFT folder as a model,
                                                       or stop; success is vLLM's text
@@ -12,7 +12,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from kvserve.services.api.app_context import AppContext, context_of, with_errors
-from kvserve.services.api.protocol import decode_request
+from kvserve.services.api.serving.protocol import decode_request
 
 
 class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):

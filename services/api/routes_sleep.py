@@ -6,7 +6,7 @@ POST /sleep?level=1|2     every engine frees its KV cache (level 1: on CUDA the 
 POST /wake_up[?tags=weights&tags=kv_cache]   restore what sleep freed (default: both): 200
 GET  /is_sleeping         {"is_sleeping": bool}
 
-While asleep every generation request is refused with a 503 naming it (serving_base's
+While asleep every generation request is refused with a 503 naming it (serving/base.py's
 check_engine). Without --enable-sleep-mode the three routes answer 404, as vLLM's do (where
 they are not registered). Like /reset_prefix_cache they are outside /v1, so API keys do not
 guard them: keep them on a trusted network.
@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvserve.services.api.app_context import AppContext, context_of, with_errors
-from kvserve.services.api.protocol import APIError
+from kvserve.services.api.serving.errors import APIError
 from kvserve.shared.logging import init_logger
 from kvserve.shared.wire import check_sleep_tags
 

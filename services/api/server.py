@@ -3,13 +3,16 @@
 An API surface is one module of routes over the shared serving core (app_context.py's
 AppContext, on `app.state.ctx`); build_app registers each module of ROUTE_MODULES:
 
-    routes_openai.py   /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize
-    routes_anthropic.py  /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
-    routes_admin.py    /health, /ping, /metrics, /version, /openapi.json, /reset_prefix_cache
-    routes_lora.py     /v1/load_lora_adapter, /v1/unload_lora_adapter (with --enable-lora)
-    routes_usage.py    /v1/usage (each tenant's requests and tokens; admin keys only)
-    routes_dashboard.py  /dashboard (the live status page), /dashboard/state (its JSON)
-    routes_sleep.py    /sleep, /wake_up, /is_sleeping (with --enable-sleep-mode)
+    surfaces/routes_openai.py     /v1/completions, /v1/chat/completions, /v1/models,
+                                  /tokenize, /detokenize
+    surfaces/routes_anthropic.py  /v1/messages, /v1/messages/count_tokens (Anthropic's)
+    routes_admin.py               /health, /ping, /metrics, /version, /openapi.json,
+                                  /reset_prefix_cache
+    routes_lora.py                /v1/load_lora_adapter, /v1/unload_lora_adapter
+                                  (with --enable-lora)
+    tenancy/routes_usage.py       /v1/usage (each tenant's requests and tokens; admin keys)
+    observability/routes_dashboard.py  /dashboard (the live status page), /dashboard/state
+    routes_sleep.py               /sleep, /wake_up, /is_sleeping (with --enable-sleep-mode)
 
 A route module has module-level handlers, which find the core with `context_of(request)`,
 and `routes(ctx) -> list[Route]`; adding a surface is one more line in ROUTE_MODULES.
@@ -17,12 +20,11 @@ and `routes(ctx) -> list[Route]`; adding a surface is one more line in ROUTE_MOD
 Every error is OpenAI's body `{"error": {"message", "type", "param", "code"}}` (unknown
 routes and methods too), but Anthropic's `{"type": "error", "error": {"type", "message"}}`
 on /v1/messages. With API keys (services/api/auth.py), /v1/* needs `Authorization: Bearer
-<key>` (or `x-api-key`), and /dashboard a key too (routes_dashboard.py: a login form and a
-session cookie); the other routes stay open, as in vLLM. Request bounds (body size,
-n, prompt characters, ...) are services/api/limits.py's; a full engine queue is a 429 with
-Retry-After.
-With --enable-request-id-headers every response carries `X-Request-Id`: the client's, else
-the id the request got, else a fresh one.
+<key>` (or `x-api-key`), and /dashboard a key too (observability/routes_dashboard.py: a login form
+and a session cookie); the other routes stay open, as in vLLM. Request bounds (body size, n, prompt
+characters, ...) are services/api/serving/limits.py's; a full engine queue is a 429 with
+Retry-After. With --enable-request-id-headers every response carries `X-Request-Id`: the client's,
+else the id the request got, else a fresh one.
 """
 
 from __future__ import annotations
@@ -38,24 +40,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.services.api import (
-    routes_admin,
-    routes_anthropic,
-    routes_dashboard,
-    routes_lora,
-    routes_openai,
-    routes_sleep,
-    routes_usage,
-)
+from kvserve.services.api import routes_admin, routes_lora, routes_sleep
 from kvserve.services.api.app_context import error_response, make_context
 from kvserve.services.api.auth import APIKeyMiddleware
-from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.limits import BodySizeLimitMiddleware
-from kvserve.services.api.metrics import ApiMetrics
-from kvserve.services.api.protocol import APIError
-from kvserve.services.api.serving_base import REQUEST_ID_HEADER
-from kvserve.services.api.tenants import TenantDirectory, TenantMiddleware
-from kvserve.services.api.tracing import TracingMiddleware, make_tracer
+from kvserve.services.api.engine_client.client import EngineClient
+from kvserve.services.api.observability import routes_dashboard
+from kvserve.services.api.observability.metrics import ApiMetrics
+from kvserve.services.api.observability.tracing import TracingMiddleware, make_tracer
+from kvserve.services.api.serving.base import REQUEST_ID_HEADER
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.limits import BodySizeLimitMiddleware
+from kvserve.services.api.surfaces import routes_anthropic, routes_openai
+from kvserve.services.api.tenancy import routes_usage
+from kvserve.services.api.tenancy.tenants import TenantDirectory, TenantMiddleware
 from kvserve.shared.api_config import FrontendConfig, HTTPConfig
 from kvserve.shared.config import LoRAConfig
 

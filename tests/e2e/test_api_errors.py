@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from kvserve.services.api.engine_client import EngineClient
+from kvserve.services.api.engine_client.client import EngineClient
 from kvserve.services.api.server import build_app
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from tests.support.api_server import (
     MAX_MODEL_LEN,
     SERVED_MODEL_NAME,

@@ -131,7 +131,7 @@ def test_a_killed_engine_is_dropped_its_stream_moves_and_the_other_serves_on(loa
         assert not thread.is_alive(), "a stream hung after the engine was killed"
 
     # No stream failed: the killed engine's one moved to engine 0 and went on from the tokens
-    # it had sent (services/api/migration.py).
+    # it had sent (services/api/engine_client/migration.py).
     for _, events in streams:
         assert not [e for _, e in events if '"error"' in str(e)], events[-3:]
         assert events[0][1] == 200 and events[-1][1] == "[DONE]", events[-3:]

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from kvserve.launch.engines import stop_engine_process
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import MsgType
 from tests.support.engine import start_engine
@@ -40,7 +40,8 @@ PROMPT_IDS = [72, 101, 108, 108, 111]
 
 def test_api_process_does_not_import_torch():
     code = (
-        "import sys, kvserve.services.api.mp_client, kvserve.launch.serve, kvserve.cli; "
+        "import sys, kvserve.services.api.engine_client.mp_client, kvserve.launch.serve, "
+        "kvserve.cli; "
         "kvserve.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

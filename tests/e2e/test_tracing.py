@@ -1,6 +1,6 @@
 """--otlp-traces-endpoint on a real `kvserve serve` (api and engine core processes), read by
 an OTLP/HTTP receiver inside the test: one trace per request, the span tree of
-services/api/tracing.py with the engine's spans under the api's, and a client's W3C
+services/api/observability/tracing.py with the engine's spans under the api's, and a client's W3C
 traceparent kept as the root's parent.
 """
 
@@ -66,7 +66,7 @@ def finished_traces(receiver: Receiver, count: int) -> dict[str, list[dict]]:
 
 
 def check_tree(spans: list[dict], route: str, num_prompt_tokens: int) -> dict:
-    """The span tree of one request (see services/api/tracing.py); returns its root."""
+    """The span tree of one request (services/api/observability/tracing.py); returns its root."""
     (root,) = [s for s in spans if s["parent_id"] not in {s["span_id"] for s in spans}]
     assert root["name"] == f"POST {route}"
     children = {s["name"] for s in spans if s["parent_id"] == root["span_id"]}

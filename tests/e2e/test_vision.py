@@ -16,7 +16,7 @@ import anthropic
 import openai
 import pytest
 
-from kvserve.services.api.multimodal import load_image_processor
+from kvserve.services.api.serving.multimodal import load_image_processor
 from tests.support.metrics import metrics_text, read_metric
 from tests.support.server import serving
 from tests.support.vlm_models import MAX_TOKENS, chat_prompt, hf_greedy, random_image, save_tiny_vlm

@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from kvserve.launch.engines import EngineLaunch, start_engine_process, stop_engine_process
-from kvserve.services.api.engine_client import EngineDeadError
-from kvserve.services.api.mp_client import EngineChannel
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.engine_client.client import EngineDeadError
+from kvserve.services.api.engine_client.mp_client import EngineChannel
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.transport import EngineAddresses

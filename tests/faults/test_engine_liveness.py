@@ -23,9 +23,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvserve.services.api.engine_client import EngineDeadError
-from kvserve.services.api.mp_client import EngineChannel, EngineStalledError, MPEngineClient
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.engine_client.client import EngineDeadError
+from kvserve.services.api.engine_client.mp_client import (
+    EngineChannel,
+    EngineStalledError,
+    MPEngineClient,
+)
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.transport import (

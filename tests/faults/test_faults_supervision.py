@@ -113,7 +113,8 @@ def test_a_killed_engine_core_is_restarted_and_readmitted(tiny_llama_dir, tmp_pa
             )
 
         events, _ = _stream_hit_by(server, kill_and_watch_health)
-        # The stream waited for the restart and went on there (services/api/migration.py).
+        # The stream waited for the restart and went on there
+        # (services/api/engine_client/migration.py).
         _assert_stream_moved_and_finished(server, events)
         assert f"(pid {old_pid}) died" in server.log()
         new_pid = _wait_served_again(server, old_pid)

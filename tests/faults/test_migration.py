@@ -1,4 +1,5 @@
-"""Request migration: an engine core's death costs no request (services/api/migration.py).
+"""Request migration: an engine core's death costs no request
+(services/api/engine_client/migration.py).
 
 Real `kvserve serve` processes of the tiny random Llama, real HTTP through the official
 openai client, real SIGKILLs. Each test first runs its requests on an undisturbed server

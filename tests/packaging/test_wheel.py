@@ -218,10 +218,10 @@ def test_wheel_ships_only_kvserve_and_the_c_sources(installed):
         if p.suffix in (".c", ".h")
     }
     assert sources and sources <= set(names), sorted(sources - set(names))
-    # The status page's HTML, script and style (services/api/dashboard_static).
+    # The status page's HTML, script and style (services/api/observability/dashboard_static).
     static = {
-        f"kvserve/services/api/dashboard_static/{p.name}"
-        for p in (REPO_ROOT / "services" / "api" / "dashboard_static").iterdir()
+        f"kvserve/services/api/observability/dashboard_static/{p.name}"
+        for p in (REPO_ROOT / "services" / "api" / "observability" / "dashboard_static").iterdir()
     }
     assert static and static <= set(names), sorted(static - set(names))
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvserve.launch.engines import EngineLaunch, start_engine_process
-from kvserve.services.api.mp_client import EngineChannel, MPEngineClient
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.engine_client.mp_client import EngineChannel, MPEngineClient
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.config import CacheConfig, EngineConfig, ParallelConfig
 from kvserve.shared.transport import EngineAddresses
 from tests.support.models import TINY_KV_CACHE_MEMORY

@@ -17,8 +17,8 @@ import asyncio
 import queue
 import threading
 
-from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.engine_client.client import EngineClient
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest

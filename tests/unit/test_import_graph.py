@@ -185,6 +185,49 @@ def test_scheduler_subpackages_and_training_keep_their_layers(tmp_path):
     ]
 
 
+def test_api_subpackages_keep_their_layers(tmp_path):
+    api = "services/api"
+    files = {
+        f"{api}/{sub}/__init__.py": ""
+        for sub in ("surfaces", "serving", "parsers", "engine_client", "tenancy", "observability")
+    }
+    files |= {
+        # Allowed: a surface over the serving core, the parsers and EngineClient; the engine
+        # client over the output side of serving; tenancy over serving's errors.
+        f"{api}/surfaces/chat.py": "from kvserve.services.api.serving import base\n"
+        "from kvserve.services.api.parsers import tool_calls\n"
+        "from kvserve.services.api.engine_client.client import EngineClient\n"
+        "from kvserve.services.api.engine_client import liveness\n",
+        f"{api}/serving/base.py": "from kvserve.services.api.engine_client import client\n"
+        "from kvserve.services.api.surfaces import chat\n",
+        f"{api}/serving/errors.py": "",
+        f"{api}/serving/outputs.py": "",
+        f"{api}/serving/validation.py": "",
+        f"{api}/parsers/tool_calls.py": "from kvserve.services.api.serving import errors\n"
+        "from kvserve.services.api.tenancy import tenants\n",
+        f"{api}/engine_client/client.py": "from kvserve.services.api.serving import outputs\n"
+        "from kvserve.services.api.tenancy import tenants\n"
+        "from kvserve.services.api.serving.validation import check\n",
+        f"{api}/engine_client/liveness.py": "from . import client\n",
+        f"{api}/tenancy/tenants.py": "from kvserve.services.api.serving.errors import APIError\n"
+        "from kvserve.services.api.engine_client import client\n",
+        f"{api}/observability/dashboard.py": "from ..engine_client import client\n"
+        "from ..engine_client import liveness\n"
+        "from kvserve.services.api import server\n",
+    }
+    report = _check(tmp_path, files)
+    assert sorted(f"{imp.where()} {imp.target}" for imp, _ in report.layering) == [
+        "kvserve.services.api.engine_client.client:3 kvserve.services.api.serving.validation",
+        "kvserve.services.api.observability.dashboard:2 "
+        "kvserve.services.api.engine_client.liveness",
+        "kvserve.services.api.observability.dashboard:3 kvserve.services.api.server",
+        "kvserve.services.api.parsers.tool_calls:2 kvserve.services.api.tenancy.tenants",
+        "kvserve.services.api.serving.base:2 kvserve.services.api.surfaces.chat",
+        "kvserve.services.api.surfaces.chat:4 kvserve.services.api.engine_client.liveness",
+        "kvserve.services.api.tenancy.tenants:2 kvserve.services.api.engine_client.client",
+    ]
+
+
 def test_package_folders_come_from_pyproject(tmp_path):
     # The mapping is pyproject.toml's [tool.setuptools.package-dir]; a new folder is checked
     # under the package it installs as, and its folder name becomes an old top-level name.

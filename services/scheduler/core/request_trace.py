@@ -3,8 +3,8 @@
 Only requests that carry a trace context (EngineCoreRequest.trace_context) get a
 RequestTrace; the scheduler skips all of this while none is running. The phases travel back
 as EngineSpans in the request's last output, and the api turns them into OpenTelemetry spans
-under the context the request carried (services/api/tracing.py), as vLLM does: one exporter,
-in the api.
+under the context the request carried (services/api/observability/tracing.py), as vLLM does: one
+exporter, in the api.
 
     queued ─ engine.waiting ─▶ scheduled ─ engine.prefill (one per chunk) ─▶ ...
            ─ engine.decode (first decode step to the last) ─▶ finished

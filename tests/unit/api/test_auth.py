@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvserve.services.api.auth import APIKeyMiddleware, load_api_keys, match_key
-from kvserve.services.api.request_logger import RequestLogger
+from kvserve.services.api.observability.request_logger import RequestLogger
 from kvserve.services.api.server import _route_path
 from kvserve.shared.api_config import HTTPConfig
 from kvserve.shared.sampling_params import SamplingParams

@@ -13,9 +13,9 @@ from starlette.routing import Route
 
 from kvserve.services.api import server
 from kvserve.services.api.app_context import AppContext, context_of
-from kvserve.services.api.engine_client import EngineClient
+from kvserve.services.api.engine_client.client import EngineClient
 from kvserve.services.api.server import build_app
-from kvserve.services.api.tokenizer import TokenizerInfo
+from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.config import LoRAConfig
 

@@ -12,8 +12,8 @@ from kvserve.benchmarks.server_metrics import (
     parse_engine_metrics,
     server_delta,
 )
-from kvserve.services.api.engine_client import EngineClient
-from kvserve.services.api.metrics import ApiMetrics
+from kvserve.services.api.engine_client.client import EngineClient
+from kvserve.services.api.observability.metrics import ApiMetrics
 from kvserve.shared.messages import EngineCoreOutputs, SchedulerStats
 
 # Counters in both exposition forms: TYPE named with and without `_total`.

@@ -12,8 +12,8 @@ from bench.dp_routing_sim.routers import RoundRobinRouter, make_router
 from bench.dp_routing_sim.simulator import make_engines, simulate
 from bench.dp_routing_sim.sweep import SweepConfig, run_one
 from bench.dp_routing_sim.workload import SimRequest, WorkloadConfig, make_requests
-from kvserve.services.api import dp_router
-from kvserve.services.api.dp_router import DPRouter
+from kvserve.services.api.engine_client import dp_router
+from kvserve.services.api.engine_client.dp_router import DPRouter
 from kvserve.services.scheduler.core.block_pool import BlockPool
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.shared.hashing import get_hash_fn, hash_new_full_blocks

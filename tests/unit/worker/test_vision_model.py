@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.services.api.multimodal import load_image_processor
+from kvserve.services.api.serving.multimodal import load_image_processor
 from kvserve.services.scheduler.engine.engine_core import EngineCore
 from kvserve.shared.config import (
     CacheConfig,

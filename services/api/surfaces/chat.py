@@ -1,0 +1,560 @@
+"""POST /v1/chat/completions: the model's chat template, then one prompt, streamed or not.
+
+With `tools`, tool_choice decides what the model may write (services/api/parsers/tool_calls.py), and
+each choice's text becomes content and OpenAI tool calls (finish_reason "tool_calls").
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing
+from functools import cached_property
+from typing import Any, NamedTuple
+
+import jinja2
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvserve.services.api.observability.tracing import trace_span
+from kvserve.services.api.parsers.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningSplitter,
+    get_reasoning_parser,
+)
+from kvserve.services.api.parsers.tool_calls import (
+    ToolCallOutput,
+    resolve_tool_choice,
+    tool_constraint,
+    tools_for_template,
+)
+from kvserve.services.api.serving.base import (
+    MIN_LOGPROB,
+    SSE_DONE,
+    OpenAIServing,
+    SSEResponse,
+    StreamedChoice,
+    error_event,
+    first_output_checked,
+    prompt_logprobs_body,
+    raise_if_failed,
+    run_until_disconnected,
+    sse_event,
+    stop_holdback,
+)
+from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.multimodal import (
+    ImageProcessor,
+    MultimodalError,
+    PromptWithImages,
+    decode_image,
+    load_image_bytes,
+    load_image_processor,
+)
+from kvserve.services.api.serving.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.services.api.serving.protocol import (
+    UNSET,
+    ChatCompletionRequest,
+    ChatMessage,
+    DeltaToolCall,
+    UsageInfo,
+    now_seconds,
+)
+from kvserve.services.api.serving.request_constraints import structured_outputs_of
+from kvserve.services.api.surfaces.chat_messages import image_urls_of, messages_to_dicts
+from kvserve.services.api.surfaces.openai_protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobEntry,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogprob,
+)
+from kvserve.shared.api_config import parse_limit_mm_per_prompt
+from kvserve.shared.logging import init_logger
+from kvserve.shared.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | None, str]:
+    """A whole reply as (its reasoning or None, the rest): all of it the rest without a
+    parser."""
+    if parser is None:
+        return None, text
+    reasoning, content = ReasoningSplitter(parser).split(text)
+    return reasoning, content or ""
+
+
+class ChatDelta(NamedTuple):
+    """What one step adds to a chat-shaped stream's first choice (`chat_deltas`)."""
+
+    reasoning: str  # new thinking text ("" without a reasoning parser)
+    content: str | None  # new answer text, tool-call markup taken out
+    tool_deltas: list[DeltaToolCall]
+    finish_reason: str | None
+    num_calls: int  # tool calls so far
+    final: RequestOutput  # the cumulative output
+
+
+class PreparedChat(NamedTuple):
+    """A validated, templated chat request, ready to submit."""
+
+    ids: tuple[str, str]  # (the response's id, the engine's id)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tool_choice: str  # resolved: "none", "auto", "required" or a function's name
+    # The reasoning parser when the reply starts thinking (None: all of it is the answer).
+    reasoning: ReasoningParser | None = None
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat completions endpoint (see OpenAIServing for the constructor's arguments)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.reasoning_parser = get_reasoning_parser(self.frontend.reasoning_parser)
+        self._reasoning_end_ids: list[int] | None = None
+
+    def reasoning_end_token_ids(self) -> list[int]:
+        """The reasoning parser's end tag as token ids (what the engine watches)."""
+        assert self.reasoning_parser is not None
+        if self._reasoning_end_ids is None:
+            ids = self.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False)
+            self._reasoning_end_ids = list(ids)
+        return self._reasoning_end_ids
+
+    def reasoning_of(
+        self, request: ChatCompletionRequest, template_kwargs: dict[str, Any]
+    ) -> tuple[ReasoningParser | None, dict[str, Any]]:
+        """(the parser when the reply starts thinking, the SamplingParams fields that tell the
+        engine); a thinking budget without a parser is a 400."""
+        parser = self.reasoning_parser
+        budget = request.thinking_token_budget
+        if parser is None:
+            if budget is not None:
+                raise APIError(
+                    400,
+                    "thinking_token_budget needs a reasoning parser (--reasoning-parser)",
+                    "thinking_token_budget",
+                )
+            return None, {}
+        if not parser.starts_thinking(template_kwargs):
+            return None, {}
+        fields: dict[str, Any] = {"reasoning_end_token_ids": self.reasoning_end_token_ids()}
+        if budget is not None:
+            fields["thinking_token_budget"] = budget
+        return parser, fields
+
+    @cached_property
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's image preprocessing; None for a model that reads text only."""
+        return load_image_processor(self.engine_client.tokenizer_info.model_dir)
+
+    def check_images(self, image_urls: list[str]) -> ImageProcessor:
+        """The processor for a request with images (before its template renders them): a
+        400 for a text model or past --limit-mm-per-prompt."""
+        processor = self.image_processor
+        if processor is None:
+            raise APIError(
+                400, "image content needs a vision model; this one reads text", "messages"
+            )
+        limit = parse_limit_mm_per_prompt(self.frontend.limit_mm_per_prompt).get("image")
+        if limit is not None and len(image_urls) > limit:
+            raise APIError(
+                400,
+                f"{len(image_urls)} images in the request; at most {limit} are allowed "
+                f"(--limit-mm-per-prompt)",
+                "messages",
+            )
+        return processor
+
+    def attach_images(self, prompt_token_ids: list[int], image_urls: list[str]) -> list[int]:
+        """Load, decode and preprocess the images, and expand the prompt's placeholders:
+        token ids that carry their images (PromptWithImages). Refusals are 400s."""
+        processor = self.check_images(image_urls)
+        try:
+            images = [
+                decode_image(load_image_bytes(url, self.frontend.allowed_local_media_path))
+                for url in image_urls
+            ]
+            token_ids, mm_inputs = processor.expand(prompt_token_ids, images)
+        except MultimodalError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        return PromptWithImages(token_ids, mm_inputs)
+
+    def apply_chat_template(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
+        """Token ids of the templated conversation; a template failure is a 400."""
+        if not messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        if continue_final_message:
+            # The reply continues the last (assistant) message instead of starting a new one.
+            kwargs["continue_final_message"] = True
+            add_generation_prompt = False
+        try:
+            return self.engine_client.tokenizer_info.apply_chat_template(
+                messages_to_dicts(messages), add_generation_prompt, **kwargs
+            )
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:
+            raise APIError(400, f"the chat template failed: {exc}", param="messages") from None
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        """Validate, template, submit, and answer with JSON or an SSE stream."""
+        prepared = self.prepare(request, raw_request, "chatcmpl-")
+        if request.stream:
+            results = await self.start(prepared, request)
+            return SSEResponse(self._stream(prepared, request, results))
+        return await run_until_disconnected(raw_request, self._complete(prepared, request))
+
+    def prepare(
+        self, request: ChatCompletionRequest, raw_request: Request, id_prefix: str
+    ) -> PreparedChat:
+        """Validate and template a chat request: everything up to submitting it (the other
+        chat-shaped surfaces, /v1/messages, share it)."""
+        self.check_model(request.model)
+        self.check_request(request)
+        tool_choice = resolve_tool_choice(request, self.frontend)
+        structured_outputs = structured_outputs_of(request)
+        constraint = tool_constraint(request, tool_choice)
+        if constraint is not None and structured_outputs is not None:
+            raise APIError(
+                400,
+                f"tool_choice {tool_choice!r} constrains the output itself: drop "
+                f"response_format / structured_outputs",
+                param="tool_choice",
+            )
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.reasoning_effort is not None:
+            template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+        reasoning, reasoning_fields = self.reasoning_of(request, template_kwargs)
+        image_urls = image_urls_of(request.messages)
+        if image_urls:
+            self.check_images(image_urls)
+        with trace_span("tokenize"):
+            prompt_token_ids = self.apply_chat_template(
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                template_kwargs,
+                tools_for_template(request, tool_choice, self.frontend),
+            )
+        if image_urls:
+            prompt_token_ids = self.attach_images(prompt_token_ids, image_urls)
+        self.check_prompt_tokens(prompt_token_ids, "messages")
+        max_tokens = (
+            request.max_completion_tokens
+            if request.max_completion_tokens is not None
+            else request.max_tokens
+        )
+        params = self.make_sampling_params(
+            request,
+            len(prompt_token_ids),
+            max_tokens,
+            "messages",
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            prompt_logprobs=request.prompt_logprobs,
+            structured_outputs=constraint or structured_outputs,
+            **reasoning_fields,
+        )
+        self.check_engine(request.n)
+        ids = self.request_ids(raw_request, request, id_prefix)
+        return PreparedChat(ids, prompt_token_ids, params, tool_choice, reasoning)
+
+    async def start(
+        self, prepared: PreparedChat, request: ChatCompletionRequest
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Submit a prepared request for a stream: its outputs, the first already checked
+        where a structured output could fail to compile (the status is not yet sent)."""
+        results = self.generate(
+            prepared.ids[1],
+            [(None, prepared.prompt_token_ids)],
+            [prepared.params],
+            request.priority,
+            self.lora_request(request.model),
+        )
+        if prepared.params.structured_outputs is not None:
+            results = await first_output_checked(results)
+        return results
+
+    async def final_output(
+        self, prepared: PreparedChat, request: ChatCompletionRequest
+    ) -> RequestOutput:
+        """Submit a prepared request and wait for its finished output (failures raised)."""
+        final: RequestOutput | None = None
+        async with aclosing(
+            self.generate(
+                prepared.ids[1],
+                [(None, prepared.prompt_token_ids)],
+                [prepared.params],
+                request.priority,
+                self.lora_request(request.model),
+            )
+        ) as results:
+            async for _, output in results:
+                final = output
+        assert final is not None and final.finished, "the request's stream ended early"
+        raise_if_failed(final)
+        return final
+
+    async def chat_deltas(
+        self,
+        prepared: PreparedChat,
+        request: ChatCompletionRequest,
+        results: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> AsyncGenerator[ChatDelta, None]:
+        """The first choice's new reasoning, content and tool-call pieces as they come, with
+        the stop-string holdback, the reasoning split and the tool parsing applied: what
+        the chat-shaped surfaces (/v1/messages, /v1/responses) render as their own events.
+        Failures raise."""
+        streamed = StreamedChoice(stop_holdback(prepared.params))
+        tool_output = self.tool_output(request, prepared.tool_choice)
+        splitter = ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
+        async for _, final in results:
+            raise_if_failed(final)
+            delta = streamed.next_delta(final.outputs[0], want_tokens=False)
+            if delta is None:
+                continue
+            text, _, finish_reason = delta
+            reasoning = ""
+            if splitter is not None:
+                reasoning, text = splitter.feed(text, finish_reason is not None)
+            content, tool_deltas = (
+                tool_output.update(text, finish_reason is not None)
+                if tool_output.uses_tools
+                else (text or None, [])
+            )
+            yield ChatDelta(
+                reasoning, content, tool_deltas, finish_reason, tool_output.num_calls, final
+            )
+
+    def tool_output(self, request: ChatCompletionRequest, tool_choice: str) -> ToolCallOutput:
+        """How one choice's text becomes content and tool calls (the chat-shaped surfaces
+        share it)."""
+        return ToolCallOutput(
+            tool_choice, self.frontend.tool_call_parser, request.parallel_tool_calls
+        )
+
+    # ------------------------------------------------------------------ non-streaming
+
+    async def _complete(self, prepared: PreparedChat, request: ChatCompletionRequest) -> Response:
+        response_id = prepared.ids[0]
+        tool_choice = prepared.tool_choice
+        final = await self.final_output(prepared, request)
+        choices = []
+        for completion in final.outputs:
+            tool_output = self.tool_output(request, tool_choice)
+            reasoning, text = split_reasoning(prepared.reasoning, completion.text)
+            content, tool_calls = tool_output.result(text)
+            message = ChatResponseMessage("assistant", content or "", tool_calls)
+            if self.reasoning_parser is not None:
+                message.reasoning = message.reasoning_content = reasoning
+            choices.append(
+                ChatChoice(
+                    completion.index,
+                    # A reply of calls only has content "" (vLLM's), not null.
+                    message,
+                    self._logprobs(completion.token_ids, completion.logprobs, request)
+                    if request.logprobs
+                    else None,
+                    tool_output.finish_reason(completion.finish_reason, len(tool_calls)),
+                    completion.stop_reason,
+                )
+            )
+        body = ChatCompletionResponse(
+            id=response_id,
+            model=self.response_model(request.model),
+            choices=choices,
+            usage=self.usage([final]),
+            prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
+        )
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _stream(
+        self,
+        prepared: PreparedChat,
+        request: ChatCompletionRequest,
+        results: AsyncGenerator[tuple[int, RequestOutput], None],
+    ):
+        stream = _ChatStream(self, prepared, request)
+        final: RequestOutput | None = None
+        try:
+            for chunk in stream.role_chunks():
+                yield chunk
+            async with aclosing(results):
+                async for _, final in results:
+                    for chunk in stream.output_chunks(final):
+                        yield chunk
+            if request.include_usage:
+                yield stream.usage_chunk(final)
+        except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
+            logger.warning("chat stream %s failed: %r", prepared.ids[0], exc)
+            yield error_event(exc)
+        yield SSE_DONE
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[dict[int, Logprob]] | None,
+        request: ChatCompletionRequest,
+    ) -> ChatLogprobs:
+        """OpenAI's chat logprobs: per token, its logprob and the `top_logprobs` best."""
+        num_top = request.top_logprobs or 0
+        as_ids = self.tokens_as_ids(request)
+        entries = []
+        for position, token_id in enumerate(token_ids):
+            row = logprobs[position] if logprobs and position < len(logprobs) else {}
+            chosen = row.get(token_id)
+            token = self.token_text(token_id, chosen, as_ids)
+            best = sorted(row.items(), key=lambda item: item[1].logprob, reverse=True)
+            top = []
+            for top_id, top_logprob in best[:num_top]:
+                top_token = self.token_text(top_id, top_logprob, as_ids)
+                top.append(
+                    TopLogprob(
+                        top_token,
+                        max(top_logprob.logprob, MIN_LOGPROB),
+                        list(top_token.encode("utf-8")),
+                    )
+                )
+            entries.append(
+                ChatLogprobEntry(
+                    token,
+                    max(chosen.logprob, MIN_LOGPROB) if chosen else MIN_LOGPROB,
+                    list(token.encode("utf-8")),
+                    top,
+                )
+            )
+        return ChatLogprobs(entries)
+
+
+class _ChatStream:
+    """One streamed chat request: per choice its progress, tool parsing and reasoning split,
+    and the chunks it emits.
+
+    Args:
+        serving: the chat endpoint (tool parsing, logprobs, model name, usage).
+        prepared: the request as submitted.
+        request: the request.
+    """
+
+    def __init__(
+        self, serving: OpenAIServingChat, prepared: PreparedChat, request: ChatCompletionRequest
+    ):
+        self.serving = serving
+        self.request = request
+        self.request_id = prepared.ids[0]
+        self.created = now_seconds()
+        self.usage: UsageInfo | msgspec.UnsetType | None = None if request.include_usage else UNSET
+        params = prepared.params
+        self.num_choices = params.n
+        self.streamed = [StreamedChoice(stop_holdback(params)) for _ in range(params.n)]
+        self.tool_outputs = [
+            serving.tool_output(request, prepared.tool_choice) for _ in range(params.n)
+        ]
+        self.splitters = [
+            ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
+            for _ in range(params.n)
+        ]
+
+    def role_chunks(self) -> Iterator[bytes]:
+        """OpenAI opens every choice with the role and empty content."""
+        for index in range(self.num_choices):
+            yield self._chunk([ChatStreamChoice(index, DeltaMessage("assistant", ""), None, None)])
+
+    def output_chunks(self, final: RequestOutput) -> Iterator[bytes]:
+        """One chunk per choice of `final` that has something new; failures raise."""
+        raise_if_failed(final)
+        for completion in final.outputs:
+            choice = self._choice(completion)
+            if choice is not None:
+                yield self._chunk([choice])
+
+    def usage_chunk(self, final: RequestOutput | None) -> bytes:
+        """The last chunk: no choices, the request's usage."""
+        self.usage = self.serving.usage([final])
+        return self._chunk([])
+
+    def _chunk(self, choices: list[ChatStreamChoice]) -> bytes:
+        return sse_event(
+            ChatCompletionStreamResponse(
+                id=self.request_id,
+                created=self.created,
+                model=self.serving.response_model(self.request.model),
+                choices=choices,
+                usage=self.usage,
+            )
+        )
+
+    def _choice(self, completion: CompletionOutput) -> ChatStreamChoice | None:
+        """The choice's new delta since the last chunk; None when there is none to send."""
+        request = self.request
+        delta = self.streamed[completion.index].next_delta(completion, want_tokens=request.logprobs)
+        if delta is None:
+            return None
+        text, first_token, finish_reason = delta
+        message, finish_reason = self._message(completion.index, text, finish_reason)
+        if message is None:
+            return None
+        logprobs = None
+        if request.logprobs:
+            logprobs = self.serving._logprobs(
+                completion.token_ids[first_token:],
+                (completion.logprobs or [])[first_token:],
+                request,
+            )
+        return ChatStreamChoice(
+            completion.index,
+            message,
+            logprobs,
+            finish_reason,
+            completion.stop_reason if finish_reason else None,
+        )
+
+    def _message(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[DeltaMessage | None, str | None]:
+        """One choice's new text as a delta (reasoning split off, tool calls parsed) and its
+        finish reason (tool calls make it "tool_calls"); None while nothing is to be sent."""
+        reasoning = None
+        splitter = self.splitters[index]
+        if splitter is not None:
+            reasoning, text = splitter.feed(text, finish_reason is not None)
+            reasoning = reasoning or None
+        tool_output = self.tool_outputs[index]
+        if not tool_output.uses_tools:
+            if splitter is not None and not (
+                text or reasoning or finish_reason or self.request.logprobs
+            ):
+                return None, finish_reason  # a tag held back: nothing to send yet
+            message = DeltaMessage(content=text, reasoning=reasoning, reasoning_content=reasoning)
+            return message, finish_reason
+        content, tool_deltas = tool_output.update(text, finish_reason is not None)
+        message = DeltaMessage(
+            content=content,
+            reasoning=reasoning,
+            reasoning_content=reasoning,
+            tool_calls=tool_deltas or None,
+        )
+        finish_reason = tool_output.finish_reason(finish_reason, tool_output.num_calls)
+        if not (content or reasoning or tool_deltas or finish_reason or self.request.logprobs):
+            return None, finish_reason
+        return message, finish_reason
