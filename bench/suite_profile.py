@@ -11,6 +11,11 @@ the run costs the machine). The load average (start, end, and the mean of 1-minu
 is printed alongside, since a shared machine inflates wall time; so is the CPU time of the
 command and the descendants it reaped, which a busy machine inflates far less.
 
+A third figure is the machine's used memory (total less available, as `free` counts it) over
+the run, less what was used when it started: it sees what no process tree shows, such as the
+containers of a `docker build` that dockerd runs for a test. It counts every other process on
+the machine too, so it means something only on a quiet machine.
+
 Args:
     --interval: seconds between samples.
     --json: also write the figures as JSON to this path.
@@ -48,6 +53,7 @@ class Peaks:
     pss_sum: int = 0
     largest_rss: int = 0
     largest_name: str = ""
+    machine_used: int = 0
     processes: int = 0
     samples: int = 0
     loadavg_samples: list[float] = field(default_factory=list)
@@ -113,6 +119,12 @@ def _memory(proc: psutil.Process) -> tuple[int, int]:
         return 0, 0
 
 
+def _machine_used() -> int:
+    """The machine's used memory: total less available (bytes)."""
+    memory = psutil.virtual_memory()
+    return memory.total - memory.available
+
+
 def _sample(root: psutil.Process, marked: _Marked, peaks: Peaks) -> dict[str, object]:
     """Sample every tracked process once, fold the sums into peaks, and return the sample."""
     rss_sum = pss_sum = 0
@@ -134,6 +146,8 @@ def _sample(root: psutil.Process, marked: _Marked, peaks: Peaks) -> dict[str, ob
     peaks.rss_sum = max(peaks.rss_sum, rss_sum)
     peaks.pss_sum = max(peaks.pss_sum, pss_sum)
     peaks.processes = max(peaks.processes, len(procs))
+    machine_used = _machine_used()
+    peaks.machine_used = max(peaks.machine_used, machine_used)
     peaks.samples += 1
     top = []
     for pss, pid, proc in sorted(largest, key=lambda entry: entry[0], reverse=True)[:4]:
@@ -145,6 +159,7 @@ def _sample(root: psutil.Process, marked: _Marked, peaks: Peaks) -> dict[str, ob
     return {
         "rss_gib": round(rss_sum / GIB, 3),
         "pss_gib": round(pss_sum / GIB, 3),
+        "machine_used_gib": round(machine_used / GIB, 3),
         "pss_by_branch_gib": {k: round(v / GIB, 3) for k, v in sorted(by_branch.items())},
         "largest": top,
     }
@@ -193,6 +208,7 @@ def main() -> int:
     token = uuid.uuid4().hex
     env = dict(os.environ, **{MARKER_VAR: token})
     load_start = os.getloadavg()
+    used_at_start = _machine_used()
     start = time.monotonic()
     # SIGINT as it is by default even where this was started in the background (where the
     # shell ignores it): an interrupted pytest still prints its summary and --durations.
@@ -225,6 +241,8 @@ def main() -> int:
         "cpu_sys_s": round(usage.ru_stime, 1),
         "peak_rss_sum_gib": round(peaks.rss_sum / GIB, 2),
         "peak_pss_sum_gib": round(peaks.pss_sum / GIB, 2),
+        "peak_machine_used_gib": round(peaks.machine_used / GIB, 2),
+        "peak_machine_used_over_start_gib": round((peaks.machine_used - used_at_start) / GIB, 2),
         "largest_process_rss_gib": round(peaks.largest_rss / GIB, 2),
         "largest_process": peaks.largest_name,
         "max_processes": peaks.processes,
