@@ -104,7 +104,8 @@ class LatencyTargets:
         num_decode_tokens = decodes.num_rows + decodes.num_drafts
         head = waiting.peek_request() if waiting else None
         num_reserved = 0
-        if head is not None and head.slo_ttft_ms is not None:
+        has_seat = len(running) < self.config.max_num_seqs
+        if head is not None and head.slo_ttft_ms is not None and has_seat:
             room = max(self.max_num_batched_tokens - num_decode_tokens, 0)
             num_reserved = min(head.num_tokens - head.num_computed_tokens, room)
         limit_s = min(decodes.tightest_tpot_s, self._ttft_limit(head, decodes, num_reserved))
