@@ -8,10 +8,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvserve.services.scheduler.core.features import SchedulerFeatures
 from kvserve.services.scheduler.core.request import RequestStatus
 from kvserve.services.scheduler.core.scheduler import Scheduler
 from kvserve.services.scheduler.core.step_time import StepShape, shape_of
-from kvserve.shared.config import CacheConfig, SchedulerConfig
+from kvserve.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.messages import EngineCoreEventType, FinishReason
 from tests.support.kv import assert_no_leaked_blocks
 from tests.support.scheduler import create_request, run_to_completion, step, submit
@@ -27,6 +28,7 @@ def _scheduler(
     scheduling_policy: str = "fcfs",
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 16,
+    speculative_config: SpeculativeConfig | None = None,
     **slo_knobs: float,
 ) -> Scheduler:
     """A Scheduler with the latency-target knobs (SchedulerConfig.slo_*), whose step-time
@@ -37,7 +39,8 @@ def _scheduler(
         scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
         **slo_knobs,
     )
-    scheduler = Scheduler(config, CacheConfig(block_size=16), 2000, 8192)
+    features = SchedulerFeatures(speculative_config=speculative_config)
+    scheduler = Scheduler(config, CacheConfig(block_size=16), 2000, 8192, features=features)
     scheduler.latency.clock = lambda: NOW
     scheduler.latency.model.coefficients = list(COEFFICIENTS)
     return scheduler
@@ -105,6 +108,22 @@ def test_the_decodes_fit_even_when_they_alone_miss_the_target():
     scheduler.add_request(create_request("document", 6000, max_tokens=1))
     scheduler_output, _ = step(scheduler)
     assert scheduler_output.num_scheduled_tokens == {f"chat{i}": 1 for i in range(4)}
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_under_speculation_the_drafts_count_in_the_step_time():
+    target_s = 0.030
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
+    scheduler = _scheduler(speculative_config=ngram)
+    scheduler.add_request(_targeted("chat", 20, tpot=target_s * 1000, max_tokens=60))
+    step(scheduler, spec_token_ids={"chat": [11, 12, 13, 14]})  # its prompt, then drafts
+    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens["chat"] == 5  # its token and 4 drafts
+    assert shape_of(scheduler_output).num_verify_rows == 4
+    assert 0 < scheduler_output.num_scheduled_tokens["document"] < 2048 - 5
+    assert _predict(scheduler, scheduler_output) <= target_s
     run_to_completion(scheduler)
     assert_no_leaked_blocks(scheduler)
 
