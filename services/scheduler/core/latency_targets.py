@@ -14,9 +14,10 @@ Each step, `step_budget` sets the plan's budget by this rule:
 3. Prompt tokens (chunks of running prompts and waiting prompts) fill what is left: the most
    whose predicted step time (step_time.py) keeps within the limit, all of
    max_num_batched_tokens without a limit.
-4. A waiting head with a TTFT target gets room for its prompt first: running prompt chunks
+4. A waiting head with a TTFT target gets room for its prompt first, within those prompt
+   tokens (so the TPOT targets still hold: a long one gets a chunk): running prompt chunks
    take only the rest (StepPlan.running_prefill_budget), so it is admitted in this step
-   instead of waiting behind another request's long prompt.
+   instead of waiting behind another request's long prompt (if a seat is free).
 
 With no live request carrying a target, the budget is max_num_batched_tokens, as without
 this module. A missed target is not refused: the request is served, late.
@@ -110,7 +111,7 @@ class LatencyTargets:
             num_reserved = min(head.num_tokens - head.num_computed_tokens, room)
         limit_s = min(decodes.tightest_tpot_s, self._ttft_limit(head, decodes, num_reserved))
         num_prefill = self._max_prefill_tokens(decodes, limit_s)
-        num_prefill = max(num_prefill, num_reserved)
+        num_reserved = min(num_reserved, num_prefill)  # the TPOT targets come first
         return StepBudget(
             num_decode_tokens + num_prefill,
             num_prefill - num_reserved if num_reserved else None,

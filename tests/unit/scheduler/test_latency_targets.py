@@ -149,6 +149,21 @@ def test_a_ttft_target_is_admitted_in_the_next_step_beside_a_long_prompt(policy)
     assert_no_leaked_blocks(scheduler)
 
 
+def test_a_ttft_target_gets_in_beside_a_long_prompt_within_the_tpot_target():
+    target_s = 0.050
+    scheduler = _scheduler()
+    _with_decodes(scheduler, tpot=target_s * 1000)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW - 1))
+    step(scheduler)  # a first chunk of the document
+    scheduler.add_request(_targeted("chat", 10, ttft=500.0, arrival_time=NOW))
+    scheduler_output, _ = step(scheduler)
+    assert [new.req_id for new in scheduler_output.scheduled_new_reqs] == ["chat"]
+    assert scheduler_output.num_scheduled_tokens["chat"] == 10
+    assert _predict(scheduler, scheduler_output) <= target_s
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
 def test_without_a_target_the_short_request_waits_for_the_long_prompt():
     scheduler = _scheduler()
     scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW - 1))
