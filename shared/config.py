@@ -214,6 +214,29 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             "max_num_batched_tokens); an image larger than it runs alone in its step"
         ),
     ] = 0
+    slo_ttft_ms: Annotated[
+        float | None,
+        flag_doc(
+            "default time-to-first-token target in ms of a request that names none (its "
+            "tenant's or its own win): waiting requests go earliest deadline first and a "
+            "waiting target's prompt is kept room in the next step (none: no target)"
+        ),
+    ] = None
+    slo_tpot_ms: Annotated[
+        float | None,
+        flag_doc(
+            "default time-per-output-token target in ms of a request that names none: while "
+            "a running request has one, a step holds only the tokens whose predicted time "
+            "fits the tightest (none: no target, steps of max_num_batched_tokens)"
+        ),
+    ] = None
+    slo_aging_ms: Annotated[
+        float,
+        flag_doc(
+            "with latency targets, a waiting request without a TTFT target counts as due "
+            "this long after its arrival, so targeted requests cannot starve it"
+        ),
+    ] = 5000.0
 
     @property
     def encoder_token_budget(self) -> int:
@@ -228,6 +251,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("max_num_seqs must be positive")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "slo_aging_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # not NaN either
+                raise ValueError(f"{name} must be a positive number of ms, got {value}")
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -78,6 +78,11 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     # the engine's spans belong under; None (one nil byte) when tracing is off.
     # The engine core then times the request and returns EngineSpans when it finishes.
     trace_context: dict[str, str] | None = None
+    # Latency targets in ms (time to first token, time per output token), resolved by the
+    # api (the request's own, else its tenant's, else the server's); None: the engine core's
+    # --slo-ttft-ms / --slo-tpot-ms, and no target where those are unset (scheduler.md).
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 class Logprobs(msgspec.Struct, **_HOT):
@@ -196,6 +201,9 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     kv_store_usage: float = 0.0
     kv_store_hits: int = 0
     kv_store_misses: int = 0
+    # Latency targets: the step-time model's mean relative error |predicted - measured| /
+    # measured (an EWMA over the measured steps; 0 before the first).
+    step_time_prediction_error: float = 0.0
 
 
 class EngineCoreOutputs(msgspec.Struct, **_HOT):

@@ -106,6 +106,9 @@ class Request:
         tenant: who it is served for; the fair policy serves tenants by weighted service.
         tenant_weight: the tenant's weight (its share under the fair policy).
         mm_inputs: the prompt's images (their placeholder tokens are in the prompt).
+        slo_ttft_ms: its time-to-first-token target (None: none); its deadline is
+            arrival_time + the target (latency_targets.py).
+        slo_tpot_ms: its time-per-output-token target (None: none).
     """
 
     def __init__(
@@ -122,8 +125,12 @@ class Request:
         tenant: str = "default",
         tenant_weight: float = 1.0,
         mm_inputs: list[ImageInput] | None = None,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> None:
         self.req_id = req_id
+        self.slo_ttft_ms = slo_ttft_ms
+        self.slo_tpot_ms = slo_tpot_ms
         # Images in the prompt: their hashes key the blocks holding their tokens.
         self.mm_inputs: list[ImageInput] = list(mm_inputs or ())
         self.tenant = tenant
@@ -200,6 +207,8 @@ class Request:
             tenant=req.tenant,
             tenant_weight=req.tenant_weight,
             mm_inputs=req.mm_inputs,
+            slo_ttft_ms=req.slo_ttft_ms,
+            slo_tpot_ms=req.slo_tpot_ms,
         )
         if req.resumed_output_token_ids:
             request.resume(req.resumed_output_token_ids)

@@ -37,6 +37,7 @@ from kvserve.services.scheduler.core.kv_cache_groups import (
 )
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.core.kv_load import admit_loaded, finish_loads, park_for_load
+from kvserve.services.scheduler.core.latency_targets import LatencyTargets
 from kvserve.services.scheduler.core.policies import create_policy
 from kvserve.services.scheduler.core.request import Request, RequestStatus, make_block_hasher
 from kvserve.services.scheduler.core.request_output import (
@@ -139,6 +140,8 @@ class Scheduler:
         self.encoder = EncoderBudget(encoder_tokens, encoder_tokens)
         # The waiting queue's order, the step's rounds and the preemption victim.
         self.policy = create_policy(self.scheduler_config)
+        # TTFT / TPOT targets: each step's budget, and the step-time model it plans with.
+        self.latency = LatencyTargets(self.scheduler_config, features.step_costs)
         self.live = LiveFeatureCounts()
 
     def _init_queues(self) -> None:
@@ -192,6 +195,7 @@ class Scheduler:
         assert 0 < len(engine_request.prompt_token_ids) < self.max_model_len
         request = Request.from_engine_core_request(engine_request, self.block_hasher)
         self.requests[request.req_id] = request
+        self.latency.add(request)
         if engine_request.trace_context is not None:
             request.trace = RequestTrace(time.time_ns())
         self.live.add(request)
@@ -248,6 +252,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         assert request.is_finished, f"{request} freed before it finished"
         self.live.remove(request)
+        self.latency.remove(request)
         self.kv_cache_manager.free(request)
         self.encoder.free(request)
         if self.kv_connector is not None:
@@ -268,7 +273,9 @@ class Scheduler:
         """Plan one step: running requests first, then waiting ones if nothing was preempted."""
         if self.waiting_for_grammar:
             admit_compiled_grammars(self)
-        plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        # max_num_batched_tokens, unless latency targets cut the step (latency_targets.py).
+        budget = self.latency.step_budget(self.running, self.waiting)
+        plan = StepPlan(budget.token_budget, running_prefill_budget=budget.running_prefill_budget)
         self.encoder.start_step()
         # The policy's rounds: one, but for the fair policy's short steps (policies/).
         for step_round in self.policy.rounds(self.running, plan):
@@ -330,7 +337,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new_tokens = self._num_tokens_to_schedule(
-                request, request.num_computed_tokens, plan.token_budget
+                request, request.num_computed_tokens, plan.budget_for_running(request)
             )
             if num_new_tokens == 0:
                 continue
@@ -345,7 +352,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # the cache is full: the request itself was preempted
             self._plan_add(plan, request, num_new_tokens, new_blocks)
-            plan.scheduled_running.append(request)
+            plan.took_running(request, num_new_tokens)
             if draft_token_ids:
                 plan.spec_token_ids[request.req_id] = draft_token_ids
 
@@ -483,7 +490,9 @@ class Scheduler:
         )
 
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """How long a step took from schedule to outputs (adaptive speculation's input)."""
+        """How long a step took from schedule to outputs (the step-time model's and adaptive
+        speculation's input)."""
+        self.latency.record_step(scheduler_output, seconds)
         if self.spec_decode is not None:
             self.spec_decode.record_step_time(scheduler_output, seconds)
 

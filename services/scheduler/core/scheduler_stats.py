@@ -11,6 +11,7 @@ from kvserve.shared.messages import SchedulerStats
 if TYPE_CHECKING:
     from kvserve.services.kv_store.connector import SchedulerConnector
     from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
+    from kvserve.services.scheduler.core.latency_targets import LatencyTargets
     from kvserve.services.scheduler.core.request_queue import RequestQueue
     from kvserve.services.scheduler.core.spec_scheduler import SpecDecodeScheduler
     from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
@@ -28,6 +29,7 @@ class StatsSource(Protocol):
     lora_config: LoRAConfig | None
     spec_decode: SpecDecodeScheduler | None
     kv_connector: SchedulerConnector | None
+    latency: LatencyTargets
 
 
 def make_scheduler_stats(
@@ -66,6 +68,7 @@ def make_scheduler_stats(
         waiting_lora_adapters=count_adapters(waiting) if has_lora else {},
         running_by_tenant=count_tenants(running),
         waiting_by_tenant=count_tenants([*waiting, *waiting_for_grammar.values()]),
+        step_time_prediction_error=scheduler.latency.model.relative_error,
         **(scheduler.spec_decode.take_stats() if scheduler.spec_decode is not None else {}),
         **(scheduler.kv_connector.take_stats() if scheduler.kv_connector is not None else {}),
     )

@@ -22,6 +22,9 @@ class StepPlan:
     scheduled earlier in the same step."""
 
     token_budget: int
+    # Latency targets (latency_targets.py): what running requests' prompt chunks may take of
+    # token_budget, the rest kept for a waiting TTFT target's prompt; None: all of it.
+    running_prefill_budget: int | None = None
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     scheduled_running: list[Request] = field(default_factory=list)
@@ -39,6 +42,20 @@ class StepPlan:
         self.new_block_ids[request.req_id] = [block.block_id for block in new_blocks]
         self.token_budget -= num_tokens
 
+    def budget_for_running(self, request: Request) -> int:
+        """The tokens `request` (running) may take: its prompt chunk may take only the
+        running prefill budget."""
+        is_prefill = request.num_tokens - request.num_computed_tokens > 1
+        if self.running_prefill_budget is None or not is_prefill:
+            return self.token_budget
+        return min(self.token_budget, self.running_prefill_budget)
+
+    def took_running(self, request: Request, num_tokens: int) -> None:
+        """`request` (running) was scheduled `num_tokens` (after add)."""
+        self.scheduled_running.append(request)
+        if self.running_prefill_budget is not None and num_tokens > 1:
+            self.running_prefill_budget -= num_tokens
+
     def undo(self, request: Request) -> None:
         """Forget a request scheduled earlier in this step (it was just preempted)."""
         num_tokens = self.num_scheduled_tokens.pop(request.req_id, None)
@@ -49,6 +66,8 @@ class StepPlan:
         self.encoder_inputs.pop(request.req_id, None)
         self.token_budget += num_tokens
         self.scheduled_running.remove(request)
+        if self.running_prefill_budget is not None and num_tokens > 1:
+            self.running_prefill_budget += num_tokens
 
     def record_events(self, now: float) -> None:
         """One timestamp for the whole step: its requests start computing together."""

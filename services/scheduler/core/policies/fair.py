@@ -24,7 +24,9 @@ class FairPolicy(SchedulingPolicy):
     def __init__(self, scheduler_config: SchedulerConfig) -> None:
         super().__init__(scheduler_config)
         self.ledger = TenantLedger()
-        self.waiting: FairRequestQueue = FairRequestQueue(self.ledger)
+        self.waiting: FairRequestQueue = FairRequestQueue(
+            self.ledger, scheduler_config.slo_aging_ms / 1000
+        )
 
     def rounds(self, running: list[Request], plan: StepPlan) -> Iterator[Round]:
         """While requests wait whose tenant ranks below some running request's, the running

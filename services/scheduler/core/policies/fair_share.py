@@ -29,6 +29,7 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 
+from kvserve.services.scheduler.core.policies.deadline_queue import due_time
 from kvserve.services.scheduler.core.request import Request
 from kvserve.services.scheduler.core.request_queue import RequestQueue
 
@@ -97,34 +98,38 @@ class TenantLedger:
 
 
 class FairRequestQueue(RequestQueue):
-    """One queue per tenant (priority, then arrival, inside it); the head is the head of the
-    waiting tenant with the least counter (ties: the earliest head).
+    """One queue per tenant (priority, then due time, then arrival, inside it: the due time
+    is deadline_queue.due_time, so without TTFT targets the arrival order); the head is the
+    head of the waiting tenant with the least counter (ties: the earliest head).
 
     Args:
         ledger: the tenants' counters.
+        aging_s: a request without a TTFT target is due this long after its arrival.
     """
 
-    def __init__(self, ledger: TenantLedger) -> None:
+    def __init__(self, ledger: TenantLedger, aging_s: float = 5.0) -> None:
         self.ledger = ledger
-        self._queues: dict[str, list[tuple[int, float, int, Request]]] = {}
+        self.aging_s = aging_s
+        self._queues: dict[str, list[tuple[int, float, float, int, Request]]] = {}
         self._seq = itertools.count()
         self._len = 0
 
     def add_request(self, request: Request) -> None:
         queue = self._queues.setdefault(request.tenant, [])
-        entry = (request.priority, request.arrival_time, next(self._seq), request)
+        due = due_time(request, self.aging_s)
+        entry = (request.priority, due, request.arrival_time, next(self._seq), request)
         heapq.heappush(queue, entry)
         self._len += 1
 
     def prepend_request(self, request: Request) -> None:
-        # Its (priority, arrival) key puts a preempted request back ahead of later ones.
+        # Its (priority, due, arrival) key puts a preempted request back ahead of later ones.
         self.add_request(request)
 
     def _head_tenant(self) -> str:
         if not self._len:
             raise IndexError("the waiting queue is empty")
         rank = self.ledger.rank
-        return min(self._queues, key=lambda t: (rank(t), self._queues[t][0][1:3]))
+        return min(self._queues, key=lambda t: (rank(t), self._queues[t][0][2:4]))
 
     def peek_request(self) -> Request:
         return self._queues[self._head_tenant()][0][-1]

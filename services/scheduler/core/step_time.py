@@ -1,0 +1,166 @@
+"""How long an engine step takes, from its shape: the model the latency targets plan with.
+
+A step's time is modelled as linear in its shape, with non-negative coefficients:
+
+    seconds = c0 + c1 * prefill tokens / 1e3 + c2 * decode rows / 1e2
+                 + c3 * context attended / 1e6 + c4 * verify rows / 1e2
+
+where "context attended" sums, over the step's query tokens, the keys each attends to (a
+chunk of p tokens after c computed ones attends p * c + p (p + 1) / 2: attention's work),
+and verify rows are the drafts verified under speculation. The scales keep the features
+near 1, so the fit is well conditioned.
+
+The coefficients start at a prior: from the workers' start-up measurement where there is
+one (`SchedulerFeatures.step_costs`: seconds of steps of 1, 2, 4 ... query tokens, measured
+for adaptive speculation), else a conservative guess (a GPU prefilling 10k tokens/s). Every
+measured step then refits them (`record`): the step enters exponentially decayed normal
+equations (half-life ~70 steps, so a machine that gets slower is followed), and every
+`_REFIT_INTERVAL` steps a non-negative least-squares solve, pulled weakly towards the prior
+in the directions the steps seen do not pin down, gives the new coefficients. The mean
+relative prediction error is kept as an EWMA (SchedulerStats.step_time_prediction_error).
+Plain Python: 5 features, a few microseconds a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.shared.messages import SchedulerOutput
+
+_SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-2)  # feature i is raw value i * _SCALES[i]
+_NUM_FEATURES = len(_SCALES)
+# Without a start-up measurement: 10 ms a step, 0.1 s per 1k prompt tokens, 5 ms per 100
+# decode or verify rows, 10 ms per 1M attended keys.
+_DEFAULT_PRIOR = (0.010, 0.100, 0.005, 0.010, 0.005)
+_DECAY = 0.99  # weight of the past at each new step
+_PRIOR_WEIGHT = 0.05  # ridge towards the prior, in steps' worth of evidence
+_REFIT_INTERVAL = 8
+_SOLVE_SWEEPS = 12
+_ERROR_WEIGHT = 0.05  # EWMA weight of the newest step's relative error
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computes, in the model's raw units.
+
+    Args:
+        num_prefill_tokens: prompt tokens (rows of requests computing more than one token).
+        num_decode_rows: requests computing one known token (plus drafts, if any).
+        num_context_tokens: keys attended, summed over the step's query tokens.
+        num_verify_rows: drafts verified (speculative decoding).
+    """
+
+    num_prefill_tokens: int = 0
+    num_decode_rows: int = 0
+    num_context_tokens: int = 0
+    num_verify_rows: int = 0
+
+    def features(self) -> list[float]:
+        raw = (
+            1.0,
+            self.num_prefill_tokens,
+            self.num_decode_rows,
+            self.num_context_tokens,
+            self.num_verify_rows,
+        )
+        return [value * scale for value, scale in zip(raw, _SCALES)]
+
+
+def attended(num_query_tokens: int, num_computed_tokens: int) -> int:
+    """Keys attended by a run of query tokens that follows num_computed_tokens (causal)."""
+    n = num_query_tokens
+    return n * num_computed_tokens + n * (n + 1) // 2
+
+
+def shape_of(scheduler_output: SchedulerOutput) -> StepShape:
+    """The shape of a planned step (its SchedulerOutput holds the pre-step computed counts)."""
+    computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    drafts = scheduler_output.spec_decode.draft_token_ids
+    num_prefill = num_decode = num_context = num_verify = 0
+    for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        num_drafts = len(drafts[req_id]) if req_id in drafts else 0
+        num_known = num_tokens - num_drafts
+        if num_known == 1:
+            num_decode += 1
+        else:
+            num_prefill += num_known
+        num_verify += num_drafts
+        num_context += attended(num_tokens, computed.get(req_id, 0))
+    return StepShape(num_prefill, num_decode, num_context, num_verify)
+
+
+def prior_from_step_costs(step_costs: list[tuple[int, float]]) -> tuple[float, ...]:
+    """The coefficients a start-up measurement implies: its least-squares line (seconds =
+    a + s * query tokens) as the intercept, and s per token for prompt, decode and verify
+    rows; the context term keeps the default guess (those steps attend almost nothing)."""
+    points = [(n, t) for n, t in step_costs if n > 0 and t > 0]
+    if len(points) < 2:
+        return _DEFAULT_PRIOR
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    var_n = sum((n - mean_n) ** 2 for n, _ in points)
+    slope = max(sum((n - mean_n) * (t - mean_t) for n, t in points) / var_n, 0.0)
+    intercept = max(mean_t - slope * mean_n, 1e-4)
+    return (
+        intercept,
+        slope / _SCALES[1],
+        slope / _SCALES[2],
+        _DEFAULT_PRIOR[3],
+        slope / _SCALES[4],
+    )
+
+
+class StepTimeModel:
+    """Predicts a step's seconds from its shape and refits from measured steps (see the
+    module docstring).
+
+    Args:
+        step_costs: (query tokens, seconds) the workers measured at start-up; empty: the
+            default prior.
+    """
+
+    def __init__(self, step_costs: list[tuple[int, float]] | None = None) -> None:
+        self.prior = list(prior_from_step_costs(step_costs or []))
+        self.coefficients = list(self.prior)
+        self._gram = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]  # sum w x x^T
+        self._moment = [0.0] * _NUM_FEATURES  # sum w x y
+        self._num_since_refit = 0
+        self.num_steps = 0
+        self.relative_error = 0.0  # EWMA of |predicted - measured| / measured
+
+    def predict(self, shape: StepShape) -> float:
+        return sum(c * x for c, x in zip(self.coefficients, shape.features()))
+
+    def record(self, shape: StepShape, seconds: float) -> None:
+        """One measured step: track the error of its prediction, then learn from it."""
+        if seconds <= 0:
+            return
+        x = shape.features()
+        error = abs(sum(c * xi for c, xi in zip(self.coefficients, x)) - seconds) / seconds
+        if self.num_steps == 0:
+            self.relative_error = error
+        else:
+            self.relative_error += _ERROR_WEIGHT * (error - self.relative_error)
+        self.num_steps += 1
+        self._moment = [_DECAY * m + xi * seconds for m, xi in zip(self._moment, x)]
+        self._gram = [
+            [_DECAY * g + xi * xj for g, xj in zip(row, x)] for row, xi in zip(self._gram, x)
+        ]
+        self._num_since_refit += 1
+        if self._num_since_refit >= _REFIT_INTERVAL:
+            self.refit()
+
+    def refit(self) -> None:
+        """Non-negative least squares on the decayed normal equations, with a ridge towards
+        the prior (projected Gauss-Seidel, warm-started from the current coefficients)."""
+        self._num_since_refit = 0
+        gram, coefficients = self._gram, self.coefficients
+        targets = [m + _PRIOR_WEIGHT * p for m, p in zip(self._moment, self.prior)]
+        diagonals = [gram[i][i] + _PRIOR_WEIGHT for i in range(_NUM_FEATURES)]
+        for _ in range(_SOLVE_SWEEPS):
+            for i, row in enumerate(gram):
+                # Row i of the normal equations, solved for coefficient i (the others held).
+                rest = sum([a * c for a, c in zip(row, coefficients)]) - row[i] * coefficients[i]
+                coefficients[i] = max((targets[i] - rest) / diagonals[i], 0.0)

@@ -1,0 +1,259 @@
+"""Latency targets on the real Scheduler (latency_targets.py, policies/deadline_queue.py): the
+budget rule under TPOT targets, earliest-deadline-first admission with aging, and a TTFT
+target's prompt admitted beside another request's long prompt; driven by a fake model
+(tests/support/scheduler.py) with a step-time model of known coefficients."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvserve.services.scheduler.core.features import SchedulerFeatures
+from kvserve.services.scheduler.core.request import RequestStatus
+from kvserve.services.scheduler.core.scheduler import Scheduler
+from kvserve.services.scheduler.core.step_time import StepShape, shape_of
+from kvserve.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.shared.messages import EngineCoreEventType, FinishReason
+from tests.support.kv import assert_no_leaked_blocks
+from tests.support.scheduler import create_request, run_to_completion, step, submit
+
+# The engine's clock in these tests (the arrival_time clock), and a step-time model of
+# 10 ms a step, 0.1 ms per prompt token or decode row, 10 ms per 1M attended keys.
+NOW = 1000.0
+COEFFICIENTS = [0.010, 0.100, 0.010, 0.010, 0.010]
+
+
+def _scheduler(
+    *,
+    scheduling_policy: str = "fcfs",
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 16,
+    speculative_config: SpeculativeConfig | None = None,
+    **slo_knobs: float,
+) -> Scheduler:
+    """A Scheduler with the latency-target knobs (SchedulerConfig.slo_*), whose step-time
+    model has COEFFICIENTS and whose clock reads NOW."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
+        **slo_knobs,
+    )
+    features = SchedulerFeatures(speculative_config=speculative_config)
+    scheduler = Scheduler(config, CacheConfig(block_size=16), 2000, 8192, features=features)
+    scheduler.latency.clock = lambda: NOW
+    scheduler.latency.model.coefficients = list(COEFFICIENTS)
+    return scheduler
+
+
+def _targeted(req_id: str, num_tokens: int = 10, *, ttft=None, tpot=None, **kwargs):
+    request = create_request(req_id, num_tokens, **kwargs)
+    return msgspec.structs.replace(request, slo_ttft_ms=ttft, slo_tpot_ms=tpot)
+
+
+def _predict(scheduler: Scheduler, scheduler_output) -> float:
+    return scheduler.latency.model.predict(shape_of(scheduler_output))
+
+
+def _with_decodes(scheduler: Scheduler, tpot: float | None) -> None:
+    """Four requests that decode for a long while, with the TPOT target `tpot`."""
+    for i in range(4):
+        scheduler.add_request(_targeted(f"chat{i}", 20, tpot=tpot, max_tokens=60))
+    step(scheduler)  # their prompts; they decode from now on
+
+
+# ------------------------------------------------------------------ the budget rule
+
+
+def test_without_targets_a_step_has_the_whole_budget():
+    scheduler = _scheduler()
+    _with_decodes(scheduler, tpot=None)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.total_num_scheduled_tokens == 2048
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_a_step_is_the_largest_that_keeps_the_tpot_target():
+    target_s = 0.050
+    scheduler = _scheduler()
+    _with_decodes(scheduler, tpot=target_s * 1000)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    num_chunks = num_before = 0
+    while scheduler.requests.get("chat0") is not None:
+        scheduler_output, _ = step(scheduler)
+        assert _predict(scheduler, scheduler_output) <= target_s
+        chunk = scheduler_output.num_scheduled_tokens.get("document", 0)
+        if chunk and num_before + chunk < 6000:  # (the last chunk is what was left)
+            num_chunks += 1
+            shape = shape_of(scheduler_output)
+            one_more = StepShape(
+                shape.num_prefill_tokens + 1,
+                shape.num_decode_rows,
+                shape.num_context_tokens + num_before + chunk + 1,  # the next token's keys
+            )
+            # No larger step would have kept the target: the budget was the largest.
+            assert scheduler.latency.model.predict(one_more) > target_s
+            assert len(scheduler_output.num_scheduled_tokens) == 5  # every decode is in it
+        num_before += chunk
+    assert num_chunks > 3  # the document was cut into chunks that fit
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_the_decodes_fit_even_when_they_alone_miss_the_target():
+    scheduler = _scheduler()
+    _with_decodes(scheduler, tpot=1.0)  # 1 ms: below the 10 ms of any step
+    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens == {f"chat{i}": 1 for i in range(4)}
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_under_speculation_the_drafts_count_in_the_step_time():
+    target_s = 0.030
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
+    scheduler = _scheduler(speculative_config=ngram)
+    scheduler.add_request(_targeted("chat", 20, tpot=target_s * 1000, max_tokens=60))
+    step(scheduler, spec_token_ids={"chat": [11, 12, 13, 14]})  # its prompt, then drafts
+    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens["chat"] == 5  # its token and 4 drafts
+    assert shape_of(scheduler_output).num_verify_rows == 4
+    assert 0 < scheduler_output.num_scheduled_tokens["document"] < 2048 - 5
+    assert _predict(scheduler, scheduler_output) <= target_s
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+# ------------------------------------------------------------------ TTFT targets
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_a_ttft_target_is_admitted_in_the_next_step_beside_a_long_prompt(policy):
+    scheduler = _scheduler(scheduling_policy=policy)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW - 1))
+    first, _ = step(scheduler)
+    assert first.num_scheduled_tokens == {"document": 2048}  # mid-prefill
+    scheduler.add_request(_targeted("chat", 10, ttft=500.0, arrival_time=NOW))
+    scheduler_output, outputs = step(scheduler)
+    assert [new.req_id for new in scheduler_output.scheduled_new_reqs] == ["chat"]
+    assert scheduler_output.num_scheduled_tokens["chat"] == 10
+    assert scheduler_output.num_scheduled_tokens["document"] == 2048 - 10
+    (chat_output,) = [output for output in outputs if output.request_id == "chat"]
+    events = [event.type for event in chat_output.events]
+    assert events == [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED]
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_a_ttft_target_gets_in_beside_a_long_prompt_within_the_tpot_target():
+    target_s = 0.050
+    scheduler = _scheduler()
+    _with_decodes(scheduler, tpot=target_s * 1000)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW - 1))
+    step(scheduler)  # a first chunk of the document
+    scheduler.add_request(_targeted("chat", 10, ttft=500.0, arrival_time=NOW))
+    scheduler_output, _ = step(scheduler)
+    assert [new.req_id for new in scheduler_output.scheduled_new_reqs] == ["chat"]
+    assert scheduler_output.num_scheduled_tokens["chat"] == 10
+    assert _predict(scheduler, scheduler_output) <= target_s
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_without_a_target_the_short_request_waits_for_the_long_prompt():
+    scheduler = _scheduler()
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW - 1))
+    step(scheduler)
+    scheduler.add_request(create_request("chat", 10, arrival_time=NOW))
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens == {"document": 2048}
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def _admission_order(scheduler: Scheduler) -> list[str]:
+    order: list[str] = []
+    while scheduler.has_requests():
+        scheduler_output, _ = step(scheduler)
+        order += [new.req_id for new in scheduler_output.scheduled_new_reqs]
+    assert_no_leaked_blocks(scheduler)
+    return order
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_waiting_requests_are_admitted_earliest_deadline_first(policy):
+    scheduler = _scheduler(scheduling_policy=policy, max_num_seqs=1, slo_aging_ms=5000.0)
+    scheduler.add_request(create_request("plain", max_tokens=1, arrival_time=0.0))  # due 5 s
+    scheduler.add_request(_targeted("loose", ttft=3000.0, max_tokens=1, arrival_time=1.0))
+    scheduler.add_request(_targeted("tight", ttft=1000.0, max_tokens=1, arrival_time=2.0))
+    assert _admission_order(scheduler) == ["tight", "loose", "plain"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_a_request_without_a_target_is_due_after_the_aging_bound(policy):
+    scheduler = _scheduler(scheduling_policy=policy, max_num_seqs=1, slo_aging_ms=2000.0)
+    scheduler.add_request(create_request("old", max_tokens=1, arrival_time=0.0))  # due 2 s
+    scheduler.add_request(_targeted("patient", ttft=10_000.0, max_tokens=1, arrival_time=1.0))
+    scheduler.add_request(create_request("newer", max_tokens=1, arrival_time=3.0))  # due 5 s
+    assert _admission_order(scheduler) == ["old", "newer", "patient"]
+
+
+def test_under_priority_the_priority_ranks_before_the_deadline():
+    scheduler = _scheduler(scheduling_policy="priority", max_num_seqs=1)
+    scheduler.add_request(create_request("important", max_tokens=1, priority=0, arrival_time=5))
+    scheduler.add_request(_targeted("urgent", ttft=1.0, max_tokens=1, priority=1, arrival_time=0))
+    assert _admission_order(scheduler) == ["important", "urgent"]
+
+
+# ------------------------------------------------------------------ targets in
+
+
+def test_the_engine_defaults_apply_to_requests_without_targets():
+    scheduler = _scheduler(slo_ttft_ms=800.0, slo_tpot_ms=80.0)
+    scheduler.add_request(create_request("plain"))
+    scheduler.add_request(_targeted("own", ttft=200.0))
+    assert (scheduler.requests["plain"].slo_ttft_ms, scheduler.requests["plain"].slo_tpot_ms) == (
+        800.0,
+        80.0,
+    )
+    assert (scheduler.requests["own"].slo_ttft_ms, scheduler.requests["own"].slo_tpot_ms) == (
+        200.0,
+        80.0,
+    )
+    run_to_completion(scheduler)
+    assert scheduler.latency.num_targeted == 0
+    assert_no_leaked_blocks(scheduler)
+
+
+@pytest.mark.parametrize("field", ["slo_ttft_ms", "slo_tpot_ms"])
+@pytest.mark.parametrize("value", [0.0, -5.0, float("nan"), float("inf")])
+def test_a_bad_request_target_is_an_error_output(field, value):
+    scheduler = _scheduler()
+    submit(scheduler, msgspec.structs.replace(create_request("bad"), **{field: value}))
+    _, outputs = step(scheduler)
+    assert outputs[0].finish_reason == FinishReason.ERROR
+    assert field in (outputs[0].error or "")
+    assert_no_leaked_blocks(scheduler)
+
+
+@pytest.mark.parametrize("field", ["slo_ttft_ms", "slo_tpot_ms", "slo_aging_ms"])
+def test_a_bad_server_target_is_a_config_error(field):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: 0.0})
+
+
+def test_the_prediction_error_is_exported():
+    scheduler = _scheduler()
+    scheduler.add_request(create_request("a", 100))
+    scheduler_output = scheduler.schedule()
+    predicted = _predict(scheduler, scheduler_output)
+    scheduler.record_step_time(scheduler_output, predicted * 2)
+    stats = scheduler.make_stats()
+    assert stats is not None
+    assert stats.step_time_prediction_error == pytest.approx(0.5)
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert_no_leaked_blocks(scheduler)

@@ -1,0 +1,99 @@
+"""The step-time model (step_time.py): its fit from measured steps, its refit when the machine
+changes, its prior, and the shape of a real Scheduler's step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve.services.scheduler.core.step_time import (
+    StepShape,
+    StepTimeModel,
+    attended,
+    prior_from_step_costs,
+    shape_of,
+)
+from tests.support.scheduler import create_request, create_scheduler, step
+
+# Seconds: a step, per 1k prompt tokens, per 100 decode rows, per 1M keys, per 100 drafts.
+TRUE_COEFFICIENTS = [0.004, 0.080, 0.012, 0.020, 0.006]
+
+
+def _random_shape(rng: random.Random) -> StepShape:
+    """A step as a server sees them: mostly decodes, some with a prompt chunk."""
+    num_prefill = rng.choice([0, 0, rng.randint(1, 2048)])
+    num_decode = rng.randint(0, 64)
+    num_context = num_decode * rng.randint(1, 4096) + attended(num_prefill, rng.randint(0, 4000))
+    return StepShape(num_prefill, num_decode, num_context, rng.randint(0, num_decode))
+
+
+def _seconds(shape: StepShape, slowdown: float = 1.0) -> float:
+    return slowdown * sum(c * x for c, x in zip(TRUE_COEFFICIENTS, shape.features()))
+
+
+def test_the_fit_recovers_the_coefficients_of_measured_steps():
+    model, rng = StepTimeModel(), random.Random(0)
+    for _ in range(400):
+        shape = _random_shape(rng)
+        model.record(shape, _seconds(shape))
+    for fitted, true in zip(model.coefficients, TRUE_COEFFICIENTS):
+        assert fitted == pytest.approx(true, rel=0.1)
+    assert model.relative_error < 0.02
+
+
+def test_noisy_steps_are_predicted_within_the_noise():
+    model, rng = StepTimeModel(), random.Random(0)
+    for _ in range(400):
+        shape = _random_shape(rng)
+        model.record(shape, _seconds(shape) * rng.uniform(0.98, 1.02))
+    assert model.relative_error < 0.05
+    for _ in range(20):
+        shape = _random_shape(rng)
+        assert model.predict(shape) == pytest.approx(_seconds(shape), rel=0.05)
+
+
+def test_the_model_follows_a_machine_that_gets_slower():
+    model, rng = StepTimeModel(), random.Random(1)
+    for _ in range(300):
+        shape = _random_shape(rng)
+        model.record(shape, _seconds(shape))
+    for _ in range(400):
+        shape = _random_shape(rng)
+        model.record(shape, _seconds(shape, slowdown=2.0))
+    for _ in range(20):
+        shape = _random_shape(rng)
+        assert model.predict(shape) == pytest.approx(_seconds(shape, slowdown=2.0), rel=0.05)
+
+
+def test_the_coefficients_stay_non_negative():
+    model = StepTimeModel()
+    # Steps that get faster with more prompt tokens: a negative slope would fit them.
+    for num_prefill in range(0, 2000, 10):
+        model.record(StepShape(num_prefill, 8, 8 * 100), 0.05 - num_prefill * 1e-5)
+    assert all(c >= 0 for c in model.coefficients)
+
+
+def test_the_prior_comes_from_the_start_up_measurement():
+    costs = [(n, 0.010 + n * 1e-4) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    intercept, per_prefill, per_decode, _, per_verify = prior_from_step_costs(costs)
+    assert intercept == pytest.approx(0.010, rel=1e-6)
+    assert per_prefill == pytest.approx(0.1)  # 1e-4 s a token, per 1k tokens
+    assert per_decode == per_verify == pytest.approx(0.01)  # per 100 rows
+    model = StepTimeModel(costs)
+    assert model.predict(StepShape(num_prefill_tokens=1000)) == pytest.approx(0.11, rel=0.01)
+    assert StepTimeModel().coefficients != model.coefficients  # no measurement: the default
+
+
+def test_the_shape_of_a_step_counts_prompt_tokens_decode_rows_and_attended_keys():
+    scheduler = create_scheduler(max_num_batched_tokens=64)
+    scheduler.add_request(create_request("decoding", num_tokens=10))
+    step(scheduler)  # its prompt; it decodes from now on
+    scheduler.add_request(create_request("prompt", num_tokens=100))
+    scheduler_output = scheduler.schedule()
+    shape = shape_of(scheduler_output)
+    assert shape.num_decode_rows == 1
+    assert shape.num_prefill_tokens == 63  # the budget less the decode
+    # The decode's token attends its 10 computed tokens and itself; the chunk is causal.
+    assert shape.num_context_tokens == 11 + 63 * 64 // 2
+    assert shape.num_verify_rows == 0
