@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvserve.kernels import attention, cpu, gemm
+from kvserve.kernels import cpu, cpu_prefill, gemm, prefill_route
 from kvserve.services.kv_store.connector import WorkerConnector
 from kvserve.services.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from kvserve.services.worker.input_batch import InputBatch
@@ -299,15 +299,15 @@ class ModelRunner:
 
     def _measure_prefill_route(self) -> None:
         """Which prefill chunks take the decode kernel and which torch's flash attention, timed
-        on this CPU for this model's head layout (kernels/attention.py)."""
+        on this CPU for this model's head layout (kernels/prefill_route.py)."""
         import time
 
         layer = self.attention_layers[0]
         start = time.perf_counter()
-        limit, timings = attention.measure_prefill_route(
+        limit, timings = prefill_route.measure_prefill_route(
             self.dtype, layer.num_heads, layer.num_kv_heads, layer.head_size, self.block_size
         )
-        flash = attention.FLASH_ROUTE.get(
+        flash = cpu_prefill.FLASH_ROUTE.get(
             (self.dtype, layer.num_heads, layer.num_kv_heads, layer.head_size), "flash"
         )
         logger.info(
