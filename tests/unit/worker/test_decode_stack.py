@@ -307,7 +307,7 @@ def test_the_engine_measures_the_stack_and_keeps_it_to_the_counts_it_wins(
     # times decode steps of 1, 2, 4, 8 requests both ways and rebinds the stack to the limit
     # fit_stack_limit gives it (here a fixed one, so the binding is what is checked).
     from kvserve import LLM
-    from kvserve.services.worker import model_runner
+    from kvserve.services.worker import step_timing
     from tests.support.models import TINY_KV_CACHE_MEMORY
 
     timed: list[list[int]] = []
@@ -320,7 +320,7 @@ def test_the_engine_measures_the_stack_and_keeps_it_to_the_counts_it_wins(
 
     monkeypatch.setenv("KVSERVE_NATIVE_DECODE_MEASURE", "1")
     monkeypatch.setenv("KVSERVE_NATIVE_DECODE_ROWS", "8")
-    monkeypatch.setattr(model_runner, "fit_stack_limit", fixed_limit)
+    monkeypatch.setattr(step_timing, "fit_stack_limit", fixed_limit)
     llm = LLM(tiny_llama_dir, kv_cache_memory=TINY_KV_CACHE_MEMORY)
     assert timed == [[1, 2, 4, 8]]
     model = llm.engine_core.executor.worker.runner.model
