@@ -8,6 +8,8 @@ inputs).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -23,6 +25,9 @@ from kvserve.services.worker.spec_decode.rejection_sampler import verify
 from kvserve.services.worker.step_inputs import StepBatch
 from kvserve.shared.messages import Logprobs
 
+if TYPE_CHECKING:
+    from kvserve.services.worker.models.llama import LlamaForCausalLM
+
 
 class StepSampler:
     """Samples a step's tokens from its hidden states.
@@ -37,7 +42,7 @@ class StepSampler:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         sampler: Sampler,
         device: torch.device,
         is_last_stage: bool,

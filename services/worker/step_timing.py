@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from kvserve.services.worker.layers.embed_head import ParallelLMHead
 from kvserve.services.worker.models.native_decode import bind_decode_stack, fit_stack_limit
 from kvserve.shared.config import SchedulerConfig
 from kvserve.shared.logging import init_logger
+
+if TYPE_CHECKING:
+    from kvserve.services.worker.models.llama import LlamaForCausalLM
 
 logger = init_logger(__name__)
 
@@ -37,7 +41,7 @@ class StepTimer:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         run_stage: Callable[..., torch.Tensor | None],
         dtype: torch.dtype,
         device: torch.device,
