@@ -42,8 +42,8 @@ def paged_attention_cpu(
     )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     options = (sliding_window, logits_soft_cap, attention_chunk_size, sinks, k_scale, v_scale)
-    decode_reqs = None  # a pure decode step: every request, in order
-    if max_query_len > 1:
+    decode_reqs = None  # a pure decode step (max_query_len 1): every request, in order
+    if max_query_len != 1:
         _prefills(
             out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
             options,
