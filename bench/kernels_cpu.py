@@ -5,7 +5,7 @@ Shapes are SmolLM2-135M's: hidden 576, 9 query heads, 3 KV heads, head_dim 64, i
 rounds (best is the stable number on a shared machine), for float32 and bfloat16, plus the
 old per-request-loop attention as a baseline, and the CPU fast path the engine runs
 (`paged_attention_cpu`: decodes in the C kernel, prefill chunks in it too or through the
-flash route, kernels.attention._prefill_in_decode_kernel) on the prefill step of the
+flash route, kernels.prefill_route.prefill_in_decode_kernel) on the prefill step of the
 concurrency-32 workload and others, with the prefill's GFLOP/s on each route (torch's flash,
 the AMX kernel where bfloat16 runs on AMX tiles, the decode kernel).
 
@@ -23,9 +23,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import attention, cpu
+from kvserve.kernels import cpu, cpu_prefill
 from kvserve.kernels.activation import silu_and_mul_ref
-from kvserve.kernels.attention import paged_attention_cpu, paged_attention_ref
+from kvserve.kernels.attention_cpu import paged_attention_cpu
+from kvserve.kernels.attention_ref import paged_attention_ref
 from kvserve.kernels.cache import write_kv_cache_ref
 from kvserve.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kvserve.kernels.rotary import rotary_embedding_ref
@@ -148,7 +149,7 @@ def prefill_routes(args) -> dict[str, Callable[[], object]]:
 
     def torch_flash() -> None:
         for req, start, end, seq_len in chunks:
-            out[start:end] = attention._prefill_attention_cpu(
+            out[start:end] = cpu_prefill._prefill_attention_cpu(
                 query[start:end], key_cache, value_cache, block_table[req], seq_len, scale
             )
 
@@ -160,7 +161,7 @@ def prefill_routes(args) -> dict[str, Callable[[], object]]:
 
     def decode_kernel() -> None:
         for req, start, end, seq_len in chunks:
-            attention._prefill_as_decodes(
+            cpu_prefill.prefill_as_decodes(
                 out, query, key_cache, value_cache, block_table[req], start, end, seq_len, scale
             )
 

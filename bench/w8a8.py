@@ -186,7 +186,7 @@ def decode_profile(
         _throughput(llm, prompts, 4)  # warm: plans measured at every row count used
         runner = llm.engine_core.executor.worker.runner
         lens = np.full(num_prompts, query_len, dtype=np.int32)
-        step = runner._timing_step(lens, context=input_len)
+        step = runner.step_timer.timing_step(lens, context=input_len)
         setups[name] = (runner, step, instrument(runner.model))
     with torch.inference_mode():
         for _ in range(rounds):

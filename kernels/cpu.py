@@ -23,7 +23,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import overload
+from typing import Any, overload
 
 import torch
 
@@ -308,18 +308,7 @@ def decode_attention(
     token_rows = token_rows.to(torch.int64).contiguous()
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    query_kind = "f32" if query.dtype == torch.float32 else "bf16"
-    cache_format = _FP8_CACHE_FORMATS.get(key_cache.dtype)
-    extra: tuple[ctypes.c_float, ...] = ()
-    if cache_format is None:
-        assert key_cache.dtype == query.dtype, (key_cache.dtype, query.dtype)
-        fn = getattr(lib, f"decode_attention_{query_kind}_chunked")
-    else:
-        # The key scale joins the softmax scale (score = scale * q . (k_scale * k)); the
-        # value scale multiplies each output row once.
-        fn = getattr(lib, f"decode_attention_{query_kind}_{cache_format}_chunked_scaled")
-        scale = scale * k_scale
-        extra = (ctypes.c_float(v_scale),)
+    fn, scale, extra = _decode_attention_entry(lib, query, key_cache, scale, k_scale, v_scale)
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
         assert sinks.shape == (num_heads,), (sinks.shape, num_heads)
@@ -349,6 +338,27 @@ def decode_attention(
         _ptr(sinks),
         *extra,
     )
+
+
+def _decode_attention_entry(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+) -> tuple[Any, float, tuple[ctypes.c_float, ...]]:
+    """decode_attention's C entry point for the query dtype and the cache format, the softmax
+    scale it takes and its trailing arguments (an fp8 cache's value scale)."""
+    query_kind = "f32" if query.dtype == torch.float32 else "bf16"
+    cache_format = _FP8_CACHE_FORMATS.get(key_cache.dtype)
+    if cache_format is None:
+        assert key_cache.dtype == query.dtype, (key_cache.dtype, query.dtype)
+        return getattr(lib, f"decode_attention_{query_kind}_chunked"), scale, ()
+    # The key scale joins the softmax scale (score = scale * q . (k_scale * k)); the
+    # value scale multiplies each output row once.
+    fn = getattr(lib, f"decode_attention_{query_kind}_{cache_format}_chunked_scaled")
+    return fn, scale * k_scale, (ctypes.c_float(v_scale),)
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:

@@ -178,6 +178,34 @@ def quantized_available() -> bool:
     return quant.c_available() and int4.c_available() and quant.activations() == "int8"
 
 
+def _held_qtypes(layers: list[StackLayer]) -> set[str]:
+    """The quantized types of the weight parts the layers hold (empty: all float)."""
+    return {
+        weight.qtype
+        for layer in layers
+        for matrix in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
+        for _, weight in matrix
+        if isinstance(weight, QuantizedTensor)
+    }
+
+
+def _c_layer(layer: StackLayer, amx: bool) -> _Layer:
+    """The C struct of one layer: its tensors' addresses (the stack holds the tensors)."""
+    return _Layer(
+        layer.input_norm.data_ptr(),
+        layer.post_norm.data_ptr(),
+        _c_matrix(layer.qkv_w, amx),
+        None if layer.qkv_b is None else layer.qkv_b.data_ptr(),
+        _c_matrix(layer.o_w, amx),
+        _c_matrix(layer.gate_up_w, amx),
+        _c_matrix(layer.down_w, amx),
+        layer.key_cache.data_ptr(),
+        layer.value_cache.data_ptr(),
+        layer.cos_sin.data_ptr(),
+        layer.sliding_window or 0,
+    )
+
+
 class DecodeStack:
     """A stack of layers run by one C call per decode step.
 
@@ -207,44 +235,12 @@ class DecodeStack:
         block_size = layers[0].key_cache.shape[1]
         for layer in layers:
             _check_layer(layer, shape, dtype, block_size)
-        quantized = any(
-            isinstance(weight, QuantizedTensor)
-            for layer in layers
-            for matrix in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
-            for _, weight in matrix
-        )
+        held_qtypes = _held_qtypes(layers)
+        quantized = bool(held_qtypes)
         assert not quantized or quantized_available()
-        held_w4 = any(
-            isinstance(weight, QuantizedTensor) and weight.qtype in int4.W4_GROUPS
-            for layer in layers
-            for matrix in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
-            for _, weight in matrix
-        )
-        held_w8a8 = any(
-            isinstance(weight, QuantizedTensor) and weight.qtype == "W8A8"
-            for layer in layers
-            for matrix in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
-            for _, weight in matrix
-        )
-        self.amx = amx = held_w8a8 and w8a8_amx()
-        self._c_layers = (_Layer * len(layers))(
-            *(
-                _Layer(
-                    layer.input_norm.data_ptr(),
-                    layer.post_norm.data_ptr(),
-                    _c_matrix(layer.qkv_w, amx),
-                    None if layer.qkv_b is None else layer.qkv_b.data_ptr(),
-                    _c_matrix(layer.o_w, amx),
-                    _c_matrix(layer.gate_up_w, amx),
-                    _c_matrix(layer.down_w, amx),
-                    layer.key_cache.data_ptr(),
-                    layer.value_cache.data_ptr(),
-                    layer.cos_sin.data_ptr(),
-                    layer.sliding_window or 0,
-                )
-                for layer in layers
-            )
-        )
+        held_w4 = any(qtype in int4.W4_GROUPS for qtype in held_qtypes)
+        self.amx = amx = "W8A8" in held_qtypes and w8a8_amx()
+        self._c_layers = (_Layer * len(layers))(*(_c_layer(layer, amx) for layer in layers))
         self._c_shape = _Shape(
             shape.hidden,
             shape.num_heads,

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kernels import activation, attention, cache, cpu, gemm, norm, rotary
+from kvserve.kernels import (
+    activation,
+    attention,
+    attention_cpu,
+    attention_ref,
+    cache,
+    cpu,
+    gemm,
+    norm,
+    rotary,
+)
 from kvserve.kernels._triton import HAS_TRITON
 
 
@@ -221,9 +231,9 @@ def paged_attention(
     if _use_triton(query):
         fn = attention.paged_attention
     elif _use_cpu_kernel(query):
-        fn = attention.paged_attention_cpu
+        fn = attention_cpu.paged_attention_cpu
     else:
-        fn = attention.paged_attention_ref
+        fn = attention_ref.paged_attention_ref
     return fn(
         query,
         key_cache,

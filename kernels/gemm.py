@@ -317,22 +317,10 @@ def tune(
     shapes = sorted(set(shapes), key=lambda s: (str(s[0]), s[1], s[2], s[3]))
     if mode not in (*PATHS, "auto"):
         raise ValueError(f"unknown GEMM path {mode!r}: use auto, torch, onednn or native")
-    torch_only = ShapePlan(("torch",) * len(ROW_LADDER))
     if mode in PATHS:
-        # A dtype the forced path cannot run on this CPU stays on torch.
-        forced = ShapePlan((mode,) * len(ROW_LADDER))
-        return GemmPlan(
-            {
-                GemmPlan.key(d, n, k): forced if path_available(mode, d) else torch_only
-                for d, n, k, _ in shapes
-            },
-            "forced",
-        )
-
-    def measurable(dtype: torch.dtype) -> bool:  # some path besides torch runs it here
-        return any(path_available(path, dtype) for path in PATHS if path != "torch")
-
-    if not any(measurable(d) for d, _, _, _ in shapes):
+        return _forced_plan(shapes, mode)
+    torch_only = ShapePlan(("torch",) * len(ROW_LADDER))
+    if not any(_measurable(d) for d, _, _, _ in shapes):
         return GemmPlan({GemmPlan.key(d, n, k): torch_only for d, n, k, _ in shapes}, "forced")
     path = _cache_path(torch.get_num_threads())
     cached = _read_cache(path) if use_cache else {}
@@ -352,7 +340,7 @@ def tune(
         if cache_key in cached:
             plan.shapes[key] = cached[cache_key]
             continue
-        if not measurable(dtype):
+        if not _measurable(dtype):
             plan.shapes[key] = torch_only
             continue
         if measured and (stalled_share() or 0.0) > CONTENDED_SHARE:
@@ -366,8 +354,33 @@ def tune(
     plan.seconds = time.perf_counter() - start
     if measured:
         plan.stalled_share = stalled_share()
-    if not (use_cache and measured):
-        return plan
+    if use_cache and measured:
+        _cache_measured(path, plan, {**cached, **measured})
+    return plan
+
+
+def _forced_plan(shapes: list[tuple[torch.dtype, int, int, int]], mode: str) -> GemmPlan:
+    """Every shape on the forced path; a dtype the forced path cannot run on this CPU stays on
+    torch."""
+    torch_only = ShapePlan(("torch",) * len(ROW_LADDER))
+    forced = ShapePlan((mode,) * len(ROW_LADDER))
+    return GemmPlan(
+        {
+            GemmPlan.key(d, n, k): forced if path_available(mode, d) else torch_only
+            for d, n, k, _ in shapes
+        },
+        "forced",
+    )
+
+
+def _measurable(dtype: torch.dtype) -> bool:
+    """Whether some path besides torch runs this dtype here."""
+    return any(path_available(path, dtype) for path in PATHS if path != "torch")
+
+
+def _cache_measured(path: str, plan: GemmPlan, plans: dict[str, ShapePlan]) -> None:
+    """Write the cache file's plans (the cached ones and the new measurements), unless the
+    measurements timed other work too (the cores were contended): then only warn."""
     if plan.stalled_share is not None and plan.stalled_share > CONTENDED_SHARE:
         logger.warning(
             "CPU GEMM plan measured while other work held the cores (a task waited for a CPU "
@@ -376,9 +389,8 @@ def tune(
             100 * plan.stalled_share,
             plan.unmeasured,
         )
-        return plan
-    _write_cache(path, {**cached, **measured})
-    return plan
+        return
+    _write_cache(path, plans)
 
 
 def _read_cache(path: str) -> dict[str, ShapePlan]:

@@ -12,7 +12,8 @@ scale per row in `scales`). `quant_linear` computes y = x W^T (+ b) without the 
                            more rows: weight rows dequantized in chunks of DEQUANT_CHUNK_BYTES
                            by the C kernel, each chunk multiplied by F.linear (MKL/oneDNN)
     CPU, no compiler       the torch reference: dequantize (torch ops), then F.linear
-    CUDA                   the Triton kernel (dequantizes tiles in registers, fp32 dots)
+    CUDA                   the Triton kernel (kernels/quant_triton.py: dequantizes tiles in
+                           registers, fp32 dots) via quant_linear_triton
 
 The C library is built by kernels/cpu.py's NativeLibrary (same flags, cached per machine and
 source hash) but as its own .so, so the two sources change independently.
@@ -28,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import int4
-from kvserve.kernels._triton import HAS_TRITON, require_triton, tl, triton
+from kvserve.kernels import int4, quant_triton
+from kvserve.kernels._triton import require_triton, triton
 from kvserve.kernels.cpu import NativeLibrary
 from kvserve.shared.env import QUANT_ACTIVATIONS
 
@@ -525,7 +526,7 @@ def _lookup_ref(qt: QuantizedTensor, flat: torch.Tensor) -> torch.Tensor:
     return dequantize_ref(QuantizedTensor(qt.qtype, (flat.numel(), qt.shape[1]), data, scales))
 
 
-# ---------------------------------------------------------------------- Triton (GPU)
+# ------------------------------------------- Triton (GPU): the kernel in kernels/quant_triton.py
 
 
 def quant_linear_triton(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None):
@@ -540,7 +541,7 @@ def quant_linear_triton(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor
     scales = qt.scales if qt.scales is not None else y  # unused unless I8
     block_m, block_n = 16, 32
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _quant_linear_kernel[grid](
+    quant_triton._quant_linear_kernel[grid](
         xf, qt.data, scales, y, m, n, k,
         xf.stride(0), qt.data.stride(0), y.stride(0),
         QTYPE=code, BLOCK_BYTES=bpb, SUPER=elems, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -548,85 +549,3 @@ def quant_linear_triton(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _f16_at(ptr, mask):
-        """The little-endian fp16 at byte pointers ptr, as float32."""
-        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def _quant_linear_kernel(
-        x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
-        stride_xm, stride_wn, stride_ym,
-        QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, SUPER: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = rm < M
-        n_ok = rn < N
-        nm = n_ok[:, None]
-        i = tl.arange(0, 32)[None, :]  # element within a 32-block
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        row = w_ptr + rn[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1] byte pointers
-        for kb in range(0, K // 32):
-            if QTYPE == 8:  # Q8_0: d, 32 x int8
-                base = row + kb * BLOCK_BYTES
-                q = tl.load(base + 2 + i, mask=nm, other=0).to(tl.int8, bitcast=True)
-                w = _f16_at(base, nm) * q.to(tl.float32)
-            elif QTYPE == 2:  # Q4_0: d, 16 bytes of nibbles (lo = 0..15, hi = 16..31)
-                base = row + kb * BLOCK_BYTES
-                byte = tl.load(base + 2 + (i % 16), mask=nm, other=0)
-                nib = tl.where(i < 16, byte & 15, byte >> 4).to(tl.float32)
-                w = _f16_at(base, nm) * (nib - 8.0)
-            elif QTYPE == 3:  # Q4_1: d, m, 16 bytes of nibbles
-                base = row + kb * BLOCK_BYTES
-                byte = tl.load(base + 4 + (i % 16), mask=nm, other=0)
-                nib = tl.where(i < 16, byte & 15, byte >> 4).to(tl.float32)
-                w = _f16_at(base, nm) * nib + _f16_at(base + 2, nm)
-            elif QTYPE == 39:  # MXFP4: e8m0 exponent, 16 bytes (lo = element 2j, hi = 2j + 1)
-                base = row + kb * BLOCK_BYTES
-                exponent = tl.load(base, mask=nm, other=127).to(tl.float32)
-                byte = tl.load(base + 1 + i // 2, mask=nm, other=0)
-                nib = tl.where(i % 2 == 0, byte & 15, byte >> 4).to(tl.int32)
-                mag = nib & 7
-                # e2m1: 0, 0.5 for mag 0, 1; else (1 + (mag & 1) / 2) * 2^((mag >> 1) - 1)
-                value = tl.where(
-                    mag < 2,
-                    mag.to(tl.float32) * 0.5,
-                    (1.0 + (mag & 1).to(tl.float32) * 0.5)
-                    * tl.exp2(((mag >> 1) - 1).to(tl.float32)),
-                )
-                value = tl.where(nib >= 8, -value, value)
-                w = value * tl.exp2(exponent - 127.0)
-            elif QTYPE == 12:  # Q4_K: sub-block j of super-block kb // 8
-                j = kb % 8
-                jj = j % 4
-                base = row + (kb // 8) * BLOCK_BYTES
-                a = tl.load(base + 4 + jj, mask=nm, other=0).to(tl.int32)
-                b = tl.load(base + 8 + jj, mask=nm, other=0).to(tl.int32)
-                c = tl.load(base + 12 + jj, mask=nm, other=0).to(tl.int32)
-                sc = tl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
-                mn = tl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
-                byte = tl.load(base + 16 + 32 * (j // 2) + i, mask=nm, other=0)
-                nib = tl.where(j % 2 == 0, byte & 15, byte >> 4).to(tl.float32)
-                w = _f16_at(base, nm) * sc * nib - _f16_at(base + 2, nm) * mn
-            else:  # I8: int8 values, per-row scale applied at the end
-                q = tl.load(row + kb * 32 + i, mask=nm, other=0).to(tl.int8, bitcast=True)
-                w = q.to(tl.float32)
-            xk = tl.load(
-                x_ptr + rm[:, None] * stride_xm + kb * 32 + i, mask=m_ok[:, None], other=0.0
-            )
-            acc += tl.dot(xk, tl.trans(w), input_precision="ieee")
-        if QTYPE == 100:
-            acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        tl.store(
-            y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :]
-        )

@@ -198,7 +198,7 @@ PREFILL_ROUTE_MEASURE = EnvVar(
     _flag,
     "time first prefill chunks of 32..1024 tokens through the CPU decode kernel and through "
     "torch's flash attention at start-up, and send chunks up to the longest the decode kernel "
-    "still won to it (kernels/attention.py: measure_prefill_route); off: the defaults "
+    "still won to it (kernels/prefill_route.py: measure_prefill_route); off: the defaults "
     "(bfloat16: 63 tokens with AMX, 1024 without; float32: 512)",
 )
 API_KEY = EnvVar(

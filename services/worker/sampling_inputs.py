@@ -39,36 +39,13 @@ def build_sampling_metadata(
         all_random=not bool(greedy.any()),
     )
     if not all_greedy:
-        top_p, top_k, min_p = b.top_p[rows], b.top_k[rows], b.min_p[rows]
-        md.top_p = torch.from_numpy(top_p) if (top_p < 1.0).any() else None
-        md.top_k = torch.from_numpy(top_k) if (top_k > 0).any() else None
-        md.min_p = torch.from_numpy(min_p) if (min_p > 0.0).any() else None
-        md.generators = {i: s.generator for i, s in enumerate(states) if s.generator}
+        _set_filters(md, b, rows, states)
     wanted = [s.sampling_params.logprobs for s in states if s.sampling_params.logprobs is not None]
     md.max_num_logprobs = max(wanted) if wanted else None
-
-    presence, frequency = b.presence_penalty[rows], b.frequency_penalty[rows]
-    repetition = b.repetition_penalty[rows]
-    md.no_penalties = not (
-        (presence != 0).any() or (frequency != 0).any() or (repetition != 1).any()
-    )
-    needs_outputs = not md.no_penalties
-    for i, s in enumerate(states):
-        p = s.sampling_params
-        if len(outputs[i]) < p.min_tokens:
-            forbidden = set(p.stop_token_ids or ())
-            if s.eos_token_id is not None:
-                forbidden.add(s.eos_token_id)
-            md.min_tokens[i] = (p.min_tokens, forbidden)
-            needs_outputs = True
-    if needs_outputs:
+    _set_penalties(md, b, rows, states)
+    md.min_tokens.update(_min_tokens(states, outputs))
+    if not md.no_penalties or md.min_tokens:  # what the outputs are read for
         md.output_token_ids = outputs
-    if not md.no_penalties:
-        md.presence_penalties = torch.from_numpy(presence)
-        md.frequency_penalties = torch.from_numpy(frequency)
-        md.repetition_penalties = torch.from_numpy(repetition)
-        if (repetition != 1).any():
-            md.prompt_token_ids = _padded_prompts(states, b.vocab_size)
     if so.grammar_req_ids:
         md.grammar_bitmask, md.grammar_rows = _grammar_rows(states, so)
     if so.forced_token_ids:
@@ -85,6 +62,51 @@ def build_sampling_metadata(
         if with_processors:
             md.logits_processors = LogitsProcessorBatch.gather(with_processors)
     return md
+
+
+def _set_filters(
+    md: SamplingMetadata, b: InputBatch, rows: np.ndarray, states: list[RequestState]
+) -> None:
+    """top-p, top-k and min-p where some row uses them, and the rows' seeded generators."""
+    top_p, top_k, min_p = b.top_p[rows], b.top_k[rows], b.min_p[rows]
+    md.top_p = torch.from_numpy(top_p) if (top_p < 1.0).any() else None
+    md.top_k = torch.from_numpy(top_k) if (top_k > 0).any() else None
+    md.min_p = torch.from_numpy(min_p) if (min_p > 0.0).any() else None
+    md.generators = {i: s.generator for i, s in enumerate(states) if s.generator}
+
+
+def _set_penalties(
+    md: SamplingMetadata, b: InputBatch, rows: np.ndarray, states: list[RequestState]
+) -> None:
+    """The presence, frequency and repetition penalties, unless no row has one (then
+    md.no_penalties); the prompts too where some row has a repetition penalty."""
+    presence, frequency = b.presence_penalty[rows], b.frequency_penalty[rows]
+    repetition = b.repetition_penalty[rows]
+    md.no_penalties = not (
+        (presence != 0).any() or (frequency != 0).any() or (repetition != 1).any()
+    )
+    if not md.no_penalties:
+        md.presence_penalties = torch.from_numpy(presence)
+        md.frequency_penalties = torch.from_numpy(frequency)
+        md.repetition_penalties = torch.from_numpy(repetition)
+        if (repetition != 1).any():
+            md.prompt_token_ids = _padded_prompts(states, b.vocab_size)
+
+
+def _min_tokens(
+    states: list[RequestState], outputs: list[list[int]]
+) -> dict[int, tuple[int, set[int]]]:
+    """row -> (min_tokens, the stop and EOS ids it forbids) for the rows whose output is
+    still shorter than their min_tokens."""
+    min_tokens = {}
+    for i, s in enumerate(states):
+        p = s.sampling_params
+        if len(outputs[i]) < p.min_tokens:
+            forbidden = set(p.stop_token_ids or ())
+            if s.eos_token_id is not None:
+                forbidden.add(s.eos_token_id)
+            min_tokens[i] = (p.min_tokens, forbidden)
+    return min_tokens
 
 
 def _grammar_rows(states: list[RequestState], so: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:

@@ -92,11 +92,50 @@ def prepare_inputs(
     positions = num_computed[req_indices] + offsets
     token_rows = rows[req_indices]
     input_ids = batch.token_ids[token_rows, positions]
+    seq_lens = (num_computed + num_scheduled).astype(np.int32)
+    metadata = _attention_metadata(
+        batch, rows, token_rows, positions, query_start_loc, num_scheduled, seq_lens, block_size,
+        device,
+    )  # fmt: skip
+    return StepBatch(
+        so=so,
+        req_ids=req_ids,
+        states=states,
+        rows=rows,
+        num_scheduled=num_scheduled,
+        num_computed=num_computed,
+        num_drafts=num_drafts,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        # A request samples once its context reaches every token it has (the prompt chunk,
+        # or the whole prompt plus outputs after a resume, is done).
+        sample_idx=np.flatnonzero(seq_lens >= batch.num_tokens[rows]),
+        token_rows=token_rows,
+        input_ids=torch.from_numpy(input_ids).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        metadata=metadata,
+        sampled=[[] for _ in req_ids],
+        last_rows=query_start_loc[1:] - 1,
+    )
+
+
+def _attention_metadata(
+    batch: InputBatch,
+    rows: np.ndarray,
+    token_rows: np.ndarray,
+    positions: np.ndarray,
+    query_start_loc: np.ndarray,
+    num_scheduled: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """The attention inputs of the flat tokens: each token's cache slot, and each request's
+    block table row cut to the blocks the longest one reads (every KV cache group's)."""
     slot_mapping = (
         batch.block_table[token_rows, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
-    seq_lens = (num_computed + num_scheduled).astype(np.int32)
     max_seq_len = int(seq_lens.max())
     num_blocks_needed = -(-max_seq_len // block_size)
     metadata = AttentionMetadata(
@@ -119,26 +158,7 @@ def prepare_inputs(
             block_size,
             device,
         )
-    return StepBatch(
-        so=so,
-        req_ids=req_ids,
-        states=states,
-        rows=rows,
-        num_scheduled=num_scheduled,
-        num_computed=num_computed,
-        num_drafts=num_drafts,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        # A request samples once its context reaches every token it has (the prompt chunk,
-        # or the whole prompt plus outputs after a resume, is done).
-        sample_idx=np.flatnonzero(seq_lens >= batch.num_tokens[rows]),
-        token_rows=token_rows,
-        input_ids=torch.from_numpy(input_ids).to(device),
-        positions=torch.from_numpy(positions).to(device),
-        metadata=metadata,
-        sampled=[[] for _ in req_ids],
-        last_rows=query_start_loc[1:] - 1,
-    )
+    return metadata
 
 
 def _place_drafts(

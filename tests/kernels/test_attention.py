@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvserve.kernels import attention
+from kvserve.kernels import attention, attention_ref
 from tests.support.kernels import (
     DEVICE,
     PagedBatch,
@@ -71,26 +71,26 @@ def _to_device(batch: PagedBatch) -> PagedBatch:
 def test_paged_attention_ref_matches_dense(dtype, layout, num_heads, num_kv_heads, head_size):
     batch = make_paged_batch(layout, num_heads, num_kv_heads, head_size, BLOCK_SIZE, dtype)
     scale = head_size**-0.5
-    out = _run(attention.paged_attention_ref, batch, scale)
+    out = _run(attention_ref.paged_attention_ref, batch, scale)
     assert out.shape == batch.query.shape and not out.isnan().any()
     assert_close(out, dense_causal_attention(batch, scale), dtype)
 
 
 def test_paged_attention_ref_decode_groups_split_by_budget(monkeypatch):
     # A budget below one request's K/V puts every decode in a group of its own.
-    monkeypatch.setattr(attention, "_DECODE_GROUP_BYTES", 1)
+    monkeypatch.setattr(attention_ref, "_DECODE_GROUP_BYTES", 1)
     batch = make_paged_batch(UNIFORM_DECODES + MIXED, 4, 2, 16, BLOCK_SIZE, torch.float32)
-    out = _run(attention.paged_attention_ref, batch, 0.25)
+    out = _run(attention_ref.paged_attention_ref, batch, 0.25)
     assert_close(out, dense_causal_attention(batch, 0.25), torch.float32)
 
 
 def test_paged_attention_ref_sees_only_its_past():
     # Changing a key after query j's position must not change query j's output.
     batch = make_paged_batch([(6, 10)], 2, 1, 16, BLOCK_SIZE, torch.float32)
-    before = _run(attention.paged_attention_ref, batch, 0.25)
+    before = _run(attention_ref.paged_attention_ref, batch, 0.25)
     block_id = int(batch.block_table[0, 0])
     batch.key_cache[block_id, 9] += 5.0  # position 9: only the last query sees it
-    after = _run(attention.paged_attention_ref, batch, 0.25)
+    after = _run(attention_ref.paged_attention_ref, batch, 0.25)
     assert torch.equal(before[:5], after[:5])
     assert not torch.allclose(before[5], after[5])
 
@@ -114,7 +114,7 @@ def test_paged_attention_triton_matches_ref(dtype, layout, num_heads, num_kv_hea
     scale = head_size**-0.5
     out = _run(attention.paged_attention, batch, scale)
     assert not out.isnan().any()
-    assert_close(out, _run(attention.paged_attention_ref, batch, scale), dtype)
+    assert_close(out, _run(attention_ref.paged_attention_ref, batch, scale), dtype)
 
 
 @pytest.mark.usefixtures("triton_kernels")
@@ -122,7 +122,7 @@ def test_paged_attention_triton_odd_head_size_and_long_chunk():
     # head_size 40 pads to a 64-wide tile; a 70-token chunk spans several q blocks.
     batch = _to_device(make_paged_batch([(70, 90), (1, 33)], 3, 1, 40, BLOCK_SIZE, torch.float32))
     out = _run(attention.paged_attention, batch, 0.2)
-    assert_close(out, _run(attention.paged_attention_ref, batch, 0.2), torch.float32)
+    assert_close(out, _run(attention_ref.paged_attention_ref, batch, 0.2), torch.float32)
 
 
 @pytest.mark.usefixtures("triton_kernels")
@@ -132,7 +132,7 @@ def test_paged_attention_triton_latent_layout():
     batch = _to_device(make_paged_batch(MIXED[:3], 16, 1, 576, BLOCK_SIZE, torch.float32))
     batch = dataclasses.replace(batch, value_cache=batch.key_cache)
     out = _run(attention.paged_attention, batch, 0.1)
-    assert_close(out, _run(attention.paged_attention_ref, batch, 0.1), torch.float32)
+    assert_close(out, _run(attention_ref.paged_attention_ref, batch, 0.1), torch.float32)
 
 
 @pytest.mark.parametrize("padding", [-1, 10**6])
@@ -146,7 +146,7 @@ def test_paged_attention_ref_ignores_block_table_padding(padding, layout):
     padded = torch.arange(batch.block_table.shape[1]) >= blocks_per_req[:, None]
     batch.block_table[: len(layout)][padded] = padding
     batch.block_table[len(layout) :] = padding
-    out = _run(attention.paged_attention_ref, batch, 0.25)
+    out = _run(attention_ref.paged_attention_ref, batch, 0.25)
     assert_close(out, dense_causal_attention(batch, 0.25), torch.float32)
 
 
@@ -180,7 +180,7 @@ def _cacheless_prefill_batch(
 
 def test_paged_attention_ref_strided_block_size_one_cache():
     batch = _cacheless_prefill_batch([5, 1, 12], 6, 2, 16)
-    out = _run(attention.paged_attention_ref, batch, 0.25)
+    out = _run(attention_ref.paged_attention_ref, batch, 0.25)
     assert_close(out, dense_causal_attention(batch, 0.25), torch.float32)
 
 
@@ -188,7 +188,7 @@ def test_paged_attention_ref_strided_block_size_one_cache():
 def test_paged_attention_triton_strided_block_size_one_cache():
     batch = _to_device(_cacheless_prefill_batch([5, 1, 12], 6, 2, 16))
     out = _run(attention.paged_attention, batch, 0.25)
-    assert_close(out, _run(attention.paged_attention_ref, batch, 0.25), torch.float32)
+    assert_close(out, _run(attention_ref.paged_attention_ref, batch, 0.25), torch.float32)
 
 
 # Windows shorter than, equal to and inside a block; requests longer and shorter than them.
@@ -203,7 +203,7 @@ def test_paged_attention_ref_window_and_soft_cap_match_dense(
     dtype, layout, sliding_window, soft_cap
 ):
     batch = make_paged_batch(layout, 6, 2, 16, BLOCK_SIZE, dtype)
-    out = _run(attention.paged_attention_ref, batch, 0.5, sliding_window, soft_cap)
+    out = _run(attention_ref.paged_attention_ref, batch, 0.5, sliding_window, soft_cap)
     assert not out.isnan().any()
     expected = dense_causal_attention(batch, 0.5, sliding_window, soft_cap)
     assert_close(out, expected, dtype)
@@ -216,7 +216,7 @@ def test_paged_attention_ref_window_and_soft_cap_match_dense(
 def test_paged_attention_triton_window_and_soft_cap_match_ref(sliding_window, soft_cap):
     batch = _to_device(make_paged_batch(WINDOWED, 6, 2, 32, BLOCK_SIZE, torch.float32))
     out = _run(attention.paged_attention, batch, 0.3, sliding_window, soft_cap)
-    expected = _run(attention.paged_attention_ref, batch, 0.3, sliding_window, soft_cap)
+    expected = _run(attention_ref.paged_attention_ref, batch, 0.3, sliding_window, soft_cap)
     assert_close(out, expected, torch.float32)
 
 
@@ -233,7 +233,7 @@ def _sinks(num_heads: int) -> torch.Tensor:
 def test_paged_attention_ref_sinks_match_dense(dtype, layout, sliding_window):
     batch = make_paged_batch(layout, 6, 2, 16, BLOCK_SIZE, dtype)
     sinks = _sinks(6)
-    out = _run(attention.paged_attention_ref, batch, 0.5, sliding_window, None, sinks)
+    out = _run(attention_ref.paged_attention_ref, batch, 0.5, sliding_window, None, sinks)
     assert_close(out, dense_causal_attention(batch, 0.5, sliding_window, None, sinks=sinks), dtype)
     without = dense_causal_attention(batch, 0.5, sliding_window)
     assert not torch.allclose(out.double(), without, atol=1e-2)
@@ -247,7 +247,7 @@ def test_paged_attention_triton_sinks_match_ref(sliding_window, soft_cap, layout
     batch = _to_device(make_paged_batch(layout, 6, 2, 32, BLOCK_SIZE, torch.float32))
     sinks = _sinks(6).to(DEVICE)
     out = _run(attention.paged_attention, batch, 0.3, sliding_window, soft_cap, sinks)
-    expected = _run(attention.paged_attention_ref, batch, 0.3, sliding_window, soft_cap, sinks)
+    expected = _run(attention_ref.paged_attention_ref, batch, 0.3, sliding_window, soft_cap, sinks)
     assert_close(out, expected, torch.float32)
 
 

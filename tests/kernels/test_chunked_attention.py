@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.kernels import attention, cpu
+from kvserve.kernels import attention, attention_cpu, attention_ref, cpu
 from tests.support.kernels import (
     DEVICE,
     PagedBatch,
@@ -50,7 +50,7 @@ def _run(fn, batch: PagedBatch, scale: float, chunk_size, sliding_window=None, s
 @pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
 def test_reference_matches_dense(dtype, layout, chunk_size):
     batch = make_paged_batch(layout, 6, 2, 16, BLOCK_SIZE, dtype)
-    out = _run(attention.paged_attention_ref, batch, 0.5, chunk_size)
+    out = _run(attention_ref.paged_attention_ref, batch, 0.5, chunk_size)
     assert not out.isnan().any()
     assert_close(out, dense_causal_attention(batch, 0.5, chunk_size=chunk_size), dtype)
     # The mask must matter: the batch has queries past their first chunk.
@@ -59,7 +59,7 @@ def test_reference_matches_dense(dtype, layout, chunk_size):
 
 def test_reference_chunks_with_a_window_and_soft_cap():
     batch = make_paged_batch(MIXED, 6, 2, 16, BLOCK_SIZE, torch.float32)
-    out = _run(attention.paged_attention_ref, batch, 0.5, 8, 5, 2.0)
+    out = _run(attention_ref.paged_attention_ref, batch, 0.5, 8, 5, 2.0)
     expected = dense_causal_attention(batch, 0.5, 5, 2.0, chunk_size=8)
     assert_close(out, expected, torch.float32)
 
@@ -72,10 +72,10 @@ def test_cpu_kernel_matches_reference(dtype, atol, layout, chunk_size):
         pytest.skip("no C compiler here: the CPU path is the torch reference itself")
     # Head size 64: the C kernel's specialized body (16 takes the generic one, below).
     batch = make_paged_batch(layout, 6, 2, 64, BLOCK_SIZE, dtype, seed=1)
-    got = _run(attention.paged_attention_cpu, batch, 0.2, chunk_size)
-    expected = _run(attention.paged_attention_ref, batch, 0.2, chunk_size)
+    got = _run(attention_cpu.paged_attention_cpu, batch, 0.2, chunk_size)
+    expected = _run(attention_ref.paged_attention_ref, batch, 0.2, chunk_size)
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
-    plain = _run(attention.paged_attention_ref, batch, 0.2, None)
+    plain = _run(attention_ref.paged_attention_ref, batch, 0.2, None)
     assert not torch.allclose(got.float(), plain.float(), atol=1e-2)
 
 
@@ -83,7 +83,7 @@ def test_cpu_kernel_generic_head_size_and_window():
     if not cpu.available(torch.float32):
         pytest.skip("no C compiler here: the CPU path is the torch reference itself")
     batch = make_paged_batch(MIXED, 6, 3, 16, BLOCK_SIZE, torch.float32, seed=2)
-    got = _run(attention.paged_attention_cpu, batch, 0.3, 8, 5)
+    got = _run(attention_cpu.paged_attention_cpu, batch, 0.3, 8, 5)
     expected = dense_causal_attention(batch, 0.3, 5, chunk_size=8)
     assert_close(got, expected, torch.float32)
 
@@ -105,5 +105,5 @@ def test_triton_kernel_matches_reference(layout, chunk_size):
     out = attention.paged_attention(
         *on_device, 0.3, batch.max_query_len, batch.max_seq_len, None, None, chunk_size
     )
-    expected = _run(attention.paged_attention_ref, batch, 0.3, chunk_size)
+    expected = _run(attention_ref.paged_attention_ref, batch, 0.3, chunk_size)
     assert_close(out.cpu(), expected, torch.float32)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvserve.kernels import cpu
-from kvserve.kernels.attention import paged_attention_cpu, paged_attention_ref
+from kvserve.kernels.attention_cpu import paged_attention_cpu
+from kvserve.kernels.attention_ref import paged_attention_ref
 
 
 def _case(dtype, num_reqs, query_lens, seed=0):
@@ -63,14 +64,18 @@ def test_kernel_builds_on_this_machine():
 
 def test_dispatch_picks_the_native_kernel_or_the_reference(monkeypatch):
     from kvserve import kernels
-    from kvserve.kernels import attention
+    from kvserve.kernels import attention_cpu, attention_ref
 
     calls = []
     monkeypatch.setattr(
-        attention, "paged_attention_cpu", lambda *a: calls.append("cpu") or paged_attention_cpu(*a)
+        attention_cpu,
+        "paged_attention_cpu",
+        lambda *a: calls.append("cpu") or paged_attention_cpu(*a),
     )
     monkeypatch.setattr(
-        attention, "paged_attention_ref", lambda *a: calls.append("ref") or paged_attention_ref(*a)
+        attention_ref,
+        "paged_attention_ref",
+        lambda *a: calls.append("ref") or paged_attention_ref(*a),
     )
     args = _case(torch.float32, 3, [1, 4, 1])
     kernels.paged_attention(*args)
@@ -116,27 +121,27 @@ def test_cpu_path_sinks_match_reference(dtype, atol, query_lens, sliding_window,
     plain = paged_attention_ref(*case, sliding_window)
     assert not torch.allclose(got.float(), plain.float(), atol=1e-2)
     if sliding_window is None and query_lens[0] == 100:
-        from kvserve.kernels import attention
+        from kvserve.kernels import prefill_route
 
-        limit = attention.decode_kernel_max_query_len(dtype, num_heads, 3, 64)
+        limit = prefill_route.decode_kernel_max_query_len(dtype, num_heads, 3, 64)
         seq_len = int(case[5][0])
-        takes_flash = not attention._prefill_in_decode_kernel(dtype, 100, seq_len, limit)
+        takes_flash = not prefill_route.prefill_in_decode_kernel(dtype, 100, seq_len, limit)
         assert flash_chunks == ([0] if takes_flash else []), (flash_chunks, seq_len, limit)
 
 
 def _count_flash_calls(monkeypatch) -> list[int]:
     """A list that grows by one per chunk paged_attention_cpu sends down the flash route (AMX
     tiles where the CPU has them, else torch's flash; the calls go on)."""
-    from kvserve.kernels import attention
+    from kvserve.kernels import attention_cpu
 
     calls: list[int] = []
-    real_chunks = attention._prefill_chunks
+    real_chunks = attention_cpu.prefill_chunks
 
     def counting_chunks(*args, **kwargs):
         calls.extend(args[7])  # reqs
         return real_chunks(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_prefill_chunks", counting_chunks)
+    monkeypatch.setattr(attention_cpu, "prefill_chunks", counting_chunks)
     return calls
 
 
@@ -194,7 +199,7 @@ def test_prefill_chunk_takes_its_route_and_matches_reference(
 
 
 def test_fit_prefill_limit_keeps_the_lengths_the_decode_kernel_wins():
-    from kvserve.kernels.attention import fit_prefill_limit
+    from kvserve.kernels.prefill_route import fit_prefill_limit
 
     assert fit_prefill_limit({32: (1.0, 2.0), 64: (2.0, 2.5), 128: (4.0, 3.0)}) == 64
     # A tie keeps the decode kernel; a loss stops there even where it wins again later.
@@ -211,22 +216,22 @@ def test_measured_prefill_route_sends_chunks_by_the_measured_limit(monkeypatch, 
     # past it flash, both matching the reference.
     if not cpu.available(dtype):
         pytest.skip("no C compiler here: the CPU path is the torch reference itself")
-    from kvserve.kernels import attention
+    from kvserve.kernels import cpu_prefill, prefill_route
 
     heads = (9, 3, 64)
-    monkeypatch.setattr(attention, "_DECODE_KERNEL_MAX_QUERY_LEN", {})
-    monkeypatch.setattr(attention, "FLASH_ROUTE", {})
-    limit, timings = attention.measure_prefill_route(dtype, *heads, block_size=16, rounds=1)
-    assert limit == attention.fit_prefill_limit(timings)
+    monkeypatch.setattr(prefill_route, "_DECODE_KERNEL_MAX_QUERY_LEN", {})
+    monkeypatch.setattr(cpu_prefill, "FLASH_ROUTE", {})
+    limit, timings = prefill_route.measure_prefill_route(dtype, *heads, block_size=16, rounds=1)
+    assert limit == prefill_route.fit_prefill_limit(timings)
     # The start-up log names what ran the flash side: AMX tiles for bfloat16 where there are.
     amx = dtype == torch.bfloat16 and cpu.cpu_has_amx()
-    assert attention.FLASH_ROUTE == {(dtype, *heads): "AMX tiles" if amx else "torch's flash"}
-    assert list(timings) == list(attention.PREFILL_PROBE_LENS[: len(timings)])
+    assert cpu_prefill.FLASH_ROUTE == {(dtype, *heads): "AMX tiles" if amx else "torch's flash"}
+    assert list(timings) == list(prefill_route.PREFILL_PROBE_LENS[: len(timings)])
     assert all(d > 0 and f > 0 for d, f in timings.values())
-    assert attention.decode_kernel_max_query_len(dtype, *heads) == limit
+    assert prefill_route.decode_kernel_max_query_len(dtype, *heads) == limit
     flash_calls = _count_flash_calls(monkeypatch)
     # Pin the limit at 40 so both sides of it are cheap to run.
-    attention._DECODE_KERNEL_MAX_QUERY_LEN[(dtype, *heads)] = 40
+    prefill_route._DECODE_KERNEL_MAX_QUERY_LEN[(dtype, *heads)] = 40
     torch.manual_seed(2)
     for query_len, through_flash in ((40, False), (41, True)):
         flash_calls.clear()

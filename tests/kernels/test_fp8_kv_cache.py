@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvserve import kernels
-from kvserve.kernels import attention, cache, cpu
+from kvserve.kernels import attention, attention_cpu, attention_ref, cache, cpu
 from kvserve.kernels.cache import dequantize_kv, quantize_kv
 from tests.support.kernels import DEVICE, assert_close, make_paged_batch
 
@@ -54,7 +54,7 @@ def _call(fn, batch, key_cache, value_cache, **kwargs):
 def _expected(batch, key_cache, value_cache):
     dtype = batch.query.dtype
     return _call(
-        attention.paged_attention_ref,
+        attention_ref.paged_attention_ref,
         batch,
         dequantize_kv(key_cache, K_SCALE, dtype),
         dequantize_kv(value_cache, V_SCALE, dtype),
@@ -79,7 +79,7 @@ def test_quantize_clamps_to_the_finite_range_and_round_trips():
 def test_reference_reads_fp8_times_its_scales(fp8, dtype):
     batch, key_cache, value_cache = _fp8_batch(LAYOUT, fp8, dtype)
     out = _call(
-        attention.paged_attention_ref,
+        attention_ref.paged_attention_ref,
         batch,
         key_cache,
         value_cache,
@@ -98,7 +98,7 @@ def test_cpu_paths_match_reference(fp8, dtype, head_size):
     # Decodes and short chunks in the C kernel, longer chunks on torch's flash route.
     batch, key_cache, value_cache = _fp8_batch(LAYOUT, fp8, dtype, head_size=head_size)
     out = _call(
-        attention.paged_attention_cpu,
+        attention_cpu.paged_attention_cpu,
         batch,
         key_cache,
         value_cache,
@@ -115,7 +115,7 @@ def test_cpu_window_soft_cap_and_sinks_match_reference(fp8):
     sinks = torch.randn(batch.query.shape[1])
     options = dict(sliding_window=9, logits_soft_cap=5.0, sinks=sinks)
     out = _call(
-        attention.paged_attention_cpu,
+        attention_cpu.paged_attention_cpu,
         batch,
         key_cache,
         value_cache,
@@ -124,7 +124,7 @@ def test_cpu_window_soft_cap_and_sinks_match_reference(fp8):
         **options,
     )
     expected = _call(
-        attention.paged_attention_ref,
+        attention_ref.paged_attention_ref,
         batch,
         dequantize_kv(key_cache, K_SCALE, torch.float32),
         dequantize_kv(value_cache, V_SCALE, torch.float32),

@@ -176,51 +176,75 @@ class Attention(nn.Module):
                 attn_metadata,
             )
         else:
-            key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
             block_table, slot_mapping = attn_metadata.tables_of_group(self.kv_cache_group)
-            if rotary is not None:
-                assert positions is not None, "rotary needs the tokens' positions"
-                q = kernels.rotary_write_kv_cache(
-                    positions,
-                    q,
-                    k,
-                    v,
-                    rotary.cos_sin_cache,
-                    self.head_size,
-                    key_cache,
-                    value_cache,
-                    slot_mapping,
-                    self.k_scale,
-                    self.v_scale,
-                )
-            else:
-                kernels.write_kv_cache(
-                    k.view(num_tokens, self.num_kv_heads, self.head_size),
-                    v.view(num_tokens, self.num_kv_heads, self.head_size),
-                    key_cache,
-                    value_cache,
-                    slot_mapping,
-                    self.k_scale,
-                    self.v_scale,
-                )
-            out = kernels.paged_attention(
-                q.view(num_tokens, self.num_heads, self.head_size),
-                key_cache,
-                value_cache,
-                block_table,
-                attn_metadata.query_start_loc,
-                attn_metadata.seq_lens,
-                self.scale,
-                attn_metadata.max_query_len,
-                attn_metadata.max_seq_len,
-                self.sliding_window,
-                self.logits_soft_cap,
-                self.attention_chunk_size,
-                self.sinks,
-                k_scale=self.k_scale,
-                v_scale=self.v_scale,
+            q = self._write_kv_cache(q, k, v, slot_mapping, rotary, positions)
+            out = self._paged_attention(
+                q.view(num_tokens, self.num_heads, self.head_size), block_table, attn_metadata
             )
         return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _write_kv_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        rotary: RotaryEmbedding | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Write the step's keys and values into the cache slots; with `rotary`, rotate q
+        and k in the same pass. Returns q (rotated where `rotary` is given)."""
+        num_tokens = q.shape[0]
+        assert self.kv_cache is not None
+        key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+        if rotary is not None:
+            assert positions is not None, "rotary needs the tokens' positions"
+            return kernels.rotary_write_kv_cache(
+                positions,
+                q,
+                k,
+                v,
+                rotary.cos_sin_cache,
+                self.head_size,
+                key_cache,
+                value_cache,
+                slot_mapping,
+                self.k_scale,
+                self.v_scale,
+            )
+        kernels.write_kv_cache(
+            k.view(num_tokens, self.num_kv_heads, self.head_size),
+            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            key_cache,
+            value_cache,
+            slot_mapping,
+            self.k_scale,
+            self.v_scale,
+        )
+        return q
+
+    def _paged_attention(
+        self, query: torch.Tensor, block_table: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """query [T, Hq, D] over the cache, through this layer's block table."""
+        assert self.kv_cache is not None
+        return kernels.paged_attention(
+            query,
+            self.kv_cache[0],
+            self.kv_cache[1],
+            block_table,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            self.scale,
+            attn_metadata.max_query_len,
+            attn_metadata.max_seq_len,
+            self.sliding_window,
+            self.logits_soft_cap,
+            self.attention_chunk_size,
+            self.sinks,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
 
     def _attend_without_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata

@@ -67,7 +67,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         embedding_dim: hidden size.
     """
 
-    gemm: LinearWeights | None = None  # set after loading (ModelRunner.prepare_gemm)
+    gemm: LinearWeights | None = None  # set after loading (worker/cpu_tuning.py: prepare_gemm)
     # Steps of up to this many rows run the native decode stack's GEMV (set by
     # models/native_decode.py when it binds the stack): each row's logits are then the same
     # whatever else shares the step, as the stack's hidden states are.

@@ -305,7 +305,7 @@ class LinearBase(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
-        # The CPU GEMM plan and packed weight, set after loading (ModelRunner.prepare_gemm).
+        # The CPU GEMM plan and packed weight, set after loading (cpu_tuning.prepare_gemm).
         self.gemm: LinearWeights | None = None
 
     @property

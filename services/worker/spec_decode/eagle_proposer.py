@@ -110,13 +110,40 @@ class EagleProposer:
             hidden: the target's final hidden states of the step.
             num_drafts: [B] guesses wanted (0: catch up only).
         """
-        bs = self.block_size
         num_reqs = len(num_computed)
         active = np.flatnonzero(num_verified > 0)
-        out = np.zeros((num_reqs, int(num_drafts.max(initial=0))), dtype=np.int64)
         if not len(active):
             return [[] for _ in range(num_reqs)]
         lens = num_verified[active]
+        h = self._catch_up(
+            rows, token_ids, block_table, num_computed, active, lens, hidden_rows, hidden
+        )
+        # Guesses, from each asking request's last pair on.
+        ends = np.cumsum(lens) - 1
+        asking = [(j, int(i)) for j, i in enumerate(active) if num_drafts[i] > 0]
+        if not asking:
+            return [[] for _ in range(num_reqs)]
+        reqs = np.array([i for _, i in asking])
+        last_rows = torch.from_numpy(ends[[j for j, _ in asking]]).to(self.device)
+        return self._guess(
+            h[last_rows], reqs, rows, block_table, num_blocks, num_computed, num_verified,
+            num_drafts,
+        )  # fmt: skip
+
+    def _catch_up(
+        self,
+        rows: np.ndarray,
+        token_ids: np.ndarray,
+        block_table: np.ndarray,
+        num_computed: np.ndarray,
+        active: np.ndarray,
+        lens: np.ndarray,
+        hidden_rows: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the head over the verified pairs of the `active` requests (`lens` each), writing
+        their K/V; returns its hidden rows, the requests' pairs end to end."""
+        bs = self.block_size
         req_of = np.repeat(active, lens)
         offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
         positions = num_computed[req_of] + offsets
@@ -128,20 +155,30 @@ class EagleProposer:
         )
         dev = self.device
         features = hidden[torch.from_numpy(hidden_rows).to(dev)]
-        h = self.head(
+        return self.head(
             torch.from_numpy(input_ids).to(dev),
             features,
             torch.from_numpy(positions).to(dev),
             metadata,
         )
-        # Guesses, from each asking request's last pair on.
-        ends = np.cumsum(lens) - 1
-        asking = [(j, int(i)) for j, i in enumerate(active) if num_drafts[i] > 0]
-        if not asking:
-            return [[] for _ in range(num_reqs)]
-        reqs = np.array([i for _, i in asking])
-        last_rows = torch.from_numpy(ends[[j for j, _ in asking]]).to(dev)
-        feature = h[last_rows]
+
+    def _guess(
+        self,
+        feature: torch.Tensor,
+        reqs: np.ndarray,
+        rows: np.ndarray,
+        block_table: np.ndarray,
+        num_blocks: np.ndarray,
+        num_computed: np.ndarray,
+        num_verified: np.ndarray,
+        num_drafts: np.ndarray,
+    ) -> list[list[int]]:
+        """Up to num_drafts guesses for each of `reqs`, one head step per guess from the
+        head's hidden row (`feature`) of each one's last pair; every request's list."""
+        bs = self.block_size
+        dev = self.device
+        num_reqs = len(num_computed)
+        out = np.zeros((num_reqs, int(num_drafts.max(initial=0))), dtype=np.int64)
         pos = num_computed[reqs] + num_verified[reqs] - 1  # the last pair's position
         # Never past the slots a request holds (the lookahead slots included): guess s + 1
         # writes its pair at position pos + s.

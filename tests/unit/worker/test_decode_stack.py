@@ -307,7 +307,7 @@ def test_the_engine_measures_the_stack_and_keeps_it_to_the_counts_it_wins(
     # times decode steps of 1, 2, 4, 8 requests both ways and rebinds the stack to the limit
     # fit_stack_limit gives it (here a fixed one, so the binding is what is checked).
     from kvserve import LLM
-    from kvserve.services.worker import model_runner
+    from kvserve.services.worker import step_timing
     from tests.support.models import TINY_KV_CACHE_MEMORY
 
     timed: list[list[int]] = []
@@ -320,7 +320,7 @@ def test_the_engine_measures_the_stack_and_keeps_it_to_the_counts_it_wins(
 
     monkeypatch.setenv("KVSERVE_NATIVE_DECODE_MEASURE", "1")
     monkeypatch.setenv("KVSERVE_NATIVE_DECODE_ROWS", "8")
-    monkeypatch.setattr(model_runner, "fit_stack_limit", fixed_limit)
+    monkeypatch.setattr(step_timing, "fit_stack_limit", fixed_limit)
     llm = LLM(tiny_llama_dir, kv_cache_memory=TINY_KV_CACHE_MEMORY)
     assert timed == [[1, 2, 4, 8]]
     model = llm.engine_core.executor.worker.runner.model
@@ -344,7 +344,7 @@ def test_the_engine_measures_the_prefill_route_for_its_head_layout(tiny_llama_di
     # runner times prefill chunks for its dtype and its attention layers' head layout (the
     # measurement itself: tests/kernels/test_cpu_attention.py).
     from kvserve import LLM
-    from kvserve.kernels import attention, cpu
+    from kvserve.kernels import cpu, prefill_route
     from tests.support.models import TINY_KV_CACHE_MEMORY
 
     if not cpu.available(torch.float32):
@@ -356,7 +356,7 @@ def test_the_engine_measures_the_prefill_route_for_its_head_layout(tiny_llama_di
         return 64, {32: (1.0, 2.0), 64: (2.0, 2.0), 128: (5.0, 3.0)}
 
     monkeypatch.setenv("KVSERVE_PREFILL_ROUTE_MEASURE", "1")
-    monkeypatch.setattr(attention, "measure_prefill_route", record)
+    monkeypatch.setattr(prefill_route, "measure_prefill_route", record)
     llm = LLM(tiny_llama_dir, kv_cache_memory=TINY_KV_CACHE_MEMORY)
     layer = llm.engine_core.executor.worker.runner.attention_layers[0]
     assert measured == [(torch.float32, layer.num_heads, layer.num_kv_heads, layer.head_size, 16)]

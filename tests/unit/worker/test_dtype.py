@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvserve.services.worker.model_runner import checkpoint_dtype, resolve_dtype
+from kvserve.services.worker.dtype import checkpoint_dtype, resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
