@@ -28,6 +28,7 @@ from kvserve.services.api.engine_client.client import (
 from kvserve.services.api.observability.request_logger import RequestLogger
 from kvserve.services.api.serving.detokenizer import num_held_back_chars
 from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.latency_targets import REQUEST_TARGETS
 from kvserve.services.api.serving.models import ServingModels
 from kvserve.services.api.serving.outputs import (
     CompletionOutput,
@@ -265,7 +266,10 @@ class OpenAIServing:
         lora_request: LoRARequest | None,
         tenant: TenantSpec | None,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """One EngineClient.generate per prompt, merged (see generate)."""
+        """One EngineClient.generate per prompt, merged (see generate); each with the
+        request's latency targets (latency_targets.REQUEST_TARGETS) where it has any."""
+        targets = REQUEST_TARGETS.get()
+        target_kwargs = {"targets": targets} if targets.any else {}
         streams = []
         for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
             engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
@@ -274,7 +278,14 @@ class OpenAIServing:
                 logged_text = text if text is not None else self.tokenizer.decode(token_ids)
                 self.request_logger.log_inputs(engine_request_id, logged_text, token_ids, params)
             stream = self.engine_client.generate(
-                engine_request_id, text, token_ids, params, priority, lora_request, tenant
+                engine_request_id,
+                text,
+                token_ids,
+                params,
+                priority,
+                lora_request,
+                tenant,
+                **target_kwargs,
             )
             streams.append(stream)
         return merge_async_iterators(streams)
