@@ -38,6 +38,7 @@ from kvserve.services.api.serving.outputs import (
 )
 from kvserve.services.api.serving.protocol import PromptLogprob, PromptLogprobsBody, UsageInfo
 from kvserve.services.api.serving.request_constraints import logits_processor_kwargs
+from kvserve.services.api.serving.slo_admission import SloAdmission
 from kvserve.services.api.serving.validation import (
     check_prompt_tokens,
     check_request,
@@ -79,11 +80,13 @@ class OpenAIServing:
 
     `generation_defaults` are the SamplingParams defaults of --generation-config (set by
     build_app); a request's own values win. `quotas` are the tenants' quotas, one object for
-    every handler (set by make_context; None: no quotas).
+    every handler (set by make_context; None: no quotas). `admission` refuses requests whose
+    TTFT target is out of reach (set by make_context with --slo-admission reject).
     """
 
     generation_defaults: dict[str, Any] = {}
     quotas: TenantQuotas | None = None
+    admission: SloAdmission | None = None
 
     def __init__(
         self,
@@ -236,10 +239,14 @@ class OpenAIServing:
         is not sent yet), and the results settle its ticket when they end.
 
         Raises:
-            APIError: 429 past one of the tenant's quotas (400: a request that may use more
+            APIError: 503 for a TTFT target out of reach (slo_admission.py); 429 past one of
+                the tenant's quotas (400: a request that may use more
                 tokens than its whole tokens_per_minute); see services/api/tenancy/quotas.py.
         """
         tenant = CURRENT_TENANT.get()
+        if self.admission is not None:
+            longest = max((len(token_ids) for _, token_ids in prompts), default=0)
+            self.admission.check(REQUEST_TARGETS.get(), longest)
         ticket = None
         if self.quotas is not None and tenant is not None and has_quotas(tenant):
             ticket = self.quotas.admit(
