@@ -174,3 +174,15 @@ def test_reject_answers_503_for_a_target_out_of_reach(rejecting_server):
     # A reachable target, and no target, are served as before.
     assert complete(server, extra_body={"slo": {"ttft_ms": EASY}}).choices
     assert complete(server).choices
+
+
+def test_a_bad_key_file_target_stops_start_up_naming_the_line(tiny_llama_dir, tmp_path):
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("plain:sk-plain\nfast:sk-fast slo_ttft_ms=-3\n")
+    server = start_tiny_server(tiny_llama_dir, tmp_path, "--api-key-file", str(key_file))
+    try:
+        exit_code = server.process.wait(timeout=120)
+    finally:
+        server.stop()
+    assert exit_code != 0
+    assert "line 2: slo_ttft_ms must be a positive number" in server.log()
