@@ -188,6 +188,14 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     disable_log_stats: Annotated[
         bool, flag_doc("no periodic throughput / KV-cache log line from the front end")
     ] = False
+    slo_admission: Annotated[
+        Literal["serve", "reject"],
+        flag_doc(
+            "a request whose TTFT target (its slo field, an x-slo-ttft-ms header or its "
+            "tenant's slo_ttft_ms) is already out of reach: serve it anyway, or reject it "
+            "at once with a 503 and Retry-After"
+        ),
+    ] = "serve"
     metrics_prefix: Annotated[
         Literal["kvserve", "vllm"],
         flag_doc(

@@ -25,9 +25,11 @@ from kvserve.services.api.engine_client.client import (
 from kvserve.services.api.observability.dashboard_sampler import DashboardSampler
 from kvserve.services.api.observability.log_stats import LoggingStatLogger
 from kvserve.services.api.observability.metrics import ApiMetrics
+from kvserve.services.api.observability.ttft_estimate import TtftEstimator
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.generation_config import load_generation_defaults
 from kvserve.services.api.serving.models import ServingModels
+from kvserve.services.api.serving.slo_admission import SloAdmission
 from kvserve.services.api.surfaces.chat import OpenAIServingChat
 from kvserve.services.api.surfaces.completions import OpenAIServingCompletion
 from kvserve.services.api.surfaces.embeddings import OpenAIServingEmbedding
@@ -110,6 +112,10 @@ def make_context(
     # One object for all: a tenant's quotas count its requests on every surface.
     quotas = TenantQuotas(on_refused=metrics.tenants.quota_refused)
     completions.quotas = chat.quotas = embeddings.quotas = quotas
+    if frontend.slo_admission == "reject":
+        estimator = TtftEstimator()
+        engine_client.stat_loggers.append(estimator)
+        completions.admission = chat.admission = SloAdmission(estimator)
     # After ApiMetrics among the stat loggers: a step's reading sees the step counted.
     dashboard = DashboardSampler(engine_client, metrics)
     engine_client.stat_loggers.append(dashboard)

@@ -17,6 +17,7 @@ from kvserve.services.api.observability.request_logger import key_name_suffix
 from kvserve.services.api.observability.stats import IterationStats, MigrationStats
 from kvserve.services.api.observability.tracing import CURRENT_TRACER, ApiTracer
 from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.latency_targets import LatencyTargets
 from kvserve.services.api.serving.output_processor import OutputProcessor, make_engine_requests
 from kvserve.services.api.serving.outputs import RequestOutput
 from kvserve.services.api.serving.tokenizer import TokenizerInfo
@@ -276,9 +277,11 @@ class EngineClient:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         tenant: TenantSpec | None = None,
+        targets: LatencyTargets | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield cumulative RequestOutputs until the last one (finished=True); `tenant`:
-        who it is served for (None: "default").
+        who it is served for (None: "default"); `targets`: its latency targets (None: the
+        engine's own).
 
         Closing the generator early (a client that went away) aborts the request.
         """
@@ -293,6 +296,7 @@ class EngineClient:
             params,
             tenant.name if tenant else DEFAULT_TENANT,
             traced=trace.tracer is not None,
+            targets=targets,
         )
         self.queues[request_id] = queue
         finished = False
@@ -306,6 +310,7 @@ class EngineClient:
                 lora_request,
                 tenant,
                 trace.carrier(),
+                targets,
             )
             await trace.send(self._send_requests(requests))
             while not finished:

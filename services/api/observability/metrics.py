@@ -19,6 +19,8 @@ Sources:
 - per tenant (services/api/tenancy/metrics.py): tokens and requests as the responses' `usage`
   counts them, queue time, TTFT, running and waiting requests; the same ended requests feed
   the usage ledger of GET /v1/usage (services/api/tenancy/usage.py);
+- latency targets (services/api/observability/slo_metrics.py): targets met and missed, in
+  all and by tenant, the goodput gauge, and each engine's step time prediction error;
 - LoRA (with --enable-lora): vLLM's `lora_requests_info`, the adapters of running and
   waiting requests in its labels, at scrape time;
 - prometheus_client's process, platform and GC collectors (`process_*`, `python_*`).
@@ -42,6 +44,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvserve.services.api.observability.metric_names import vllm_named
+from kvserve.services.api.observability.slo_metrics import SloMetrics
 from kvserve.services.api.observability.stats import (
     MIGRATION_REASONS,
     RESUME_BUCKETS,
@@ -494,6 +497,7 @@ class ApiMetrics:
             registry=self.registry,
         )
         self.tenants = TenantMetrics(self.registry, engine_client, _TTFT_BUCKETS, _REQUEST_BUCKETS)
+        self.slo = SloMetrics(self.registry, engine_client, model_name, self.tenants.tenant_of)
         self.usage = UsageLedger()
         self._per_engine: dict[int, SimpleNamespace] = {}
         # Every known engine's series exist from the start, at zero, as vLLM's do.
@@ -533,6 +537,7 @@ class ApiMetrics:
     ) -> None:
         """Take one engine step's figures."""
         self.tenants.record(iteration_stats)
+        self.slo.record(engine_index, iteration_stats)
         self.usage.record(engine_index, scheduler_stats, iteration_stats)
         s = self._engine_series(engine_index)
         if scheduler_stats is not None:

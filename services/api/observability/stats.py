@@ -25,6 +25,10 @@ class RequestTimes:
     """What one engine request (one child of an n > 1 request) has seen so far."""
 
     arrival_time: float  # api clock: when the api took the request in
+    # Its latency targets in ms (None: none the api knows of; serving/latency_targets.py).
+    ttft_target_ms: float | None = None
+    tpot_target_ms: float | None = None
+    first_output_time: float | None = None  # api clock: its first token's output arrived
     queued_ts: float | None = None  # engine clock, from here on
     scheduled_ts: float | None = None  # the first time only
     first_token_ts: float | None = None
@@ -74,6 +78,10 @@ class FinishedRequestStats:
     tenant: str = "default"
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    # api clock: arrival -> its first token's output (None: it produced none).
+    time_to_first_token: float | None = None
+    ttft_target_ms: float | None = None
+    tpot_target_ms: float | None = None
 
     @property
     def mean_time_per_output_token(self) -> float | None:
@@ -154,6 +162,7 @@ class IterationStats:
             self.num_cached_prompt_tokens += times.num_cached_tokens
             self.time_to_first_tokens.append(self.now - times.arrival_time)
             self.first_token_tenants.append(tenant)
+            times.first_output_time = self.now
             times.first_token_ts = self.engine_timestamp
         else:
             assert times.last_token_ts is not None
@@ -182,6 +191,13 @@ class IterationStats:
                 tenant=tenant,
                 num_preemptions=times.num_preemptions,
                 num_cached_tokens=times.num_cached_tokens,
+                time_to_first_token=(
+                    None
+                    if times.first_output_time is None
+                    else times.first_output_time - times.arrival_time
+                ),
+                ttft_target_ms=times.ttft_target_ms,
+                tpot_target_ms=times.tpot_target_ms,
             )
         )
 

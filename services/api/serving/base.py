@@ -28,6 +28,7 @@ from kvserve.services.api.engine_client.client import (
 from kvserve.services.api.observability.request_logger import RequestLogger
 from kvserve.services.api.serving.detokenizer import num_held_back_chars
 from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.latency_targets import REQUEST_TARGETS
 from kvserve.services.api.serving.models import ServingModels
 from kvserve.services.api.serving.outputs import (
     CompletionOutput,
@@ -37,6 +38,7 @@ from kvserve.services.api.serving.outputs import (
 )
 from kvserve.services.api.serving.protocol import PromptLogprob, PromptLogprobsBody, UsageInfo
 from kvserve.services.api.serving.request_constraints import logits_processor_kwargs
+from kvserve.services.api.serving.slo_admission import SloAdmission
 from kvserve.services.api.serving.validation import (
     check_prompt_tokens,
     check_request,
@@ -78,11 +80,13 @@ class OpenAIServing:
 
     `generation_defaults` are the SamplingParams defaults of --generation-config (set by
     build_app); a request's own values win. `quotas` are the tenants' quotas, one object for
-    every handler (set by make_context; None: no quotas).
+    every handler (set by make_context; None: no quotas). `admission` refuses requests whose
+    TTFT target is out of reach (set by make_context with --slo-admission reject).
     """
 
     generation_defaults: dict[str, Any] = {}
     quotas: TenantQuotas | None = None
+    admission: SloAdmission | None = None
 
     def __init__(
         self,
@@ -235,10 +239,14 @@ class OpenAIServing:
         is not sent yet), and the results settle its ticket when they end.
 
         Raises:
-            APIError: 429 past one of the tenant's quotas (400: a request that may use more
+            APIError: 503 for a TTFT target out of reach (slo_admission.py); 429 past one of
+                the tenant's quotas (400: a request that may use more
                 tokens than its whole tokens_per_minute); see services/api/tenancy/quotas.py.
         """
         tenant = CURRENT_TENANT.get()
+        if self.admission is not None:
+            longest = max((len(token_ids) for _, token_ids in prompts), default=0)
+            self.admission.check(REQUEST_TARGETS.get(), longest)
         ticket = None
         if self.quotas is not None and tenant is not None and has_quotas(tenant):
             ticket = self.quotas.admit(
@@ -265,7 +273,10 @@ class OpenAIServing:
         lora_request: LoRARequest | None,
         tenant: TenantSpec | None,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """One EngineClient.generate per prompt, merged (see generate)."""
+        """One EngineClient.generate per prompt, merged (see generate); each with the
+        request's latency targets (latency_targets.REQUEST_TARGETS) where it has any."""
+        targets = REQUEST_TARGETS.get()
+        target_kwargs = {"targets": targets} if targets.any else {}
         streams = []
         for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
             engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
@@ -274,7 +285,14 @@ class OpenAIServing:
                 logged_text = text if text is not None else self.tokenizer.decode(token_ids)
                 self.request_logger.log_inputs(engine_request_id, logged_text, token_ids, params)
             stream = self.engine_client.generate(
-                engine_request_id, text, token_ids, params, priority, lora_request, tenant
+                engine_request_id,
+                text,
+                token_ids,
+                params,
+                priority,
+                lora_request,
+                tenant,
+                **target_kwargs,
             )
             streams.append(stream)
         return merge_async_iterators(streams)

@@ -18,6 +18,7 @@ from kvserve.services.api.serving.detokenizer import (
     check_stop_strings,
     make_detokenizer,
 )
+from kvserve.services.api.serving.latency_targets import NO_TARGETS, LatencyTargets
 from kvserve.services.api.serving.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.services.api.tenancy.tenants import DEFAULT_TENANT, TenantSpec
 from kvserve.shared.lora import LoRARequest
@@ -38,11 +39,14 @@ def make_engine_requests(
     lora_request: LoRARequest | None = None,
     tenant: TenantSpec | None = None,
     trace_context: dict[str, str] | None = None,
+    targets: LatencyTargets | None = None,
 ) -> list[EngineCoreRequest]:
     """One EngineCoreRequest per child; child i of a seeded request gets seed + i; all
     run with `lora_request`'s adapter (None: the base model), for `tenant` (None:
-    "default", weight 1), traced under `trace_context` (None: not traced)."""
+    "default", weight 1), traced under `trace_context` (None: not traced), with `targets`
+    (None: the engine's --slo-*-ms)."""
     tenant = tenant or TenantSpec(name=DEFAULT_TENANT)
+    targets = targets or NO_TARGETS
     if tokenizer_info.extra_stop_token_ids and not params.ignore_eos:
         stop_ids = list(params.stop_token_ids or ()) + tokenizer_info.extra_stop_token_ids
         params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
@@ -67,6 +71,8 @@ def make_engine_requests(
                 # A chat's images travel with its token ids (multimodal.PromptWithImages).
                 mm_inputs=getattr(prompt_token_ids, "mm_inputs", []),
                 trace_context=trace_context,
+                slo_ttft_ms=targets.ttft_ms,
+                slo_tpot_ms=targets.tpot_ms,
             )
         )
     return requests
@@ -123,9 +129,11 @@ class OutputProcessor:
         params: SamplingParams,
         tenant: str = DEFAULT_TENANT,
         traced: bool = False,
+        targets: LatencyTargets | None = None,
     ) -> list[str]:
-        """Track a request served for `tenant` (`traced`: keep its engine phases); returns
-        the engine-core ids of its n children."""
+        """Track a request served for `tenant` (`traced`: keep its engine phases; `targets`:
+        the latency targets its children are timed against); returns the engine-core ids of
+        its n children."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         parent = _Parent(
@@ -136,6 +144,7 @@ class OutputProcessor:
         if traced:
             parent.engine_spans = []
         arrival_time = time.monotonic()
+        targets = targets or NO_TARGETS
         for index in range(params.n):
             child_id = child_request_id(request_id, index, params.n)
             detok = None
@@ -144,7 +153,9 @@ class OutputProcessor:
                     self.tokenizer, prompt_token_ids, params.skip_special_tokens
                 )
             parent.children[child_id] = _Child(
-                CompletionOutput(index=index), detok, RequestTimes(arrival_time)
+                CompletionOutput(index=index),
+                detok,
+                RequestTimes(arrival_time, targets.ttft_ms, targets.tpot_ms),
             )
             self.child_to_parent[child_id] = parent
         self.parents[request_id] = parent

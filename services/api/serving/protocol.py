@@ -21,6 +21,7 @@ import numpy as np
 from msgspec import UNSET, UnsetType
 
 from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.latency_targets import LatencyTargets
 from kvserve.shared.logging import init_logger
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 
@@ -234,6 +235,8 @@ class SamplingRequest(_UnsupportedFields, kw_only=True):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # kvserve's latency targets for this request (serving/latency_targets.py).
+    slo: LatencyTargets | None = None
     # vLLM's extras: top logprobs per prompt token; logprobs naming tokens "token_id:N"
     # (None: the server's --return-tokens-as-token-ids); the request id when no
     # X-Request-Id header names one.

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvserve.services.api.serving.latency_targets import LatencyTargets
 from kvserve.services.api.serving.protocol import Int64
 
 
@@ -100,6 +101,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_k: Int64 | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    # kvserve's latency targets for this request (serving/latency_targets.py).
+    slo: LatencyTargets | None = None
 
 
 # --------------------------------------------------------------------------- responses

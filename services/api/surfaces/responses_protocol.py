@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from kvserve.services.api.serving.latency_targets import LatencyTargets
 from kvserve.services.api.serving.protocol import Int64
 
 
@@ -46,6 +47,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
+    # kvserve's latency targets for this request (serving/latency_targets.py).
+    slo: LatencyTargets | None = None
     # Asked-for features kvserve does not have: a 400 unless absent or at their defaults.
     include: list[str] | None = None
     truncation: str | None = None

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from kvserve.services.api.app_context import AppContext, context_of, json_response, with_errors
 from kvserve.services.api.serving.errors import APIError
+from kvserve.services.api.serving.latency_targets import set_request_targets
 from kvserve.services.api.serving.protocol import decode_request
 from kvserve.services.api.surfaces.anthropic_protocol import (
     CountTokensRequest,
@@ -37,6 +38,7 @@ def anthropic_error_response(exc: APIError) -> Response:
 async def create_message(request: Request) -> Response:
     ctx = context_of(request)
     body = decode_request(await request.body(), MessagesRequest, ctx.max_json_depth)
+    set_request_targets(body.slo, request.headers)
     return await ctx.messages.create_message(body, request)
 
 

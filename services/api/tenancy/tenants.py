@@ -9,8 +9,12 @@ the usage counters (services/api/tenancy/usage.py).
 A key file line may give its key's tenant a weight and quotas after the key:
 
     # name:key [weight=W] [max_concurrent=N] [tokens_per_minute=N] [requests_per_minute=N]
-    search:sk-4f9a weight=2 tokens_per_minute=200000
+    #          [slo_ttft_ms=MS] [slo_tpot_ms=MS]
+    search:sk-4f9a weight=2 tokens_per_minute=200000 slo_ttft_ms=500
     batch:sk-77e1 max_concurrent=8
+
+The slo_* columns are the tenant's latency targets, for its requests that set none of their
+own (services/api/serving/latency_targets.py).
 
 Quotas not given on the line come from the --tenant-* flags (none: unlimited). The file is
 read again on SIGHUP (TenantDirectory.reload): keys, weights and quotas change without a
@@ -20,6 +24,7 @@ restart; a line that does not parse keeps the old file in force.
 from __future__ import annotations
 
 import contextvars
+import math
 import re
 
 import msgspec
@@ -45,6 +50,9 @@ class TenantSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrent: int | None = None
     tokens_per_minute: int | None = None
     requests_per_minute: int | None = None
+    # Latency targets in ms for requests that name none (None: the server's --slo-*-ms).
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 _OPTION_TYPES = {
@@ -52,6 +60,8 @@ _OPTION_TYPES = {
     "max_concurrent": int,
     "tokens_per_minute": int,
     "requests_per_minute": int,
+    "slo_ttft_ms": float,
+    "slo_tpot_ms": float,
 }
 
 
@@ -97,7 +107,7 @@ def parse_key_file(path: str) -> list[KeyLine]:
                 number = kind(value)
             except ValueError:
                 number = 0
-            if not number > 0:
+            if not (number > 0 and math.isfinite(number)):
                 raise ValueError(f"{where}: {option_name} must be a positive number")
             options[option_name] = number
         if any(p.name == name for p in parsed):
