@@ -354,11 +354,23 @@ class KvStoreOptions(msgspec.Struct, frozen=True, kw_only=True):
         Literal["cpu", "cuda"],
         flag_doc("where the blocks live: cpu (shared memory) or cuda (exported with CUDA IPC)"),
     ] = "cpu"
+    disk_path: Annotated[
+        str | None,
+        flag_doc(
+            "folder of a disk tier under the memory one: evicted blocks spill there, blocks "
+            "pinned with a TTL are written there and outlive a store restart until it ends"
+        ),
+    ] = None
+    disk_bytes: Annotated[
+        int, flag_doc("bytes of block files the disk tier holds at most (64G, 512M)", parse="size")
+    ] = 16 * GiB
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
         if self.size <= 0 or self.lease_timeout_s <= 0:
             raise ValueError("--size and --lease-timeout-s must be positive")
+        if self.disk_bytes <= 0:
+            raise ValueError(f"--disk-bytes must be positive, got {self.disk_bytes}")
         for addr in self.addresses:
             if not addr.startswith(("ipc://", "tcp://")):
                 raise ValueError(f"--address {addr!r}: use ipc://PATH or tcp://HOST:PORT")

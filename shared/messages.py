@@ -550,6 +550,18 @@ class KvStoreStats(msgspec.Struct, frozen=True, kw_only=True):
     num_evicted: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    # The disk tier (--disk-path; all 0 without one). disk_hits: blocks read back (promoted)
+    # from disk; disk_checksum_failures: files found torn, truncated, corrupted or foreign;
+    # disk_dropped: spills or pin writes that found no room (or a backed-up writer).
+    disk_capacity_bytes: int = 0
+    disk_blocks: int = 0  # files held (written or being written)
+    disk_bytes: int = 0  # their bytes, headers included
+    disk_pinned: int = 0  # of them, pinned with a TTL
+    disk_hits: int = 0
+    disk_spills: int = 0
+    disk_checksum_failures: int = 0
+    disk_expirations: int = 0
+    disk_dropped: int = 0
 
 
 class KvHelloReply(msgspec.Struct, tag="hello_reply", array_like=True, frozen=True):

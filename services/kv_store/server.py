@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from kvserve.services.kv_store.arena import CudaArena, HostArena, arena_shm_name, slot_runs
+from kvserve.services.kv_store.disk_tier import DiskTier
 from kvserve.services.kv_store.store import KvBlockStore, Pool
 from kvserve.shared.launch_options import KvStoreOptions
 from kvserve.shared.logging import init_logger
@@ -80,7 +81,10 @@ class KvStoreServer:
 
     def __init__(self, options: KvStoreOptions):
         self.options = options
-        self.store = KvBlockStore(options.size, options.lease_timeout_s, self._make_arena)
+        self.disk = _open_disk_tier(options)
+        self.store = KvBlockStore(
+            options.size, options.lease_timeout_s, self._make_arena, disk=self.disk
+        )
         self._ctx = zmq.Context()
         self._sockets = [
             make_socket(self._ctx, addr, zmq.ROUTER, bind=True) for addr in options.addresses
@@ -116,6 +120,8 @@ class KvStoreServer:
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
+        if self.disk is not None:
+            poller.register(self.disk.wake_fd, zmq.POLLIN)
         logger.info(
             "KV store on %s: %.1f MiB, leases last %.1f s, device %s (pid %d)",
             ", ".join(self.options.addresses),
@@ -137,6 +143,8 @@ class KvStoreServer:
                 if wake_r in events:
                     with contextlib.suppress(BlockingIOError):
                         os.read(wake_r, 4096)
+                if self.disk is not None and self.disk.wake_fd in events:
+                    self.store.finish_disk_writes()
                 # Reap first: a client that got its frames may already be asking for stats.
                 self._reap()
                 for sock in self._sockets:
@@ -168,10 +176,11 @@ class KvStoreServer:
     def _poll_timeout_ms(self) -> int | None:
         if self._in_flight:
             return _TRACKER_POLL_MS
-        deadline = self.store.next_deadline()
+        now = time.monotonic()
+        deadline = self.store.next_deadline(now)
         if deadline is None:
             return None  # idle: block until a message or a signal
-        return max(0, int((deadline - time.monotonic()) * 1000) + 1)
+        return max(0, int((deadline - now) * 1000) + 1)
 
     def _reap(self) -> None:
         if self._in_flight:
@@ -337,6 +346,15 @@ class KvStoreServer:
         logger.info("KV store: shutdown requested")
         self._stopping = True
         return _Reply(KvCount(request.call_id, 0))
+
+
+def _open_disk_tier(options: KvStoreOptions) -> DiskTier | None:
+    """The disk tier of --disk-path, its index rebuilt from the files, or None."""
+    if options.disk_path is None:
+        return None
+    disk = DiskTier(options.disk_path, options.disk_bytes)
+    disk.scan()
+    return disk
 
 
 def run_kv_store(options: KvStoreOptions) -> int:

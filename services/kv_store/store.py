@@ -13,6 +13,9 @@ O(blocks it names).
   leaks nothing.
 - Within a chain the tail goes into the LRU order first, so it is evicted first: dropping a
   chain's first block would make all the others unreachable by prefix lookups.
+- With a disk tier (services/kv_store/disk_tier.py): an evicted block spills to disk, a pin
+  with a TTL writes its blocks through (holding them in memory until written), a lookup
+  counts disk blocks as held, and a get or pin promotes them back into slots.
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from kvserve.services.kv_store.disk_tier import DiskTier
 from kvserve.shared.messages import KvFingerprint, KvStoreStats
 
 
@@ -50,6 +57,12 @@ class Pool:
 
     def __post_init__(self) -> None:
         self.block_bytes = self.fingerprint.block_bytes
+
+    @property
+    def fp_key(self) -> bytes:
+        """The layout's 16-byte key (the pool id without the per-start nonce): what the disk
+        tier files blocks under, the same across restarts."""
+        return self.pool_id[:16]
 
     def take_slot(self) -> int:
         # The lowest free slot, so a batch's slots come in few runs (blocks.py).
@@ -91,6 +104,7 @@ class KvBlockStore:
         capacity_bytes: the budget of all pools together.
         lease_timeout_s: the default life of a lease.
         make_arena: (fingerprint, pool_id, num_slots) -> the arena of a new pool.
+        disk: the disk tier under the memory one, if any (its index already scanned).
     """
 
     def __init__(
@@ -98,6 +112,7 @@ class KvBlockStore:
         capacity_bytes: int,
         lease_timeout_s: float,
         make_arena: Callable[[KvFingerprint, bytes, int], Any],
+        disk: DiskTier | None = None,
     ):
         self.capacity_bytes = capacity_bytes
         self.lease_timeout_s = lease_timeout_s
@@ -112,6 +127,9 @@ class KvBlockStore:
         self.used_bytes = 0
         self.hits = self.misses = self.num_evicted = 0
         self.bytes_in = self.bytes_out = 0
+        self.disk = disk
+        self._disk_holds: dict[int, StoreBlock] = {}  # write token -> block it reads from
+        self._read_buffer = bytearray()  # a promotion's read, reused
 
     # ------------------------------------------------------------------------ pools
 
@@ -131,6 +149,9 @@ class KvBlockStore:
         return pool
 
     def close(self) -> None:
+        if self.disk is not None:  # its writes read the arenas: finish them first
+            self.disk.close()
+            self.finish_disk_writes()
         for pool in self.pools.values():
             pool.arena.close()
         self.pools.clear()
@@ -144,8 +165,9 @@ class KvBlockStore:
         for block in reversed(held):
             if block.ref_cnt == 0:
                 self._evictable.move_to_end(block.lru_key)
-        self._count(len(held), len(block_hashes))
-        return len(held)
+        num_held = len(held) + self._disk_prefix(pool, block_hashes[len(held) :])
+        self._count(num_held, len(block_hashes))
+        return num_held
 
     def reserve(
         self, pool: Pool, block_hashes: Sequence[bytes], now: float
@@ -193,15 +215,24 @@ class KvBlockStore:
         ttl_s: float | None = None,
         reading: bool = True,
     ) -> Lease:
-        """A lease on the held prefix of `block_hashes` (a get, or a pin when not `reading`)."""
-        held = self._held_prefix(pool, block_hashes)
+        """A lease on the held prefix of `block_hashes` (a get, or a pin when not `reading`);
+        blocks held only on disk are promoted into slots. A pin with a `ttl_s` writes its
+        blocks to the disk tier, keeping them there until the TTL ends (wall clock)."""
         lease = self._new_lease(now + (ttl_s or self.lease_timeout_s), writes=False)
-        for block in held:
-            self._ref(block)
-        lease.blocks = held
+        for block_hash in block_hashes:
+            block = pool.blocks.get(block_hash)
+            if block is None:
+                block = self._promote(pool, block_hash)
+            if block is None or not block.committed:
+                break
+            self._ref(block)  # now: a later promotion must not evict it
+            lease.blocks.append(block)
+        held = lease.blocks
         if reading:
             self._count(len(held), len(block_hashes))
             self.bytes_out += len(held) * pool.block_bytes
+        elif ttl_s is not None and self.disk is not None:
+            self._write_through(pool, held, self.disk.clock() + ttl_s)
         return lease
 
     def release(self, lease_id: int) -> bool:
@@ -216,8 +247,20 @@ class KvBlockStore:
         self._unref_all([b for b in lease.blocks if b.committed])
         return True
 
+    def finish_disk_writes(self) -> None:
+        """Account the disk writes done; the blocks they read from may be evicted again."""
+        if self.disk is None:
+            return
+        for token in self.disk.finish():
+            block = self._disk_holds.pop(token, None)
+            if block is not None:
+                self._unref_all([block])
+
     def expire(self, now: float) -> list[Lease]:
-        """End every lease past its deadline; returns them."""
+        """End every lease past its deadline, and the disk tier's expired pins; returns the
+        leases."""
+        if self.disk is not None:
+            self.disk.expire(self.disk.clock())
         expired = []
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, lease_id = heapq.heappop(self._deadlines)
@@ -227,8 +270,16 @@ class KvBlockStore:
                 expired.append(lease)
         return expired
 
-    def next_deadline(self) -> float | None:
-        return self._deadlines[0][0] if self._deadlines else None
+    def next_deadline(self, now: float | None = None) -> float | None:
+        """The next lease deadline or disk pin expiry, on the leases' clock (`now`,
+        time.monotonic() when None)."""
+        deadlines = [self._deadlines[0][0]] if self._deadlines else []
+        expiry = self.disk.next_expiry() if self.disk is not None else None
+        if expiry is not None:
+            assert self.disk is not None
+            now = time.monotonic() if now is None else now
+            deadlines.append(now + max(0.0, expiry - self.disk.clock()))
+        return min(deadlines, default=None)
 
     def stats(self) -> KvStoreStats:
         blocks = [b for pool in self.pools.values() for b in pool.blocks.values()]
@@ -245,6 +296,22 @@ class KvBlockStore:
             num_evicted=self.num_evicted,
             bytes_in=self.bytes_in,
             bytes_out=self.bytes_out,
+            **(self._disk_stats() if self.disk is not None else {}),
+        )
+
+    def _disk_stats(self) -> dict[str, int]:
+        disk = self.disk
+        assert disk is not None
+        return dict(
+            disk_capacity_bytes=disk.capacity_bytes,
+            disk_blocks=len(disk.blocks),
+            disk_bytes=disk.used_bytes,
+            disk_pinned=sum(block.expires_at > 0 for block in disk.blocks.values()),
+            disk_hits=disk.hits,
+            disk_spills=disk.spills,
+            disk_checksum_failures=disk.checksum_failures,
+            disk_expirations=disk.expirations,
+            disk_dropped=disk.dropped,
         )
 
     # ------------------------------------------------------------------------ helpers
@@ -292,6 +359,7 @@ class KvBlockStore:
                 return False
             _, victim = self._evictable.popitem(last=False)
             self.num_evicted += 1
+            self._spill(victim)
             self._drop(victim)
             if victim.pool is not pool:
                 victim.pool.arena.release_pages(victim.slot)
@@ -301,3 +369,61 @@ class KvBlockStore:
         del block.pool.blocks[block.block_hash]
         block.pool.free_slot(block.slot)
         self.used_bytes -= block.pool.block_bytes
+
+    # ------------------------------------------------------------------------ disk tier
+
+    def _disk_prefix(self, pool: Pool, block_hashes: Sequence[bytes]) -> int:
+        """How many of `block_hashes`, from the first, memory or disk holds (no I/O)."""
+        num_held = 0
+        for block_hash in block_hashes:
+            block = pool.blocks.get(block_hash)
+            if block is not None and block.committed:
+                if block.ref_cnt == 0:
+                    self._evictable.move_to_end(block.lru_key)
+            elif self.disk is not None and self.disk.holds(pool.fp_key, block_hash):
+                self.disk.touch(pool.fp_key, block_hash)
+            else:
+                break
+            num_held += 1
+        return num_held
+
+    def _promote(self, pool: Pool, block_hash: bytes) -> StoreBlock | None:
+        """Read a block held only on disk into a fresh slot (evictable; the caller refs it)."""
+        disk = self.disk
+        if disk is None or not disk.holds(pool.fp_key, block_hash):
+            return None
+        # Read before making room: the spills of that room may evict this very file.
+        if len(self._read_buffer) != pool.block_bytes:
+            self._read_buffer = bytearray(pool.block_bytes)
+        if not disk.read(pool.fp_key, block_hash, self._read_buffer):
+            return None
+        if not self._make_room(pool):
+            return None
+        block = StoreBlock(pool, block_hash, pool.take_slot(), committed=True)
+        payload = np.frombuffer(self._read_buffer, dtype=np.uint8).reshape(1, -1)
+        pool.arena.write_run(block.slot, payload)
+        pool.blocks[block_hash] = block
+        self.used_bytes += pool.block_bytes
+        self._evictable[block.lru_key] = block
+        return block
+
+    def _write_through(self, pool: Pool, blocks: Sequence[StoreBlock], expires_at: float) -> None:
+        """Pin `blocks` on disk until `expires_at`; each one written from its slot stays
+        referenced (unevictable, its slot unchanged) until the writer is done with it."""
+        assert self.disk is not None
+        for block in blocks:
+            payload = pool.arena.read_run(block.slot, 1)
+            token = self.disk.pin(pool.fp_key, block.block_hash, payload, expires_at)
+            if token is not None:
+                self._ref(block)
+                self._disk_holds[token] = block
+
+    def _spill(self, victim: StoreBlock) -> None:
+        if self.disk is not None:
+            pool = victim.pool
+            self.disk.spill(
+                pool.fp_key,
+                victim.block_hash,
+                pool.block_bytes,
+                lambda: bytes(pool.arena.read_run(victim.slot, 1)),
+            )
