@@ -562,6 +562,7 @@ class KvStoreStats(msgspec.Struct, frozen=True, kw_only=True):
     disk_checksum_failures: int = 0
     disk_expirations: int = 0
     disk_dropped: int = 0
+    disk_pending_writes: int = 0  # queued for the writer thread
 
 
 class KvHelloReply(msgspec.Struct, tag="hello_reply", array_like=True, frozen=True):

@@ -131,6 +131,11 @@ class DiskTier:
         self.touch(fp_key, block_hash)
         return True
 
+    @property
+    def num_pending(self) -> int:
+        """Writes queued or under way."""
+        return len(self._by_token)
+
     def next_expiry(self) -> float | None:
         return self._expiries[0][0] if self._expiries else None
 
@@ -215,9 +220,14 @@ class DiskTier:
         self.finish()
 
     def close(self) -> None:
-        self.writer.close()
+        """Finish the queued writes, stop the writer, let go of the folder (idempotent)."""
+        if self._lock_fd < 0:
+            return
+        self.writer.stop()
         self.finish()
+        self.writer.close()
         os.close(self._lock_fd)
+        self._lock_fd = -1
 
     # ------------------------------------------------------------------------ start-up
 

@@ -84,12 +84,19 @@ class DiskWriter:
         """Block until every queued job is done (tests, shutdown)."""
         self._jobs.join()
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Finish the queued jobs (up to `timeout_s`), stop the thread, close the pipe."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the queued jobs (up to `timeout_s`) and stop the thread; take_done() still
+        reports them."""
+        if not self._thread.is_alive():
+            return
         self._jobs.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning("KV disk tier: writes still queued after %.0f s, abandoned", timeout_s)
+
+    def close(self) -> None:
+        """Stop, then close the wake pipe."""
+        self.stop()
         os.close(self.wake_fd)
         os.close(self._wake_w)
 

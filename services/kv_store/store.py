@@ -150,8 +150,9 @@ class KvBlockStore:
 
     def close(self) -> None:
         if self.disk is not None:  # its writes read the arenas: finish them first
-            self.disk.close()
+            self.disk.writer.stop()
             self.finish_disk_writes()
+            self.disk.close()
         for pool in self.pools.values():
             pool.arena.close()
         self.pools.clear()
@@ -312,6 +313,7 @@ class KvBlockStore:
             disk_checksum_failures=disk.checksum_failures,
             disk_expirations=disk.expirations,
             disk_dropped=disk.dropped,
+            disk_pending_writes=disk.num_pending,
         )
 
     # ------------------------------------------------------------------------ helpers
