@@ -10,6 +10,7 @@ from its struct.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 import msgspec
@@ -371,6 +372,9 @@ class KvStoreOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--size and --lease-timeout-s must be positive")
         if self.disk_bytes <= 0:
             raise ValueError(f"--disk-bytes must be positive, got {self.disk_bytes}")
+        if self.disk_path is not None and os.path.exists(self.disk_path):
+            if not os.path.isdir(self.disk_path):
+                raise ValueError(f"--disk-path {self.disk_path} exists and is not a folder")
         for addr in self.addresses:
             if not addr.startswith(("ipc://", "tcp://")):
                 raise ValueError(f"--address {addr!r}: use ipc://PATH or tcp://HOST:PORT")

@@ -211,7 +211,9 @@ class DiskTier:
             if block is not None and block.expires_at == expires_at:
                 self._remove(block)
                 num_expired += 1
-        self.expirations += num_expired
+        if num_expired:
+            self.expirations += num_expired
+            logger.info("KV disk tier: %d pinned blocks reached their TTL: deleted", num_expired)
         return num_expired
 
     def wait_idle(self) -> None:

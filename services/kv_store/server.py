@@ -352,12 +352,20 @@ def _open_disk_tier(options: KvStoreOptions) -> DiskTier | None:
     """The disk tier of --disk-path, its index rebuilt from the files, or None."""
     if options.disk_path is None:
         return None
-    disk = DiskTier(options.disk_path, options.disk_bytes)
+    try:
+        disk = DiskTier(options.disk_path, options.disk_bytes)
+    except OSError as exc:
+        raise ValueError(f"--disk-path {options.disk_path}: {exc}") from None
     disk.scan()
     return disk
 
 
 def run_kv_store(options: KvStoreOptions) -> int:
     """The `kvserve kv-store` command: serve until SIGTERM, SIGINT or a KvShutdown."""
-    KvStoreServer(options).run()
+    try:
+        server = KvStoreServer(options)
+    except ValueError as exc:  # a disk tier it cannot use
+        logger.error("KV store: %s", exc)
+        return 1
+    server.run()
     return 0
