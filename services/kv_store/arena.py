@@ -110,6 +110,10 @@ class HostArena:
         """Copy `data` (uint8 [num_slots, slot_bytes]) into slots from first_slot on."""
         self.slots_np[first_slot : first_slot + len(data)] = data
 
+    def slot_buffer(self, slot: int) -> memoryview:
+        """The slot's bytes, writable in place (a disk read lands here directly)."""
+        return self.slots_np[slot].data
+
     def release_pages(self, slot: int) -> None:
         """Give a free slot's memory back to the OS (the whole pages inside it), so pools of
         several layouts together stay within the store's --size."""
@@ -214,6 +218,9 @@ class CudaArena:
         import torch
 
         self.slots[first_slot : first_slot + len(data)].copy_(torch.from_numpy(data))
+
+    def slot_buffer(self, slot: int) -> None:
+        return None  # device memory: a disk read goes through a host buffer
 
     def release_pages(self, slot: int) -> None:
         pass  # device memory is allocated up front

@@ -103,7 +103,7 @@ def unpack_header(header: bytes) -> BlockHeader | None:
     return BlockHeader(fp_key, padded_hash[:hash_len], payload_len, payload_crc, expires_at)
 
 
-def read_block(path: str, fp_key: bytes, block_hash: bytes, out: bytearray) -> bool:
+def read_block(path: str, fp_key: bytes, block_hash: bytes, out: bytearray | memoryview) -> bool:
     """Read the payload of `path` into `out` (sized to the pool's block bytes) and verify it.
 
     True only when the header names this pool and hash, the length matches `out` and the

@@ -118,7 +118,7 @@ class DiskTier:
         if key in self._lru:
             self._lru.move_to_end(key)
 
-    def read(self, fp_key: bytes, block_hash: bytes, out: bytearray) -> bool:
+    def read(self, fp_key: bytes, block_hash: bytes, out: bytearray | memoryview) -> bool:
         """Read and verify the block into `out`; a bad file is a miss, and deleted."""
         key = fp_key + block_hash
         block = self.blocks[key]

@@ -394,20 +394,31 @@ class KvBlockStore:
         disk = self.disk
         if disk is None or not disk.holds(pool.fp_key, block_hash):
             return None
-        # Read before making room: the spills of that room may evict this very file.
-        if len(self._read_buffer) != pool.block_bytes:
-            self._read_buffer = bytearray(pool.block_bytes)
-        if not disk.read(pool.fp_key, block_hash, self._read_buffer):
+        # Most recent first: the spills that make room below evict other files before it.
+        disk.touch(pool.fp_key, block_hash)
+        if not self._make_room(pool) or not disk.holds(pool.fp_key, block_hash):
             return None
-        if not self._make_room(pool):
+        slot = pool.take_slot()
+        if not self._read_into_slot(pool, block_hash, slot):
+            pool.free_slot(slot)
             return None
-        block = StoreBlock(pool, block_hash, pool.take_slot(), committed=True)
-        payload = np.frombuffer(self._read_buffer, dtype=np.uint8).reshape(1, -1)
-        pool.arena.write_run(block.slot, payload)
+        block = StoreBlock(pool, block_hash, slot, committed=True)
         pool.blocks[block_hash] = block
         self.used_bytes += pool.block_bytes
         self._evictable[block.lru_key] = block
         return block
+
+    def _read_into_slot(self, pool: Pool, block_hash: bytes, slot: int) -> bool:
+        assert self.disk is not None
+        target = pool.arena.slot_buffer(slot)  # the shared memory itself: no second copy
+        if target is not None:
+            return self.disk.read(pool.fp_key, block_hash, target)
+        if len(self._read_buffer) != pool.block_bytes:
+            self._read_buffer = bytearray(pool.block_bytes)
+        if not self.disk.read(pool.fp_key, block_hash, self._read_buffer):
+            return False
+        pool.arena.write_run(slot, np.frombuffer(self._read_buffer, dtype=np.uint8)[None])
+        return True
 
     def _write_through(self, pool: Pool, blocks: Sequence[StoreBlock], expires_at: float) -> None:
         """Pin `blocks` on disk until `expires_at`; each one written from its slot stays
