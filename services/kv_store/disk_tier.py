@@ -53,8 +53,9 @@ logger = init_logger(__name__)
 # Spills copy the evicted slot; at most this many bytes of copies wait for the writer, so a
 # slow disk drops spills instead of growing the store's memory.
 MAX_PENDING_SPILL_BYTES = 256 * 2**20
-# A pin refresh rewrites the file's expiry only when it moves by more than this.
-EXPIRY_SLACK_S = 1.0
+# A pin refresh rewrites the file's expiry only when it moves by more than this (or a tenth
+# of the TTL, when less): agents refresh every turn, and only a restart reads the file's.
+EXPIRY_SLACK_S = 60.0
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +64,7 @@ class DiskBlock:
     path: str
     nbytes: int  # the file's size
     expires_at: float  # wall-clock seconds; 0.0: not pinned
+    file_expires_at: float = 0.0  # what the file says (a refresh may lag, by the slack)
     token: int = 0  # the pending write's token; 0 once written
     spill_bytes: int = 0  # of a pending spill, counted in pending_spill_bytes
 
@@ -174,10 +176,7 @@ class DiskTier:
         key = fp_key + block_hash
         block = self.blocks.get(key)
         if block is not None:
-            if expires_at > block.expires_at + EXPIRY_SLACK_S:
-                self._lru.pop(key, None)
-                self._set_expiry(block, expires_at)
-                self.writer.submit(ExpiryJob(block.path, expires_at))  # after its write (FIFO)
+            self._refresh(block, expires_at)
             return None
         if len(block_hash) > MAX_HASH_BYTES:
             return None
@@ -186,6 +185,20 @@ class DiskTier:
             return None
         self._set_expiry(block, expires_at)
         return self._submit(block, fp_key, block_hash, payload, durable=True)
+
+    def _refresh(self, block: DiskBlock, expires_at: float) -> None:
+        """A pin on a block already here: the later expiry wins; the file follows when it
+        lags by more than the slack (its ExpiryJob runs after any queued write: FIFO)."""
+        if expires_at <= block.expires_at:
+            return
+        if not block.expires_at:  # an unpinned block: file_expires_at is 0, so it is written
+            self._lru.pop(block.key, None)
+            heapq.heappush(self._expiries, (expires_at, block.key))
+        block.expires_at = expires_at  # a pinned one's heap entry re-queues itself at its time
+        slack = min(EXPIRY_SLACK_S, 0.1 * (expires_at - self.clock()))
+        if expires_at > block.file_expires_at + slack:
+            block.file_expires_at = expires_at
+            self.writer.submit(ExpiryJob(block.path, expires_at))
 
     def finish(self) -> list[int]:
         """Account the writes the thread finished; returns their tokens."""
@@ -206,11 +219,15 @@ class DiskTier:
         """Delete the pinned blocks whose expiry passed; returns how many."""
         num_expired = 0
         while self._expiries and self._expiries[0][0] <= now:
-            expires_at, key = heapq.heappop(self._expiries)
+            _, key = heapq.heappop(self._expiries)
             block = self.blocks.get(key)
-            if block is not None and block.expires_at == expires_at:
-                self._remove(block)
-                num_expired += 1
+            if block is None or not block.expires_at:
+                continue  # gone meanwhile
+            if block.expires_at > now:  # refreshed since it was queued
+                heapq.heappush(self._expiries, (block.expires_at, key))
+                continue
+            self._remove(block)
+            num_expired += 1
         if num_expired:
             self.expirations += num_expired
             logger.info("KV disk tier: %d pinned blocks reached their TTL: deleted", num_expired)
@@ -295,7 +312,8 @@ class DiskTier:
         return block.token
 
     def _set_expiry(self, block: DiskBlock, expires_at: float) -> None:
-        block.expires_at = expires_at
+        """Pin a block that was not pinned (one heap entry per pinned block)."""
+        block.expires_at = block.file_expires_at = expires_at
         heapq.heappush(self._expiries, (expires_at, block.key))
 
     def _insert(self, block: DiskBlock) -> None:

@@ -36,7 +36,10 @@ def test_pinned_blocks_outlive_a_killed_store_until_their_ttl(start_store, finge
     store.restart()
 
     assert client.lookup(brief) == 0
+    with KvStoreClient(store.tcp, fingerprint, timeout_s=10) as remote:  # frames: promoted too
+        assert remote.get(keep[:1], dst, [1]) == 1
     assert client.get(keep, dst, [2, 3, 4]) == 3
+    assert torch.equal(dst[0][:, 1], src[0][:, 0])
     assert all(torch.equal(d[:, 2:5], s[:, 0:3]) for s, d in zip(src, dst))
     for pin in pins:
         client.unpin(pin)  # leases of the killed store: nothing to end

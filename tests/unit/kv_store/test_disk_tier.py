@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from kvserve.services.kv_store.arena import HostArena
-from kvserve.services.kv_store.disk_format import HEADER_BYTES, block_path
+from kvserve.services.kv_store.disk_format import HEADER_BYTES, block_path, unpack_header
 from kvserve.services.kv_store.disk_tier import DiskTier
 from kvserve.services.kv_store.store import KvBlockStore, Pool
+from kvserve.shared.launch_options import KvStoreOptions
 from kvserve.shared.messages import KvFingerprint
 from tests.support.kv_store import chain, tiny_fingerprint
 
@@ -151,6 +152,30 @@ def test_an_expired_pin_is_gone_at_runtime_and_after_a_restart(stores):
     _assert_no_leaks(store)
 
 
+def test_a_refresh_within_the_slack_extends_the_pin_without_a_rewrite(stores):
+    store = stores.open(mem_blocks=2, disk_files=8)
+    pool = store.open_pool(tiny_fingerprint())
+    hashes = chain("agent", 2)
+    _put(store, pool, hashes, seed=9)
+    first_expiry = stores.clock.now + 600
+    _pin(store, pool, hashes, ttl_s=600)
+    stores.clock.now += 30
+    _pin(store, pool, hashes, ttl_s=600)  # 30 s later: within the 60 s slack, no rewrite
+    _settle(store)
+    path = block_path(stores.root, tiny_fingerprint().key(), hashes[0])
+    with open(path, "rb") as f:
+        header = unpack_header(f.read(HEADER_BYTES))
+    assert header is not None and header.expires_at == first_expiry
+    stores.clock.now += 590  # past the first expiry, within the refreshed one
+    _put(store, pool, chain("flood", 2), seed=10)  # memory holds 2: `hashes` only on disk now
+    store.expire(now=0.0)
+    assert store.lookup(pool, hashes) == 2 and store.stats().disk_expirations == 0
+    stores.clock.now += 31
+    store.expire(now=0.0)
+    assert store.lookup(pool, hashes) == 0 and store.stats().disk_expirations == 2
+    _assert_no_leaks(store)
+
+
 def test_evicted_blocks_spill_and_a_get_promotes_them(stores):
     store = stores.open(mem_blocks=4, disk_files=16)
     pool = store.open_pool(tiny_fingerprint())
@@ -217,10 +242,15 @@ def test_the_byte_budget_holds_under_a_flood_and_pins_are_kept(stores):
     _assert_no_leaks(store)
 
 
-def test_a_folder_serves_one_store_at_a_time(stores):
+def test_a_folder_serves_one_store_at_a_time_and_bad_flags_are_refused(stores, tmp_path):
     stores.open()
     with pytest.raises(ValueError, match="in use by another KV store"):
         DiskTier(stores.root, 16 * FILE)
+    with pytest.raises(ValueError, match="--disk-bytes must be positive"):
+        KvStoreOptions(disk_path=stores.root, disk_bytes=0)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="is not a folder"):
+        KvStoreOptions(disk_path=str(tmp_path / "a-file"))
 
 
 def _flip_byte(path: str, offset: int) -> None:
