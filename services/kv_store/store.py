@@ -34,6 +34,10 @@ import numpy as np
 from kvserve.services.kv_store.disk_tier import DiskTier
 from kvserve.shared.messages import KvFingerprint, KvStoreStats
 
+# Disk reads one get or pin may spend promoting blocks, in seconds (the store's loop waits
+# meanwhile; a client's round trip allows 2 s by default). ~100 MB at 200 MB/s.
+PROMOTE_BUDGET_S = 0.5
+
 
 @dataclass(slots=True, eq=False)
 class Pool:
@@ -220,9 +224,16 @@ class KvBlockStore:
         blocks held only on disk are promoted into slots. A pin with a `ttl_s` writes its
         blocks to the disk tier, keeping them there until the TTL ends (wall clock)."""
         lease = self._new_lease(now + (ttl_s or self.lease_timeout_s), writes=False)
+        promote_until = None
         for block_hash in block_hashes:
             block = pool.blocks.get(block_hash)
             if block is None:
+                # One block at least, then until the call's read time is spent: the loop
+                # serves other clients meanwhile; a later get promotes the rest.
+                if promote_until is None:
+                    promote_until = time.monotonic() + PROMOTE_BUDGET_S
+                elif time.monotonic() > promote_until:
+                    break
                 block = self._promote(pool, block_hash)
             if block is None or not block.committed:
                 break

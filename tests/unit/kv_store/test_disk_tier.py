@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvserve.services.kv_store import store as store_module
 from kvserve.services.kv_store.arena import HostArena
 from kvserve.services.kv_store.disk_format import HEADER_BYTES, block_path, unpack_header
 from kvserve.services.kv_store.disk_tier import DiskTier
@@ -188,6 +189,21 @@ def test_evicted_blocks_spill_and_a_get_promotes_them(stores):
     assert store.lookup(pool, first) == 4
     assert _get(store, pool, first) == first_payloads  # promoted back (evicting `second`)
     assert store.stats().disk_hits == 4
+    _assert_no_leaks(store)
+
+
+def test_a_get_promotes_within_its_read_budget_and_the_next_one_goes_on(stores, monkeypatch):
+    store = stores.open(mem_blocks=4, disk_files=16)
+    pool = store.open_pool(tiny_fingerprint())
+    hashes = chain("long", 3)
+    payloads = _put(store, pool, hashes, seed=11)
+    _put(store, pool, chain("other", 4), seed=12)  # `hashes` now on disk only
+    _settle(store)
+    monkeypatch.setattr(store_module, "PROMOTE_BUDGET_S", 0.0)  # one block per call
+    assert store.lookup(pool, hashes) == 3
+    assert _get(store, pool, hashes) == payloads[:1]
+    assert _get(store, pool, hashes) == payloads[:2]
+    assert _get(store, pool, hashes) == payloads
     _assert_no_leaks(store)
 
 
