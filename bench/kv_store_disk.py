@@ -11,12 +11,13 @@ blocks of 16 tokens, float32: 720 KiB), then times
     get warm   gets of the spilled blocks: each read from its file, verified, promoted
     get cold   the same after the files left the page cache (posix_fadvise DONTNEED)
     rebuild    the index rebuilt from the folder (DiskTier.scan, as a restarted store does),
-               warm and with the headers out of the page cache
+               warm and with the headers out of the page cache; with --rebuild-files N, also
+               for a folder of N small block files (the scan's cost is per file)
 
 and prints MB/s (and the rebuild's seconds).
 
     .venv/bin/python bench/kv_store_disk.py [--num-blocks 512] [--mem-blocks 64]
-        [--folder /var/tmp] [--threads 1]
+        [--folder /var/tmp] [--threads 1] [--rebuild-files 10000]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import uuid
 import torch
 
 from kvserve.services.kv_store.client import KvStoreClient
+from kvserve.services.kv_store.disk_format import block_path, pack_header
 from kvserve.services.kv_store.disk_tier import DiskTier
 from kvserve.shared.messages import KvFingerprint
 
@@ -94,6 +96,17 @@ def _time_tiers(client: KvStoreClient, args: argparse.Namespace, root: str) -> l
     return lines
 
 
+def _write_small_files(root: str, num_files: int) -> None:
+    """num_files block files of 1 KiB payloads, written as the writer thread writes them."""
+    fp_key, payload = b"k" * 16, os.urandom(1024)
+    os.makedirs(os.path.join(root, fp_key.hex()))
+    for i in range(num_files):
+        block_hash = i.to_bytes(32, "little")
+        with open(block_path(root, fp_key, block_hash), "wb") as f:
+            f.write(pack_header(fp_key, block_hash, payload, 0.0))
+            f.write(payload)
+
+
 def _time_rebuild(root: str) -> list[str]:
     lines = []
     for label, cold in (("warm", False), ("cold", True)):
@@ -114,6 +127,7 @@ def main() -> None:
     parser.add_argument("--mem-blocks", type=int, default=64, help="blocks the memory tier holds")
     parser.add_argument("--folder", default="/var/tmp", help="where the disk tier's folder goes")
     parser.add_argument("--threads", type=int, default=1, help="this process's torch threads")
+    parser.add_argument("--rebuild-files", type=int, default=0, help="small files to scan too")
     args = parser.parse_args()
     # One thread: idle OpenMP workers spin, and would take the store's core on a small machine.
     torch.set_num_threads(args.threads)
@@ -130,6 +144,10 @@ def main() -> None:
         store.terminate()
         store.wait(30)
         lines += _time_rebuild(root)
+        if args.rebuild_files:
+            shutil.rmtree(root)
+            _write_small_files(root, args.rebuild_files)
+            lines += _time_rebuild(root)
     finally:
         store.kill()
         shutil.rmtree(root, ignore_errors=True)
