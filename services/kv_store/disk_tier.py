@@ -233,11 +233,6 @@ class DiskTier:
             logger.info("KV disk tier: %d pinned blocks reached their TTL: deleted", num_expired)
         return num_expired
 
-    def wait_idle(self) -> None:
-        """Block until the writer is idle, then account its writes (tests, shutdown)."""
-        self.writer.wait_idle()
-        self.finish()
-
     def close(self) -> None:
         """Finish the queued writes, stop the writer, let go of the folder (idempotent)."""
         if self._lock_fd < 0:
