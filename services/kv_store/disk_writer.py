@@ -107,6 +107,8 @@ class DiskWriter:
                 if job is None:
                     return
                 self._do(job)
+            except Exception:  # an expiry or delete that failed oddly: the thread goes on
+                logger.exception("KV disk tier: %s failed", type(job).__name__)
             finally:
                 self._jobs.task_done()
 
@@ -118,7 +120,11 @@ class DiskWriter:
         if isinstance(job, ExpiryJob):
             self._rewrite_expiry(job)
             return
-        ok = self._write(job)
+        ok = False
+        try:
+            ok = self._write(job)
+        except Exception:  # never lose a report: the store holds the block until it comes
+            logger.exception("KV disk tier: writing %s failed", job.path)
         with self._lock:
             self._done.append((job.token, ok))
         with contextlib.suppress(BlockingIOError):
