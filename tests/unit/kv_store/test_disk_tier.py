@@ -258,6 +258,20 @@ def test_the_byte_budget_holds_under_a_flood_and_pins_are_kept(stores):
     _assert_no_leaks(store)
 
 
+def test_a_failed_write_leaves_no_entry_and_no_held_block(stores):
+    store = stores.open()
+    pool = store.open_pool(tiny_fingerprint())
+    hashes = chain("unwritable", 2)
+    payloads = _put(store, pool, hashes, seed=13)
+    with open(os.path.join(stores.root, tiny_fingerprint().key().hex()), "w"):
+        pass  # a file where the pool's folder goes: every write fails
+    _pin(store, pool, hashes, ttl_s=3600)
+    _assert_no_leaks(store)
+    stats = store.stats()
+    assert (stats.disk_blocks, stats.disk_bytes, stats.num_blocks) == (0, 0, 2)
+    assert _get(store, pool, hashes) == payloads
+
+
 def test_a_folder_serves_one_store_at_a_time_and_bad_flags_are_refused(stores, tmp_path):
     stores.open()
     with pytest.raises(ValueError, match="in use by another KV store"):
