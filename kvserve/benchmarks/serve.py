@@ -107,6 +107,12 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send ignore_eos: true, so every request generates max_tokens",
     )
+    load.add_argument(
+        "--no-target-headers",
+        action="store_true",
+        help="do not send the --mix classes' and --tenants' targets as x-slo-* headers; "
+        "goodput still judges them (a baseline run of a server without targets)",
+    )
     load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument(
         "--extra-body",

@@ -229,7 +229,8 @@ def build_sources(args: argparse.Namespace, options: RunOptions, tokenizer) -> l
         headers = _bearer(tenant.api_key or args.api_key)
         if args.tenant_header:
             headers[args.tenant_header] = tenant.name
-        headers |= tenant.target_headers()
+        if not args.no_target_headers:
+            headers |= tenant.target_headers()
         requests = datasets.random_requests(
             tokenizer,
             tenant.num_prompts,
@@ -370,6 +371,7 @@ def _request_specs(
     args: argparse.Namespace, base_url: str, model: str, source: TrafficSource
 ) -> list[RequestSpec]:
     """One source's requests as the client sends them."""
+    classes = None if args.no_target_headers else source.request_classes
     return [
         RequestSpec(
             base_url + args.endpoint,
@@ -381,7 +383,7 @@ def _request_specs(
             args.ignore_eos,
             args.temperature,
             args.extra_body or {},
-            headers=source.request_classes[i].headers() if source.request_classes else {},
+            headers=classes[i].headers() if classes else {},
         )
         for i, r in enumerate(source.requests)
     ]

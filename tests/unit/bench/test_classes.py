@@ -87,6 +87,11 @@ def test_only_the_targeted_class_sends_target_headers(tokenizer):
         assert spec.prompt_len == request_class.input_len
     assert {spec.headers.get("x-slo-ttft-ms") for spec in specs} == {"600", None}
     assert source.request_slos() == [c.targets() for c in source.request_classes]
+    # A baseline run sends no targets, and judges the same ones.
+    quiet = bench_args(*argv, "--no-target-headers")
+    [quiet_source] = build_sources(quiet, parse_run_options(quiet), tokenizer)
+    assert quiet_source.request_slos() == source.request_slos()
+    assert all(spec.headers == {} for spec in _request_specs(quiet, "http://x", "m", quiet_source))
 
 
 def test_goodput_per_class_and_in_all(tokenizer):

@@ -219,6 +219,12 @@ def test_tenant_targets_travel_as_headers_and_judge_its_goodput(tokenizer, monke
     assert chat.headers == {"X-Tenant": "chat", "x-slo-ttft-ms": "150", "x-slo-tpot-ms": "50.5"}
     assert batch.headers == {"X-Tenant": "batch"}
     assert chat.request_slos() == [{"ttft": 150.0, "tpot": 50.5}] * 2
+    quiet = ["--no-target-headers", *argv]
+    quiet_chat, _ = build_sources(
+        bench_args(*quiet), parse_run_options(bench_args(*quiet)), tokenizer
+    )
+    assert quiet_chat.headers == {"X-Tenant": "chat"}
+    assert quiet_chat.request_slos() == chat.request_slos()
     assert batch.request_slos() == [{}, {}]
     tenant = chat.tenant
     assert tenant.config()["ttft_ms"] == 150.0 and "ttft_ms" not in batch.tenant.config()
