@@ -220,6 +220,10 @@ class EngineLoad(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # --scheduling-policy fair: this engine's virtual token counter per tenant
     # (services/scheduler/core/policies/fair_share.py); empty under the other policies.
     tenant_service: dict[str, float] = {}
+    # The step-time model's predicted time until a request arriving now gets its first step
+    # (services/scheduler/core/queue_delay.py), in ms: the api routes a request with a TTFT
+    # target to an engine that can meet it (services/api/engine_client/slo_routing.py).
+    predicted_queue_delay_ms: float = 0.0
 
 
 class LoadTable(msgspec.Struct, frozen=True, array_like=True, gc=False):

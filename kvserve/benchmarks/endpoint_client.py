@@ -30,6 +30,7 @@ class RequestSpec:
         ignore_eos: send vLLM's `ignore_eos: true`, so exactly max_tokens come back.
         temperature: the sampling temperature.
         extra_body: more fields merged into the body.
+        headers: this request's own headers (its latency targets), over the source's.
     """
 
     url: str
@@ -41,6 +42,7 @@ class RequestSpec:
     ignore_eos: bool = False
     temperature: float = 0.0
     extra_body: dict = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
 
     def body(self) -> dict:
         body = {
@@ -119,6 +121,7 @@ async def send_request(
     record.start_time = start = last_time = time.perf_counter()
     texts: list[str] = []
     try:
+        headers = headers | spec.headers if spec.headers else headers
         async with session.post(spec.url, json=spec.body(), headers=headers) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {(await response.text())[:500]}"

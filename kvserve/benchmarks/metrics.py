@@ -118,6 +118,7 @@ def compute_metrics(
     percentiles: list[float],
     slos: dict[str, float],
     bench_start: float,
+    request_slos: list[dict[str, float]] | None = None,
 ) -> tuple[dict, dict]:
     """(summary, per-request detail) of one run.
 
@@ -128,6 +129,9 @@ def compute_metrics(
         percentiles: the pNN to report for every metric.
         slos: goodput SLOs in ms (empty: no goodput).
         bench_start: perf_counter() at the start of the run (start times are relative).
+        request_slos: each request's own SLOs (a --tenants tenant's, a --mix class's),
+            over `slos`; a request left with none is not judged (goodput counts the
+            requests that met every target they had).
     """
     assert duration_s > 0, "a run takes time"
     output_lens = [output_len_of(r, tokenizer) for r in records]
@@ -151,11 +155,12 @@ def compute_metrics(
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
     }
-    if slos:
+    targets = [slos | own for own in request_slos] if request_slos else [slos] * len(records)
+    if any(targets):
         num_good = sum(
-            meets_slos(r.ttft * 1000, None if t is None else t * 1000, r.latency * 1000, slos)
-            for r, t in zip(records, tpots)
-            if r.success
+            meets_slos(r.ttft * 1000, None if t is None else t * 1000, r.latency * 1000, target)
+            for r, t, target in zip(records, tpots, targets)
+            if r.success and target
         )
         summary["request_goodput"] = num_good / duration_s
     for name, values in (

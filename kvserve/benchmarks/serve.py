@@ -5,7 +5,8 @@ Poisson (or gamma) process at --request-rate, at most --max-concurrency at a tim
 same result block and can save the same JSON. When the server exposes kvserve's (or vLLM's)
 Prometheus metrics, the run's preemptions, prefix-cache hit rate and peak KV use are added.
 With --tenants, several traffic sources run at once, one per tenant, and each tenant's
-figures follow the totals (tenants.py).
+figures follow the totals (tenants.py); with --dataset-name mixed, the requests belong to
+classes (short chats, long documents) with their own targets, reported apart (classes.py).
 The run itself lives in serve_runner.py, so that building the CLI imports no aiohttp.
 """
 
@@ -21,7 +22,18 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     """The dataset flags, shared with `kvserve tune`."""
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=("random", "prefix", "sharegpt"))
+    data.add_argument(
+        "--dataset-name", default="random", choices=("random", "prefix", "sharegpt", "mixed")
+    )
+    data.add_argument(
+        "--mix",
+        default=None,
+        metavar="SPEC",
+        help="--dataset-name mixed: request classes NAME:INPUT:OUTPUT:SHARE[:ttft=MS]"
+        "[:tpot=MS], comma-separated, e.g. short:128:64:0.9:ttft=600:tpot=90,long:4096:64:0.1; "
+        "a class's targets go with its requests as x-slo-ttft-ms / x-slo-tpot-ms headers, and "
+        "the report splits each class (kvserve/benchmarks/classes.py)",
+    )
     data.add_argument("--dataset-path", default=None, help="ShareGPT JSON or JSONL file")
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)
@@ -94,6 +106,12 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         "--ignore-eos",
         action="store_true",
         help="send ignore_eos: true, so every request generates max_tokens",
+    )
+    load.add_argument(
+        "--no-target-headers",
+        action="store_true",
+        help="do not send the --mix classes' and --tenants' targets as x-slo-* headers; "
+        "goodput still judges them (a baseline run of a server without targets)",
     )
     load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument(

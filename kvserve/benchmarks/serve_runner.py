@@ -14,6 +14,14 @@ import aiohttp
 import numpy as np
 
 from kvserve.benchmarks import datasets
+from kvserve.benchmarks.classes import (
+    CLASS_PERCENTILES,
+    RequestClass,
+    format_class_report,
+    mixed_requests,
+    parse_mix,
+    summarize_classes,
+)
 from kvserve.benchmarks.endpoint_client import RequestRecord, RequestSpec, send_request
 from kvserve.benchmarks.metrics import (
     compute_metrics,
@@ -115,6 +123,7 @@ class RunOptions:
         gaps: seconds between consecutive requests (empty under --tenants: each has its own).
         metadata: --metadata as a dict.
         tenants: the --tenants to run (after --tenants-only); empty: one source, the flags'.
+        classes: the --mix classes of --dataset-name mixed (empty: another dataset).
     """
 
     percentiles: list[float]
@@ -123,6 +132,7 @@ class RunOptions:
     gaps: list[float]
     metadata: dict[str, str]
     tenants: list[TenantTraffic] = field(default_factory=list)
+    classes: list[RequestClass] = field(default_factory=list)
 
 
 def parse_run_options(args: argparse.Namespace) -> RunOptions:
@@ -138,18 +148,25 @@ def parse_run_options(args: argparse.Namespace) -> RunOptions:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     tenants = tenants_of_args(args)
+    if args.mix is not None and args.dataset_name != "mixed":
+        raise ValueError("--mix gives the classes of --dataset-name mixed, which is not given")
+    classes = parse_mix(args.mix) if args.dataset_name == "mixed" else []
+    percentiles = parse_metric_percentiles(args.metric_percentiles)
+    if classes:  # the per-class table compares the classes with the whole run
+        percentiles = sorted({*percentiles, *CLASS_PERCENTILES})
     gaps = (
         []
         if tenants
         else arrival_gaps(args.num_prompts, args.request_rate, args.burstiness, args.seed)
     )
     return RunOptions(
-        parse_metric_percentiles(args.metric_percentiles),
+        percentiles,
         parse_percentile_metrics(args.percentile_metrics),
         parse_goodput(args.goodput),
         gaps,
         metadata,
         tenants,
+        classes,
     )
 
 
@@ -162,7 +179,8 @@ class TrafficSource:
         requests: its dataset.
         gaps: seconds to wait after each request before sending the next.
         max_concurrency: its requests in flight at most (None: no cap).
-        headers: Authorization and the tenant header.
+        headers: Authorization, the tenant header and the tenant's targets.
+        request_classes: each request's --mix class (None: not a mixed run).
     """
 
     tenant: TenantTraffic | None
@@ -170,6 +188,14 @@ class TrafficSource:
     gaps: list[float]
     max_concurrency: int | None
     headers: dict[str, str]
+    request_classes: list[RequestClass] | None = None
+
+    def request_slos(self) -> list[dict[str, float]]:
+        """Each request's own goodput targets: its class's, or its tenant's."""
+        if self.request_classes is not None:
+            return [request_class.targets() for request_class in self.request_classes]
+        own = self.tenant.targets() if self.tenant is not None else {}
+        return [own] * len(self.requests)
 
 
 def _bearer(api_key: str | None) -> dict[str, str]:
@@ -179,7 +205,13 @@ def _bearer(api_key: str | None) -> dict[str, str]:
 def build_sources(args: argparse.Namespace, options: RunOptions, tokenizer) -> list[TrafficSource]:
     """The run's traffic sources: one per tenant under --tenants, else the flags' one."""
     if not options.tenants:
-        requests = sample_requests(args, tokenizer)
+        request_classes = None
+        if options.classes:
+            requests, request_classes = mixed_requests(
+                tokenizer, args.num_prompts, options.classes, args.seed
+            )
+        else:
+            requests = sample_requests(args, tokenizer)
         return [
             TrafficSource(
                 None,
@@ -187,6 +219,7 @@ def build_sources(args: argparse.Namespace, options: RunOptions, tokenizer) -> l
                 options.gaps[: len(requests)],
                 args.max_concurrency,
                 _bearer(args.api_key),
+                request_classes,
             )
         ]
     sources = []
@@ -196,6 +229,8 @@ def build_sources(args: argparse.Namespace, options: RunOptions, tokenizer) -> l
         headers = _bearer(tenant.api_key or args.api_key)
         if args.tenant_header:
             headers[args.tenant_header] = tenant.name
+        if not args.no_target_headers:
+            headers |= tenant.target_headers()
         requests = datasets.random_requests(
             tokenizer,
             tenant.num_prompts,
@@ -280,11 +315,17 @@ async def benchmark(
             progress.close()
         server = await watcher.stop()
     records = [record for source_records, _ in runs for record in source_records]
-    summary, detail = compute_metrics(records, tokenizer, duration, percentiles, slos, bench_start)
+    request_slos = [targets for source in sources for targets in source.request_slos()]
+    summary, detail = compute_metrics(
+        records, tokenizer, duration, percentiles, slos, bench_start, request_slos
+    )
     tenant_part = {}
     if options.tenants:
         tenant_part = _tenant_results(sources, runs, tokenizer, options, bench_start)
+    class_part = _class_results(sources[0], records, tokenizer, duration, options, bench_start)
     _print_reports(args, options, summary, tenant_part, server)
+    if class_part:
+        print(format_class_report(class_part["classes"], summary))
     for error in sorted({e for e in detail["errors"] if e})[:5]:
         logger.warning("failed requests, e.g.: %s", error)
     return {
@@ -293,7 +334,36 @@ async def benchmark(
         **summary,
         **(server or {}),
         **tenant_part,
+        **class_part,
         **detail,
+    }
+
+
+def _class_results(
+    source: TrafficSource,
+    records: list[RequestRecord],
+    tokenizer,
+    duration_s: float,
+    options: RunOptions,
+    bench_start: float,
+) -> dict:
+    """The result's class part of a mixed run (else empty): each class's figures, and each
+    request's class."""
+    if source.request_classes is None:
+        return {}
+    classes = summarize_classes(
+        options.classes,
+        records,
+        source.request_classes,
+        tokenizer,
+        duration_s,
+        options.slos,
+        bench_start,
+    )
+    return {
+        "mix": {c.name: c.config() for c in options.classes},
+        "classes": classes,
+        "request_classes": [c.name for c in source.request_classes],
     }
 
 
@@ -301,6 +371,7 @@ def _request_specs(
     args: argparse.Namespace, base_url: str, model: str, source: TrafficSource
 ) -> list[RequestSpec]:
     """One source's requests as the client sends them."""
+    classes = None if args.no_target_headers else source.request_classes
     return [
         RequestSpec(
             base_url + args.endpoint,
@@ -312,8 +383,9 @@ def _request_specs(
             args.ignore_eos,
             args.temperature,
             args.extra_body or {},
+            headers=classes[i].headers() if classes else {},
         )
-        for r in source.requests
+        for i, r in enumerate(source.requests)
     ]
 
 

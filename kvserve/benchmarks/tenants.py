@@ -10,6 +10,8 @@ The spec names each tenant and its traffic; tenants are separated by `;`, fields
     output  max_tokens                                              default --random-output-len
     num     requests to send                                        default --num-prompts
     key     API key sent as `Authorization: Bearer`                 default --api-key
+    ttft    TTFT target in ms, sent as the x-slo-ttft-ms header     default none
+    tpot    TPOT target in ms, sent as the x-slo-tpot-ms header     default none
     weight  not used by the client: the server's key file sets it; kept so that one spec
             can document the mix
 
@@ -17,6 +19,10 @@ Every request also carries the tenant header (--tenant-header, `X-Tenant: heavy`
 prompts and arrivals are seeded by its position in the spec, so `--tenants-only light`
 sends light exactly what it sends in the mix. This module parses the spec, sums up each
 tenant's records and prints the per-tenant table.
+
+A tenant's targets travel as headers (kvserve's latency targets; vLLM ignores them, so the
+same client drives both), and are its goodput targets in the report, over --goodput's:
+goodput as vLLM defines it, the requests per second that met every target they had.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvserve.benchmarks.classes import TPOT_HEADER, TTFT_HEADER
 from kvserve.benchmarks.endpoint_client import RequestRecord
 from kvserve.benchmarks.metrics import METRIC_SECTIONS, compute_metrics, percentile_key
 
@@ -52,6 +59,8 @@ class TenantTraffic:
         num_prompts: requests to send.
         api_key: the bearer token (None: --api-key's, if any).
         weight: the tenant's weight as the spec documents it; the client does not use it.
+        ttft_ms: its TTFT target (None: none).
+        tpot_ms: its TPOT target (None: none).
     """
 
     name: str
@@ -63,9 +72,21 @@ class TenantTraffic:
     num_prompts: int
     api_key: str | None = None
     weight: float = 1.0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def targets(self) -> dict[str, float]:
+        """Its targets as goodput SLOs ({'ttft': ms, 'tpot': ms}, those it has)."""
+        found = {"ttft": self.ttft_ms, "tpot": self.tpot_ms}
+        return {name: ms for name, ms in found.items() if ms is not None}
+
+    def target_headers(self) -> dict[str, str]:
+        """The headers that carry its targets to the server."""
+        found = {TTFT_HEADER: self.ttft_ms, TPOT_HEADER: self.tpot_ms}
+        return {name: f"{ms:g}" for name, ms in found.items() if ms is not None}
 
     def config(self) -> dict:
-        """The spec's fields for the result JSON, without the API key."""
+        """The spec's fields for the result JSON, without the API key (targets if set)."""
         return {
             "request_rate": "inf" if math.isinf(self.request_rate) else self.request_rate,
             "max_concurrency": self.max_concurrency,
@@ -73,6 +94,7 @@ class TenantTraffic:
             "output_len": self.output_len,
             "num_prompts": self.num_prompts,
             "weight": self.weight,
+            **{f"{name}_ms": ms for name, ms in self.targets().items()},
         }
 
 
@@ -96,6 +118,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _target_ms(text: str) -> float:
+    value = _positive_float(text)
+    if math.isinf(value):
+        raise ValueError("a target is a finite number of milliseconds")
+    return value
+
+
 def _api_key(text: str) -> str:
     if not text:
         raise ValueError("must not be empty")
@@ -111,6 +140,8 @@ _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "num": ("num_prompts", _positive_int),
     "key": ("api_key", _api_key),
     "weight": ("weight", _positive_float),
+    "ttft": ("ttft_ms", _target_ms),
+    "tpot": ("tpot_ms", _target_ms),
 }
 
 
@@ -223,12 +254,12 @@ def summarize_tenant(
             are over this time, so a tenant run alone compares with the same tenant mixed).
         tokenizer: counts output tokens when the server sent no usage.
         percentiles: the asked pNN (TENANT_PERCENTILES are always added).
-        slos: goodput SLOs in ms.
+        slos: --goodput's SLOs in ms (the tenant's targets win over them).
         bench_start: perf_counter() at the start of the run.
     """
     percentiles = sorted({*TENANT_PERCENTILES, *percentiles})
     summary, detail = compute_metrics(
-        records, tokenizer, duration_s, percentiles, slos, bench_start
+        records, tokenizer, duration_s, percentiles, slos | tenant.targets(), bench_start
     )
     errors = sorted({error for error in detail["errors"] if error})
     return {
@@ -247,27 +278,29 @@ def format_tenant_report(tenant_results: dict[str, dict], metric_names: list[str
         metric_names: the sections to print (--percentile-metrics).
     """
     name_width = max(6, *(len(name) for name in tenant_results))
-    width = max(50, name_width + 4 * 11)
+    # Goodput only where some tenant had targets (its own or --goodput's).
+    with_goodput = any(r["request_goodput"] is not None for r in tenant_results.values())
+    width = max(50, name_width + (5 if with_goodput else 4) * 11)
 
     def row(first: str, cells: list[str]) -> str:
         return f"{first:<{name_width}}" + "".join(f"{cell:>11}" for cell in cells)
 
+    headers = ["Requests", "Failed", "Out tokens", "Out tok/s"]
     lines = [
         f"{' Per-tenant Result ':=^{width}}",
-        row("Tenant", ["Requests", "Failed", "Out tokens", "Out tok/s"]),
+        row("Tenant", headers + ["Good req/s"] if with_goodput else headers),
     ]
     for name, result in tenant_results.items():
-        lines.append(
-            row(
-                name,
-                [
-                    str(result["num_requests"]),
-                    str(result["failed"]),
-                    str(result["total_output_tokens"]),
-                    f"{result['output_throughput']:.2f}",
-                ],
-            )
-        )
+        cells = [
+            str(result["num_requests"]),
+            str(result["failed"]),
+            str(result["total_output_tokens"]),
+            f"{result['output_throughput']:.2f}",
+        ]
+        if with_goodput:
+            goodput = result["request_goodput"]
+            cells.append("-" if goodput is None else f"{goodput:.3f}")
+        lines.append(row(name, cells))
     keys = [f"p{percentile_key(p)}" for p in TENANT_PERCENTILES] + ["mean"]
     for metric in metric_names:
         _, short = METRIC_SECTIONS[metric]

@@ -227,6 +227,7 @@ def _bench_args(args: argparse.Namespace, port: int, rate: float, slos: dict) ->
         ("--sharegpt-output-len", args.sharegpt_output_len),
         ("--max-concurrency", args.max_concurrency),
         ("--tokenizer", args.tokenizer),
+        ("--mix", args.mix),
     ):
         if value is not None:
             argv += [flag, str(value)]

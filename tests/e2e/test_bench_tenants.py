@@ -2,7 +2,9 @@
 
 The server takes the key file's keys and trusts X-Tenant. The mix has three tenants: heavy
 and light with their own keys, and an intruder whose key the server does not know, so the
-JSON must hold each tenant's own completions, output tokens, percentiles and errors.
+JSON must hold each tenant's own completions, output tokens, percentiles and errors. A
+`--dataset-name mixed` run against the same server checks that only the targeted class's
+requests carry targets (the server's own kvserve:request_slo_total counts them).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 import pytest
 
+from tests.support.metrics import metrics_text, read_metric
 from tests.support.server import start_tiny_server
 
 pytestmark = pytest.mark.slow
@@ -133,3 +136,67 @@ def test_one_tenant_alone(base_url, tiny_llama_dir, tmp_path):
     assert (alone["completed"], alone["failed"]) == (3, 0)
     assert alone["request_tenants"] == ["light"] * 3
     assert "heavy" not in stdout
+
+
+def test_mixed_classes_send_their_targets_and_report_apart(base_url, tiny_llama_dir, tmp_path):
+    """--dataset-name mixed: only the short class carries target headers; the server's
+    request_slo_total counts exactly those requests, and the report splits the classes."""
+    before = slo_counts(base_url)
+    path = tmp_path / "mixed.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            base_url,
+            "--tokenizer",
+            tiny_llama_dir,
+            "--disable-tqdm",
+            "--ignore-eos",
+            "--api-key",
+            "sk-light",
+            "--dataset-name",
+            "mixed",
+            "--mix",
+            "short:16:4:0.8:ttft=1e9:tpot=1e9,long:200:4:0.2",
+            "--num-prompts",
+            "10",
+            "--request-rate",
+            "50",
+            "--seed",
+            "1",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            path.name,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=BENCH_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    result = json.loads(path.read_text())
+    num_short = result["request_classes"].count("short")
+    assert 0 < num_short < 10 and result["completed"] == 10
+    short, long = result["classes"]["short"], result["classes"]["long"]
+    assert (short["num_requests"], long["num_requests"]) == (num_short, 10 - num_short)
+    assert short["request_goodput"] > 0 and long["request_goodput"] is None
+    assert short["p50_ttft_ms"] <= short["p99_ttft_ms"] and long["p50_itl_ms"] > 0
+    assert "Per-class Result" in done.stdout
+    after = slo_counts(base_url)
+    assert after["ttft"] - before["ttft"] == num_short
+    assert after["tpot"] - before["tpot"] == num_short
+
+
+def slo_counts(base_url: str) -> dict[str, float]:
+    """The server's kvserve:request_slo_total met counts per target (every target is met)."""
+    text = metrics_text(base_url)
+    return {
+        target: read_metric(text, "kvserve:request_slo_total", 0.0, target=target, outcome="met")
+        for target in ("ttft", "tpot")
+    }

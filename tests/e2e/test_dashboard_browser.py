@@ -106,6 +106,16 @@ def engine_states(driver) -> list[tuple[str, str]]:
     return [tuple(row) for row in rows]
 
 
+def slo_row(driver, name: str) -> list[str]:
+    """The goodput panel's row of `name` ("all requests" or a tenant), its cells' text."""
+    return driver.execute_script(
+        "const row = [...document.querySelectorAll('#slo tbody tr')]"
+        ".find((r) => r.dataset.tenant === arguments[0]);"
+        " return row ? [...row.querySelectorAll('td')].map((c) => c.innerText.trim()) : [];",
+        name,
+    )
+
+
 def test_page_shows_the_engines_and_its_figures_move_with_traffic(server, browser):
     log_in(browser, server.url)
     wait_for(browser, lambda d: len(engine_states(d)) == NUM_DP_ENGINES, "the engines")
@@ -122,6 +132,8 @@ def test_page_shows_the_engines_and_its_figures_move_with_traffic(server, browse
             max_tokens=MAX_TOKENS,
             temperature=0,
             extra_body={"ignore_eos": True},
+            # The last one has a TTFT target it always meets: the goodput panel counts it.
+            extra_headers={"x-slo-ttft-ms": "1e9"} if i == NUM_REQUESTS - 1 else None,
         )
         assert response.choices[0].finish_reason == "length"
 
@@ -138,6 +150,8 @@ def test_page_shows_the_engines_and_its_figures_move_with_traffic(server, browse
         lambda d: "admin" in [c.text for c in d.find_elements("css selector", "#tenants td")],
         "the tenant",
     )
+    wait_for(browser, lambda d: slo_row(d, "all requests")[2:] == ["1 / 0", "0 / 0"], "TTFT met")
+    assert slo_row(browser, "admin")[2:] == ["1 / 0", "0 / 0"]
 
     assert console_errors(browser) == []
     origin = urllib.parse.urlsplit(server.url)

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvserve.services.api.engine_client.slo_routing import engines_meeting_ttft
 from kvserve.shared.hashing import HashFn, hash_new_full_blocks
 from kvserve.shared.wire import EngineLoad
 
@@ -49,6 +50,7 @@ class _EngineView:
     loads_from_store: bool = False
     num_waiting: int = 0
     num_running: int = 0
+    predicted_delay_ms: float = 0.0  # the engine's predicted queue delay (slo_routing.py)
     # Block hashes routed here, least recently used first (values unused).
     cached_hashes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
@@ -133,6 +135,7 @@ class DPRouter:
             view = self._engines.get(load.engine_index)
             if view is not None:
                 view.num_waiting, view.num_running = load.num_waiting, load.num_running
+                view.predicted_delay_ms = load.predicted_queue_delay_ms
 
     def block_hashes(
         self, prompt_token_ids: Sequence[int], extra_keys: bytes | None = None
@@ -147,6 +150,7 @@ class DPRouter:
         prompt_token_ids: Sequence[int],
         extra_keys: bytes | None = None,
         candidate_ids: Iterable[int] | None = None,
+        ttft_ms: float | None = None,
     ) -> int:
         """Pick the engine for one request and count it there until the next load table.
 
@@ -154,6 +158,7 @@ class DPRouter:
             prompt_token_ids: the request's prompt.
             extra_keys: the request's extra hash keys (cache salt), as the engine mixes them.
             candidate_ids: engines that may take it (default: every engine in the router).
+            ttft_ms: the request's TTFT target: engines predicted to meet it come first.
         """
         candidates = sorted(
             self._engines
@@ -162,6 +167,9 @@ class DPRouter:
         )
         if not candidates:
             raise ValueError("no engine core can take requests: every engine is dead")
+        candidates = engines_meeting_ttft(
+            candidates, lambda i: self._engines[i].predicted_delay_ms, ttft_ms
+        )
         block_hashes = self.block_hashes(prompt_token_ids, extra_keys)
         # Ties: the next index after the last chosen one, wrapping around.
         chosen = min(candidates, key=lambda i: (self.score(i), i <= self._last_chosen, i))

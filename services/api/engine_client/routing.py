@@ -92,6 +92,7 @@ class EngineRouting:
                 first.prompt_token_ids,
                 make_extra_keys(first.cache_salt, lora_extra_key(first.lora_request)),
                 candidate_ids=candidate_ids or None,
+                ttft_ms=first.slo_ttft_ms,
             )
         ]
 

@@ -23,6 +23,7 @@ from kvserve.services.api.observability.dashboard_sampler import (
     quantile,
     ratio,
 )
+from kvserve.services.api.observability.dashboard_slo import SloView, slo_view
 
 
 class EngineView(msgspec.Struct, kw_only=True):
@@ -121,6 +122,7 @@ class DashboardState(msgspec.Struct, kw_only=True):
     spec_decode: SpecDecode | None
     tenants: list[TenantView] | None
     history: History
+    slo: SloView  # the goodput panel (dashboard_slo.py)
 
 
 def dashboard_state(
@@ -174,6 +176,11 @@ def dashboard_state(
         spec_decode=_spec_decode(sampler.engine_client, now, base),
         tenants=_tenants(sampler) if show_tenants else None,
         history=_history(sampler, now),
+        slo=slo_view(
+            sampler.metrics.slo,
+            (index for index, _, _ in sampler.engine_client.per_engine_stats()),
+            show_tenants,
+        ),
     )
 
 

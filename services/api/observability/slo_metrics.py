@@ -99,6 +99,7 @@ class SloMetrics:
         self.tenant_of = tenant_of
         self.clock = clock
         self._good_times: dict[int, collections.deque[float]] = {}
+        self._tenant_good_times: dict[str, collections.deque[float]] = {}
         registry.register(_EngineGaugesCollector(engine_client, model_name, self.goodput))
         self.outcomes = Counter(
             "kvserve:request_slo",
@@ -129,14 +130,47 @@ class SloMetrics:
                 self.outcomes.labels(self.model_name, str(engine_index), target, outcome).inc()
                 self.tenant_outcomes.labels(tenant, target, outcome).inc()
             if all(outcomes.values()):
-                self._good_times.setdefault(engine_index, collections.deque()).append(self.clock())
+                now = self.clock()
+                self._good_times.setdefault(engine_index, collections.deque()).append(now)
+                self._tenant_good_times.setdefault(tenant, collections.deque()).append(now)
 
     def goodput(self, engine_index: int) -> float:
         """The engine's requests that met all their targets, per second over the window."""
-        good_times = self._good_times.get(engine_index)
+        return self._rate(self._good_times.get(engine_index))
+
+    def tenant_goodput(self, tenant: str) -> float:
+        """goodput() of one tenant's requests (its label, as tenant_outcomes has it), over
+        every engine."""
+        return self._rate(self._tenant_good_times.get(tenant))
+
+    def _rate(self, good_times: collections.deque[float] | None) -> float:
         if not good_times:
             return 0.0
         horizon = self.clock() - GOODPUT_WINDOW_S
         while good_times and good_times[0] < horizon:
             good_times.popleft()
         return len(good_times) / GOODPUT_WINDOW_S
+
+    def outcome_counts(self) -> dict[tuple[str, str], int]:
+        """{(target, outcome): finished requests} since the api started, over engines."""
+        return _counts(self.outcomes, ())
+
+    def tenant_outcome_counts(self) -> dict[str, dict[tuple[str, str], int]]:
+        """outcome_counts() per tenant label."""
+        by_tenant: dict[str, dict[tuple[str, str], int]] = {}
+        for (tenant, target, outcome), count in _counts(self.tenant_outcomes, ("tenant",)).items():
+            by_tenant.setdefault(tenant, {})[(target, outcome)] = count
+        return by_tenant
+
+
+def _counts(counter: Counter, keys: tuple[str, ...]) -> dict:
+    """A request_slo counter's `_total` samples summed by (*keys, target, outcome)."""
+    counts: dict = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            labels = sample.labels
+            key = (*(labels[k] for k in keys), labels["target"], labels["outcome"])
+            counts[key] = counts.get(key, 0) + int(sample.value)
+    return counts

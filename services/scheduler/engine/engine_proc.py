@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from kvserve.services.scheduler.core.queue_delay import predicted_queue_delay_s
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.env import (
     CPU_THREADS_BIND,
@@ -112,6 +113,7 @@ class EngineCoreProc:
         self.num_iterations = 0
         self.num_steps = 0
         self.idle = False
+        self.queue_delay_ms = 0.0  # for the load reports (DP): _update_queue_delay
         # CPU time and run-queue wait, in every heartbeat: a remote api's view of this host.
         self._progress = ProcessProgress(os.getpid())
         self._stop = threading.Event()
@@ -169,8 +171,24 @@ class EngineCoreProc:
         """Handle inputs and step the engine, forever; raises on a fatal error."""
         while True:
             self._process_input_queue()
+            self._update_queue_delay()
             self._process_engine_step()
+            self._update_queue_delay()
             self.num_iterations += 1
+
+    def _update_queue_delay(self) -> None:
+        """Predict the queue delay for the next load report (DP only: it walks the queues).
+        Computed here, in the busy loop, because the output thread must not iterate them."""
+        if self.stats_addr is None:
+            return
+        scheduler = self._core.scheduler
+        delay_s = predicted_queue_delay_s(
+            scheduler.latency.model,
+            scheduler.requests.values(),
+            scheduler.scheduler_config.max_num_batched_tokens,
+        )
+        # Whole ms: a finer figure would change, and be reported, at every step.
+        self.queue_delay_ms = float(round(delay_s * 1000.0))
 
     def _process_input_queue(self) -> None:
         if not self._core.has_work():
@@ -273,7 +291,13 @@ class EngineCoreProc:
             return EngineLoad(self.engine_index, 0, 0)
         num_waiting = len(scheduler.waiting) + len(scheduler.waiting_for_grammar)
         tenant_service = scheduler.policy.tenant_service()
-        return EngineLoad(self.engine_index, num_waiting, len(scheduler.running), tenant_service)
+        return EngineLoad(
+            self.engine_index,
+            num_waiting,
+            len(scheduler.running),
+            tenant_service,
+            self.queue_delay_ms,
+        )
 
     # ------------------------------------------------------------------ IO threads
 

@@ -209,3 +209,34 @@ def test_tenant_table(tokenizer):
     assert not any("TPOT" in line for line in lines)
     # The columns line up whatever the names' lengths.
     assert len({len(line) for line in lines if not line.startswith(("=", "-"))}) == 1
+
+
+def test_tenant_targets_travel_as_headers_and_judge_its_goodput(tokenizer, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    spec = "chat:input=6,output=3,num=2,ttft=150,tpot=50.5;batch:input=6,output=3,num=2"
+    argv = ["--tenants", spec]
+    chat, batch = build_sources(bench_args(*argv), parse_run_options(bench_args(*argv)), tokenizer)
+    assert chat.headers == {"X-Tenant": "chat", "x-slo-ttft-ms": "150", "x-slo-tpot-ms": "50.5"}
+    assert batch.headers == {"X-Tenant": "batch"}
+    assert chat.request_slos() == [{"ttft": 150.0, "tpot": 50.5}] * 2
+    quiet = ["--no-target-headers", *argv]
+    quiet_chat, _ = build_sources(
+        bench_args(*quiet), parse_run_options(bench_args(*quiet)), tokenizer
+    )
+    assert quiet_chat.headers == {"X-Tenant": "chat"}
+    assert quiet_chat.request_slos() == chat.request_slos()
+    assert batch.request_slos() == [{}, {}]
+    tenant = chat.tenant
+    assert tenant.config()["ttft_ms"] == 150.0 and "ttft_ms" not in batch.tenant.config()
+    # TTFT 100 and 200 ms, TPOT 20 ms: one of two meets the tenant's targets.
+    records = [record(0.1, [0.02, 0.02]), record(0.2, [0.02, 0.02])]
+    result = summarize_tenant(tenant, records, 2.0, tokenizer, [99], {}, 100.0)
+    assert result["request_goodput"] == pytest.approx(1 / 2.0)
+    # --goodput's targets add to the tenant's, which win where both set one.
+    result = summarize_tenant(tenant, records, 2.0, tokenizer, [99], {"e2el": 100.0}, 100.0)
+    assert result["request_goodput"] == 0.0
+    lines = format_tenant_report({"chat": result}, ["ttft"]).splitlines()
+    assert lines[1].split()[-2:] == ["Good", "req/s"] and lines[2].split()[-1] == "0.000"
+    for bad, message in (("ttft=0", "must be a number > 0"), ("tpot=inf", "finite")):
+        with pytest.raises(ValueError, match=message):
+            parse_tenants(f"a:{bad}", DEFAULTS)

@@ -82,6 +82,25 @@ function drawTenants(tenants) {
   }));
 }
 
+// The goodput panel: all requests with targets first, then each tenant (for admin keys).
+function drawSlo(slo) {
+  text("goodput", number(slo.goodput_per_s, 2));
+  text("goodput_window", "(goodput over the last " + Math.round(slo.goodput_window_s) + " s; counts since start)");
+  const outcomes = (targets, name) => {
+    const target = targets.find((t) => t.target === name);
+    return number(target.met) + " / " + number(target.missed);
+  };
+  const rows = [{ name: "all requests", goodput_per_s: slo.goodput_per_s, targets: slo.targets }]
+    .concat(slo.tenants || []);
+  byId("slo").tBodies[0].replaceChildren(...rows.map((entry) => {
+    const row = document.createElement("tr");
+    row.dataset.tenant = entry.name;
+    cells(row, [entry.name, number(entry.goodput_per_s, 2),
+      outcomes(entry.targets, "ttft"), outcomes(entry.targets, "tpot")]);
+    return row;
+  }));
+}
+
 function drawSpec(spec) {
   byId("spec_section").hidden = spec === null;
   if (spec === null) return;
@@ -154,6 +173,7 @@ function draw(state) {
   drawLatency("itl", state.itl);
   drawSpec(state.spec_decode);
   drawTenants(state.tenants);
+  drawSlo(state.slo);
   const h = state.history;
   drawChart("chart_throughput", [
     { name: "prompt", values: h.prompt_tokens_per_s },

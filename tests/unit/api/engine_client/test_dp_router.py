@@ -154,3 +154,37 @@ def test_only_savers_fill_the_store_and_only_loaders_read_it():
     router.choose(prompt, candidate_ids=[0])  # the producer saved it
     assert router.num_matched_blocks(2, hashes) == len(hashes) == 4
     assert router.num_matched_blocks(0, hashes) == 4  # its own cache, not the store
+
+
+def test_a_ttft_target_prefers_an_engine_predicted_to_meet_it():
+    router = make_router(num_engines=3)
+    # Engine 0 scores lowest but is predicted 900 ms behind (a long prefill); engines 1 and
+    # 2 are predicted to meet a 200 ms target, and of those 1 scores lower.
+    router.update_loads(
+        [
+            EngineLoad(0, 0, 1, predicted_queue_delay_ms=900.0),
+            EngineLoad(1, 0, 3, predicted_queue_delay_ms=50.0),
+            EngineLoad(2, 1, 2, predicted_queue_delay_ms=150.0),
+        ]
+    )
+    assert router.choose([1], ttft_ms=200.0) == 1
+    # Without a target, or when no engine can meet it, the score rule decides.
+    assert router.choose([1]) == 0
+    assert router.choose([1], ttft_ms=10.0) == 0
+    # The delay bound holds within the candidates the caller allows.
+    assert router.choose([1], candidate_ids=[0, 2], ttft_ms=200.0) == 2
+
+
+def test_a_ttft_target_composes_with_the_prefix_preference():
+    router = make_router("prefix")
+    prompt = list(range(4 * BLOCK_SIZE))
+    holder = router.choose(prompt)  # holds the prompt's blocks now
+    other = 1 - holder
+    router.update_loads(
+        [
+            EngineLoad(holder, 0, 0, predicted_queue_delay_ms=500.0),
+            EngineLoad(other, 0, 0, predicted_queue_delay_ms=0.0),
+        ]
+    )
+    assert router.choose(prompt) == holder
+    assert router.choose(prompt, ttft_ms=100.0) == other

@@ -27,6 +27,7 @@ from kvserve.services.api.observability.dashboard_sampler import (
     quantile,
 )
 from kvserve.services.api.observability.metrics import ApiMetrics
+from kvserve.services.api.observability.slo_metrics import GOODPUT_WINDOW_S
 from kvserve.services.api.observability.stats import (
     FinishedRequestStats,
     IterationStats,
@@ -196,6 +197,39 @@ def test_tenants_come_from_the_usage_ledger_and_the_engines_load():
     assert dashboard_state(sampler, "m", "1.0", show_tenants=False).tenants is None
 
 
+def test_goodput_panel_counts_targets_met_and_missed_in_all_and_per_tenant():
+    client, metrics, sampler, _ = make_sampler()
+    state = dashboard_state(sampler, "m", "1.0", show_tenants=True)
+    assert state.slo.goodput_per_s == 0.0 and state.slo.tenants == []
+    assert [(t.target, t.met, t.missed) for t in state.slo.targets] == [
+        ("ttft", 0, 0),
+        ("tpot", 0, 0),
+    ]
+    iteration = IterationStats(now=0.0, engine_timestamp=0.0)
+    # TTFT 100 ms; TPOT (1000 - 100) / 9 = 100 ms.
+    targeted = [
+        ("alpha", 200.0, 200.0),  # good
+        ("alpha", 50.0, None),  # TTFT missed
+        ("beta", None, 200.0),  # good
+        ("beta", None, None),  # no target: not counted
+    ]
+    iteration.finished_requests = [
+        FinishedRequestStats("length", 1.0, 3, 10, 10, None, tenant=tenant,
+                             time_to_first_token=0.1, ttft_target_ms=ttft, tpot_target_ms=tpot)
+        for tenant, ttft, tpot in targeted
+    ]  # fmt: skip
+    metrics.record(0, None, iteration)
+    slo = dashboard_state(sampler, "m", "1.0", show_tenants=True).slo
+    assert slo.goodput_per_s == pytest.approx(2 / GOODPUT_WINDOW_S)
+    assert [(t.target, t.met, t.missed) for t in slo.targets] == [("ttft", 1, 1), ("tpot", 2, 0)]
+    by_name = {t.name: t for t in slo.tenants}
+    assert set(by_name) == {"alpha", "beta"}
+    assert by_name["alpha"].goodput_per_s == pytest.approx(1 / GOODPUT_WINDOW_S)
+    assert [(t.met, t.missed) for t in by_name["alpha"].targets] == [(1, 1), (1, 0)]
+    assert [(t.met, t.missed) for t in by_name["beta"].targets] == [(0, 0), (1, 0)]
+    assert dashboard_state(sampler, "m", "1.0", show_tenants=False).slo.tenants is None
+
+
 @pytest.mark.anyio
 async def test_a_burst_is_read_one_interval_after_its_last_step():
     client = EngineClient(SimpleNamespace(tokenizer=None), max_model_len=512, model_name="m")
@@ -294,6 +328,7 @@ async def test_login_sets_a_cookie_that_opens_the_page_and_only_admins_see_tenan
         assert "script-src 'self'" in page.headers["content-security-policy"]
         state = (await client.get("/dashboard/state")).json()
         assert state["needs_key"] is True and state["tenants"] is None  # alpha is no admin
+        assert state["slo"]["tenants"] is None
         assert [e["engine"] for e in state["engines"]] == [0]
         # The session cookie is no API key.
         assert (await client.get("/v1/models")).status_code == 401
@@ -317,6 +352,11 @@ async def test_without_keys_the_page_is_open(tokenizer_info):
         state = (await client.get("/dashboard/state")).json()
         assert state["needs_key"] is False and state["tenants"] == []
         assert state["model"] == "tiny"
+        # The goodput panel's figures, before any request with a target.
+        assert state["slo"]["goodput_per_s"] == 0.0 and state["slo"]["tenants"] == []
+        assert [t["target"] for t in state["slo"]["targets"]] == ["ttft", "tpot"]
+        page = (await client.get("/dashboard")).text
+        assert 'id="slo"' in page and 'id="goodput"' in page
 
 
 @pytest.fixture
