@@ -94,18 +94,31 @@ def pytest_collection_modifyitems(items) -> None:
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile (a module's tests on one worker, so its module fixtures are built once),
-    except that the modules sharing the API server are one unit: one worker builds it."""
+    except that some modules are run as one unit, and the longest units go first
+    (tests/support/scheduling.py)."""
     if config.getvalue("dist") != "loadfile":
         return None
+    from collections import OrderedDict
+
     from xdist.scheduler import LoadFileScheduling
 
-    from tests.support.api_server import uses_shared_server
+    from tests.support.scheduling import longest_first, unit_of
 
-    class SharedServerOnOneWorker(LoadFileScheduling):
+    class LongestUnitsFirst(LoadFileScheduling):
+        _ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
-            return "shared-api-server" if uses_shared_server(nodeid) else nodeid.split("::")[0]
+            return unit_of(nodeid)
 
-    return SharedServerOnOneWorker(config, log)
+        def _assign_work_unit(self, node) -> None:
+            # schedule() fills the whole queue before it hands out the first unit.
+            if not self._ordered:
+                order = longest_first(list(self.workqueue))
+                self.workqueue = OrderedDict((unit, self.workqueue[unit]) for unit in order)
+                self._ordered = True
+            super()._assign_work_unit(node)
+
+    return LongestUnitsFirst(config, log)
 
 
 _TRIM_GROWTH_BYTES = 512 << 20
