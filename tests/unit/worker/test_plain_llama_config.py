@@ -61,9 +61,17 @@ def test_left_out_fields_get_transformers_defaults(tmp_path, fields):
     "config",
     [
         _LLAMA | {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-        _LLAMA | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
-                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}},  # fmt: skip
+        _LLAMA
+        | {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 1e4,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+        },  # fmt: skip
         _LLAMA | {"quantization_config": {"quant_method": "fp8"}},
         {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
         {"model_type": "llama"},  # a converted GGUF's: no architectures
