@@ -25,6 +25,10 @@ os.environ["OMP_NUM_THREADS"] = _user_threads or str(
 # tests/kernels/test_cpu_attention.py turn the timings on.
 os.environ.setdefault("KVSERVE_NATIVE_DECODE_MEASURE", "0")
 os.environ.setdefault("KVSERVE_PREFILL_ROUTE_MEASURE", "0")
+# Nor do they time each linear layer's GEMM paths (a dozen CPU seconds a model, more under a
+# test run's load, which also decides what the timing picks): every shape runs torch's path.
+# tests/e2e/test_gemm_paths.py runs each path; tests/kernels/test_gemm.py tests the timing.
+os.environ.setdefault("KVSERVE_CPU_GEMM_MEASURE", "0")
 # Engine processes keep glibc's malloc whether or not this machine has tcmalloc, so a test run
 # here measures what a fresh CI machine runs (tests/unit/kvserve/test_allocator.py checks the
 # preload itself).
