@@ -201,6 +201,14 @@ PREFILL_ROUTE_MEASURE = EnvVar(
     "still won to it (kernels/prefill_route.py: measure_prefill_route); off: the defaults "
     "(bfloat16: 63 tokens with AMX, 1024 without; float32: 512)",
 )
+CPU_GEMM_MEASURE = EnvVar(
+    "KVSERVE_CPU_GEMM_MEASURE",
+    True,
+    _flag,
+    "with --cpu-gemm auto, time each linear layer's shape on every CPU GEMM path at start-up "
+    "(or reuse this machine's cached timings) and run each on the fastest (kernels/gemm.py); "
+    "off: every shape runs torch's own path, untimed (what --cpu-gemm torch forces)",
+)
 API_KEY = EnvVar(
     "KVSERVE_API_KEY",
     None,

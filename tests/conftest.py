@@ -25,6 +25,10 @@ os.environ["OMP_NUM_THREADS"] = _user_threads or str(
 # tests/kernels/test_cpu_attention.py turn the timings on.
 os.environ.setdefault("KVSERVE_NATIVE_DECODE_MEASURE", "0")
 os.environ.setdefault("KVSERVE_PREFILL_ROUTE_MEASURE", "0")
+# Nor do they time each linear layer's GEMM paths (a dozen CPU seconds a model, more under a
+# test run's load, which also decides what the timing picks): every shape runs torch's path.
+# tests/e2e/test_gemm_paths.py runs each path; tests/kernels/test_gemm.py tests the timing.
+os.environ.setdefault("KVSERVE_CPU_GEMM_MEASURE", "0")
 # Engine processes keep glibc's malloc whether or not this machine has tcmalloc, so a test run
 # here measures what a fresh CI machine runs (tests/unit/kvserve/test_allocator.py checks the
 # preload itself).
@@ -94,18 +98,31 @@ def pytest_collection_modifyitems(items) -> None:
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile (a module's tests on one worker, so its module fixtures are built once),
-    except that the modules sharing the API server are one unit: one worker builds it."""
+    except that some modules are run as one unit, and the longest units go first
+    (tests/support/scheduling.py)."""
     if config.getvalue("dist") != "loadfile":
         return None
+    from collections import OrderedDict
+
     from xdist.scheduler import LoadFileScheduling
 
-    from tests.support.api_server import uses_shared_server
+    from tests.support.scheduling import longest_first, unit_of
 
-    class SharedServerOnOneWorker(LoadFileScheduling):
+    class LongestUnitsFirst(LoadFileScheduling):
+        _ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
-            return "shared-api-server" if uses_shared_server(nodeid) else nodeid.split("::")[0]
+            return unit_of(nodeid)
 
-    return SharedServerOnOneWorker(config, log)
+        def _assign_work_unit(self, node) -> None:
+            # schedule() fills the whole queue before it hands out the first unit.
+            if not self._ordered:
+                order = longest_first(list(self.workqueue))
+                self.workqueue = OrderedDict((unit, self.workqueue[unit]) for unit in order)
+                self._ordered = True
+            super()._assign_work_unit(node)
+
+    return LongestUnitsFirst(config, log)
 
 
 _TRIM_GROWTH_BYTES = 512 << 20

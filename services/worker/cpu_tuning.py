@@ -11,6 +11,7 @@ from kvserve.kernels import cpu, cpu_prefill, gemm, prefill_route
 from kvserve.services.worker.layers.attention import Attention
 from kvserve.services.worker.layers.embed_head import ParallelLMHead
 from kvserve.services.worker.layers.linear import LinearBase
+from kvserve.shared import env
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
 
@@ -31,9 +32,11 @@ def prepare_gemm(model: torch.nn.Module, config: EngineConfig) -> gemm.GemmPlan:
         if isinstance(m, LinearBase | ParallelLMHead)
         and m.weight.is_floating_point()  # weights held quantized have their own kernels
     ]
+    mode = config.model.cpu_gemm
+    if mode == "auto" and not env.CPU_GEMM_MEASURE.get():
+        mode = "torch"  # KVSERVE_CPU_GEMM_MEASURE=0: no timing at start-up
     plan = gemm.tune(
-        ((m.weight.dtype, *m.weight.shape, max_rows) for m, max_rows in layers),
-        mode=config.model.cpu_gemm,
+        ((m.weight.dtype, *m.weight.shape, max_rows) for m, max_rows in layers), mode=mode
     )
     packed: dict[int, torch.Tensor] = {}  # a tied LM head shares the embedding's pack
     for module, _ in layers:

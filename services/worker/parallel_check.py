@@ -13,9 +13,9 @@ from typing import Any
 def load_hf_config(model_dir: str) -> Any:
     """The transformers config of a HF-style folder (config.json only, no weights); a
     vision-language model's language model config (what splits over the ranks)."""
-    from transformers import AutoConfig
+    from kvserve.services.worker.plain_llama_config import load_config
 
-    return AutoConfig.from_pretrained(model_dir).get_text_config()
+    return load_config(model_dir).get_text_config()
 
 
 def verify_parallel_sizes(

@@ -31,7 +31,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def load_server(tiny_llama_dir, tmp_path_factory):
-    server = start_dp_front_end(tiny_llama_dir, tmp_path_factory.mktemp("dp-load"))
+    # The launcher splits the cores itself (asserted below).
+    server = start_dp_front_end(
+        tiny_llama_dir, tmp_path_factory.mktemp("dp-load"), split_cores=True
+    )
     try:
         server.wait_healthy()
         yield server

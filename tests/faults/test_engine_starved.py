@@ -1,6 +1,7 @@
 """A slow engine is never taken for a dead one: a real `kvserve serve` of the tiny model, one
 engine core, no --restart-dead-engines, whose engine core is frozen (SIGSTOP) or held to a
-share of a CPU (a cgroup quota) for 10 s while requests stream.
+share of a CPU (a cgroup quota) for a spell well past its heartbeat timeout while requests
+stream.
 
 Frozen, its heartbeats stop: it turns suspect (/health, /metrics), but the hung budget
 (KVSERVE_ENGINE_HUNG_TIMEOUT_S, 30 s by default) is far off. Held to 5% of a CPU it only
@@ -35,7 +36,11 @@ HEARTBEAT_TIMEOUT_S = 2.0
 # Heartbeat timeout and hung budget of the starved engine: 0.1% of a CPU silences the tiny
 # model's engine for over 1 s often, for over 2 s seldom (measured).
 STARVED_TIMEOUT_S = 1.0
-SLOW_S = 10.0  # how long the engine is frozen or starved
+# How long the engine is frozen or held to 5% of a CPU: past the heartbeat timeout (suspect
+# for most of it), far short of the 30 s hung budget.
+SLOW_S = 5.0
+# How long it is starved (0.1%): long enough for silences of over STARVED_TIMEOUT_S to recur.
+STARVED_S = 10.0
 NUM_STREAMS = 2
 STREAM = {
     "model": DP_MODEL_NAME,
@@ -114,12 +119,14 @@ class SlowSpell:
 
 
 def _slow_engine_scenario(
-    server: ServeProcess, slow_down: Callable[[list[int]], contextlib.AbstractContextManager]
+    server: ServeProcess,
+    slow_down: Callable[[list[int]], contextlib.AbstractContextManager],
+    slow_s: float = SLOW_S,
 ) -> SlowSpell:
-    """Streams in flight, then `slow_down(engine pids)` for SLOW_S, a request sent while it
-    lasts. Checks what must hold however slow the engine: /health always answers 200, the
-    engine is never dead, the server never exits, every request finishes well, and the
-    engine serves again afterwards."""
+    """Streams in flight, then `slow_down(engine pids)` for slow_s seconds, a request sent
+    while it lasts. Checks what must hold however slow the engine: /health always answers
+    200, the engine is never dead, the server never exits, every request finishes well, and
+    the engine serves again afterwards."""
     engine_pid = server.health()[1]["engines"][0]["pid"]
     workers = [child.pid for child in psutil.Process(engine_pid).children()]  # none with uni
     streams = [Stream(server.url, STREAM) for _ in range(NUM_STREAMS)]
@@ -129,7 +136,7 @@ def _slow_engine_scenario(
     suspect_metric, late = None, None
     with slow_down([engine_pid, *workers]):
         slowed_at = time.monotonic()
-        while (at := time.monotonic() - slowed_at) < SLOW_S:
+        while (at := time.monotonic() - slowed_at) < slow_s:
             status, body = server.health()
             (entry,) = body["engines"]
             # Suspect or not, the engine is alive and the server takes requests.
@@ -138,7 +145,7 @@ def _slow_engine_scenario(
             if entry["state"] == "suspect" and suspect_metric is None:
                 suspect_metric = server.metric("kvserve:engine_suspect", 0)
                 assert server.metric("kvserve:engine_up", 0) == 1
-            if late is None and (entry["state"] == "suspect" or at > SLOW_S / 2):
+            if late is None and (entry["state"] == "suspect" or at > slow_s / 2):
                 late = Stream(server.url, STREAM | {"max_tokens": 8})
             time.sleep(0.2)
         assert late is not None
@@ -187,7 +194,8 @@ def _stopped(pids: list[int]) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
-def test_an_engine_frozen_for_10s_is_suspect_then_serves_again(server):
+def test_an_engine_frozen_past_its_heartbeat_timeout_is_suspect_then_serves_again(server):
+    assert HEARTBEAT_TIMEOUT_S + 2 <= SLOW_S
     spell = _slow_engine_scenario(server, _stopped)
     _assert_suspect_then_healthy(server, spell)
     assert spell.num_in_flight == NUM_STREAMS  # they waited out the freeze, then finished
@@ -224,7 +232,9 @@ def test_an_engine_starved_of_cpu_is_suspect_but_never_hung(tiny_llama_dir, tmp_
     try:
         server.wait_healthy()
         spell = _slow_engine_scenario(
-            server, lambda pids: cpu_quota(pids, fraction=0.001, period_us=1_000_000)
+            server,
+            lambda pids: cpu_quota(pids, fraction=0.001, period_us=1_000_000),
+            slow_s=STARVED_S,
         )
         assert spell.suspect, spell.entries
         assert spell.suspect_metric == 1

@@ -17,6 +17,7 @@ conftest.py files, where pytest injects them). One module per topic:
     metrics.py        Prometheus samples of /metrics
     kernels.py        paged batches, tolerances and naive oracles for the kernel tests
     distributed.py    gloo process groups of the multi-rank worker tests
+    scheduling.py     which modules pytest-xdist's workers take first, and which together
 
 Importing any of them does not import torch, except kernels.py and distributed.py.
 """

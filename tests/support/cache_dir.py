@@ -1,12 +1,9 @@
 """The test session's $KVSERVE_CACHE_DIR: the user's converted models and built CPU kernels,
 and a private copy of their CPU GEMM plans.
 
-An engine keeps a GEMM plan (kernels/gemm.py) only when it was measured on quiet cores, and a
-test run never has quiet cores (servers start beside the test process, engines beside their
-api), so every engine start of the default model measured its plan again: tens of seconds
-each on a loaded two-core machine. The session's engines keep what they measure in the
-copy (tests/e2e/conftest.py lets in-process engines keep a contended plan); the user's own
-cache never gets a plan measured under a test run's load.
+The suite's engines time no GEMM paths (tests/conftest.py sets KVSERVE_CPU_GEMM_MEASURE=0);
+a test that turns the timing on keeps what it measures in the copy, so the user's own cache
+never gets a plan measured under a test run's load.
 """
 
 from __future__ import annotations

@@ -139,7 +139,11 @@ def serving_default_model(tmp_path_factory, name: str, *flags: str) -> Iterator[
 class ServeProcess:
     """`kvserve serve ARGS` in a session of its own, so cleanup reaches every descendant.
 
-    OMP_NUM_THREADS is unset, so the launcher splits the cores among its engines.
+    Under pytest-xdist, its engines take this test worker's OMP_NUM_THREADS (its share of
+    the cores, tests/conftest.py), as the suite's other engines do: a lone engine given
+    every core beside the other worker's tests oversubscribes them. Run alone, or with
+    split_cores, OMP_NUM_THREADS is unset, so the launcher splits the cores among its
+    engines (the product default).
 
     Args:
         args: the flags after `kvserve serve`.
@@ -147,6 +151,7 @@ class ServeProcess:
         port: its HTTP port (None: a headless node).
         served_model_name: the model name its completions ask for.
         env: environment variables that win over this process's and FAST_HEARTBEAT_ENV.
+        split_cores: unset OMP_NUM_THREADS (the tests of the launcher's split).
     """
 
     def __init__(
@@ -156,11 +161,13 @@ class ServeProcess:
         port: int | None,
         served_model_name: str = DP_MODEL_NAME,
         env: dict[str, str] | None = None,
+        split_cores: bool = False,
     ):
         self.port, self.log_path = port, log_path
         self.served_model_name = served_model_name
         env = {**os.environ, **FAST_HEARTBEAT_ENV, **(env or {})}
-        env.pop("OMP_NUM_THREADS", None)
+        if split_cores or int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) < 2:
+            env.pop("OMP_NUM_THREADS", None)
         self.process = start_kvserve(["serve", *args], log_path, env=env, new_session=True)
 
     @property
@@ -225,7 +232,11 @@ class ServeProcess:
 
 
 def start_tiny_server(
-    model_dir: str, log_dir, *extra: str, env: dict[str, str] | None = None
+    model_dir: str,
+    log_dir,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    split_cores: bool = False,
 ) -> ServeProcess:
     """`kvserve serve` of a tiny model (one engine core unless `extra` says otherwise) on a
     free port, served as DP_MODEL_NAME, not waited for.
@@ -234,6 +245,7 @@ def start_tiny_server(
         log_dir: a folder (pathlib) for its log.
         extra: more flags.
         env: environment variables to set for it, over ServeProcess's.
+        split_cores: as ServeProcess's.
     """
     port = free_port()
     return ServeProcess(
@@ -254,13 +266,21 @@ def start_tiny_server(
         str(log_dir / f"serve-{port}.log"),
         port,
         env=env,
+        split_cores=split_cores,
     )
 
 
-def start_dp_front_end(model_dir: str, log_dir, *extra: str) -> ServeProcess:
+def start_dp_front_end(
+    model_dir: str, log_dir, *extra: str, split_cores: bool = False
+) -> ServeProcess:
     """start_tiny_server with NUM_DP_ENGINES engine cores."""
     return start_tiny_server(
-        model_dir, log_dir, "--data-parallel-size", str(NUM_DP_ENGINES), *extra
+        model_dir,
+        log_dir,
+        "--data-parallel-size",
+        str(NUM_DP_ENGINES),
+        *extra,
+        split_cores=split_cores,
     )
 
 

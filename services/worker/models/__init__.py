@@ -123,9 +123,9 @@ def load_model(
     Returns:
         (model in eval mode, the transformers config: Any, as its attributes are per model).
     """
-    from transformers import AutoConfig  # configs only; the forward pass is ours
+    from kvserve.services.worker.plain_llama_config import load_config
 
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = load_config(model_dir)
     architectures = list(getattr(hf_config, "architectures", None) or [])
     fallback = architecture_of_model_type(hf_config.model_type)
     if not architectures and fallback:

@@ -9,7 +9,11 @@ import yaml
 from tests.support import REPO_ROOT
 
 OVERLAY = REPO_ROOT / "tests" / "data" / "compose" / "measure-off.yaml"
-TIMING_SWITCHES = {"KVSERVE_NATIVE_DECODE_MEASURE": "0", "KVSERVE_PREFILL_ROUTE_MEASURE": "0"}
+TIMING_SWITCHES = {
+    "KVSERVE_NATIVE_DECODE_MEASURE": "0",
+    "KVSERVE_PREFILL_ROUTE_MEASURE": "0",
+    "KVSERVE_CPU_GEMM_MEASURE": "0",
+}
 
 
 def _load(path) -> dict:
