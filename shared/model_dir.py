@@ -39,8 +39,10 @@ ENCODER_ARCHITECTURES = frozenset(
 
 def model_config(model_dir: str | None) -> dict:
     """config.json of model_dir as a dict ({} when there is none)."""
-    path = os.path.join(model_dir or "", "config.json")
-    if not model_dir or not os.path.exists(path):
+    if not isinstance(model_dir, str) or not model_dir:
+        return {}
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
         return {}
     with open(path) as f:
         return json.load(f)
@@ -48,7 +50,9 @@ def model_config(model_dir: str | None) -> dict:
 
 def is_encoder_model(model_dir: str | None) -> bool:
     """Whether config.json names an encoder architecture (BERT, XLM-R, ModernBERT)."""
-    return bool(ENCODER_ARCHITECTURES.intersection(model_config(model_dir).get("architectures") or []))
+    return bool(
+        ENCODER_ARCHITECTURES.intersection(model_config(model_dir).get("architectures") or [])
+    )
 
 
 def is_classifier_model(model_dir: str | None) -> bool:

@@ -100,12 +100,21 @@ def build_encoder(
     _save_tokenizer(model_dir)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
     ]
     if normalize:
         modules.append(
-            {"idx": 2, "name": "2", "path": "2_Normalize",
-             "type": "sentence_transformers.models.Normalize"}
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
         )
         os.makedirs(os.path.join(model_dir, "2_Normalize"), exist_ok=True)
     with open(os.path.join(model_dir, "modules.json"), "w") as f:
@@ -181,7 +190,9 @@ def hf_pair_scores(model_dir: str, query: str, documents: list[str]) -> torch.Te
 
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    with_types = model.config.type_vocab_size > 1 if hasattr(model.config, "type_vocab_size") else False
+    with_types = (
+        model.config.type_vocab_size > 1 if hasattr(model.config, "type_vocab_size") else False
+    )
     rows = []
     for document in documents:
         inputs = tokenizer(query, document, return_tensors="pt", return_token_type_ids=with_types)

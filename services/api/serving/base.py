@@ -49,6 +49,7 @@ from kvserve.services.api.tenancy.quotas import SettledResults, TenantQuotas, ha
 from kvserve.services.api.tenancy.tenants import CURRENT_TENANT, TenantSpec
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.lora import LoRARequest
+from kvserve.shared.model_dir import is_encoder_model
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import QUEUE_FULL_ERROR
 
@@ -99,6 +100,9 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.models = models or ServingModels(served_model_name, engine_client.model_name)
         self.frontend = frontend or FrontendConfig()
+        # An encoder (BERT, XLM-R, ModernBERT) pools and never generates.
+        tokenizer_info = getattr(engine_client, "tokenizer_info", None)
+        self.is_encoder = is_encoder_model(getattr(tokenizer_info, "model_dir", None))
         self.request_logger = (
             RequestLogger(self.frontend.max_log_len) if self.frontend.enable_log_requests else None
         )
@@ -243,6 +247,12 @@ class OpenAIServing:
                 the tenant's quotas (400: a request that may use more
                 tokens than its whole tokens_per_minute); see services/api/tenancy/quotas.py.
         """
+        if self.is_encoder and any(params.pooling is None for params in params_list):
+            raise APIError(
+                400,
+                "this model is an encoder: it serves /v1/embeddings, /rerank, /v1/score and "
+                "/classify, not generation",
+            )
         tenant = CURRENT_TENANT.get()
         if self.admission is not None:
             longest = max((len(token_ids) for _, token_ids in prompts), default=0)

@@ -168,6 +168,7 @@ class EngineCore:
             structured_outputs=True,
             lora_config=config.lora,
             speculative=config.speculative_config is not None,
+            pooling_only=is_encoder_model(model_dir),
         )
         self.ready = self._make_ready(config, engine_index, num_blocks, gemm_plan)
         logger.info(

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.services.worker.layers.bidirectional import EncoderBatch, bidirectional_attention
 from kvserve.services.worker.layers.attention import AttentionMetadata
+from kvserve.services.worker.layers.bidirectional import EncoderBatch, bidirectional_attention
 
 # HF's hidden_act names of the activations these checkpoints use.
 ACTIVATIONS = {
@@ -95,11 +95,11 @@ class _DenseNorm(nn.Module):
 class _Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        setattr(self, "self", _SelfAttention(config))  # HF's name: attention.self.query
+        self.self = _SelfAttention(config)  # HF's name: attention.self.query
         self.output = _DenseNorm(config, config.hidden_size)
 
     def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
-        attn: _SelfAttention = getattr(self, "self")
+        attn: _SelfAttention = self.self
         shape = (x.shape[0], attn.num_heads, attn.head_dim)
         q, k, v = (proj(x).view(shape) for proj in (attn.query, attn.key, attn.value))
         out = bidirectional_attention(q, k, v, batch, attn.head_dim**-0.5)
@@ -257,8 +257,9 @@ def load_named(
         if param is None:
             continue  # pooler, lm head, buffers: not part of what this model computes
         if param.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                             f"model {tuple(param.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(param.shape)}"
+            )
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
         loaded.add(name)

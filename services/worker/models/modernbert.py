@@ -61,7 +61,9 @@ class ModernBertAttention(nn.Module):
         self.Wo = nn.Linear(hidden, hidden, bias=config.attention_bias)
         self.window = window
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch
+    ) -> torch.Tensor:
         qkv = self.Wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
