@@ -3,9 +3,8 @@ layout, and tiny cross-encoders: HF's own classes with random weights, saved wit
 WordPiece tokenizer (character pieces: every lowercase text of letters, digits and spaces
 tokenizes without [UNK]).
 
-`sentence_transformers` is not installed in the project's environment, so tests compare
-against HF `AutoModel` / `AutoModelForSequenceClassification` plus the pooling math the
-folder declares (`st_embeddings`).
+Tests compare against sentence-transformers itself (`st_embeddings`) and HF's
+`AutoModelForSequenceClassification` (`hf_pair_scores`).
 """
 
 from __future__ import annotations
@@ -158,29 +157,12 @@ def _perturb(model: torch.nn.Module) -> None:
 
 
 def st_embeddings(model_dir: str, texts: list[str]) -> torch.Tensor:
-    """What sentence-transformers computes for the folder: HF AutoModel's last hidden states,
-    pooled as 1_Pooling/config.json says, normalised when modules.json lists Normalize."""
-    from transformers import AutoModel, AutoTokenizer
+    """sentence-transformers' embeddings of the folder (its modules: the encoder, Pooling,
+    Normalize when listed), one text at a time."""
+    from sentence_transformers import SentenceTransformer
 
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    with open(os.path.join(model_dir, "1_Pooling", "config.json")) as f:
-        pooling = json.load(f)
-    with open(os.path.join(model_dir, "modules.json")) as f:
-        normalize = any(m["type"].endswith("Normalize") for m in json.load(f))
-    vectors = []
-    for text in texts:  # one at a time: no padding in the reference
-        inputs = tokenizer(text, return_tensors="pt", return_token_type_ids=False)
-        with torch.inference_mode():
-            hidden = model(**inputs).last_hidden_state[0]
-        if pooling["pooling_mode_cls_token"]:
-            vector = hidden[0]
-        elif pooling["pooling_mode_mean_tokens"]:
-            vector = hidden.mean(dim=0)
-        else:
-            vector = hidden[-1]
-        vectors.append(torch.nn.functional.normalize(vector, dim=0) if normalize else vector)
-    return torch.stack(vectors)
+    model = SentenceTransformer(model_dir, device="cpu")
+    return torch.stack([torch.from_numpy(model.encode(text)) for text in texts])
 
 
 def hf_pair_scores(model_dir: str, query: str, documents: list[str]) -> torch.Tensor:

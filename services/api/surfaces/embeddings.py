@@ -82,10 +82,13 @@ class OpenAIServingEmbedding(PoolingServing):
         return prompts
 
     def _check_dimensions(self, request: EmbeddingRequest) -> None:
+        if self.spec.is_classifier:
+            raise APIError(
+                400,
+                "the model is a classifier (a cross-encoder): use /rerank, /v1/score or /classify",
+            )
         if request.dimensions is None:
             return
-        if self.spec.is_classifier:
-            raise APIError(400, "dimensions applies to embedding models", "dimensions")
         if request.dimensions < 1:
             raise APIError(400, "dimensions must be at least 1", "dimensions")
 

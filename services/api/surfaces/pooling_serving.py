@@ -5,7 +5,8 @@ everything else.
 
 An input longer than max_model_len is a 400 unless the request asks for truncation
 (`truncate_prompt_tokens`: k keeps the first k tokens, the end-of-input special token kept
-where the tokenizer adds one; -1 keeps max_model_len).
+where the tokenizer adds one; -1 keeps as many as fit). An input holds at most
+max_model_len - 1 tokens, as every engine request does (the engine's one length rule).
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ class PoolingServing(OpenAIServing):
         if truncate_prompt_tokens is None:
             return None
         max_len = self.engine_client.max_model_len
-        if truncate_prompt_tokens == -1:
-            return max_len
-        if not 1 <= truncate_prompt_tokens <= max_len:
+        if truncate_prompt_tokens != -1 and not 1 <= truncate_prompt_tokens <= max_len:
             raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, {max_len}]", param)
-        return truncate_prompt_tokens
+        # The engine takes prompts shorter than max_model_len (it checks every request so).
+        limit = max_len - 1
+        return limit if truncate_prompt_tokens == -1 else min(truncate_prompt_tokens, limit)
 
     def text_tokens(self, text: str, max_length: int | None, param: str) -> list[int]:
         """A text's token ids (special tokens added), cut to max_length when given."""

@@ -99,7 +99,9 @@ class ServingScores(PoolingServing):
         self.check_model(request.model)
         self.check_count(len(request.documents), "documents")
         texts = [d if isinstance(d, str) else d.text for d in request.documents]
-        cut = request.truncate_prompt_tokens or request.max_tokens_per_doc
+        cut = request.truncate_prompt_tokens
+        if cut is None:
+            cut = request.max_tokens_per_doc
         max_length = self.truncation_length(cut, "documents")
         pairs = [(request.query, text) for text in texts]
         request_id, scores, num_tokens = await self.score_pairs(

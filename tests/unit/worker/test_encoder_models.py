@@ -1,7 +1,6 @@
 """Encoder models (BERT, XLM-RoBERTa, ModernBERT) through a real in-process engine: tiny
 random-weight folders in sentence-transformers layout, pooled alone and batched, equal to
-what sentence-transformers computes (HF AutoModel + the folder's pooling and Normalize:
-sentence_transformers itself is not installed here) to 1e-5; cross-encoders' logits equal HF
+sentence-transformers' embeddings of the same folder to 1e-5; cross-encoders' logits equal HF
 AutoModelForSequenceClassification's with the pair's token types; every request computed in
 one step, no block kept; generation refused.
 """
