@@ -26,6 +26,7 @@ from kvserve.services.api.engine_client.client import (
     EngineOverloadedError,
 )
 from kvserve.services.api.observability.request_logger import RequestLogger
+from kvserve.services.api.serving.beam_search import BeamSearch, beam_search_results
 from kvserve.services.api.serving.detokenizer import num_held_back_chars
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.latency_targets import REQUEST_TARGETS
@@ -233,9 +234,11 @@ class OpenAIServing:
         params_list: list[SamplingParams],
         priority: int,
         lora_request: LoRARequest | None = None,
+        beam: BeamSearch | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Submit every prompt (all with `lora_request`'s adapter, None: the base model);
-        yield (prompt index, cumulative RequestOutput) as they come.
+        yield (prompt index, cumulative RequestOutput) as they come; with `beam`, each
+        prompt's beam search (beam_search.py) and its one finished output.
 
         Closing the returned generator aborts whatever is still running. The requests are
         the current tenant's (tenants.CURRENT_TENANT, set per HTTP request); when it has
@@ -265,7 +268,13 @@ class OpenAIServing:
                 sum(params.n * (params.max_tokens or 0) for params in params_list),
             )
         try:
-            results = self._submit(request_id, prompts, params_list, priority, lora_request, tenant)
+            if beam is not None:
+                context = _BeamContext(self, priority, lora_request, tenant)
+                results = beam_search_results(context, request_id, prompts, params_list, beam)
+            else:
+                results = self._submit(
+                    request_id, prompts, params_list, priority, lora_request, tenant
+                )
         except BaseException:
             if ticket is not None:
                 ticket.settle(0)
@@ -306,6 +315,34 @@ class OpenAIServing:
             )
             streams.append(stream)
         return merge_async_iterators(streams)
+
+
+class _BeamContext:
+    """A beam search's view of the serving core (beam_search.BeamSearchContext)."""
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        priority: int,
+        lora_request: LoRARequest | None,
+        tenant: TenantSpec | None,
+    ):
+        self.serving = serving
+        self.priority, self.lora_request, self.tenant = priority, lora_request, tenant
+        self.eos_token_id = serving.engine_client.tokenizer_info.eos_token_id
+
+    def submit(
+        self, request_id: str, prompts: list[PromptInput], params_list: list[SamplingParams]
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        return self.serving._submit(
+            request_id, prompts, params_list, self.priority, self.lora_request, self.tenant
+        )
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.serving.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def check(self, output: RequestOutput) -> None:
+        raise_if_failed(output)
 
 
 async def merge_async_iterators(
