@@ -102,16 +102,8 @@ class ModelRunner:
         self.max_model_len = effective_max_model_len(config, self.hf_config)
         self.block_size = config.cache.block_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        # An encoder (BERT, XLM-R, ModernBERT) keeps no KV cache: its blocks are the
-        # scheduler's bookkeeping only (layers/bidirectional.py), one group of no layers.
         self.is_encoder = bool(getattr(self.model, "is_encoder", False))
-        self.kv_cache_groups = (
-            [KVCacheGroupSpec(layer_indices=[])]
-            if self.is_encoder
-            else plan_kv_cache_groups(
-                config, self.attention_layers, self.is_first_stage and self.is_last_stage
-            )
-        )
+        self.kv_cache_groups = self._plan_kv_cache_groups()
         # --kv-cache-dtype: the model's dtype, or fp8 with each layer's scales (kv_scales.py).
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype)
         check_layers_take(self.kv_cache_dtype, self.attention_layers)
@@ -149,6 +141,14 @@ class ModelRunner:
             self.is_first_stage and self.is_last_stage
         ):
             raise ValueError("KV transfer (--kv-transfer-config) does not run with PP > 1")
+
+    def _plan_kv_cache_groups(self) -> list[KVCacheGroupSpec]:
+        # An encoder (BERT, XLM-R, ModernBERT) keeps no KV cache: its blocks are the
+        # scheduler's bookkeeping only (layers/bidirectional.py), one group of no layers.
+        if self.is_encoder:
+            return [KVCacheGroupSpec(layer_indices=[])]
+        single_stage = self.is_first_stage and self.is_last_stage
+        return plan_kv_cache_groups(self.config, self.attention_layers, single_stage)
 
     def _make_lora_manager(self) -> LoRAManager | None:
         """The adapters' manager with --enable-lora (it wraps the model's linear layers)."""

@@ -126,15 +126,9 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id, engine_id = ids
         as_ids = self.tokens_as_ids(request)
         final: list[RequestOutput | None] = [None] * len(prompts)
+        lora = self.lora_request(request.model)
         async with aclosing(
-            self.generate(
-                engine_id,
-                prompts,
-                params_list,
-                request.priority,
-                self.lora_request(request.model),
-                beam=beam,
-            )
+            self.generate(engine_id, prompts, params_list, request.priority, lora, beam=beam)
         ) as results:
             async for prompt_index, streamed in results:
                 final[prompt_index] = streamed
