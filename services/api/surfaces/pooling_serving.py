@@ -32,7 +32,9 @@ class PoolingServing(OpenAIServing):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.enabled = self.frontend.runner == "pooling"
+        runner = self.frontend.runner
+        # An encoder model pools whatever the runner says but "generate" (vLLM's auto).
+        self.enabled = runner == "pooling" or (runner == "auto" and self.is_encoder)
         model_dir = self.engine_client.tokenizer_info.model_dir
         self.spec: PoolingSpec = pooling_spec(model_dir) if self.enabled else PoolingSpec()
 
