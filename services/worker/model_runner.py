@@ -100,6 +100,10 @@ class ModelRunner:
         self.is_last_stage = is_last_pp_rank()
         self.is_driver = is_driver()
         self.max_model_len = effective_max_model_len(config, self.hf_config)
+        # XLM-R's positions start at padding_idx + 1: its table holds fewer tokens.
+        self.max_model_len = min(
+            self.max_model_len, getattr(self.model, "max_positions", self.max_model_len)
+        )
         self.block_size = config.cache.block_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.is_encoder = bool(getattr(self.model, "is_encoder", False))

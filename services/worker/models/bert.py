@@ -149,6 +149,8 @@ class BertModel(nn.Module):
         self.config = config
         self.embeddings = self.embeddings_class(config)
         self.encoder = _Encoder(config)
+        # The longest input the position table holds (XLM-R's starts past padding_idx).
+        self.max_positions = config.max_position_embeddings - self.embeddings.position_offset
 
     def forward(
         self,
@@ -199,6 +201,10 @@ class BertForSequenceClassification(nn.Module):
     @property
     def encoder_model(self) -> BertModel:
         return getattr(self, self.encoder_name)
+
+    @property
+    def max_positions(self) -> int:
+        return self.encoder_model.max_positions
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.encoder_model(*args, **kwargs)
