@@ -13,7 +13,8 @@ whole input in one step, with token type ids from the request's pooling fields.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ ACTIVATIONS = {
 }
 
 
-def activation(name: str):
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported: {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[name]
@@ -43,7 +44,7 @@ class BertEmbeddings(nn.Module):
 
     position_offset = 0  # XLM-RoBERTa counts positions from padding_idx + 1
 
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.word_embeddings = nn.Embedding(config.vocab_size, hidden)
@@ -64,13 +65,13 @@ class XLMRobertaEmbeddings(BertEmbeddings):
     """RoBERTa's positions start after the padding index (HF's
     create_position_ids_from_input_ids, for inputs holding no padding token)."""
 
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.position_offset = config.pad_token_id + 1
 
 
 class _SelfAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -83,7 +84,7 @@ class _SelfAttention(nn.Module):
 class _DenseNorm(nn.Module):
     """HF's BertSelfOutput / BertOutput: dense, then LayerNorm over the residual sum."""
 
-    def __init__(self, config, in_features: int):
+    def __init__(self, config: Any, in_features: int) -> None:
         super().__init__()
         self.dense = nn.Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -93,7 +94,7 @@ class _DenseNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.self = _SelfAttention(config)  # HF's name: attention.self.query
         self.output = _DenseNorm(config, config.hidden_size)
@@ -107,7 +108,7 @@ class _Attention(nn.Module):
 
 
 class _Intermediate(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.act = activation(config.hidden_act)
@@ -117,7 +118,7 @@ class _Intermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.attention = _Attention(config)
         self.intermediate = _Intermediate(config)
@@ -129,7 +130,7 @@ class BertLayer(nn.Module):
 
 
 class _Encoder(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
@@ -144,7 +145,7 @@ class BertModel(nn.Module):
     is_encoder = True
     embeddings_class: type[BertEmbeddings] = BertEmbeddings
 
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self.embeddings = self.embeddings_class(config)
@@ -157,7 +158,7 @@ class BertModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
-        intermediate_tensors=None,
+        intermediate_tensors: Any = None,
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if token_type_ids is None:
@@ -186,17 +187,16 @@ class BertForSequenceClassification(nn.Module):
     encoder_class: type[BertModel] = BertModel
     encoder_name = "bert"
 
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self.num_labels = config.num_labels
         setattr(self, self.encoder_name, self.encoder_class(config))
         self.make_head(config)
 
-    def make_head(self, config) -> None:
-        self.pooler = nn.Sequential()
-        self.pooler.add_module("dense", nn.Linear(config.hidden_size, config.hidden_size))
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+    def make_head(self, config: Any) -> None:
+        self.pooler = _Pooler(config)
+        self.classifier: nn.Module = nn.Linear(config.hidden_size, config.num_labels)
 
     @property
     def encoder_model(self) -> BertModel:
@@ -206,7 +206,7 @@ class BertForSequenceClassification(nn.Module):
     def max_positions(self) -> int:
         return self.encoder_model.max_positions
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.encoder_model(*args, **kwargs)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
@@ -219,10 +219,18 @@ class BertForSequenceClassification(nn.Module):
         load_named(self, renamed, prefixes=())
 
 
+class _Pooler(nn.Module):
+    """HF's BertPooler (its tanh is applied in classify)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+
 class _RobertaHead(nn.Module):
     """HF's RobertaClassificationHead: CLS -> dense -> tanh -> out_proj."""
 
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
@@ -232,11 +240,11 @@ class XLMRobertaForSequenceClassification(BertForSequenceClassification):
     encoder_class = XLMRobertaModel
     encoder_name = "roberta"
 
-    def make_head(self, config) -> None:
+    def make_head(self, config: Any) -> None:
         self.classifier = _RobertaHead(config)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        head = self.classifier
+        head = cast(_RobertaHead, self.classifier)
         return head.out_proj(torch.tanh(head.dense(pooled)))
 
 

@@ -12,6 +12,7 @@ side with `local_rope_theta` (HF's `layer_types` and `rope_parameters`). Names m
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,11 +22,11 @@ from kvserve.services.worker.layers.bidirectional import EncoderBatch, bidirecti
 from kvserve.services.worker.models.bert import activation, load_named
 
 
-def _layer_norm(config) -> nn.LayerNorm:
+def _layer_norm(config: Any) -> nn.LayerNorm:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
 
 
-def _rope_theta(config, layer_type: str) -> float:
+def _rope_theta(config: Any, layer_type: str) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     if layer_type in params and params[layer_type]:
         return float(params[layer_type]["rope_theta"])
@@ -33,7 +34,7 @@ def _rope_theta(config, layer_type: str) -> float:
     return float(getattr(config, name))
 
 
-def _layer_types(config) -> list[str]:
+def _layer_types(config: Any) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types:
         return list(types)
@@ -52,7 +53,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class ModernBertAttention(nn.Module):
-    def __init__(self, config, window: int | None):
+    def __init__(self, config: Any, window: int | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
@@ -72,7 +73,7 @@ class ModernBertAttention(nn.Module):
 
 
 class ModernBertMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
@@ -84,7 +85,7 @@ class ModernBertMLP(nn.Module):
 
 
 class ModernBertLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, layer_type: str):
+    def __init__(self, config: Any, layer_idx: int, layer_type: str) -> None:
         super().__init__()
         self.layer_type = layer_type
         window = config.local_attention // 2 if layer_type == "sliding_attention" else None
@@ -99,7 +100,7 @@ class ModernBertLayer(nn.Module):
 
 
 class _Embeddings(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.norm = _layer_norm(config)
@@ -114,12 +115,13 @@ class ModernBertModel(nn.Module):
 
     is_encoder = True
 
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         types = _layer_types(config)
         self.embeddings = _Embeddings(config)
         self.layers = nn.ModuleList(ModernBertLayer(config, i, t) for i, t in enumerate(types))
+        self.layer_types = types
         self.final_norm = _layer_norm(config)
         head_dim = config.hidden_size // config.num_attention_heads
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
@@ -139,18 +141,28 @@ class ModernBertModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
-        intermediate_tensors=None,
+        intermediate_tensors: Any = None,
         token_type_ids: torch.Tensor | None = None,  # ModernBERT has no token types
     ) -> torch.Tensor:
         batch = EncoderBatch(attn_metadata.query_start_loc)
         rope = self._rope_tables(positions)
         x = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))
-        for layer in self.layers:
-            x = layer(x, rope[layer.layer_type], batch)
+        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+            x = layer(x, rope[layer_type], batch)
         return self.final_norm(x)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named(self, weights, prefixes=("model.",))
+
+
+class _PredictionHead(nn.Module):
+    """HF's ModernBertPredictionHead: dense -> activation -> LayerNorm."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, config.classifier_bias)
+        self.act = activation(config.classifier_activation)
+        self.norm = _layer_norm(config)
 
 
 class ModernBertForSequenceClassification(nn.Module):
@@ -159,23 +171,21 @@ class ModernBertForSequenceClassification(nn.Module):
 
     is_encoder = True
 
-    def __init__(self, config):
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self.num_labels = config.num_labels
         self.model = ModernBertModel(config)
-        self.head = nn.Module()
-        self.head.dense = nn.Linear(config.hidden_size, config.hidden_size, config.classifier_bias)
-        self.head.norm = _layer_norm(config)
-        self.head_act = activation(config.classifier_activation)
+        self.head = _PredictionHead(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.model(*args, **kwargs)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """[N, hidden] pooled rows -> [N, num_labels] logits."""
-        return self.classifier(self.head.norm(self.head_act(self.head.dense(pooled))))
+        head = self.head
+        return self.classifier(head.norm(head.act(head.dense(pooled))))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named(self, weights, prefixes=())
