@@ -63,7 +63,7 @@ class ModernBertAttention(nn.Module):
         self.window = window
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: EncoderBatch
     ) -> torch.Tensor:
         qkv = self.Wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
@@ -94,7 +94,9 @@ class ModernBertLayer(nn.Module):
         self.mlp_norm = _layer_norm(config)
         self.mlp = ModernBertMLP(config)
 
-    def forward(self, x: torch.Tensor, rope, batch: EncoderBatch) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: EncoderBatch
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, batch)
         return x + self.mlp(self.mlp_norm(x))
 
