@@ -226,8 +226,10 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     runner: Annotated[
         Literal["auto", "generate", "pooling"],
         flag_doc(
-            "pooling: also serve /v1/embeddings (the engine pools prompts' final hidden "
-            "states, batched with generation); auto and generate: generation only"
+            "pooling: also serve /v1/embeddings, /rerank, /v1/score, /classify (the engine "
+            "pools prompts' final hidden states, batched with generation); auto: pooling for "
+            "an encoder model (BERT, XLM-R, ModernBERT), else generation only; generate: "
+            "generation only"
         ),
     ] = "auto"
     allowed_local_media_path: Annotated[

@@ -73,8 +73,14 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
             reasoning_end_token_ids, one per step, and the answer follows (needs them).
         pooling: an embedding request: nothing is sampled; once the prompt is computed, its
             final hidden states are pooled ("last": the last token's; "mean": the mean over
-            the prompt, which must then be computed whole, no prefix-cache hit), L2
-            normalised, returned as EngineCoreOutput.pooled, and the request stops.
+            the prompt; "cls": the first token's; the last two need the prompt computed
+            whole, no prefix-cache hit), passed through the model's classifier head if it
+            has one (a cross-encoder's or classifier's logits), else L2 normalised when
+            `normalize`, returned as EngineCoreOutput.pooled, and the request stops.
+        normalize: L2-normalise the pooled vector (an embedding model's Normalize module).
+        token_type_start: an encoder's pair input (a cross-encoder's query and document):
+            the prompt tokens from this index on have token type 1 (vLLM's compressed
+            token_type_ids); None: every token has type 0.
     """
 
     n: int = 1
@@ -102,7 +108,9 @@ class SamplingParams(msgspec.Struct, metaclass=_StrictKeywords, kw_only=True, om
     bad_words_token_ids: list[list[int]] | None = None
     reasoning_end_token_ids: list[int] | None = None
     thinking_token_budget: int | None = None
-    pooling: Literal["last", "mean"] | None = None
+    pooling: Literal["last", "mean", "cls"] | None = None
+    normalize: bool = True
+    token_type_start: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -35,6 +35,7 @@ from kvserve.services.api.surfaces.completions import OpenAIServingCompletion
 from kvserve.services.api.surfaces.embeddings import OpenAIServingEmbedding
 from kvserve.services.api.surfaces.messages import AnthropicServingMessages
 from kvserve.services.api.surfaces.responses import OpenAIServingResponses, ResponseStore
+from kvserve.services.api.surfaces.scoring import ServingScores
 from kvserve.services.api.tenancy.quotas import TenantQuotas
 from kvserve.services.api.tenancy.tenants import TenantDirectory
 from kvserve.shared.api_config import FrontendConfig
@@ -60,6 +61,7 @@ class AppContext:
         messages: the Anthropic Messages handler (over chat).
         responses: the OpenAI Responses handler (over chat) and its response store.
         embeddings: the embeddings handler (--runner pooling).
+        scores: the rerank, score and classify handler (--runner pooling).
         tenants: the keys and tenants (weights, quotas), reloaded on SIGHUP.
         quotas: what each tenant has in flight and used in the last minute (every
             handler's `quotas`).
@@ -76,6 +78,7 @@ class AppContext:
     messages: AnthropicServingMessages
     responses: OpenAIServingResponses
     embeddings: OpenAIServingEmbedding
+    scores: ServingScores
     tenants: TenantDirectory
     quotas: TenantQuotas
     dashboard: DashboardSampler
@@ -111,7 +114,8 @@ def make_context(
     embeddings = OpenAIServingEmbedding(engine_client, served_model_name, frontend, models)
     # One object for all: a tenant's quotas count its requests on every surface.
     quotas = TenantQuotas(on_refused=metrics.tenants.quota_refused)
-    completions.quotas = chat.quotas = embeddings.quotas = quotas
+    scores = ServingScores(engine_client, served_model_name, frontend, models)
+    completions.quotas = chat.quotas = embeddings.quotas = scores.quotas = quotas
     if frontend.slo_admission == "reject":
         estimator = TtftEstimator()
         engine_client.stat_loggers.append(estimator)
@@ -132,6 +136,7 @@ def make_context(
             chat, ResponseStore(frontend.responses_store_size, frontend.responses_store_ttl)
         ),
         embeddings,
+        scores,
         tenants,
         quotas,
         dashboard,

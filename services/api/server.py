@@ -6,6 +6,8 @@ AppContext, on `app.state.ctx`); build_app registers each module of ROUTE_MODULE
     surfaces/routes_openai.py     /v1/completions, /v1/chat/completions, /v1/models,
                                   /tokenize, /detokenize
     surfaces/routes_anthropic.py  /v1/messages, /v1/messages/count_tokens (Anthropic's)
+    surfaces/routes_scoring.py    /rerank, /v1/rerank, /v2/rerank, /score, /v1/score,
+                                  /classify, /v1/classify (with --runner pooling)
     routes_admin.py               /health, /ping, /metrics, /version, /openapi.json,
                                   /reset_prefix_cache
     routes_lora.py                /v1/load_lora_adapter, /v1/unload_lora_adapter
@@ -50,7 +52,7 @@ from kvserve.services.api.observability.tracing import TracingMiddleware, make_t
 from kvserve.services.api.serving.base import REQUEST_ID_HEADER
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.limits import BodySizeLimitMiddleware
-from kvserve.services.api.surfaces import routes_anthropic, routes_openai
+from kvserve.services.api.surfaces import routes_anthropic, routes_openai, routes_scoring
 from kvserve.services.api.tenancy import routes_usage
 from kvserve.services.api.tenancy.tenants import TenantDirectory, TenantMiddleware
 from kvserve.shared.api_config import FrontendConfig, HTTPConfig
@@ -60,6 +62,7 @@ from kvserve.shared.config import LoRAConfig
 ROUTE_MODULES = (
     routes_openai,
     routes_anthropic,
+    routes_scoring,
     routes_admin,
     routes_lora,
     routes_usage,

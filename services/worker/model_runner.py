@@ -57,7 +57,7 @@ from kvserve.services.worker.parallel_state import (
     recv_from_prev_stage,
     send_to_next_stage,
 )
-from kvserve.services.worker.pooling import pool_step
+from kvserve.services.worker.pooling import encoder_token_types, pool_step
 from kvserve.services.worker.sampler import Sampler
 from kvserve.services.worker.spec_decode.proposer import Proposer, ProposerContext
 from kvserve.services.worker.spec_decode.registry import make_proposer
@@ -66,7 +66,7 @@ from kvserve.services.worker.step_sampler import StepSampler
 from kvserve.services.worker.step_timing import StepTimer
 from kvserve.shared import env
 from kvserve.shared.config import EngineConfig, SpeculativeConfig
-from kvserve.shared.kv_cache_groups import group_size_of
+from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, group_size_of
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import KvFingerprint, ModelRunnerOutput, SchedulerOutput
 
@@ -100,11 +100,14 @@ class ModelRunner:
         self.is_last_stage = is_last_pp_rank()
         self.is_driver = is_driver()
         self.max_model_len = effective_max_model_len(config, self.hf_config)
+        # XLM-R's positions start at padding_idx + 1: its table holds fewer tokens.
+        self.max_model_len = min(
+            self.max_model_len, getattr(self.model, "max_positions", self.max_model_len)
+        )
         self.block_size = config.cache.block_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_cache_groups = plan_kv_cache_groups(
-            config, self.attention_layers, self.is_first_stage and self.is_last_stage
-        )
+        self.is_encoder = bool(getattr(self.model, "is_encoder", False))
+        self.kv_cache_groups = self._plan_kv_cache_groups()
         # --kv-cache-dtype: the model's dtype, or fp8 with each layer's scales (kv_scales.py).
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype)
         check_layers_take(self.kv_cache_dtype, self.attention_layers)
@@ -142,6 +145,14 @@ class ModelRunner:
             self.is_first_stage and self.is_last_stage
         ):
             raise ValueError("KV transfer (--kv-transfer-config) does not run with PP > 1")
+
+    def _plan_kv_cache_groups(self) -> list[KVCacheGroupSpec]:
+        # An encoder (BERT, XLM-R, ModernBERT) keeps no KV cache: its blocks are the
+        # scheduler's bookkeeping only (layers/bidirectional.py), one group of no layers.
+        if self.is_encoder:
+            return [KVCacheGroupSpec(layer_indices=[])]
+        single_stage = self.is_first_stage and self.is_last_stage
+        return plan_kv_cache_groups(self.config, self.attention_layers, single_stage)
 
     def _make_lora_manager(self) -> LoRAManager | None:
         """The adapters' manager with --enable-lora (it wraps the model's linear layers)."""
@@ -234,6 +245,8 @@ class ModelRunner:
             num_blocks * self.kv_cache_bytes_per_block() / 2**20,
             str(self.kv_cache_dtype).removeprefix("torch."),
         )
+        if self.is_encoder:
+            return  # no decode steps: no graphs, no decode stack, no prefill route
         one_table = len(self.kv_cache_groups) == 1  # what the graphs and the C stack read
         self.cuda_graphs = self.capture_cuda_graphs(max_blocks_per_req) if one_table else None
         if self.device.type == "cpu":
@@ -320,7 +333,7 @@ class ModelRunner:
             torch.from_numpy(positions).to(dev),
             metadata,
         )
-        if self.is_last_stage:
+        if self.is_last_stage and not self.is_encoder:
             assert hidden is not None  # the last stage returns its hidden states
             last_rows = torch.from_numpy(query_start_loc[1:] - 1).to(dev)
             logits = self.model.compute_logits(hidden[last_rows])
@@ -399,7 +412,7 @@ class ModelRunner:
             self.multimodal.after_step(step)
         if self.proposer is not None:
             self.proposer.after_forward(step)
-        pooled = pool_step(step) if step.so.has_pooling else {}
+        pooled = pool_step(step, self.model) if step.so.has_pooling else {}
         if len(step.sample_idx) and step.verifies_drafts:
             self.step_sampler.verify_drafts(step, self.batch)
         elif len(step.sample_idx):
@@ -417,6 +430,10 @@ class ModelRunner:
     def _forward(self, step: StepBatch) -> torch.Tensor | None:
         graphs = self.cuda_graphs
         metadata = step.metadata
+        if self.is_encoder:  # whole requests, bidirectional (layers/bidirectional.py)
+            return self.model(
+                step.input_ids, step.positions, metadata, None, encoder_token_types(step)
+            )
         if step.multimodal is not None:  # image embeddings or M-RoPE: the modules
             return self._run_stage(step.input_ids, step.positions, metadata, step.multimodal)
         if graphs is not None and graphs.can_run(

@@ -156,6 +156,9 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         per_block = self.runner.kv_cache_bytes_per_block()
+        if per_block == 0:  # an encoder: blocks are bookkeeping, enough for every row
+            max_blocks_per_req = -(-self.runner.max_model_len // cache.block_size)
+            return self.config.scheduler.max_num_seqs * max_blocks_per_req + 1
         if self.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
             budget = self._profile_cuda_budget(cache.gpu_memory_utilization)
         else:

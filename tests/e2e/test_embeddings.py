@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import threading
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -107,10 +108,41 @@ def test_bad_embedding_requests_are_refused_by_name(client):
         ({"input": []}, "input"),
         ({"input": [""]}, "empty"),
         ({"input": [{"text": "x"}]}, "token ids"),
-        ({"input": "x", "dimensions": 8}, "dimensions"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
+        ({"input": "x", "dimensions": 10**6}, "dimensions must be at most"),
+        ({"input": "x", "extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
         ({"input": "word " * 600}, "maximum context length is 512 tokens"),
         ({"input": [[10**9]]}, "token ids must be in"),
     ]
     for fields, named in cases:
         with pytest.raises(openai.BadRequestError, match=named):
             client.embeddings.create(model=MODEL, **fields)
+
+
+def test_dimensions_keep_the_first_values_renormalised(client, hf):
+    _, tokenizer = hf
+    response = client.embeddings.create(model=MODEL, input=TEXTS[0], dimensions=32)
+    ours = np.array(response.data[0].embedding, dtype=np.float32)
+    full = hf_embedding(hf, tokenizer.encode(TEXTS[0]))[:32]
+    np.testing.assert_allclose(ours, full / np.linalg.norm(full), atol=1e-4)
+
+
+def test_truncate_prompt_tokens_cuts_an_over_long_input(client, hf):
+    _, tokenizer = hf
+    text = "word " * 600  # over max_model_len: refused without truncation (above)
+    response = client.embeddings.create(
+        model=MODEL, input=text, extra_body={"truncate_prompt_tokens": 16}
+    )
+    assert response.usage.prompt_tokens == 16
+    expected = hf_embedding(hf, tokenizer(text, truncation=True, max_length=16)["input_ids"])
+    np.testing.assert_allclose(np.array(response.data[0].embedding), expected, atol=1e-4)
+
+
+def test_score_of_an_embedding_model_is_the_cosine(url, hf):
+    _, tokenizer = hf
+    body = {"model": MODEL, "text_1": TEXTS[0], "text_2": TEXTS[1:]}
+    result = httpx.post(url + "/v1/score", json=body, timeout=120).json()
+    first = hf_embedding(hf, tokenizer.encode(TEXTS[0]))
+    expected = [float(first @ hf_embedding(hf, tokenizer.encode(t))) for t in TEXTS[1:]]
+    assert [d["score"] for d in result["data"]] == pytest.approx(expected, abs=1e-4)
+    assert result["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(t)) for t in TEXTS)

@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from tests.support.api_server import MAX_MODEL_LEN, SERVED_MODEL_NAME, shared_api_server
 from tests.support.kv import assert_no_leaked_blocks
@@ -454,3 +454,58 @@ def test_metrics_count_tokens_and_latencies(server, client, engine_client):
         read_metric(after, "kvserve:num_requests_running", model_name="smollm2-test", engine="0")
         == 0
     )
+
+
+@pytest.fixture(scope="module")
+def hf_causal_lm(default_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+def _hf_beams(hf_causal_lm, prompt_ids: list[int], width: int) -> list[list[int]]:
+    import torch
+
+    with torch.inference_mode():
+        rows = hf_causal_lm.generate(
+            torch.tensor([prompt_ids]),
+            num_beams=width,
+            num_return_sequences=width,
+            do_sample=False,
+            max_new_tokens=8,
+            length_penalty=1.0,
+            early_stopping=False,
+        )
+    return [row[len(prompt_ids) :].tolist() for row in rows]
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_beam_search_equals_hf_generate_num_beams(client, engine_client, hf_causal_lm, width):
+    tokenizer = engine_client.tokenizer_info.tokenizer
+    prompt_ids = engine_client.tokenizer_info.encode(PROMPT)
+    reply = client.completions.create(
+        model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=8, n=width,
+        extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    expected = _hf_beams(hf_causal_lm, prompt_ids, width)
+    got = [choice.text for choice in sorted(reply.choices, key=lambda c: c.index)]
+    assert got == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+    assert reply.usage.completion_tokens == sum(len(ids) for ids in expected)
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=messages, max_tokens=8, n=width,
+        extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    chat_ids = engine_client.tokenizer_info.apply_chat_template(messages)
+    best = _hf_beams(hf_causal_lm, chat_ids, width)[0]
+    assert chat.choices[0].message.content == tokenizer.decode(best, skip_special_tokens=True)
+
+
+def test_beam_search_refuses_streaming_and_stop_strings(client):
+    for extra in ({"stream": True}, {"stop": ["."]}, {"logprobs": 2}):
+        with pytest.raises(BadRequestError, match="use_beam_search does not take"):
+            client.completions.create(
+                model=SERVED_MODEL_NAME, prompt=PROMPT, max_tokens=4, n=2,
+                extra_body={"use_beam_search": True, **extra},
+            )  # fmt: skip

@@ -26,6 +26,7 @@ from kvserve.services.api.engine_client.client import (
     EngineOverloadedError,
 )
 from kvserve.services.api.observability.request_logger import RequestLogger
+from kvserve.services.api.serving.beam_search import BeamSearch, beam_search_results
 from kvserve.services.api.serving.detokenizer import num_held_back_chars
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.latency_targets import REQUEST_TARGETS
@@ -49,6 +50,7 @@ from kvserve.services.api.tenancy.quotas import SettledResults, TenantQuotas, ha
 from kvserve.services.api.tenancy.tenants import CURRENT_TENANT, TenantSpec
 from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.lora import LoRARequest
+from kvserve.shared.model_dir import is_encoder_model
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import QUEUE_FULL_ERROR
 
@@ -99,6 +101,9 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.models = models or ServingModels(served_model_name, engine_client.model_name)
         self.frontend = frontend or FrontendConfig()
+        # An encoder (BERT, XLM-R, ModernBERT) pools and never generates.
+        tokenizer_info = getattr(engine_client, "tokenizer_info", None)
+        self.is_encoder = is_encoder_model(getattr(tokenizer_info, "model_dir", None))
         self.request_logger = (
             RequestLogger(self.frontend.max_log_len) if self.frontend.enable_log_requests else None
         )
@@ -229,9 +234,11 @@ class OpenAIServing:
         params_list: list[SamplingParams],
         priority: int,
         lora_request: LoRARequest | None = None,
+        beam: BeamSearch | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Submit every prompt (all with `lora_request`'s adapter, None: the base model);
-        yield (prompt index, cumulative RequestOutput) as they come.
+        yield (prompt index, cumulative RequestOutput) as they come; with `beam`, each
+        prompt's beam search (beam_search.py) and its one finished output.
 
         Closing the returned generator aborts whatever is still running. The requests are
         the current tenant's (tenants.CURRENT_TENANT, set per HTTP request); when it has
@@ -243,6 +250,12 @@ class OpenAIServing:
                 the tenant's quotas (400: a request that may use more
                 tokens than its whole tokens_per_minute); see services/api/tenancy/quotas.py.
         """
+        if self.is_encoder and any(params.pooling is None for params in params_list):
+            raise APIError(
+                400,
+                "this model is an encoder: it serves /v1/embeddings, /rerank, /v1/score and "
+                "/classify, not generation",
+            )
         tenant = CURRENT_TENANT.get()
         if self.admission is not None:
             longest = max((len(token_ids) for _, token_ids in prompts), default=0)
@@ -255,7 +268,13 @@ class OpenAIServing:
                 sum(params.n * (params.max_tokens or 0) for params in params_list),
             )
         try:
-            results = self._submit(request_id, prompts, params_list, priority, lora_request, tenant)
+            if beam is not None:
+                context = _BeamContext(self, priority, lora_request, tenant)
+                results = beam_search_results(context, request_id, prompts, params_list, beam)
+            else:
+                results = self._submit(
+                    request_id, prompts, params_list, priority, lora_request, tenant
+                )
         except BaseException:
             if ticket is not None:
                 ticket.settle(0)
@@ -296,6 +315,34 @@ class OpenAIServing:
             )
             streams.append(stream)
         return merge_async_iterators(streams)
+
+
+class _BeamContext:
+    """A beam search's view of the serving core (beam_search.BeamSearchContext)."""
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        priority: int,
+        lora_request: LoRARequest | None,
+        tenant: TenantSpec | None,
+    ):
+        self.serving = serving
+        self.priority, self.lora_request, self.tenant = priority, lora_request, tenant
+        self.eos_token_id = serving.engine_client.tokenizer_info.eos_token_id
+
+    def submit(
+        self, request_id: str, prompts: list[PromptInput], params_list: list[SamplingParams]
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        return self.serving._submit(
+            request_id, prompts, params_list, self.priority, self.lora_request, self.tenant
+        )
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.serving.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def check(self, output: RequestOutput) -> None:
+        raise_if_failed(output)
 
 
 async def merge_async_iterators(

@@ -250,6 +250,10 @@ class SamplingRequest(_UnsupportedFields, kw_only=True):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
+    # vLLM's beam search: n is the width (serving/beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The sampling knobs the client set, with SamplingParams' names."""

@@ -42,6 +42,7 @@ from kvserve.services.api.serving.base import (
     sse_event,
     stop_holdback,
 )
+from kvserve.services.api.serving.beam_search import beam_search_of
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.multimodal import (
     ImageProcessor,
@@ -271,6 +272,7 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs=constraint or structured_outputs,
             **reasoning_fields,
         )
+        beam_search_of(request, self.engine_client.max_logprobs)  # its 400s, before submitting
         self.check_engine(request.n)
         ids = self.request_ids(raw_request, request, id_prefix)
         return PreparedChat(ids, prompt_token_ids, params, tool_choice, reasoning)
@@ -303,6 +305,7 @@ class OpenAIServingChat(OpenAIServing):
                 [prepared.params],
                 request.priority,
                 self.lora_request(request.model),
+                beam=beam_search_of(request, self.engine_client.max_logprobs),
             )
         ) as results:
             async for _, output in results:

@@ -25,6 +25,7 @@ from kvserve.services.api.serving.base import (
     sse_event,
     stop_holdback,
 )
+from kvserve.services.api.serving.beam_search import BeamSearch, beam_search_of
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.services.api.serving.protocol import UNSET, now_seconds
@@ -68,6 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for _, token_ids in prompts
         ]
+        beam = beam_search_of(request, self.engine_client.max_logprobs)
         self.check_engine(len(prompts) * request.n)
         ids = self.request_ids(raw_request, request, "cmpl-")
         if request.stream:
@@ -78,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 results = await first_output_checked(results)
             return SSEResponse(self._stream(ids, request, prompts, params_list, results))
         return await run_until_disconnected(
-            raw_request, self._complete(ids, request, prompts, params_list)
+            raw_request, self._complete(ids, request, prompts, params_list, beam)
         )
 
     def _prompt_inputs(self, prompt: str | list) -> list[PromptInput]:
@@ -119,14 +121,14 @@ class OpenAIServingCompletion(OpenAIServing):
         request: CompletionRequest,
         prompts: list[PromptInput],
         params_list: list[SamplingParams],
+        beam: BeamSearch | None = None,
     ) -> Response:
         response_id, engine_id = ids
         as_ids = self.tokens_as_ids(request)
         final: list[RequestOutput | None] = [None] * len(prompts)
+        lora = self.lora_request(request.model)
         async with aclosing(
-            self.generate(
-                engine_id, prompts, params_list, request.priority, self.lora_request(request.model)
-            )
+            self.generate(engine_id, prompts, params_list, request.priority, lora, beam=beam)
         ) as results:
             async for prompt_index, streamed in results:
                 final[prompt_index] = streamed

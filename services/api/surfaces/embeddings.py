@@ -1,19 +1,18 @@
 """POST /v1/embeddings (with --runner pooling): OpenAI's embeddings over the same engine.
 
-Each input (a string, a list of strings, a list of token ids, or a list of those) becomes an
-embedding request (SamplingParams.pooling): it is scheduled and batched with everything else,
-prefill only; once its prompt is computed the worker pools the final hidden states, normalises
-them (L2) and the request ends. The pooling is the model's: a sentence-transformers folder's
-1_Pooling/config.json (mean or last token), else the last token, as vLLM's --convert embed
-does for a generative model. `encoding_format` float or base64 (little-endian float32);
-`dimensions` is refused (no model served here was trained for shortened embeddings).
+Each input (a string, a list of strings, a list of token ids, or a list of those) becomes a
+pooling request (SamplingParams.pooling): it is scheduled and batched with everything else,
+prefill only; once its prompt is computed the worker pools the final hidden states as the
+model's folder says (pooling_model.py: a sentence-transformers Pooling module's cls, mean or
+last token, and its Normalize module; else the last token of a decoder, the CLS of an
+encoder) and the request ends. `encoding_format` float or base64 (little-endian float32);
+`dimensions` keeps the first d values (Matryoshka) and normalises them again when the model
+normalises; `truncate_prompt_tokens` cuts over-long inputs (else they are a 400).
 """
 
 from __future__ import annotations
 
 import base64
-import json
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -21,16 +20,12 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.services.api.serving.base import OpenAIServing, raise_if_failed
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.protocol import Int64
-from kvserve.services.api.serving.validation import check_prompt_length
+from kvserve.services.api.surfaces.pooling_serving import PoolingServing
 from kvserve.shared.logging import init_logger
-from kvserve.shared.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
-
-MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -41,6 +36,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int64 | None = None
     user: str | None = None
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: cut inputs to this many tokens
     request_id: str | None = None  # vLLM's: the id the engine and the logs use
 
 
@@ -60,29 +56,8 @@ class EmbeddingResponse(msgspec.Struct, tag="list", tag_field="object"):
     usage: EmbeddingUsage
 
 
-def pooling_of(model_dir: str | None) -> Literal["last", "mean"]:
-    """The model's pooling: its sentence-transformers pooling config, else the last token."""
-    path = Path(model_dir or "") / "1_Pooling" / "config.json"
-    if not model_dir or not path.is_file():
-        return "last"
-    config = json.loads(path.read_text())
-    if config.get("pooling_mode_mean_tokens"):
-        return "mean"
-    if config.get("pooling_mode_lasttoken"):
-        return "last"
-    modes = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v)
-    raise ValueError(f"{path}: pooling {modes} is not supported (mean or last token)")
-
-
-class OpenAIServingEmbedding(OpenAIServing):
+class OpenAIServingEmbedding(PoolingServing):
     """The embeddings endpoint (see OpenAIServing for the constructor's arguments)."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.enabled = self.frontend.runner == "pooling"
-        self.pooling = (
-            pooling_of(self.engine_client.tokenizer_info.model_dir) if self.enabled else "last"
-        )
 
     def _token_ids_of(self, request: EmbeddingRequest) -> list[list[int]]:
         items = request.input
@@ -90,60 +65,49 @@ class OpenAIServingEmbedding(OpenAIServing):
             items = [items]
         elif items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
             items = [items]  # one prompt as token ids
-        if not items:
-            raise APIError(400, "input must hold at least one item", "input")
-        if len(items) > MAX_INPUTS:
-            raise APIError(400, f"at most {MAX_INPUTS} inputs a request", "input")
+        self.check_count(len(items), "input")
+        max_length = self.truncation_length(request.truncate_prompt_tokens, "input")
         prompts = []
         for item in items:
             if isinstance(item, str):
-                token_ids = list(self.tokenizer.encode(item))
+                prompts.append(self.text_tokens(item, max_length, "input"))
             elif isinstance(item, list) and all(
                 isinstance(x, int) and not isinstance(x, bool) for x in item
             ):
-                token_ids = item
+                # Token ids keep their last max_length (vLLM's truncate_prompt_tokens).
+                ids = item[-max_length:] if max_length is not None and item else item
+                prompts.append(self.checked(ids, "input"))
             else:
                 raise APIError(400, "input items must be strings or lists of token ids", "input")
-            if not token_ids:
-                raise APIError(400, "an input is empty", "input")
-            self.check_prompt_tokens(token_ids, "input")
-            check_prompt_length(len(token_ids), self.engine_client.max_model_len, "input")
-            prompts.append(token_ids)
         return prompts
 
+    def _check_dimensions(self, request: EmbeddingRequest) -> None:
+        if self.spec.is_classifier:
+            raise APIError(
+                400,
+                "the model is a classifier (a cross-encoder): use /rerank, /v1/score or /classify",
+            )
+        if request.dimensions is None:
+            return
+        if request.dimensions < 1:
+            raise APIError(400, "dimensions must be at least 1", "dimensions")
+
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
-        if not self.enabled:
-            raise APIError(
-                400, "embeddings need the pooling runner: start the server with --runner pooling"
-            )
+        self.check_enabled("embeddings")
         self.check_model(request.model)
-        if request.dimensions is not None:
-            raise APIError(
-                400, "dimensions is not supported: the model has one embedding size", "dimensions"
-            )
+        self._check_dimensions(request)
         prompts = self._token_ids_of(request)
-        self.check_engine(len(prompts))
-        params = SamplingParams(max_tokens=1, pooling=self.pooling)
-        request_id = self.request_ids(raw_request, request, "embd-")[1]
-        vectors: list[bytes | None] = [None] * len(prompts)
-        results = self.generate(
-            request_id,
-            [(None, ids) for ids in prompts],
-            [params] * len(prompts),
-            0,
-            self.lora_request(request.model),
+        params = self.params()
+        request_id, vectors = await self.pool(
+            raw_request, request, "embd-", prompts, [params] * len(prompts)
         )
-        async for index, output in results:
-            raise_if_failed(output)
-            if output.finished:
-                vectors[index] = output.outputs[0].pooled
         data = []
         for index, vector in enumerate(vectors):
-            assert vector is not None, "every embedding request ends with its vector"
+            vector = self._shorten(vector, request.dimensions)
             embedding: list[float] | str = (
-                base64.b64encode(vector).decode()
+                base64.b64encode(vector.astype("<f4").tobytes()).decode()
                 if request.encoding_format == "base64"
-                else np.frombuffer(vector, dtype=np.float32).tolist()
+                else vector.tolist()
             )
             data.append(EmbeddingData(index, embedding))
         num_tokens = sum(len(ids) for ids in prompts)
@@ -152,3 +116,18 @@ class OpenAIServingEmbedding(OpenAIServing):
         )
         logger.info("embeddings %s: %d inputs, %d tokens", request_id, len(prompts), num_tokens)
         return Response(msgspec.json.encode(body), media_type="application/json")
+
+    def _shorten(self, vector: np.ndarray, dimensions: int | None) -> np.ndarray:
+        """The first `dimensions` values (Matryoshka), normalised again if the model
+        normalises."""
+        if dimensions is None:
+            return vector
+        if dimensions > len(vector):
+            raise APIError(
+                400, f"dimensions must be at most the model's {len(vector)}", "dimensions"
+            )
+        short = vector[:dimensions]
+        if self.spec.normalize:
+            norm = float(np.linalg.norm(short))
+            short = short / norm if norm > 0 else short
+        return short

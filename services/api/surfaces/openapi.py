@@ -32,6 +32,7 @@ from kvserve.services.api.surfaces.openai_protocol import (
     TokenizeResponse,
 )
 from kvserve.services.api.surfaces.responses_protocol import ResponseObject, ResponsesRequest
+from kvserve.services.api.surfaces.scoring_protocol import SCORING_STRUCTS
 from kvserve.services.api.tenancy.usage import UsageReport
 
 _REF = "#/components/schemas/{name}"
@@ -135,6 +136,7 @@ _BODY_TYPES = (
     EmbeddingRequest,
     EmbeddingResponse,
     UsageReport,
+    *SCORING_STRUCTS,
 )
 
 
@@ -174,6 +176,7 @@ def _paths() -> dict[str, Any]:
         "/v1/embeddings": _post(
             "OpenAI embeddings (--runner pooling)", "EmbeddingRequest", "EmbeddingResponse"
         ),
+        **_scoring_paths(),
         "/v1/messages": _post(
             "Anthropic's Messages API",
             "MessagesRequest",
@@ -195,4 +198,21 @@ def _paths() -> dict[str, Any]:
         "/health": health,
         "/version": _get("kvserve's version"),
         "/metrics": _get("Prometheus metrics", "text/plain"),
+    }
+
+
+def _scoring_paths() -> dict[str, Any]:
+    """The rerank, score and classify routes (--runner pooling; surfaces/routes_scoring.py)."""
+    jina = _post("rerank, Jina's shape (--runner pooling)", "RerankRequest", "RerankResponse")
+    cohere = _post("rerank, Cohere v2's shape", "RerankRequest", "CohereRerankResponse")
+    score = _post("text_1 against text_2 (--runner pooling)", "ScoreRequest", "ScoreResponse")
+    classify = _post("labels and probabilities", "ClassifyRequest", "ClassifyResponse")
+    return {
+        "/rerank": jina,
+        "/v1/rerank": jina,
+        "/v2/rerank": cohere,
+        "/score": score,
+        "/v1/score": score,
+        "/classify": classify,
+        "/v1/classify": classify,
     }

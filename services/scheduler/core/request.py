@@ -283,10 +283,10 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        # Prompt logprobs need the logits of every prompt position, and mean pooling the
-        # hidden state of every prompt position: nothing may be reused.
+        # Prompt logprobs need the logits of every prompt position, and mean (cls) pooling
+        # the hidden state of every (the first) prompt position: nothing may be reused.
         params = self.sampling_params
-        return params.prompt_logprobs is not None or params.pooling == "mean"
+        return params.prompt_logprobs is not None or params.pooling in ("mean", "cls")
 
     @property
     def is_finished(self) -> bool:

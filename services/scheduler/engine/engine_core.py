@@ -32,7 +32,7 @@ from kvserve.shared.messages import (
     KvFingerprint,
     ModelRunnerOutput,
 )
-from kvserve.shared.model_dir import model_vocab_size
+from kvserve.shared.model_dir import is_encoder_model, model_config, model_vocab_size
 from kvserve.shared.wire import (
     SLEEP_KV_CACHE,
     SLEEP_TAGS,
@@ -86,6 +86,33 @@ def _check_sleep_mode(config: EngineConfig) -> None:
             raise ValueError(f"--enable-sleep-mode does not run with {flag}")
 
 
+def encoder_engine_config(config: EngineConfig, model_dir: str) -> EngineConfig:
+    """An encoder's engine config: each request computed whole in one step and never kept.
+
+    Its attention is bidirectional, so a prompt split over steps (chunked prefill) or
+    started from cached blocks (prefix caching) would see only part of itself: both are
+    off, and the step budget holds the longest input. Its KV blocks are bookkeeping only
+    (no layer has a cache): allocated when the request is scheduled, freed when it ends
+    at the end of that same step.
+    """
+    max_len = config.model.max_model_len or model_config(model_dir).get(
+        "max_position_embeddings", 512
+    )
+    scheduler = msgspec.structs.replace(
+        config.scheduler,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens, max_len),
+    )
+    cache = msgspec.structs.replace(config.cache, enable_prefix_caching=False)
+    if config.parallel.world_size != 1 or config.speculative_config is not None:
+        raise ValueError("an encoder model runs on one rank, without speculative decoding")
+    logger.info(
+        "encoder model: chunked prefill and prefix caching off, step budget %d tokens",
+        scheduler.max_num_batched_tokens,
+    )
+    return msgspec.structs.replace(config, scheduler=scheduler, cache=cache)
+
+
 def cache_config_info(cache: CacheConfig, num_blocks: int) -> dict[str, str]:
     """The cache config as vLLM reports it in `cache_config_info`: each field as a string
     ("None" when unset), and the KV block count the memory profile found."""
@@ -117,6 +144,8 @@ class EngineCore:
         if config.cache.kv_offloading_size is not None:
             config = self._start_offload_tier(config)
         _check_sleep_mode(config)
+        if is_encoder_model(model_dir):
+            config = encoder_engine_config(config, model_dir)
         self.config = config
         # Sleep mode: the level slept at (0: awake) and what wake_up has yet to restore.
         self.sleep_level = 0
@@ -139,6 +168,7 @@ class EngineCore:
             structured_outputs=True,
             lora_config=config.lora,
             speculative=config.speculative_config is not None,
+            pooling_only=is_encoder_model(model_dir),
         )
         self.ready = self._make_ready(config, engine_index, num_blocks, gemm_plan)
         logger.info(

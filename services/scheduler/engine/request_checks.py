@@ -90,6 +90,8 @@ class RequestChecker:
         lora_config: with enable_lora, requests may name adapters; else they are refused.
         speculative: the engine verifies drafts (several tokens a step): a thinking budget,
             which decides one step's token, is refused there.
+        pooling_only: the model is an encoder: it pools (embeds, scores, classifies) and
+            never generates, so every other request is refused.
     """
 
     def __init__(
@@ -100,7 +102,9 @@ class RequestChecker:
         structured_outputs: bool,
         lora_config: LoRAConfig | None,
         speculative: bool = False,
+        pooling_only: bool = False,
     ):
+        self.pooling_only = pooling_only
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
@@ -139,6 +143,11 @@ class RequestChecker:
                 f"the prompt has {num_prompt_tokens} tokens but max_model_len is "
                 f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} "
                 f"tokens so that at least one can be generated"
+            )
+        if self.pooling_only and request.sampling_params.pooling is None:
+            return (
+                "this model is an encoder: it serves embeddings, scores and classes "
+                "(--runner pooling), not generation"
             )
         error = check_engine_request(request, self.vocab_size, self.max_logprobs)
         if error is not None:

@@ -31,6 +31,15 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    # Encoders (--runner pooling only; shared/model_dir.py ENCODER_ARCHITECTURES).
+    "BertModel": ("bert", "BertModel"),
+    "XLMRobertaModel": ("bert", "XLMRobertaModel"),
+    "RobertaModel": ("bert", "XLMRobertaModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
+    "RobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
+    "ModernBertModel": ("modernbert", "ModernBertModel"),
+    "ModernBertForSequenceClassification": ("modernbert", "ModernBertForSequenceClassification"),
 }
 
 # Multimodal architectures served text-only: the engine reads their text_config.

@@ -24,6 +24,13 @@ BASE_ROUTES = {
     "/v1/chat/completions",
     "/v1/responses",
     "/v1/embeddings",
+    "/rerank",  # the scoring routes answer 400 unless the server runs --runner pooling
+    "/v1/rerank",
+    "/v2/rerank",
+    "/score",
+    "/v1/score",
+    "/classify",
+    "/v1/classify",
     "/v1/responses/{response_id}",
     "/v1/messages",
     "/v1/messages/count_tokens",
