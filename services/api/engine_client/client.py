@@ -24,7 +24,12 @@ from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.services.api.tenancy.tenants import DEFAULT_TENANT, TenantSpec
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import LoRARequest
-from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.shared.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    PromptPin,
+    SchedulerStats,
+)
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import EngineReady
 
@@ -278,10 +283,11 @@ class EngineClient:
         lora_request: LoRARequest | None = None,
         tenant: TenantSpec | None = None,
         targets: LatencyTargets | None = None,
+        pins: list[PromptPin] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield cumulative RequestOutputs until the last one (finished=True); `tenant`:
         who it is served for (None: "default"); `targets`: its latency targets (None: the
-        engine's own).
+        engine's own); `pins`: prompt prefixes to pin (serving/prompt_cache.py).
 
         Closing the generator early (a client that went away) aborts the request.
         """
@@ -311,6 +317,7 @@ class EngineClient:
                 tenant,
                 trace.carrier(),
                 targets,
+                pins,
             )
             await trace.send(self._send_requests(requests))
             while not finished:

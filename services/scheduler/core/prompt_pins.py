@@ -99,7 +99,8 @@ class PinTable:
             request.req_id,
             request.pins,
             manager.req_to_blocks.get(request.req_id, []),
-            request.num_computed_tokens,
+            # Only prompt tokens are pinned, never the reply's.
+            min(request.num_computed_tokens, request.num_prompt_tokens),
             max(request.num_cached_tokens, 0),
             manager.block_size,
         )
