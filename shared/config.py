@@ -167,20 +167,9 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             aliases=["--kv-cache-dtype"],
         ),
     ] = "auto"
-
-    max_pinned_cache_fraction: Annotated[
-        float,
-        flag_doc(
-            "the most of the KV cache that prompt pins (cache_control, prompt_cache_retention) "
-            "may hold, 0..1; past it the oldest pin yields (0: no pins)"
-        ),
-    ] = 0.5
+    max_pinned_cache_fraction: Annotated[float, flag_doc("KV cache share pins may hold")] = 0.5
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.max_pinned_cache_fraction <= 1.0:
-            raise ValueError(
-                f"max_pinned_cache_fraction must be in [0, 1], got {self.max_pinned_cache_fraction}"
-            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.cache_dtype not in get_args(KvCacheDtype):

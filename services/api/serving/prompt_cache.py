@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextvars
 from dataclasses import dataclass
 
+from kvserve.services.api.engine_client.cache_affinity import PROMPT_CACHE_KEY
 from kvserve.services.api.serving.errors import APIError
 from kvserve.shared.env import PROMPT_CACHE_TTL_SCALE
 from kvserve.shared.messages import PromptPin
@@ -61,12 +62,15 @@ def make_pin(num_tokens: int, ttl_class: str) -> PromptPin:
     return PromptPin(num_tokens, TTL_SECONDS[ttl_class] * _TTL_SCALE, ttl_class)
 
 
-def set_retention(retention: str | None) -> None:
-    """OpenAI's prompt_cache_retention for the handled request: "24h" pins each prompt whole.
+def set_openai_prompt_cache(cache_key: str | None, retention: str | None) -> None:
+    """OpenAI's prompt caching fields for the handled request: `prompt_cache_key` routes it
+    (engine_client/cache_affinity.py); `prompt_cache_retention` "24h" pins each prompt whole.
 
     Raises:
-        APIError: 400 for a value other than "in_memory" or "24h".
+        APIError: 400 for a retention other than "in_memory" or "24h".
     """
+    if cache_key is not None:
+        PROMPT_CACHE_KEY.set(cache_key)
     if retention is None or retention == "in_memory":
         return
     if retention not in RETENTIONS:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvserve.services.scheduler.core.block_pool import BlockPool, KVCacheBlock
 from kvserve.services.scheduler.core.request import Request
 from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
 from kvserve.shared.kv_events import KVEvent
 
-if TYPE_CHECKING:
-    from kvserve.services.scheduler.core.prompt_pins import PinTable
+
+class HitListener(Protocol):
+    """Told of every prefix-cache hit (the prompt pins, which hits refresh)."""
+
+    def refresh_hits(self, hit_blocks: list[KVCacheBlock]) -> None: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,7 +63,7 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         # Prompt pins, refreshed by the hits here (set by prompt_pins.make_pin_table).
-        self.pins: PinTable | None = None
+        self.pins: HitListener | None = None
 
     # ------------------------------------------------------------------ prefix lookup
 

@@ -240,13 +240,16 @@ def make_pin_table(manager: object, cache_config: CacheConfig) -> PinTable | Non
     """The scheduler's pin table over `manager`'s pool, which then refreshes pins on its
     prefix hits; None where pins cannot work: prefix caching off, KV cache groups (several
     block tables), or a zero budget."""
+    fraction = cache_config.max_pinned_cache_fraction
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--max-pinned-cache-fraction must be in [0, 1], got {fraction}")
     if not (
         type(manager) is KVCacheManager
         and cache_config.enable_prefix_caching
         and cache_config.max_pinned_cache_fraction > 0
     ):
         return None
-    budget = int(cache_config.max_pinned_cache_fraction * manager.num_total_blocks)
+    budget = int(fraction * manager.num_total_blocks)
     table = PinTable(manager.block_pool, budget)
     manager.pins = table
     return table
