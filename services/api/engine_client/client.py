@@ -127,6 +127,11 @@ class StatsTotals:
     external_prefix_cache_hits: int = 0
     kv_bytes_loaded: int = 0
     kv_bytes_saved: int = 0
+    # Prompt pins: prefixes hit and missed by TTL class, expirations, pins yielded.
+    pin_hits: dict[str, int] = field(default_factory=dict)
+    pin_misses: dict[str, int] = field(default_factory=dict)
+    num_pins_expired: int = 0
+    num_pins_yielded: int = 0
 
     def add(self, stats: SchedulerStats) -> None:
         self.num_preemptions += stats.num_preemptions
@@ -138,6 +143,14 @@ class StatsTotals:
         self.external_prefix_cache_hits += stats.external_prefix_cache_hits
         self.kv_bytes_loaded += stats.kv_bytes_loaded
         self.kv_bytes_saved += stats.kv_bytes_saved
+        self.num_pins_expired += stats.num_pins_expired
+        self.num_pins_yielded += stats.num_pins_yielded
+        for totals, counts in (
+            (self.pin_hits, stats.pin_hits),
+            (self.pin_misses, stats.pin_misses),
+        ):
+            for ttl, count in counts.items():
+                totals[ttl] = totals.get(ttl, 0) + count
         if stats.spec_num_drafts:
             self.spec_num_drafts += stats.spec_num_drafts
             self.spec_num_draft_tokens += stats.spec_num_draft_tokens

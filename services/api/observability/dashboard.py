@@ -81,6 +81,19 @@ class TenantView(msgspec.Struct, kw_only=True):
     total_tokens: int = 0
 
 
+class PinView(msgspec.Struct, kw_only=True):
+    """One engine's prompt pins (scheduler/core/prompt_pins.py): blocks held now, and since
+    the api started the pinned prefixes hit and missed per TTL class, expirations, and pins
+    yielded to the budget or to a request."""
+
+    engine: int
+    num_pinned_blocks: int = 0
+    hits: dict[str, int] = {}
+    misses: dict[str, int] = {}
+    num_expired: int = 0
+    num_yielded: int = 0
+
+
 class History(msgspec.Struct, kw_only=True):
     """The charts: NUM_HISTORY_POINTS points over the window, oldest first; None before the
     api started."""
@@ -121,6 +134,7 @@ class DashboardState(msgspec.Struct, kw_only=True):
     spec_decode: SpecDecode | None
     tenants: list[TenantView] | None
     history: History
+    pins: list[PinView] = []
 
 
 def dashboard_state(
@@ -174,6 +188,7 @@ def dashboard_state(
         spec_decode=_spec_decode(sampler.engine_client, now, base),
         tenants=_tenants(sampler) if show_tenants else None,
         history=_history(sampler, now),
+        pins=_pins(sampler.engine_client),
     )
 
 
@@ -208,6 +223,22 @@ def _engines(engine_client: EngineClient, health: dict) -> list[EngineView]:
             )
         )
     return engines
+
+
+def _pins(engine_client: EngineClient) -> list[PinView]:
+    """Each engine's pins, for the engines that ever pinned anything."""
+    return [
+        PinView(
+            engine=index,
+            num_pinned_blocks=stats.num_pinned_blocks if stats else 0,
+            hits=dict(totals.pin_hits),
+            misses=dict(totals.pin_misses),
+            num_expired=totals.num_pins_expired,
+            num_yielded=totals.num_pins_yielded,
+        )
+        for index, stats, totals in engine_client.per_engine_stats()
+        if (stats and stats.num_pinned_blocks) or totals.pin_hits or totals.pin_misses
+    ]
 
 
 def _latency(bounds: Sequence[float], now: Sequence[float], base: Sequence[float]) -> Latency:
