@@ -389,7 +389,7 @@ class AnthropicServingMessages:
         body = MessageResponse(
             id=prepared.ids[0],
             model=self.chat.response_model(request.model),
-            content=blocks or [TextOut("")],
+            content=blocks or ([] if prewarm else [TextOut("")]),
             stop_reason=stop_reason,
             stop_sequence=stop_sequence,
             usage=_usage(final, len(prepared.prompt_token_ids), len(completion.token_ids), cache),
