@@ -4,10 +4,11 @@ up to them, a 5m pin outlives an LRU flood that evicts an unpinned prefix of the
 and is gone after its TTL; the 1h / 5m split, the automatic top-level breakpoint, the
 max_tokens 0 pre-warm and the 400s; the pin series on /metrics.
 
-The server runs with KVSERVE_PROMPT_CACHE_TTL_SCALE=0.03 (prompt_cache.py), so a "5m" pin
-lives 9 s and a "1h" one 108 s. Its KV cache is 1 MiB (128 blocks of 16 tokens), so a flood
-of a few unique 480-token prompts, sized from the engine's block count, cycles every
-unpinned block. The tiny model's tokenizer is byte-level: one token per ASCII character.
+The server runs with KVSERVE_PROMPT_CACHE_TTL_SCALE=0.05 (prompt_cache.py), so a "5m" pin
+lives 15 s and a "1h" one 180 s. Its KV cache is 2 MiB (256 blocks of 16 tokens, half of them
+the pin budget, which holds every pin of the module), so a flood of unique 480-token
+prompts, sized from the engine's block count, cycles every unpinned block. The tiny model's
+tokenizer is byte-level: one token per ASCII character.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import pytest
@@ -25,7 +27,7 @@ from tests.support.server import serving
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-pins"
-TTL_SCALE = 0.03
+TTL_SCALE = 0.05
 FIVE_MINUTES_S = 300 * TTL_SCALE
 BLOCK_SIZE = 16
 CHAT_TEMPLATE = (
@@ -45,7 +47,7 @@ def url(tiny_llama_dir, tmp_path_factory, monkeypatch_module):
         "--served-model-name",
         MODEL,
         "--kv-cache-memory",
-        "1M",
+        "2M",
         "--block-size",
         str(BLOCK_SIZE),
         "--chat-template",
@@ -66,6 +68,15 @@ def monkeypatch_module():
 @pytest.fixture(scope="module")
 def client(url):
     return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def early_pin(client) -> tuple[str, float]:
+    """A 5m pin written as the module starts, so the TTL test (the last) waits out its
+    TTL while the others run: (its prefix, when it was written)."""
+    prefix = _text(300)
+    assert _turn(client, prefix, "q").usage.cache_creation_input_tokens == _prefix_len(prefix)
+    return prefix, time.monotonic()
 
 
 def _text(length: int) -> str:
@@ -100,14 +111,22 @@ def _num_blocks(url: str) -> int:
 
 
 def _flood(client, url: str) -> None:
-    """Unique prompts whose blocks together cover the cache twice over: every unpinned
-    block is evicted."""
+    """Unique prompts whose blocks together outnumber the cache's: every unpinned block is
+    evicted."""
     num_tokens = 480
-    num_requests = 2 * _num_blocks(url) * BLOCK_SIZE // num_tokens + 1
-    for _ in range(num_requests):
-        client.messages.create(
-            model=MODEL, max_tokens=1, messages=[{"role": "user", "content": _text(num_tokens)}]
+    # Freed blocks join the queue's tail and new ones come from its head, so taking more
+    # blocks than the cache holds pops every block that was free before.
+    num_requests = _num_blocks(url) * BLOCK_SIZE // num_tokens + 2
+    # Four at a time: a fresh request's blocks come from the free queue either way (pins
+    # yield only to running requests that grow), and the flood ends well within a TTL.
+    with ThreadPoolExecutor(4) as pool:
+        replies = pool.map(
+            lambda text: client.messages.create(
+                model=MODEL, max_tokens=1, messages=[{"role": "user", "content": text}]
+            ),
+            [_text(num_tokens) for _ in range(num_requests)],
         )
+        assert all(reply.usage.cache_read_input_tokens == 0 for reply in replies)
 
 
 def _count(client, **request) -> int:
@@ -140,17 +159,6 @@ def test_a_pin_outlives_a_flood_that_evicts_an_unpinned_prefix(client, url):
     assert read_metric(text, "kvserve:prompt_pinned_blocks") > 0
     assert read_metric(text, "kvserve:prompt_pin_hits_total", ttl="5m") >= 1
     assert read_metric(text, "kvserve:prompt_pin_misses_total", ttl="5m") >= 1
-
-
-def test_a_pin_is_gone_after_its_ttl(client, url):
-    prefix = _text(300)
-    _turn(client, prefix, "q")
-    time.sleep(FIVE_MINUTES_S + 1)
-    _flood(client, url)
-    again = _turn(client, prefix, "q2")
-    assert again.usage.cache_read_input_tokens == 0
-    assert again.usage.cache_creation_input_tokens == _prefix_len(prefix)
-    assert read_metric(metrics_text(url), "kvserve:prompt_pin_expirations_total") >= 1
 
 
 def test_one_hour_and_five_minute_breakpoints_split_the_write(client):
@@ -243,3 +251,15 @@ def test_invalid_placements_are_anthropic_400s(client, request_fields, message):
     body = info.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert message in body["error"]["message"]
+
+
+def test_a_pin_is_gone_after_its_ttl(client, url, early_pin):
+    prefix, written_at = early_pin
+    time.sleep(max(0.0, written_at + FIVE_MINUTES_S + 1 - time.monotonic()))
+    _flood(client, url)
+    again = _turn(client, prefix, "q2")
+    assert again.usage.cache_read_input_tokens == 0
+    assert again.usage.cache_creation_input_tokens == _prefix_len(prefix)
+    text = metrics_text(url)
+    assert read_metric(text, "kvserve:prompt_pin_expirations_total") >= 1
+    assert read_metric(text, "kvserve:prompt_pins_yielded_total") == 0  # none ended early
