@@ -43,12 +43,15 @@ class Pin:
         ttl_s: how long it lives after each hit.
         ttl_class: the label its metrics count it under ("5m", "1h", "24h").
         expires_at: the clock's time it ends at unless hit again.
+        stored_at: when the KV store last took (or refreshed) it; a hit refreshes the store's
+            pin only once a quarter of the TTL has passed since.
     """
 
     blocks: list[KVCacheBlock]
     ttl_s: float
     ttl_class: str
     expires_at: float
+    stored_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -69,7 +72,13 @@ class PinTable:
         max_pinned_blocks: the most distinct blocks pins may hold (--max-pinned-cache-fraction
             of the cache).
         clock: seconds, monotonic (tests pass their own).
+
+    `on_pin` (set by the scheduler with a KV connector): called with (block hashes, block
+    ids, TTL s, save) for a new pin (save True: write the blocks through to the KV store,
+    then pin them there) and for a refreshed one (save False: refresh the store's pin).
     """
+
+    on_pin: Callable[[list[bytes], list[int], float, bool], None] | None = None
 
     def __init__(
         self,
@@ -149,8 +158,7 @@ class PinTable:
         existing = self.pins.get(key)
         if existing is not None:
             existing.ttl_s = max(existing.ttl_s, ttl_s)
-            existing.expires_at = max(existing.expires_at, now + ttl_s)
-            self.pins.move_to_end(key)
+            self._refresh(key, existing, now)
             return True
         if len(blocks) > self.max_pinned_blocks:
             logger.info(
@@ -165,8 +173,10 @@ class PinTable:
         self.block_pool.touch(blocks)
         for block in blocks:
             self.block_pins[block.block_id] = self.block_pins.get(block.block_id, 0) + 1
-        self.pins[key] = Pin(list(blocks), ttl_s, ttl_class, now + ttl_s)
+        self.pins[key] = Pin(list(blocks), ttl_s, ttl_class, now + ttl_s, stored_at=now)
         self._next_expiry = min(self._next_expiry, now + ttl_s)
+        if self.on_pin is not None:
+            self.on_pin(*self._hashes_and_ids(blocks), ttl_s, True)
         logger.info(
             "request %s pinned %d blocks for %gs (%s)", req_id, len(blocks), ttl_s, ttl_class
         )
@@ -179,10 +189,20 @@ class PinTable:
         now = self.clock()
         for block in hit_blocks:
             pin = self.pins.get(block.block_hash) if block.block_hash is not None else None
-            if pin is not None and block.block_id in self.block_pins:
-                pin.expires_at = max(pin.expires_at, now + pin.ttl_s)
-                assert block.block_hash is not None
-                self.pins.move_to_end(block.block_hash)
+            if pin is not None and block.block_hash is not None:
+                self._refresh(block.block_hash, pin, now)
+
+    def _refresh(self, key: bytes, pin: Pin, now: float) -> None:
+        pin.expires_at = max(pin.expires_at, now + pin.ttl_s)
+        self.pins.move_to_end(key)
+        if self.on_pin is not None and now - pin.stored_at >= pin.ttl_s / 4:
+            pin.stored_at = now
+            self.on_pin(*self._hashes_and_ids(pin.blocks), pin.ttl_s, False)
+
+    @staticmethod
+    def _hashes_and_ids(blocks: list[KVCacheBlock]) -> tuple[list[bytes], list[int]]:
+        hashes = [block.block_hash for block in blocks if block.block_hash is not None]
+        return hashes, [block.block_id for block in blocks]
 
     # ------------------------------------------------------------------ ending pins
 

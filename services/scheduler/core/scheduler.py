@@ -138,6 +138,8 @@ class Scheduler:
         self.kv_connector = features.kv_connector
         if self.kv_connector is not None:
             self.kv_connector.bind(self.kv_cache_manager)
+            if self.pins is not None:  # pins are written through to the KV store
+                self.pins.on_pin = self.kv_connector.pin_blocks
         # Images in the prompt: which images' vision encoder runs in a step.
         encoder_tokens = self.scheduler_config.encoder_token_budget
         self.encoder = EncoderBudget(encoder_tokens, encoder_tokens)

@@ -158,3 +158,20 @@ def test_reset_prefix_cache_drops_the_pins():
 def test_no_pin_table_without_prefix_caching_or_budget():
     assert create_scheduler(enable_prefix_caching=False).pins is None
     assert create_scheduler(max_pinned_cache_fraction=0.0).pins is None
+
+
+def test_a_new_pin_is_written_through_and_a_later_hit_refreshes_the_store():
+    scheduler, clock = _scheduler()
+    calls = []
+    scheduler.pins.on_pin = lambda hashes, ids, ttl_s, save: calls.append(
+        (len(hashes), ttl_s, save)
+    )
+    prefix = _prefix(100)
+    _run(scheduler, "a", [*prefix, 1], [PromptPin(len(prefix), 300.0, "5m")])
+    assert calls == [(4, 300.0, True)]
+    clock.now += 10  # too soon to refresh the store's pin
+    _run(scheduler, "b", [*prefix, 2])
+    clock.now += 100
+    _run(scheduler, "c", [*prefix, 3])
+    assert calls == [(4, 300.0, True), (4, 300.0, False)]
+    _release_and_check_leaks(scheduler)
