@@ -295,7 +295,7 @@ class OpenAIServing:
                 lora_request,
                 tenant,
                 **target_kwargs,
-                **({"pins": pins} if (pins := request_pins.for_prompt(len(token_ids))) else {}),
+                pins=request_pins.for_prompt(len(token_ids)) or None,
             )
             streams.append(stream)
         return merge_async_iterators(streams)

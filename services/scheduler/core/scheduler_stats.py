@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvserve.services.scheduler.core.request import Request
 from kvserve.shared.messages import SchedulerStats
@@ -77,7 +77,7 @@ def make_scheduler_stats(
     )
 
 
-def pin_stats(pins: PinTable | None) -> dict[str, object]:
+def pin_stats(pins: PinTable | None) -> dict[str, Any]:
     """The pins' SchedulerStats fields (none without a pin table)."""
     if pins is None:
         return {}
