@@ -201,6 +201,21 @@ def test_top_level_cache_control_marks_the_last_block(client):
     assert second.usage.cache_read_input_tokens == total - len("<assistant>")
 
 
+def test_a_stream_reports_the_cache_usage_in_its_message_delta(client):
+    prefix = _text(200)
+    _turn(client, prefix, "q")
+    blocks = [
+        {"type": "text", "text": prefix, "cache_control": FIVE},
+        {"type": "text", "text": "s"},
+    ]
+    events = client.messages.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": blocks}], stream=True
+    )
+    (usage,) = [event.usage for event in events if event.type == "message_delta"]
+    assert usage.cache_read_input_tokens == _prefix_len(prefix)
+    assert usage.cache_creation_input_tokens == 0
+
+
 def test_max_tokens_zero_prewarms_the_cache(client):
     prefix = _text(200)
     warm = _turn(client, prefix, "q", max_tokens=0)
