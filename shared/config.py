@@ -167,6 +167,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             aliases=["--kv-cache-dtype"],
         ),
     ] = "auto"
+    max_pinned_cache_fraction: Annotated[float, flag_doc("prompt pins' KV share (0..1)")] = 0.5
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

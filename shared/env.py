@@ -270,3 +270,11 @@ FAULT_POISON_TOKEN_ID = EnvVar(
     "tests only: an engine core kills itself (SIGKILL) on a request whose prompt holds this "
     "token id, as a request that crashes every engine it lands on would (a poison request)",
 )
+
+PROMPT_CACHE_TTL_SCALE = EnvVar(
+    "KVSERVE_PROMPT_CACHE_TTL_SCALE",
+    1.0,
+    _positive_float,
+    "tests only: the api multiplies every prompt-cache TTL (cache_control's 5m / 1h, "
+    "prompt_cache_retention's 24h) by this factor, so a test sees a pin expire in seconds",
+)

@@ -53,6 +53,17 @@ class ImageInput(msgspec.Struct, **_HOT):
         return self.offset + self.length
 
 
+class PromptPin(msgspec.Struct, **_HOT):
+    """Keep the prompt's first `num_tokens` tokens' full KV blocks out of LRU eviction for
+    `ttl_s` seconds after the request (and after each later hit): an Anthropic
+    `cache_control` breakpoint or OpenAI's `prompt_cache_retention` (scheduler/core/
+    prompt_pins.py). `ttl_class` labels its metrics ("5m", "1h", "24h")."""
+
+    num_tokens: int
+    ttl_s: float
+    ttl_class: str = "5m"
+
+
 class EngineCoreRequest(msgspec.Struct, **_HOT):
     """A tokenized request, as the api sends it to an engine core."""
 
@@ -83,6 +94,8 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     # --slo-ttft-ms / --slo-tpot-ms, and no target where those are unset (scheduler.md).
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Prompt caching: prefixes to pin, shortest first (PromptPin); [] for none.
+    pins: list[PromptPin] = []
 
 
 class Logprobs(msgspec.Struct, **_HOT):
@@ -204,6 +217,14 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     # Latency targets: the step-time model's mean relative error |predicted - measured| /
     # measured (an EWMA over the measured steps; 0 before the first).
     step_time_prediction_error: float = 0.0
+    # Prompt pins (scheduler/core/prompt_pins.py): distinct blocks pinned now; in this step,
+    # pinned prefixes found whole in the cache (hits) or not (misses) per TTL class, pins
+    # whose TTL passed, and pins that yielded to the budget or to a request's blocks.
+    num_pinned_blocks: int = 0
+    pin_hits: dict[str, int] = {}
+    pin_misses: dict[str, int] = {}
+    num_pins_expired: int = 0
+    num_pins_yielded: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, **_HOT):

@@ -116,6 +116,13 @@ def _text_of_len(
     return text, num_tokens
 
 
+def random_text(tokenizer, num_tokens: int, rng: np.random.Generator) -> str:
+    """Random text of about `num_tokens` tokens (the agent workload's prefixes and turns)."""
+    allowed_ids = _allowed_token_ids(tokenizer)
+    token_ids = rng.choice(allowed_ids, num_tokens).tolist()
+    return _text_of_len(tokenizer, token_ids, num_tokens, allowed_ids, rng)[0]
+
+
 def _random_lens(
     rng: np.random.Generator, num: int, mean_len: int, range_ratio: float, minimum: int
 ) -> np.ndarray:

@@ -16,6 +16,8 @@ import argparse
 import json
 import os
 
+from kvserve.benchmarks.agent_args import add_agent_args
+
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -23,7 +25,11 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     """The dataset flags, shared with `kvserve tune`."""
     data = p.add_argument_group("dataset")
     data.add_argument(
-        "--dataset-name", default="random", choices=("random", "prefix", "sharegpt", "mixed")
+        "--dataset-name",
+        default="random",
+        choices=("random", "prefix", "sharegpt", "mixed", "agent"),
+        help="mixed: request classes (--mix); agent: cached agent conversations beside a churn "
+        "of random prompts (agent.py)",
     )
     data.add_argument(
         "--mix",
@@ -56,6 +62,7 @@ def add_parser(kinds) -> None:
     p = kinds.add_parser("serve", help="online serving benchmark (any OpenAI-compatible server)")
     _add_server_args(p)
     add_dataset_args(p)
+    add_agent_args(p)
     _add_load_args(p)
     _add_tenant_args(p)
     _add_report_args(p)
@@ -171,6 +178,23 @@ def _add_report_args(p: argparse.ArgumentParser) -> None:
     report.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE")
 
 
+def _run_agent(args: argparse.Namespace, base_url: str) -> int:
+    import asyncio
+
+    from kvserve.benchmarks import datasets
+    from kvserve.benchmarks.agent import run_agent_benchmark
+
+    result = asyncio.run(
+        run_agent_benchmark(args, base_url, datasets.load_tokenizer(args.tokenizer))
+    )
+    if args.save_result:
+        path = os.path.join(args.result_dir, args.result_filename or "agent.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"result saved to {path}")
+    return 1 if result["agent_turns"] == 0 else 0
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -183,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    if args.dataset_name == "agent":
+        return _run_agent(args, base_url)
     try:
         options = parse_run_options(args)
         tokenizer = datasets.load_tokenizer(args.tokenizer)

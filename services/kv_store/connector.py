@@ -73,6 +73,12 @@ class SchedulerConnector(ABC):
                 did not run the step).
         """
 
+    def pin_blocks(  # noqa: B027 - an optional hook
+        self, block_hashes: list[bytes], block_ids: list[int], ttl_s: float, save: bool
+    ) -> None:
+        """A prompt pin (scheduler/core/prompt_pins.py): keep these blocks in the store for
+        `ttl_s`, writing them through first when `save` (a new pin; a hit only refreshes)."""
+
     def request_finished(self, request: Request) -> None:  # noqa: B027 - an optional hook
         """A request ended (finished, aborted, or failed): forget it."""
 

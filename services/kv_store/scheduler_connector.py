@@ -61,6 +61,11 @@ class StoreSchedulerConnector(SchedulerConnector):
         # req id -> (local blocks, each group's blocks asked), until answered
         self._loading: dict[str, tuple[int, list[Range]]] = {}
         self._num_saved: dict[str, int] = {}  # req id -> full blocks already saved
+        # Prompt pins to write through: listed in the next metadata, pinned in the store
+        # once that step's saves are done (by transfer id: hashes and TTL).
+        self._pin_saves: list[KVBlockTransfer] = []
+        self._pins_after_save: dict[str, float] = {}
+        self._num_pins = 0
         self._stats = _StoreStats()
         # The store's own figures, refreshed at most once a second for the stats.
         self._store_stats: KvStoreStats | None = None
@@ -104,6 +109,7 @@ class StoreSchedulerConnector(SchedulerConnector):
     def update_from_output(self, metadata: bytes, output: bytes) -> dict[str, int]:
         answer = decode_output(output)
         self._stats.add(answer)
+        self._pin_saved(metadata)
         # Every listed load is answered; a missing answer means nothing loaded.
         loaded = {t.req_id: 0 for t in decode_meta(metadata).loads}
         loaded.update(answer.loaded)
@@ -131,6 +137,9 @@ class StoreSchedulerConnector(SchedulerConnector):
         meta = StoreConnectorMeta(loads=self._loads)
         self._loads = []
         pool = self.kv_cache_manager.block_pool
+        # Pinned blocks stay held until their pin ends, so they are still whole here.
+        meta.saves_before.extend(self._pin_saves)
+        self._pin_saves = []
         if pool.evicted:
             meta.saves_before.append(
                 KVBlockTransfer("", [h for h, _ in pool.evicted], [i for _, i in pool.evicted])
@@ -165,6 +174,28 @@ class StoreSchedulerConnector(SchedulerConnector):
         if save is not None:
             meta.saves.append(save)
         self._num_saved[request.req_id] = num_full
+
+    def pin_blocks(
+        self, block_hashes: list[bytes], block_ids: list[int], ttl_s: float, save: bool
+    ) -> None:
+        if not hasattr(self.store.backend, "pin"):
+            return  # a shared-storage folder keeps every block anyway
+        if not save:
+            self.store.call(None, "pin", block_hashes, ttl_s)
+            return
+        self._num_pins += 1
+        transfer_id = f"pin-{self._num_pins}"
+        self._pin_saves.append(KVBlockTransfer(transfer_id, list(block_hashes), list(block_ids)))
+        self._pins_after_save[transfer_id] = ttl_s
+
+    def _pin_saved(self, metadata: bytes) -> None:
+        """Pin in the store the prompt pins whose blocks this step wrote through."""
+        if not self._pins_after_save or not metadata:
+            return
+        for transfer in decode_meta(metadata).saves_before:
+            ttl_s = self._pins_after_save.pop(transfer.req_id, None)
+            if ttl_s is not None:
+                self.store.call(None, "pin", transfer.block_hashes, ttl_s)
 
     def request_finished(self, request: Request) -> None:
         self._loading.pop(request.req_id, None)

@@ -45,6 +45,7 @@ def create_scheduler(
     speculative_config: SpeculativeConfig | None = None,
     step_costs: list[tuple[int, float]] | None = None,
     kv_connector=None,
+    max_pinned_cache_fraction: float = 0.5,
 ) -> Scheduler:
     """A Scheduler over `num_blocks` KV blocks (block 0 is the null block); the knobs are the
     config fields of the same names."""
@@ -59,6 +60,7 @@ def create_scheduler(
         block_size=block_size,
         enable_prefix_caching=enable_prefix_caching,
         prefix_caching_hash_algo=hash_algo,
+        max_pinned_cache_fraction=max_pinned_cache_fraction,
     )
     return Scheduler(
         scheduler_config,

@@ -24,7 +24,12 @@ from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.services.api.tenancy.tenants import DEFAULT_TENANT, TenantSpec
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import LoRARequest
-from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.shared.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    PromptPin,
+    SchedulerStats,
+)
 from kvserve.shared.sampling_params import SamplingParams
 from kvserve.shared.wire import EngineReady
 
@@ -122,6 +127,11 @@ class StatsTotals:
     external_prefix_cache_hits: int = 0
     kv_bytes_loaded: int = 0
     kv_bytes_saved: int = 0
+    # Prompt pins: prefixes hit and missed by TTL class, expirations, pins yielded.
+    pin_hits: dict[str, int] = field(default_factory=dict)
+    pin_misses: dict[str, int] = field(default_factory=dict)
+    num_pins_expired: int = 0
+    num_pins_yielded: int = 0
 
     def add(self, stats: SchedulerStats) -> None:
         self.num_preemptions += stats.num_preemptions
@@ -133,6 +143,14 @@ class StatsTotals:
         self.external_prefix_cache_hits += stats.external_prefix_cache_hits
         self.kv_bytes_loaded += stats.kv_bytes_loaded
         self.kv_bytes_saved += stats.kv_bytes_saved
+        self.num_pins_expired += stats.num_pins_expired
+        self.num_pins_yielded += stats.num_pins_yielded
+        for totals, counts in (
+            (self.pin_hits, stats.pin_hits),
+            (self.pin_misses, stats.pin_misses),
+        ):
+            for ttl, count in counts.items():
+                totals[ttl] = totals.get(ttl, 0) + count
         if stats.spec_num_drafts:
             self.spec_num_drafts += stats.spec_num_drafts
             self.spec_num_draft_tokens += stats.spec_num_draft_tokens
@@ -278,10 +296,11 @@ class EngineClient:
         lora_request: LoRARequest | None = None,
         tenant: TenantSpec | None = None,
         targets: LatencyTargets | None = None,
+        pins: list[PromptPin] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield cumulative RequestOutputs until the last one (finished=True); `tenant`:
         who it is served for (None: "default"); `targets`: its latency targets (None: the
-        engine's own).
+        engine's own); `pins`: prompt prefixes to pin (serving/prompt_cache.py).
 
         Closing the generator early (a client that went away) aborts the request.
         """
@@ -311,6 +330,7 @@ class EngineClient:
                 tenant,
                 trace.carrier(),
                 targets,
+                pins,
             )
             await trace.send(self._send_requests(requests))
             while not finished:

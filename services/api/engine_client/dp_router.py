@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvserve.services.api.engine_client.cache_affinity import CacheKeyAffinity
 from kvserve.services.api.engine_client.slo_routing import engines_meeting_ttft
 from kvserve.shared.hashing import HashFn, hash_new_full_blocks
 from kvserve.shared.wire import EngineLoad
@@ -104,6 +105,7 @@ class DPRouter:
         self._engines: dict[int, _EngineView] = {}
         self._store = _EngineView(0)  # what engines saved to the shared KV store
         self._last_chosen = -1
+        self.cache_key_affinity = CacheKeyAffinity(prefix_slack)  # prompt_cache_key
 
     @property
     def engine_indices(self) -> list[int]:
@@ -151,6 +153,7 @@ class DPRouter:
         extra_keys: bytes | None = None,
         candidate_ids: Iterable[int] | None = None,
         ttft_ms: float | None = None,
+        cache_key: str | None = None,
     ) -> int:
         """Pick the engine for one request and count it there until the next load table.
 
@@ -159,6 +162,8 @@ class DPRouter:
             extra_keys: the request's extra hash keys (cache salt), as the engine mixes them.
             candidate_ids: engines that may take it (default: every engine in the router).
             ttft_ms: the request's TTFT target: engines predicted to meet it come first.
+            cache_key: its prompt_cache_key, whose engine it goes to while load allows
+                (cache_affinity.py).
         """
         candidates = sorted(
             self._engines
@@ -175,6 +180,8 @@ class DPRouter:
         chosen = min(candidates, key=lambda i: (self.score(i), i <= self._last_chosen, i))
         if block_hashes:
             chosen = self._prefer_prefix_holder(candidates, chosen, block_hashes)
+        if cache_key is not None:
+            chosen = self.cache_key_affinity.choose(cache_key, candidates, chosen, self.score)
         self._last_chosen = chosen
         view = self._engines[chosen]
         view.num_waiting += 1

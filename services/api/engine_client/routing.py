@@ -21,6 +21,7 @@ from typing import Protocol, cast
 import msgspec
 import zmq
 
+from kvserve.services.api.engine_client.cache_affinity import PROMPT_CACHE_KEY
 from kvserve.services.api.engine_client.client import EngineDeadError, estimate_waiting, overloaded
 from kvserve.services.api.engine_client.connection import EngineConnection
 from kvserve.services.api.engine_client.dp_router import PREFIX_LOAD_SLACK, DPRouter, DPRouting
@@ -93,6 +94,7 @@ class EngineRouting:
                 make_extra_keys(first.cache_salt, lora_extra_key(first.lora_request)),
                 candidate_ids=candidate_ids or None,
                 ttft_ms=first.slo_ttft_ms,
+                cache_key=PROMPT_CACHE_KEY.get(),
             )
         ]
 

@@ -82,6 +82,19 @@ class TenantView(msgspec.Struct, kw_only=True):
     total_tokens: int = 0
 
 
+class PinView(msgspec.Struct, kw_only=True):
+    """One engine's prompt pins (scheduler/core/prompt_pins.py): blocks held now, and since
+    the api started the pinned prefixes hit and missed per TTL class, expirations, and pins
+    yielded to the budget or to a request."""
+
+    engine: int
+    num_pinned_blocks: int = 0
+    hits: dict[str, int] = {}
+    misses: dict[str, int] = {}
+    num_expired: int = 0
+    num_yielded: int = 0
+
+
 class History(msgspec.Struct, kw_only=True):
     """The charts: NUM_HISTORY_POINTS points over the window, oldest first; None before the
     api started."""
@@ -123,6 +136,7 @@ class DashboardState(msgspec.Struct, kw_only=True):
     tenants: list[TenantView] | None
     history: History
     slo: SloView  # the goodput panel (dashboard_slo.py)
+    pins: list[PinView] = []
 
 
 def dashboard_state(
@@ -181,6 +195,7 @@ def dashboard_state(
             (index for index, _, _ in sampler.engine_client.per_engine_stats()),
             show_tenants,
         ),
+        pins=_pins(sampler.engine_client),
     )
 
 
@@ -215,6 +230,22 @@ def _engines(engine_client: EngineClient, health: dict) -> list[EngineView]:
             )
         )
     return engines
+
+
+def _pins(engine_client: EngineClient) -> list[PinView]:
+    """Each engine's pins, for the engines that ever pinned anything."""
+    return [
+        PinView(
+            engine=index,
+            num_pinned_blocks=stats.num_pinned_blocks if stats else 0,
+            hits=dict(totals.pin_hits),
+            misses=dict(totals.pin_misses),
+            num_expired=totals.num_pins_expired,
+            num_yielded=totals.num_pins_yielded,
+        )
+        for index, stats, totals in engine_client.per_engine_stats()
+        if (stats and stats.num_pinned_blocks) or totals.pin_hits or totals.pin_misses
+    ]
 
 
 def _latency(bounds: Sequence[float], now: Sequence[float], base: Sequence[float]) -> Latency:

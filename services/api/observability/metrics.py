@@ -21,6 +21,8 @@ Sources:
   the usage ledger of GET /v1/usage (services/api/tenancy/usage.py);
 - latency targets (services/api/observability/slo_metrics.py): targets met and missed, in
   all and by tenant, the goodput gauge, and each engine's step time prediction error;
+- prompt pins (services/api/observability/pin_metrics.py): pinned blocks, pin hits and misses
+  by TTL class, expirations, pins yielded;
 - LoRA (with --enable-lora): vLLM's `lora_requests_info`, the adapters of running and
   waiting requests in its labels, at scrape time;
 - prometheus_client's process, platform and GC collectors (`process_*`, `python_*`).
@@ -44,6 +46,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvserve.services.api.observability.metric_names import vllm_named
+from kvserve.services.api.observability.pin_metrics import PinStatsCollector
 from kvserve.services.api.observability.slo_metrics import SloMetrics
 from kvserve.services.api.observability.stats import (
     MIGRATION_REASONS,
@@ -475,6 +478,7 @@ class ApiMetrics:
         self.registry = CollectorRegistry()
         self._exposed = self.registry if metrics_prefix == "kvserve" else vllm_named(self.registry)
         self.registry.register(_EngineStatsCollector(engine_client, model_name, max_loras))
+        self.registry.register(PinStatsCollector(engine_client, model_name))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)

@@ -37,6 +37,7 @@ from kvserve.services.api.serving.outputs import (
     PromptLogprobs,
     RequestOutput,
 )
+from kvserve.services.api.serving.prompt_cache import REQUEST_PINS
 from kvserve.services.api.serving.protocol import PromptLogprob, PromptLogprobsBody, UsageInfo
 from kvserve.services.api.serving.request_constraints import logits_processor_kwargs
 from kvserve.services.api.serving.slo_admission import SloAdmission
@@ -295,7 +296,8 @@ class OpenAIServing:
         """One EngineClient.generate per prompt, merged (see generate); each with the
         request's latency targets (latency_targets.REQUEST_TARGETS) where it has any."""
         targets = REQUEST_TARGETS.get()
-        target_kwargs = {"targets": targets} if targets.any else {}
+        target_kwargs: dict[str, Any] = {"targets": targets} if targets.any else {}
+        request_pins = REQUEST_PINS.get()
         streams = []
         for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
             engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
@@ -312,6 +314,7 @@ class OpenAIServing:
                 lora_request,
                 tenant,
                 **target_kwargs,
+                pins=request_pins.for_prompt(len(token_ids)) or None,
             )
             streams.append(stream)
         return merge_async_iterators(streams)

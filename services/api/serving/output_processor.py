@@ -22,7 +22,13 @@ from kvserve.services.api.serving.latency_targets import NO_TARGETS, LatencyTarg
 from kvserve.services.api.serving.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.services.api.tenancy.tenants import DEFAULT_TENANT, TenantSpec
 from kvserve.shared.lora import LoRARequest
-from kvserve.shared.messages import EngineCoreOutput, EngineCoreRequest, EngineSpan, Logprobs
+from kvserve.shared.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineSpan,
+    Logprobs,
+    PromptPin,
+)
 from kvserve.shared.sampling_params import SamplingParams
 
 
@@ -40,11 +46,12 @@ def make_engine_requests(
     tenant: TenantSpec | None = None,
     trace_context: dict[str, str] | None = None,
     targets: LatencyTargets | None = None,
+    pins: list[PromptPin] | None = None,
 ) -> list[EngineCoreRequest]:
     """One EngineCoreRequest per child; child i of a seeded request gets seed + i; all
     run with `lora_request`'s adapter (None: the base model), for `tenant` (None:
     "default", weight 1), traced under `trace_context` (None: not traced), with `targets`
-    (None: the engine's --slo-*-ms)."""
+    (None: the engine's --slo-*-ms) and `pins` (prompt prefixes to pin; None: none)."""
     tenant = tenant or TenantSpec(name=DEFAULT_TENANT)
     targets = targets or NO_TARGETS
     if tokenizer_info.extra_stop_token_ids and not params.ignore_eos:
@@ -73,6 +80,7 @@ def make_engine_requests(
                 trace_context=trace_context,
                 slo_ttft_ms=targets.ttft_ms,
                 slo_tpot_ms=targets.tpot_ms,
+                pins=list(pins or ()),
             )
         )
     return requests

@@ -237,6 +237,9 @@ class SamplingRequest(_UnsupportedFields, kw_only=True):
     stream_options: StreamOptions | None = None
     # kvserve's latency targets for this request (serving/latency_targets.py).
     slo: LatencyTargets | None = None
+    # OpenAI's prompt caching (serving/prompt_cache.py): DP affinity, and "24h" pins.
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     # vLLM's extras: top logprobs per prompt token; logprobs naming tokens "token_id:N"
     # (None: the server's --return-tokens-as-token-ids); the request id when no
     # X-Request-Id header names one.

@@ -17,27 +17,31 @@ from kvserve.services.api.serving.protocol import Int64
 
 class TextBlock(msgspec.Struct, tag="text", tag_field="type", kw_only=True):
     text: str
-    cache_control: dict[str, Any] | None = None  # prompt caching is automatic here
+    cache_control: dict[str, Any] | None = None  # a breakpoint (surfaces/anthropic_cache.py)
 
 
 class ImageBlock(msgspec.Struct, tag="image", tag_field="type", kw_only=True):
     source: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
 
 
 class DocumentBlock(msgspec.Struct, tag="document", tag_field="type", kw_only=True):
     source: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", kw_only=True):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", kw_only=True):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock] | None = None
     is_error: bool = False
+    cache_control: dict[str, Any] | None = None
 
 
 class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type", kw_only=True):
@@ -103,6 +107,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     service_tier: str | None = None
     # kvserve's latency targets for this request (serving/latency_targets.py).
     slo: LatencyTargets | None = None
+    # One automatic breakpoint on the last cacheable block (surfaces/anthropic_cache.py).
+    cache_control: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- responses
@@ -123,11 +129,22 @@ class ToolUseOut(msgspec.Struct, tag="tool_use", tag_field="type"):
     input: dict[str, Any]
 
 
+class CacheCreation(msgspec.Struct):
+    """The written prompt tokens by the TTL of the breakpoint they were written for."""
+
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
+    """Anthropic's usage: input_tokens counts the prompt tokens past the last breakpoint
+    (or, without breakpoints, those the prefix cache did not serve)."""
+
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation = msgspec.field(default_factory=CacheCreation)
 
 
 class MessageResponse(msgspec.Struct, tag="message", tag_field="type"):

@@ -24,9 +24,10 @@ standard_only. Earlier turns' thinking blocks are dropped from the prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from starlette.requests import Request
@@ -39,8 +40,20 @@ from kvserve.services.api.serving.base import (
 )
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.outputs import RequestOutput
+from kvserve.services.api.serving.prompt_cache import (
+    REQUEST_PINS,
+    RequestPins,
+    cache_usage,
+    make_pin,
+)
 from kvserve.services.api.serving.protocol import ChatCompletionRequest, DeltaToolCall, ToolCall
+from kvserve.services.api.surfaces.anthropic_cache import (
+    Breakpoint,
+    breakpoint_offsets,
+    find_breakpoints,
+)
 from kvserve.services.api.surfaces.anthropic_protocol import (
+    CacheCreation,
     CountTokensRequest,
     CountTokensResponse,
     DocumentBlock,
@@ -68,6 +81,7 @@ from kvserve.services.api.surfaces.chat import (
     split_reasoning,
 )
 from kvserve.shared.logging import init_logger
+from kvserve.shared.messages import PromptPin
 
 logger = init_logger(__name__)
 
@@ -257,11 +271,38 @@ def _stop(completion, num_calls: int) -> tuple[str | None, str | None]:
     return "end_turn", None
 
 
-def _usage(final: RequestOutput | None, num_prompt_tokens: int, num_output_tokens: int) -> Usage:
-    """Anthropic's usage: input_tokens excludes the prompt tokens the prefix cache served,
-    which are cache_read_input_tokens."""
+class PromptCache(NamedTuple):
+    """A request's breakpoints as pins (shortest first) and the engine's block size."""
+
+    pins: list[PromptPin]
+    block_size: int
+
+
+NO_CACHE = PromptCache([], 16)
+
+
+def _usage(
+    final: RequestOutput | None,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    cache: PromptCache = NO_CACHE,
+) -> Usage:
+    """Anthropic's usage. With breakpoints, as Anthropic counts them (prompt_cache.cache_usage):
+    the prefix up to the last breakpoint is read or written (by TTL), input_tokens is the
+    rest. Without, input_tokens excludes the prompt tokens the prefix cache served, which are
+    cache_read_input_tokens."""
     cached = final.num_cached_tokens if final is not None else 0
-    return Usage(num_prompt_tokens - cached, num_output_tokens, 0, cached)
+    if not cache.pins:
+        return Usage(num_prompt_tokens - cached, num_output_tokens, 0, cached)
+    counted = cache_usage(cache.pins, cached, cache.block_size)
+    created = counted.created or {}
+    return Usage(
+        num_prompt_tokens - counted.cached_prefix,
+        num_output_tokens,
+        sum(created.values()),
+        counted.read,
+        CacheCreation(created.get("5m", 0), created.get("1h", 0)),
+    )
 
 
 def _event(name: str, body: dict[str, Any]) -> bytes:
@@ -286,16 +327,57 @@ class AnthropicServingMessages:
         return CountTokensResponse(len(token_ids))
 
     async def create_message(self, request: MessagesRequest, raw_request: Request) -> Response:
-        chat_request = to_chat_request(request, self.chat.reasoning_parser is not None)
+        breakpoints = find_breakpoints(request)
+        # max_tokens 0 writes the cache and generates nothing (a pre-warm): the engine runs
+        # the prompt and one token, which the reply leaves out.
+        prewarm = request.max_tokens == 0
+        if prewarm and request.stream:
+            raise APIError(400, "max_tokens 0 (a cache pre-warm) cannot stream", "max_tokens")
+        submitted = msgspec.structs.replace(request, max_tokens=1) if prewarm else request
+        chat_request = to_chat_request(submitted, self.chat.reasoning_parser is not None)
         prepared = self.chat.prepare(chat_request, raw_request, "msg_")
+        cache = self._prompt_cache(breakpoints, prepared.prompt_token_ids)
+        REQUEST_PINS.set(RequestPins(tuple(cache.pins)))
         if request.stream:
             results = await self.chat.start(prepared, chat_request)
-            return SSEResponse(self._stream(prepared, chat_request, results))
-        return await run_until_disconnected(raw_request, self._complete(prepared, chat_request))
+            return SSEResponse(self._stream(prepared, chat_request, results, cache))
+        return await run_until_disconnected(
+            raw_request, self._complete(prepared, chat_request, cache, prewarm)
+        )
 
-    async def _complete(self, prepared: PreparedChat, request: ChatCompletionRequest) -> Response:
+    def _prompt_cache(
+        self, breakpoints: list[Breakpoint], prompt_token_ids: list[int]
+    ) -> PromptCache:
+        """The breakpoints' pins at their token offsets in the prompt."""
+        handshakes = self.chat.engine_client.engine_handshakes()
+        block_size = handshakes[0].block_size if handshakes else NO_CACHE.block_size
+        if not breakpoints:
+            return PromptCache([], block_size)
+        offsets = breakpoint_offsets(breakpoints, prompt_token_ids, self._render_prefix)
+        return PromptCache([make_pin(offset, ttl) for offset, ttl in offsets], block_size)
+
+    def _render_prefix(self, request: CountTokensRequest) -> list[int]:
+        """The chat template's tokens of a request cut after a breakpoint's block."""
+        chat_request = to_chat_request(request, self.chat.reasoning_parser is not None)
+        tool_choice = resolve_tool_choice(chat_request, self.chat.frontend)
+        return self.chat.apply_chat_template(
+            chat_request.messages,
+            False,
+            chat_template_kwargs=chat_request.chat_template_kwargs,
+            tools=tools_for_template(chat_request, tool_choice, self.chat.frontend),
+        )
+
+    async def _complete(
+        self,
+        prepared: PreparedChat,
+        request: ChatCompletionRequest,
+        cache: PromptCache,
+        prewarm: bool,
+    ) -> Response:
         final = await self.chat.final_output(prepared, request)
         completion = final.outputs[0]
+        if prewarm:  # the prompt is cached; the one token it ran for is not the reply
+            completion = dataclasses.replace(completion, text="", token_ids=[])
         reasoning, text = split_reasoning(prepared.reasoning, completion.text)
         content, calls = self.chat.tool_output(request, prepared.tool_choice).result(text)
         blocks: list[ThinkingOut | TextOut | ToolUseOut] = (
@@ -307,10 +389,10 @@ class AnthropicServingMessages:
         body = MessageResponse(
             id=prepared.ids[0],
             model=self.chat.response_model(request.model),
-            content=blocks or [TextOut("")],
+            content=blocks or ([] if prewarm else [TextOut("")]),
             stop_reason=stop_reason,
             stop_sequence=stop_sequence,
-            usage=_usage(final, len(prepared.prompt_token_ids), len(completion.token_ids)),
+            usage=_usage(final, len(prepared.prompt_token_ids), len(completion.token_ids), cache),
         )
         return Response(msgspec.json.encode(body), media_type="application/json")
 
@@ -319,6 +401,7 @@ class AnthropicServingMessages:
         prepared: PreparedChat,
         request: ChatCompletionRequest,
         results: AsyncGenerator[tuple[int, RequestOutput], None],
+        cache: PromptCache,
     ) -> AsyncGenerator[bytes, None]:
         num_prompt_tokens = len(prepared.prompt_token_ids)
         yield _event(
@@ -346,7 +429,7 @@ class AnthropicServingMessages:
                 if step.finish_reason is not None:
                     for event in blocks.close():
                         yield event
-                    for event in _finish_events(step, num_prompt_tokens):
+                    for event in _finish_events(step, num_prompt_tokens, cache):
                         yield event
                     return
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
@@ -358,11 +441,11 @@ class AnthropicServingMessages:
             await results.aclose()
 
 
-def _finish_events(step: ChatDelta, num_prompt_tokens: int) -> list[bytes]:
+def _finish_events(step: ChatDelta, num_prompt_tokens: int, cache: PromptCache) -> list[bytes]:
     """message_delta (stop reason and usage), then message_stop."""
     completion = step.final.outputs[0]
     stop_reason, stop_sequence = _stop(completion, step.num_calls)
-    usage = _usage(step.final, num_prompt_tokens, len(completion.token_ids))
+    usage = _usage(step.final, num_prompt_tokens, len(completion.token_ids), cache)
     return [
         _event(
             "message_delta",

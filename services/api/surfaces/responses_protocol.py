@@ -46,6 +46,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     service_tier: str | None = None
     # kvserve's latency targets for this request (serving/latency_targets.py).
     slo: LatencyTargets | None = None

@@ -19,6 +19,7 @@ from kvserve.services.api.app_context import AppContext, context_of, json_respon
 from kvserve.services.api.observability.tracing import trace_span
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.latency_targets import set_request_targets
+from kvserve.services.api.serving.prompt_cache import set_openai_prompt_cache
 from kvserve.services.api.serving.protocol import ChatCompletionRequest, ModelList, decode_request
 from kvserve.services.api.serving.validation import check_prompt_chars
 from kvserve.services.api.surfaces.embeddings import EmbeddingRequest
@@ -38,6 +39,7 @@ async def create_completion(request: Request) -> Response:
     with trace_span("parse"):
         body = decode_request(raw_body, CompletionRequest, ctx.max_json_depth)
     set_request_targets(body.slo, request.headers)
+    set_openai_prompt_cache(body.prompt_cache_key, body.prompt_cache_retention)
     return await ctx.completions.create_completion(body, request)
 
 
@@ -47,6 +49,7 @@ async def create_chat_completion(request: Request) -> Response:
     with trace_span("parse"):
         body = decode_request(raw_body, ChatCompletionRequest, ctx.max_json_depth)
     set_request_targets(body.slo, request.headers)
+    set_openai_prompt_cache(body.prompt_cache_key, body.prompt_cache_retention)
     return await ctx.chat.create_chat_completion(body, request)
 
 
@@ -54,6 +57,7 @@ async def create_response(request: Request) -> Response:
     ctx = context_of(request)
     body = decode_request(await request.body(), ResponsesRequest, ctx.max_json_depth)
     set_request_targets(body.slo, request.headers)
+    set_openai_prompt_cache(body.prompt_cache_key, body.prompt_cache_retention)
     return await ctx.responses.create(body, request)
 
 

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvserve.services.scheduler.core.block_pool import BlockPool, KVCacheBlock
 from kvserve.services.scheduler.core.request import Request
 from kvserve.shared.kv_cache_groups import KVCacheGroupSpec
 from kvserve.shared.kv_events import KVEvent
+
+
+class HitListener(Protocol):
+    """Told of every prefix-cache hit (the prompt pins, which hits refresh)."""
+
+    def refresh_hits(self, hit_blocks: list[KVCacheBlock]) -> None: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -55,6 +62,8 @@ class KVCacheManager:
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Prompt pins, refreshed by the hits here (set by prompt_pins.make_pin_table).
+        self.pins: HitListener | None = None
 
     # ------------------------------------------------------------------ prefix lookup
 
@@ -73,6 +82,8 @@ class KVCacheManager:
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks = self.find_longest_cache_hit(request.block_hashes[:max_num_hit_blocks])
         num_hit_tokens = len(blocks) * self.block_size
+        if self.pins is not None:
+            self.pins.refresh_hits(blocks)
         self.prefix_cache_stats.num_requests += 1
         self.prefix_cache_stats.num_queried_tokens += request.num_tokens
         self.prefix_cache_stats.num_hit_tokens += num_hit_tokens

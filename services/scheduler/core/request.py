@@ -17,6 +17,7 @@ from kvserve.shared.messages import (
     EngineCoreRequest,
     FinishReason,
     ImageInput,
+    PromptPin,
 )
 from kvserve.shared.sampling_params import SamplingParams
 
@@ -189,6 +190,8 @@ class Request:
         self.kv_loaded = False
         # --otlp-traces-endpoint: its phases, when the api traces it (request_trace.py).
         self.trace: RequestTrace | None = None
+        # Prompt prefixes to pin when it finishes (prompt_pins.py).
+        self.pins: list[PromptPin] = []
 
     @classmethod
     def from_engine_core_request(
@@ -210,6 +213,7 @@ class Request:
             slo_ttft_ms=req.slo_ttft_ms,
             slo_tpot_ms=req.slo_tpot_ms,
         )
+        request.pins = list(req.pins)
         if req.resumed_output_token_ids:
             request.resume(req.resumed_output_token_ids)
         return request

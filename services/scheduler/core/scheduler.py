@@ -39,6 +39,7 @@ from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.core.kv_load import admit_loaded, finish_loads, park_for_load
 from kvserve.services.scheduler.core.latency_targets import LatencyTargets
 from kvserve.services.scheduler.core.policies import create_policy
+from kvserve.services.scheduler.core.prompt_pins import make_pin_table
 from kvserve.services.scheduler.core.request import Request, RequestStatus, make_block_hasher
 from kvserve.services.scheduler.core.request_output import (
     forced_tokens_of,
@@ -114,6 +115,8 @@ class Scheduler:
                 num_blocks, block_size, groups or [], enable_prefix_caching, self.max_model_len
             )
         )
+        # Prompt pins (prompt_pins.py): None without prefix caching or with KV cache groups.
+        self.pins = make_pin_table(self.kv_cache_manager, self.cache_config)
         self.block_hasher = None
         if enable_prefix_caching:
             hash_fn = get_hash_fn(self.cache_config.prefix_caching_hash_algo)
@@ -135,6 +138,8 @@ class Scheduler:
         self.kv_connector = features.kv_connector
         if self.kv_connector is not None:
             self.kv_connector.bind(self.kv_cache_manager)
+            if self.pins is not None:  # pins are written through to the KV store
+                self.pins.on_pin = self.kv_connector.pin_blocks
         # Images in the prompt: which images' vision encoder runs in a step.
         encoder_tokens = self.scheduler_config.encoder_token_budget
         self.encoder = EncoderBudget(encoder_tokens, encoder_tokens)
@@ -253,6 +258,8 @@ class Scheduler:
         assert request.is_finished, f"{request} freed before it finished"
         self.live.remove(request)
         self.latency.remove(request)
+        if self.pins is not None and request.pins:
+            self.pins.pin_finished(request, self.kv_cache_manager)
         self.kv_cache_manager.free(request)
         self.encoder.free(request)
         if self.kv_connector is not None:
@@ -273,6 +280,8 @@ class Scheduler:
         """Plan one step: running requests first, then waiting ones if nothing was preempted."""
         if self.waiting_for_grammar:
             admit_compiled_grammars(self)
+        if self.pins is not None:
+            self.pins.expire()
         # max_num_batched_tokens, unless latency targets cut the step (latency_targets.py).
         budget = self.latency.step_budget(self.running, self.waiting)
         plan = StepPlan(budget.token_budget, running_prefill_budget=budget.running_prefill_budget)
@@ -405,7 +414,11 @@ class Scheduler:
                 request, num_new_tokens, num_hit_tokens, hit_blocks
             )
             if new_blocks is None:
-                break  # waiting requests never preempt running ones
+                # Waiting requests never preempt running ones; pins yield only when nothing
+                # runs, which would otherwise leave the request waiting forever.
+                if not self.running and self.pins is not None and self.pins.yield_oldest():
+                    continue
+                break
             self.waiting.pop_request()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -467,6 +480,8 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
                 return new_blocks
+            if self.pins is not None and self.pins.yield_oldest():
+                continue  # pins yield before any request is preempted
             victim = self.policy.pick_preemption_victim(self.running)
             self._preempt(victim, plan)
             if victim is request:
@@ -586,7 +601,10 @@ class Scheduler:
         ]
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes; False (nothing done) while requests hold blocks."""
+        """Forget all cached prefixes (pins too); False (nothing done) while requests hold
+        blocks."""
+        if self.pins is not None and not self.requests:
+            self.pins.release_all()
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvserve.services.scheduler.core.request import Request
 from kvserve.shared.messages import SchedulerStats
@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from kvserve.services.kv_store.connector import SchedulerConnector
     from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
     from kvserve.services.scheduler.core.latency_targets import LatencyTargets
+    from kvserve.services.scheduler.core.prompt_pins import PinTable
     from kvserve.services.scheduler.core.request_queue import RequestQueue
     from kvserve.services.scheduler.core.spec_scheduler import SpecDecodeScheduler
     from kvserve.services.scheduler.structured_output.manager import StructuredOutputManager
@@ -30,6 +31,7 @@ class StatsSource(Protocol):
     spec_decode: SpecDecodeScheduler | None
     kv_connector: SchedulerConnector | None
     latency: LatencyTargets
+    pins: PinTable | None
 
 
 def make_scheduler_stats(
@@ -71,7 +73,22 @@ def make_scheduler_stats(
         step_time_prediction_error=scheduler.latency.model.relative_error,
         **(scheduler.spec_decode.take_stats() if scheduler.spec_decode is not None else {}),
         **(scheduler.kv_connector.take_stats() if scheduler.kv_connector is not None else {}),
+        **pin_stats(scheduler.pins),
     )
+
+
+def pin_stats(pins: PinTable | None) -> dict[str, Any]:
+    """The pins' SchedulerStats fields (none without a pin table)."""
+    if pins is None:
+        return {}
+    stats = pins.take_stats()
+    return {
+        "num_pinned_blocks": pins.num_pinned_blocks,
+        "pin_hits": stats.hits,
+        "pin_misses": stats.misses,
+        "num_pins_expired": stats.num_expired,
+        "num_pins_yielded": stats.num_yielded,
+    }
 
 
 def count_tenants(requests: Iterable[Request]) -> dict[str, int]:

@@ -204,3 +204,34 @@ def test_worker_connector_answers_the_metadata_around_the_forward(tmp_path):
     assert answer.loaded == {"b": 2} and answer.store_ok
     for src, dst in zip(caches, others):
         assert torch.equal(dst[:, 5:7], src[:, 2:4])
+
+
+class _PinningStorage(SharedStorageBackend):
+    """The shared-storage folder with a store's pin call, which it records."""
+
+    def __init__(self, folder, fingerprint):
+        super().__init__(folder, fingerprint)
+        self.pins: list[tuple[list[bytes], float]] = []
+
+    def pin(self, block_hashes, ttl_s=None):
+        self.pins.append((list(block_hashes), ttl_s))
+
+
+def test_a_prompt_pin_is_written_through_then_pinned_in_the_store(tmp_path):
+    import msgspec
+
+    from kvserve.shared.messages import PromptPin
+
+    scheduler = _scheduler(tmp_path, "kv_consumer")
+    backend = _PinningStorage(str(tmp_path), FP)
+    scheduler.kv_connector.store.backend = backend
+    request = create_request("a", prompt_token_ids=list(range(100, 111)), max_tokens=1)
+    scheduler.add_request(msgspec.structs.replace(request, pins=[PromptPin(8, 60.0, "5m")]))
+    _run_step(scheduler)  # computes the prompt and finishes: the pin is taken
+    assert scheduler.pins.num_pinned_blocks == 2
+    _, meta, _ = _run_step(scheduler)
+    (save,) = meta.saves_before
+    assert save.req_id == "pin-1" and len(save.block_hashes) == len(save.block_ids) == 2
+    assert backend.pins == [(save.block_hashes, 60.0)]
+    scheduler.pins.release_all()
+    assert_no_leaked_blocks(scheduler)

@@ -63,18 +63,20 @@ def test_a_preempted_request_waits_again_and_prefills_again():
     assert_no_leaked_blocks(scheduler)
 
 
-SLO_FIELDS = ("slo_ttft_ms", "slo_tpot_ms")
+# The fields appended after trace_context: the latency targets, then the prompt pins.
+LATER_FIELDS = ("slo_ttft_ms", "slo_tpot_ms", "pins")
 
 
 def test_trace_context_is_the_last_field_and_optional_on_the_wire():
     request = create_request("a", num_tokens=4)
-    # Last but the latency targets (added after it), so every other field keeps its place
-    # in the array, and unset it is one nil byte; the array of a sender that predates it
-    # (one element shorter, and without the targets) still decodes.
-    assert EngineCoreRequest.__struct_fields__[-3:] == ("trace_context", *SLO_FIELDS)
+    # Last but the fields added after it, so every other field keeps its place in the
+    # array, and unset it is one nil byte; the array of a sender that predates it (one
+    # element shorter, and without the later fields) still decodes.
+    num_last = 1 + len(LATER_FIELDS)
+    assert EngineCoreRequest.__struct_fields__[-num_last:] == ("trace_context", *LATER_FIELDS)
     array = msgspec.msgpack.decode(msgspec.msgpack.encode(request))
-    assert array[-3] is None
-    old = msgspec.msgpack.encode(array[:-3])
+    assert array[-num_last] is None
+    old = msgspec.msgpack.encode(array[:-num_last])
     assert msgspec.msgpack.decode(old, type=EngineCoreRequest) == request
     with_context = msgspec.structs.replace(request, trace_context=CONTEXT)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(with_context), type=EngineCoreRequest)

@@ -101,6 +101,23 @@ function drawSlo(slo) {
   }));
 }
 
+function byTtl(counts) {
+  return Object.entries(counts).map(([ttl, count]) => ttl + ": " + number(count)).join(", ") || "-";
+}
+
+function drawPins(pins) {
+  byId("pins_section").hidden = !pins || pins.length === 0;
+  if (!pins) return;
+  byId("pins").tBodies[0].replaceChildren(...pins.map((pin) => {
+    const row = document.createElement("tr");
+    cells(row, [
+      String(pin.engine), number(pin.num_pinned_blocks), byTtl(pin.hits), byTtl(pin.misses),
+      number(pin.num_expired), number(pin.num_yielded),
+    ]);
+    return row;
+  }));
+}
+
 function drawSpec(spec) {
   byId("spec_section").hidden = spec === null;
   if (spec === null) return;
@@ -174,6 +191,7 @@ function draw(state) {
   drawSpec(state.spec_decode);
   drawTenants(state.tenants);
   drawSlo(state.slo);
+  drawPins(state.pins);
   const h = state.history;
   drawChart("chart_throughput", [
     { name: "prompt", values: h.prompt_tokens_per_s },

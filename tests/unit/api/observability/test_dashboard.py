@@ -37,6 +37,7 @@ from kvserve.services.api.server import build_app
 from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.api_config import FrontendConfig, TenantConfig
 from kvserve.shared.messages import SchedulerStats
+from tests.support.metrics import read_metric
 
 # --------------------------------------------------------------------------- percentiles
 
@@ -170,6 +171,22 @@ def test_spec_decode_shows_once_drafts_were_verified():
     assert spec.acceptance_rate == pytest.approx(0.5)
     assert spec.mean_acceptance_length == pytest.approx(1 + 6 / 4)
     assert spec.accepted_per_position == pytest.approx([0.75, 0.5, 0.25])
+
+
+def test_pins_show_per_engine_once_an_engine_pinned_and_on_metrics():
+    client, metrics, sampler, _ = make_sampler()
+    assert dashboard_state(sampler, "m", "1.0", show_tenants=True).pins == []
+    step(client, metrics, stats=SchedulerStats(num_pinned_blocks=12, pin_misses={"5m": 1}))
+    step(client, metrics, stats=SchedulerStats(num_pinned_blocks=12, pin_hits={"5m": 2, "1h": 1},
+                                               num_pins_expired=1, num_pins_yielded=3))  # fmt: skip
+    (pins,) = dashboard_state(sampler, "m", "1.0", show_tenants=True).pins
+    assert (pins.engine, pins.num_pinned_blocks) == (0, 12)
+    assert pins.hits == {"5m": 2, "1h": 1} and pins.misses == {"5m": 1}
+    assert (pins.num_expired, pins.num_yielded) == (1, 3)
+    text = metrics.render()[0].decode()
+    assert read_metric(text, "kvserve:prompt_pin_hits_total", engine="0", ttl="1h") == 1
+    assert read_metric(text, "kvserve:prompt_pinned_blocks", engine="0") == 12
+    assert read_metric(text, "kvserve:prompt_pins_yielded_total", engine="0") == 3
 
 
 def test_tenants_come_from_the_usage_ledger_and_the_engines_load():
