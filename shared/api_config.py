@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvserve.shared.cli_args import flag_doc
-from kvserve.shared.config import ReasoningParserName
+from kvserve.shared.config import ReasoningParserName, ToolCallParserName
 from kvserve.shared.env import API_KEY, VLLM_API_KEY
 from kvserve.shared.lora import LoRAModulePath
 
@@ -217,10 +217,12 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
         flag_doc('tool_choice "auto": the model decides, --tool-call-parser reads its tool calls'),
     ] = False
     tool_call_parser: Annotated[
-        Literal["hermes", "llama3_json", "pythonic"] | None,
+        ToolCallParserName | None,
         flag_doc(
-            "how tool calls look in the model's text: hermes (JSON in <tool_call> tags), "
-            "llama3_json (JSON objects), pythonic ([f(a=1), g()])"
+            "how tool calls look in the model's text (vLLM's names): hermes (JSON in "
+            "<tool_call> tags), llama3_json (JSON objects), pythonic ([f(a=1), g()]), "
+            "llama4_pythonic, mistral ([TOOL_CALLS]), qwen3_coder / qwen3_xml (XML), "
+            "deepseek_v3, deepseek_v31, kimi_k2, glm45"
         ),
     ] = None
     runner: Annotated[

@@ -17,17 +17,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvserve.services.api.observability.tracing import trace_span
-from kvserve.services.api.parsers.reasoning_parsers import (
-    ReasoningParser,
-    ReasoningSplitter,
-    get_reasoning_parser,
-)
+from kvserve.services.api.parsers.reasoning_parsers import ReasoningParser, ReasoningSplitter
+from kvserve.services.api.parsers.reasoning_registry import get_reasoning_parser
 from kvserve.services.api.parsers.tool_calls import (
     ToolCallOutput,
     resolve_tool_choice,
     tool_constraint,
     tools_for_template,
 )
+from kvserve.services.api.parsers.tool_registry import TOOL_PARSERS
 from kvserve.services.api.serving.base import (
     MIN_LOGPROB,
     SSE_DONE,
@@ -117,6 +115,7 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.reasoning_parser = get_reasoning_parser(self.frontend.reasoning_parser)
+        self.tool_call_parser = self.frontend.tool_call_parser
         self._reasoning_end_ids: list[int] | None = None
 
     def reasoning_end_token_ids(self) -> list[int]:
@@ -271,9 +270,18 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs=constraint or structured_outputs,
             **reasoning_fields,
         )
+        if self._needs_special_tokens(tool_choice, reasoning):
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
         self.check_engine(request.n)
         ids = self.request_ids(raw_request, request, id_prefix)
         return PreparedChat(ids, prompt_token_ids, params, tool_choice, reasoning)
+
+    def _needs_special_tokens(self, tool_choice: str, reasoning: ReasoningParser | None) -> bool:
+        """Whether the parsers in use read markers that are special tokens ([TOOL_CALLS],
+        [THINK], Kimi's sections), which the text keeps only unskipped (as vLLM's do)."""
+        tool_parser = TOOL_PARSERS.get(self.tool_call_parser or "")
+        tool_markers = tool_choice == "auto" and tool_parser and tool_parser.needs_special_tokens
+        return bool(tool_markers or (reasoning is not None and reasoning.needs_special_tokens))
 
     async def start(
         self, prepared: PreparedChat, request: ChatCompletionRequest
@@ -346,7 +354,7 @@ class OpenAIServingChat(OpenAIServing):
         """How one choice's text becomes content and tool calls (the chat-shaped surfaces
         share it)."""
         return ToolCallOutput(
-            tool_choice, self.frontend.tool_call_parser, request.parallel_tool_calls
+            tool_choice, self.tool_call_parser, request.parallel_tool_calls, request.tools
         )
 
     # ------------------------------------------------------------------ non-streaming

@@ -125,14 +125,14 @@ def test_defaults_are_vllms():
         (["--max-logprobs", "-1"], "max_logprobs must be >= 0"),
         (["a", "--model", "b"], "model given twice"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+        (["--tool-call-parser", "granite"], "invalid choice: 'granite'"),
         (
             ["--structured-outputs-config", '{"backend": "outlines"}'],
             "backend 'outlines' is not supported",
         ),
         (
             ["--structured-outputs-config", '{"reasoning_parser": "granite"}'],
-            "reasoning_parser 'granite' is not one of deepseek_r1, qwen3",
+            "reasoning_parser 'granite' is not one of deepseek_r1, qwen3, deepseek_v3",
         ),
         (
             ["--guided-decoding-backend", "outlines"],

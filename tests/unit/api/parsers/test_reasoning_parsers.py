@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.services.api.parsers.reasoning_parsers import (
-    REASONING_PARSERS,
-    ReasoningSplitter,
-    get_reasoning_parser,
-)
+from kvserve.services.api.parsers.reasoning_parsers import ReasoningSplitter
+from kvserve.services.api.parsers.reasoning_registry import REASONING_PARSERS, get_reasoning_parser
 from kvserve.shared.config import REASONING_PARSER_NAMES
 
 R1 = get_reasoning_parser("deepseek_r1")
