@@ -16,9 +16,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvserve.shared.cli_args import flag_doc
-from kvserve.shared.config import ReasoningParserName, ToolCallParserName
 from kvserve.shared.env import API_KEY, VLLM_API_KEY
 from kvserve.shared.lora import LoRAModulePath
+from kvserve.shared.parser_names import ReasoningParserName, ToolCallParserName
 
 
 class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):

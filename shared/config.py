@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 
 from kvserve.shared.cli_args import flag_doc
+from kvserve.shared.parser_names import REASONING_PARSER_NAMES
 
 GiB = 1 << 30
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -305,46 +306,6 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "uni" if self.world_size == 1 else "mp"
-
-
-# The --tool-call-parser names (services/api/parsers/tool_registry.py registers each).
-TOOL_CALL_PARSER_NAMES = (
-    "hermes",
-    "llama3_json",
-    "pythonic",
-    "llama4_pythonic",
-    "mistral",
-    "qwen3_coder",
-    "qwen3_xml",
-    "deepseek_v3",
-    "deepseek_v31",
-    "kimi_k2",
-    "glm45",
-)
-ToolCallParserName = Literal[
-    "hermes",
-    "llama3_json",
-    "pythonic",
-    "llama4_pythonic",
-    "mistral",
-    "qwen3_coder",
-    "qwen3_xml",
-    "deepseek_v3",
-    "deepseek_v31",
-    "kimi_k2",
-    "glm45",
-]
-
-# The --reasoning-parser names (services/api/parsers/reasoning_parsers.py registers each).
-REASONING_PARSER_NAMES = (
-    "deepseek_r1",
-    "qwen3",
-    "deepseek_v3",
-    "glm45",
-    "kimi_k2",
-    "mistral",
-)
-ReasoningParserName = Literal["deepseek_r1", "qwen3", "deepseek_v3", "glm45", "kimi_k2", "mistral"]
 
 
 class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):

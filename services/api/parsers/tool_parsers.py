@@ -10,8 +10,8 @@ three oldest sit here, every other family in its own file under tools/:
     mistral          [TOOL_CALLS]f[ARGS]{...} or [TOOL_CALLS][{...}]      tools/mistral.py
     qwen3_coder      <tool_call><function=f><parameter=a>1</parameter>... tools/qwen3_coder.py
                      (alias qwen3_xml)
-    deepseek_v3      <｜tool▁calls▁begin｜>...function<｜tool▁sep｜>f ```json...  tools/deepseek.py
-    deepseek_v31     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}  tools/deepseek.py
+    deepseek_v3      <｜tool▁calls▁begin｜>...<｜tool▁sep｜>f ```json   tools/deepseek.py
+    deepseek_v31     <｜tool▁calls▁begin｜>...f<｜tool▁sep｜>{...}      tools/deepseek.py
     kimi_k2          <|tool_calls_section_begin|>...functions.f:0...      tools/kimi_k2.py
     glm45            <tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>   tools/glm45.py
     openai           gpt-oss's harmony (parsed by token ids: services/api/harmony/)

@@ -6,7 +6,8 @@ deepseek_v3 (V3, V3-0324, R1-0528):
     {"city": "Tokyo"}
     ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 deepseek_v31 (V3.1, V3.2):
-    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Tokyo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Tokyo"}
+        <｜tool▁call▁end｜><｜tool▁calls▁end｜>      (one line: cut here to fit the page)
 """
 
 from __future__ import annotations

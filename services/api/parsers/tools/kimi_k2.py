@@ -1,6 +1,8 @@
 """Kimi K2's tool calls (--tool-call-parser kimi_k2), as its chat template writes them:
 
-    <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Beijing"}<|tool_call_end|><|tool_calls_section_end|>
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
+    <|tool_call_argument_begin|>{"city": "Beijing"}<|tool_call_end|><|tool_calls_section_end|>
+    (one line, cut here to fit the page)
 
 The call's id (functions.NAME:INDEX) names the function. The markers are special tokens,
 kept in the text for this parser.

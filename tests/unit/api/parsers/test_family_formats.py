@@ -16,7 +16,7 @@ from kvserve.services.api.parsers.reasoning_registry import REASONING_PARSERS, g
 from kvserve.services.api.parsers.tool_calls import ToolCallOutput
 from kvserve.services.api.parsers.tool_registry import TOOL_PARSERS
 from kvserve.services.api.serving.protocol import ChatTool
-from kvserve.shared.config import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
+from kvserve.shared.parser_names import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
 from tests.unit.api.parsers.family_formats import (
     MALFORMED,
     REASONING_FORMATS,

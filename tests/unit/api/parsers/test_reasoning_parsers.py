@@ -7,7 +7,7 @@ import pytest
 
 from kvserve.services.api.parsers.reasoning_parsers import ReasoningSplitter
 from kvserve.services.api.parsers.reasoning_registry import REASONING_PARSERS, get_reasoning_parser
-from kvserve.shared.config import REASONING_PARSER_NAMES
+from kvserve.shared.parser_names import REASONING_PARSER_NAMES
 
 R1 = get_reasoning_parser("deepseek_r1")
 
