@@ -409,6 +409,10 @@ class ModelCard(msgspec.Struct, kw_only=True):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # kvserve's: the parsers serving this model's chat (--tool-call-parser and
+    # --reasoning-parser, `auto` resolved); null when none.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvserve.services.api.observability.tracing import trace_span
+from kvserve.services.api.parsers.auto import resolved_parsers
 from kvserve.services.api.parsers.reasoning_parsers import ReasoningParser, ReasoningSplitter
 from kvserve.services.api.parsers.reasoning_registry import get_reasoning_parser
 from kvserve.services.api.parsers.tool_calls import (
@@ -114,6 +115,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.frontend = resolved_parsers(self.frontend, self.engine_client.tokenizer_info)
         self.reasoning_parser = get_reasoning_parser(self.frontend.reasoning_parser)
         self.tool_call_parser = self.frontend.tool_call_parser
         self._reasoning_end_ids: list[int] | None = None
