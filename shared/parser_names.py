@@ -18,6 +18,7 @@ TOOL_CALL_PARSER_NAMES = (
     "deepseek_v31",
     "kimi_k2",
     "glm45",
+    "openai",
 )
 ToolCallParserName = Literal[
     "hermes",
@@ -31,6 +32,7 @@ ToolCallParserName = Literal[
     "deepseek_v31",
     "kimi_k2",
     "glm45",
+    "openai",
 ]
 
 # The --reasoning-parser names (services/api/parsers/reasoning_parsers.py registers each).
@@ -41,5 +43,10 @@ REASONING_PARSER_NAMES = (
     "glm45",
     "kimi_k2",
     "mistral",
+    "openai_gptoss",
 )
 ReasoningParserName = Literal["deepseek_r1", "qwen3", "deepseek_v3", "glm45", "kimi_k2", "mistral"]
+
+# gpt-oss's harmony: not text parsers behind the registries but the api's harmony package.
+HARMONY_TOOL_PARSER = "openai"
+HARMONY_REASONING_PARSER = "openai_gptoss"

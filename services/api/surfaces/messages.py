@@ -32,7 +32,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.services.api.parsers.tool_calls import resolve_tool_choice, tools_for_template
+from kvserve.services.api.parsers.tool_calls import resolve_tool_choice
 from kvserve.services.api.serving.base import (
     SSEResponse,
     run_until_disconnected,
@@ -65,7 +65,6 @@ from kvserve.services.api.surfaces.chat import (
     ChatDelta,
     OpenAIServingChat,
     PreparedChat,
-    split_reasoning,
 )
 from kvserve.shared.logging import init_logger
 
@@ -275,18 +274,14 @@ class AnthropicServingMessages:
         self.chat = chat
 
     def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
-        chat_request = to_chat_request(request, self.chat.reasoning_parser is not None)
+        chat_request = to_chat_request(request, self.chat.splits_reasoning)
         self.chat.check_model(chat_request.model)
         tool_choice = resolve_tool_choice(chat_request, self.chat.frontend)
-        token_ids = self.chat.apply_chat_template(
-            chat_request.messages,
-            True,
-            tools=tools_for_template(chat_request, tool_choice, self.chat.frontend),
-        )
+        token_ids = self.chat.prompt_token_ids(chat_request, tool_choice, {})
         return CountTokensResponse(len(token_ids))
 
     async def create_message(self, request: MessagesRequest, raw_request: Request) -> Response:
-        chat_request = to_chat_request(request, self.chat.reasoning_parser is not None)
+        chat_request = to_chat_request(request, self.chat.splits_reasoning)
         prepared = self.chat.prepare(chat_request, raw_request, "msg_")
         if request.stream:
             results = await self.chat.start(prepared, chat_request)
@@ -296,8 +291,7 @@ class AnthropicServingMessages:
     async def _complete(self, prepared: PreparedChat, request: ChatCompletionRequest) -> Response:
         final = await self.chat.final_output(prepared, request)
         completion = final.outputs[0]
-        reasoning, text = split_reasoning(prepared.reasoning, completion.text)
-        content, calls = self.chat.tool_output(request, prepared.tool_choice).result(text)
+        reasoning, content, calls = self.chat.parse_whole(prepared, request, completion.text)
         blocks: list[ThinkingOut | TextOut | ToolUseOut] = (
             [ThinkingOut(reasoning)] if reasoning else []
         )

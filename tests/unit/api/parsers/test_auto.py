@@ -20,6 +20,8 @@ from kvserve.shared.api_config import FrontendConfig
 # Each family's chat template reduced to the markers auto reads (the snippets are copied
 # from the family's own template: the model repos named beside them).
 FAMILIES = [
+    # openai/gpt-oss-20b: harmony (the template writes <|channel|>, but model_type decides).
+    ("gpt_oss", "<|start|>assistant<|channel|>final<|message|>", "openai", "openai_gptoss"),
     # mistralai/Magistral-Small-2509: [TOOL_CALLS] and [THINK].
     ("mistral", "[TOOL_CALLS]{{ name }}[ARGS]{{ args }} [THINK]", "mistral", "mistral"),
     # mistralai/Mistral-Small-3.2-24B-Instruct-2506: [TOOL_CALLS], no thinking.
@@ -103,6 +105,6 @@ def test_the_front_end_options_come_back_resolved(tmp_path):
         "auto",
         "auto",
     )
-    assert resolved.tool_call_parser in ("openai", None)  # harmony: registered with it
+    assert (resolved.tool_call_parser, resolved.reasoning_parser) == ("openai", "openai_gptoss")
     explicit = FrontendConfig(tool_call_parser="hermes", reasoning_parser="qwen3")
     assert resolved_parsers(explicit, Info()) is explicit

@@ -16,7 +16,12 @@ from kvserve.services.api.parsers.reasoning_registry import REASONING_PARSERS, g
 from kvserve.services.api.parsers.tool_calls import ToolCallOutput
 from kvserve.services.api.parsers.tool_registry import TOOL_PARSERS
 from kvserve.services.api.serving.protocol import ChatTool
-from kvserve.shared.parser_names import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
+from kvserve.shared.parser_names import (
+    HARMONY_REASONING_PARSER,
+    HARMONY_TOOL_PARSER,
+    REASONING_PARSER_NAMES,
+    TOOL_CALL_PARSER_NAMES,
+)
 from tests.unit.api.parsers.family_formats import (
     MALFORMED,
     REASONING_FORMATS,
@@ -100,8 +105,9 @@ def test_markers_that_are_special_tokens_are_flagged():
         "kimi_k2",
         "mistral",
     }
-    assert set(TOOL_PARSERS) == set(TOOL_CALL_PARSER_NAMES)
-    assert set(REASONING_PARSERS) == set(REASONING_PARSER_NAMES)
+    # Every flag name has a parser: a text one in the registries, or harmony's package.
+    assert set(TOOL_PARSERS) | {HARMONY_TOOL_PARSER} == set(TOOL_CALL_PARSER_NAMES)
+    assert set(REASONING_PARSERS) | {HARMONY_REASONING_PARSER} == set(REASONING_PARSER_NAMES)
 
 
 def reasoning_split(case: ReasoningFormat, pieces: list[str]):

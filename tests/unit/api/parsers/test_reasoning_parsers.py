@@ -45,6 +45,7 @@ def test_qwen3_thinks_unless_the_request_turns_it_off():
     assert not qwen3.starts_thinking({"enable_thinking": False})
     assert R1.starts_thinking({"enable_thinking": False})  # R1 always thinks
     # The flag's choices (shared/config.py) are the registered parsers.
-    assert set(REASONING_PARSERS) == set(REASONING_PARSER_NAMES) >= {"deepseek_r1", "qwen3"}
+    names = set(REASONING_PARSERS) | {"openai_gptoss"}  # harmony's: services/api/harmony/
+    assert names == set(REASONING_PARSER_NAMES) >= {"deepseek_r1", "qwen3"}
     with pytest.raises(ValueError, match="deepseek_r1"):
         get_reasoning_parser("nope")
