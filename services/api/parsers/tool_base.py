@@ -46,10 +46,13 @@ def arguments_json(arguments: object) -> str:
 
 
 def longest_marker_prefix(text: str, marker: str) -> int:
-    """Length of the longest end of text that begins `marker`."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
+    """Length of the longest end of text that begins `marker` (scanning only from where the
+    marker's first character occurs: this runs once per streamed token)."""
+    index = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while index >= 0:
+        if marker.startswith(text[index:]):
+            return len(text) - index
+        index = text.find(marker[0], index + 1)
     return 0
 
 

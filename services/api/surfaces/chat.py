@@ -130,13 +130,18 @@ class OpenAIServingChat(OpenAIServing):
         return self._reasoning_end_ids
 
     def reasoning_of(
-        self, request: ChatCompletionRequest, template_kwargs: dict[str, Any]
+        self,
+        request: ChatCompletionRequest,
+        template_kwargs: dict[str, Any],
+        tool_choice: str = "auto",
     ) -> tuple[ReasoningParser | None, dict[str, Any]]:
         """(the parser when the reply starts thinking, the SamplingParams fields that tell the
         engine); a thinking budget without a parser is a 400."""
         parser = self.reasoning_parser
         budget = request.thinking_token_budget
         if self.harmony is not None:
+            if tool_choice not in ("auto", "none"):
+                return None, {}  # the prompt opens the call: its grammar applies at once
             fields: dict[str, Any] = {"reasoning_end_token_ids": self.harmony.final_header_ids}
             return None, fields | ({"thinking_token_budget": budget} if budget is not None else {})
         if parser is None:
@@ -246,7 +251,7 @@ class OpenAIServingChat(OpenAIServing):
         template_kwargs = dict(request.chat_template_kwargs or {})
         if request.reasoning_effort is not None:
             template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
-        reasoning, reasoning_fields = self.reasoning_of(request, template_kwargs)
+        reasoning, reasoning_fields = self.reasoning_of(request, template_kwargs, tool_choice)
         image_urls = image_urls_of(request.messages)
         if image_urls:
             self.check_images(image_urls)
@@ -409,7 +414,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def tool_output(self, request: ChatCompletionRequest, tool_choice: str) -> ToolCallOutput:
         """How one choice's text becomes content and tool calls (the chat-shaped surfaces
-        share it)."""
+        share it). Under harmony an "auto" choice's calls come from its channels
+        (harmony_output), and only the constrained choices read text."""
+        if self.harmony is not None and tool_choice in ("auto", "none"):
+            return ToolCallOutput("none")  # harmony_output reads this choice's calls
         return ToolCallOutput(
             tool_choice, self.tool_call_parser, request.parallel_tool_calls, request.tools
         )
@@ -422,7 +430,9 @@ class OpenAIServingChat(OpenAIServing):
         final = await self.final_output(prepared, request)
         choices = []
         for completion in final.outputs:
-            tool_output = self.tool_output(request, tool_choice)
+            tool_output = self.harmony_output(prepared, request) or self.tool_output(
+                request, tool_choice
+            )
             reasoning, content, tool_calls = self.parse_whole(prepared, request, completion.text)
             message = ChatResponseMessage("assistant", content or "", tool_calls)
             if self.splits_reasoning:
