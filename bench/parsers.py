@@ -27,7 +27,8 @@ from kvserve.services.api.parsers.reasoning_parsers import ReasoningSplitter  # 
 from kvserve.services.api.parsers.reasoning_registry import get_reasoning_parser  # noqa: E402
 from kvserve.services.api.parsers.tool_calls import ToolCallOutput  # noqa: E402
 from kvserve.services.api.serving.protocol import ChatTool  # noqa: E402
-from tests.unit.api.harmony.test_harmony import CALL_OUTPUT, TOOLS as HARMONY_TOOLS  # noqa: E402
+from tests.unit.api.harmony.test_harmony import CALL_OUTPUT  # noqa: E402
+from tests.unit.api.harmony.test_harmony import TOOLS as HARMONY_TOOLS  # noqa: E402
 from tests.unit.api.parsers.family_formats import (  # noqa: E402
     REASONING_FORMATS,
     TOOL_FORMATS,
