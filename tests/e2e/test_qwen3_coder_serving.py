@@ -122,7 +122,7 @@ def test_auto_picks_qwen3_coder(server):
 @pytest.mark.parametrize("stream", [False, True])
 def test_openai_tool_loop(client, server, stream):
     reply = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, tools=[WEATHER], max_tokens=120, stream=stream,
+        model=MODEL, messages=QUESTION, tools=[WEATHER], max_tokens=200, stream=stream,
         extra_body=FORCED,
     )  # fmt: skip
     if stream:
@@ -167,7 +167,7 @@ def test_openai_tool_loop(client, server, stream):
 def test_malformed_forced_call_is_content(client):
     broken = CALL_TEXT.replace("</tool_call>", "")
     reply = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, tools=[WEATHER], max_tokens=120,
+        model=MODEL, messages=QUESTION, tools=[WEATHER], max_tokens=200,
         extra_body={"structured_outputs": {"regex": broken.replace("\n", "\\n")}},
     )  # fmt: skip
     assert reply.choices[0].message.tool_calls in (None, [])

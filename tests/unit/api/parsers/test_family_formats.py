@@ -134,3 +134,18 @@ def test_reference_reasoning_splits_whole_and_char_by_char(case: ReasoningFormat
 @given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=10))
 def test_reference_reasoning_streams_split_anywhere(case: ReasoningFormat, cuts):
     assert reasoning_split(case, split_at(case.text, cuts)) == (case.reasoning, case.content)
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_every_format_takes_tool_choice_none_required_and_named(parser):
+    """none leaves the family's markup as content; required and a named function read the
+    JSON their grammar writes (resolve_tool_choice / tool_constraint), whatever the format."""
+    markup = next((c.text for c in TOOL_FORMATS if c.parser == parser), "<tool_call>x")
+    assert ToolCallOutput("none", parser, tools=CHAT_TOOLS).result(markup) == (markup, [])
+    required = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    _, calls = ToolCallOutput("required", parser, tools=CHAT_TOOLS).result(required)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    _, calls = ToolCallOutput("get_weather", parser, tools=CHAT_TOOLS).result('{"city": "Oslo"}')
+    assert [c.function.name for c in calls] == ["get_weather"]
