@@ -44,15 +44,7 @@ class HarmonyOutput:
     def result(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning, content, tool calls) of a whole output."""
         reasoning, content, deltas = self._apply(HarmonyStream().parse(text))
-        calls = [
-            ToolCall(
-                id=d.id or new_tool_call_id(),
-                function=FunctionCall(
-                    name=d.function.name or "", arguments=d.function.arguments or ""
-                ),
-            )
-            for d in deltas
-        ]
+        calls = [_whole_call(delta) for delta in deltas]
         return reasoning or None, content or None, calls
 
     def update(self, delta: str, finished: bool) -> tuple[str, str | None, list[DeltaToolCall]]:
@@ -105,3 +97,11 @@ def _is_json_object(text: str) -> bool:
         return isinstance(json.loads(text), dict)
     except ValueError:
         return False
+
+
+def _whole_call(delta: DeltaToolCall) -> ToolCall:
+    """A call this class sent whole as one delta, as the non-streamed tool call."""
+    function = delta.function
+    assert function is not None, "_call_delta always names the function"
+    arguments = FunctionCall(name=function.name or "", arguments=function.arguments or "")
+    return ToolCall(id=delta.id or new_tool_call_id(), function=arguments)
