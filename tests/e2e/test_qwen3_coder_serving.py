@@ -178,7 +178,17 @@ def test_malformed_forced_call_is_content(client):
 
 def test_anthropic_tool_use(server):
     client = anthropic.Anthropic(base_url=server[0], api_key="unused", max_retries=0)
-    tool = {"name": "get_weather", "input_schema": PARAMETERS}
+    # Bounded values: the random model's forced arguments always close within max_tokens.
+    bounded = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "days": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    tool = {"name": "get_weather", "input_schema": bounded}
     reply = client.messages.create(
         model=MODEL, max_tokens=200, messages=QUESTION, tools=[tool],
         tool_choice={"type": "tool", "name": "get_weather"},
