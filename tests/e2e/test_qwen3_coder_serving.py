@@ -166,10 +166,10 @@ def test_openai_tool_loop(client, server, stream):
     assert second.usage.prompt_tokens == prompt_tokens(server[1], as_objects)
 
 
-def test_malformed_forced_call_is_content(client):
-    broken = CALL_TEXT.replace("</tool_call>", "")
+def test_a_call_to_an_unknown_function_is_content(client):
+    broken = "<tool_call>\n<function=nope>\n</function>\n</tool_call>"
     reply = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, tools=[WEATHER], max_tokens=200,
+        model=MODEL, messages=QUESTION, tools=[WEATHER], max_tokens=80,
         extra_body={"structured_outputs": {"regex": broken.replace("\n", "\\n")}},
     )  # fmt: skip
     assert reply.choices[0].message.tool_calls in (None, [])
