@@ -114,12 +114,12 @@ class OpenAIServingChat(OpenAIServing):
             reasoning_parser = None
         self.reasoning_parser = get_reasoning_parser(reasoning_parser)
         self.tool_call_parser = tool_parser
+        self._reasoning_end_ids: list[int] | None = None
 
     @property
     def splits_reasoning(self) -> bool:
         """Whether replies come with their thinking apart (a reasoning parser, or harmony)."""
         return self.reasoning_parser is not None or self.harmony is not None
-        self._reasoning_end_ids: list[int] | None = None
 
     def reasoning_end_token_ids(self) -> list[int]:
         """The reasoning parser's end tag as token ids (what the engine watches)."""
