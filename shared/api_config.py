@@ -16,9 +16,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvserve.shared.cli_args import flag_doc
-from kvserve.shared.config import ReasoningParserName
 from kvserve.shared.env import API_KEY, VLLM_API_KEY
 from kvserve.shared.lora import LoRAModulePath
+from kvserve.shared.parser_names import ReasoningParserName, ToolCallParserName
 
 
 class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -217,12 +217,15 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
         flag_doc('tool_choice "auto": the model decides, --tool-call-parser reads its tool calls'),
     ] = False
     tool_call_parser: Annotated[
-        Literal["hermes", "llama3_json", "pythonic"] | None,
+        Literal[ToolCallParserName, "auto"] | None,
         flag_doc(
-            "how tool calls look in the model's text: hermes (JSON in <tool_call> tags), "
-            "llama3_json (JSON objects), pythonic ([f(a=1), g()])"
+            "how tool calls look in the model's text (vLLM's names): auto (the default: from "
+            "the model's config and chat template, logged at start-up), hermes (JSON in "
+            "<tool_call> tags), llama3_json (JSON objects), pythonic ([f(a=1), g()]), "
+            "llama4_pythonic, mistral ([TOOL_CALLS]), qwen3_coder / qwen3_xml (XML), "
+            "deepseek_v3, deepseek_v31, kimi_k2, glm45"
         ),
-    ] = None
+    ] = "auto"
     runner: Annotated[
         Literal["auto", "generate", "pooling"],
         flag_doc(
@@ -246,12 +249,14 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = None
     reasoning_parser: Annotated[
-        ReasoningParserName | None,
+        Literal[ReasoningParserName, "auto"] | None,
         flag_doc(
-            "split the model's thinking from its answer (reasoning_content): deepseek_r1 or "
-            "qwen3 (<think>...</think>); structured outputs then constrain the answer only"
+            "split the model's thinking from its answer (reasoning_content): auto (the "
+            "default: from the model's config and chat template, logged at start-up), "
+            "deepseek_r1 or qwen3 (<think>...</think>), deepseek_v3, glm45, kimi_k2, mistral "
+            "([THINK]); structured outputs then constrain the answer only"
         ),
-    ] = None
+    ] = "auto"
     exclude_tools_when_tool_choice_none: Annotated[
         bool, flag_doc('leave the tools out of the chat template when tool_choice is "none"')
     ] = False

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 
 from kvserve.shared.cli_args import flag_doc
+from kvserve.shared.parser_names import REASONING_PARSER_NAMES
 
 GiB = 1 << 30
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -306,11 +307,6 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "uni" if self.world_size == 1 else "mp"
-
-
-# The --reasoning-parser names (services/api/parsers/reasoning_parsers.py registers each).
-REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
-ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
 class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -59,6 +59,7 @@ class APIServer(msgspec.Struct, frozen=True, kw_only=True):
         http: the HTTP server's options.
         frontend: the OpenAI front end's options.
         tokenizer_dir: the folder the tokenizer loads from.
+        model_dir: the model's folder (its config.json picks the `auto` parsers).
         lora: the engines' LoRA options (adapters are served with enable_lora).
         build_app: the app factory (default: kvserve.services.api.server.build_app).
     """
@@ -67,6 +68,7 @@ class APIServer(msgspec.Struct, frozen=True, kw_only=True):
     http: HTTPConfig
     frontend: FrontendConfig
     tokenizer_dir: str
+    model_dir: str | None = None
     lora: LoRAConfig | None = None
     build_app: AppFactory | None = None
 
@@ -159,7 +161,7 @@ async def _connected_client(
     try:
         # The tokenizer loads while the engines load the model.
         tokenizer_info = await asyncio.to_thread(
-            TokenizerInfo, api.tokenizer_dir, api.frontend.chat_template
+            TokenizerInfo, api.tokenizer_dir, api.frontend.chat_template, api.model_dir
         )
         client = await _until_signal(
             MPEngineClient.connect(
@@ -300,6 +302,7 @@ def run_api(options: APIOptions) -> int:
         http=options.http,
         frontend=options.frontend,
         tokenizer_dir=options.model.tokenizer or model_dir,
+        model_dir=model_dir,
         lora=options.lora,
     )
     topology = EngineTopology(

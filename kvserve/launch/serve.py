@@ -58,6 +58,7 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
         http=options.http,
         frontend=options.frontend,
         tokenizer_dir=config.model.tokenizer or model_dir,
+        model_dir=model_dir,
         lora=config.lora,
         build_app=build_app,
     )

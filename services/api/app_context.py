@@ -105,6 +105,7 @@ def make_context(
         engine_client.stat_loggers.append(LoggingStatLogger())
     completions = OpenAIServingCompletion(engine_client, served_model_name, frontend, models)
     chat = OpenAIServingChat(engine_client, served_model_name, frontend, models)
+    models.parser_names = (chat.frontend.tool_call_parser, chat.frontend.reasoning_parser)
     defaults = load_generation_defaults(
         frontend.generation_config, engine_client.tokenizer_info.model_dir
     )

@@ -11,12 +11,23 @@ cuts one reply's text (whole, or delta by delta while it streams) into reasoning
                   thinking off (chat_template_kwargs {"enable_thinking": false}, which makes the
                   template close an empty think block in the prompt).
 
+    deepseek_v3   DeepSeek V3.1/V3.2: the same tags, thinking only when the request asks
+                  (chat_template_kwargs {"thinking": true}).            reasoning/deepseek_v3.py
+    glm45         GLM-4.5/4.6: <think>...</think> when the reply opens it (off with
+                  enable_thinking false).                               reasoning/glm45.py
+    kimi_k2       Kimi K2 (Thinking): thinking unless turned off; a tool-call section also
+                  ends it.                                              reasoning/kimi_k2.py
+    mistral       Magistral: [THINK]...[/THINK] when the reply opens it.  reasoning/mistral.py
+    openai_gptoss gpt-oss: the harmony analysis channel (parsed by token ids, in
+                  services/api/harmony/; not a tag splitter).
+
 The end tag, tokenized, is what the engine watches (SamplingParams.reasoning_end_token_ids):
 structured outputs constrain what follows it, and a thinking budget forces it. Tool calls are
 parsed from the content only.
 
-How to add one: a `ReasoningParser` subclass with its tags and `starts_thinking`, registered
-in REASONING_PARSERS under its --reasoning-parser name.
+How to add one: a `ReasoningParser` subclass with its tags and `starts_thinking`, in a file
+of its own under reasoning/, registered in reasoning_registry.py under its --reasoning-parser
+name (and in shared/config.py's REASONING_PARSER_NAMES).
 """
 
 from __future__ import annotations
@@ -29,6 +40,13 @@ class ReasoningParser:
 
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
+    # The reply thinks only when it opens with the start tag (the model writes it): a reply
+    # that does not is all content.
+    requires_start: ClassVar[bool] = False
+    # Markers that end the thinking too, kept in the content (a tool-call section).
+    implicit_ends: ClassVar[tuple[str, ...]] = ()
+    # The tags are special tokens, kept in the text only when the detokenizer keeps them.
+    needs_special_tokens: ClassVar[bool] = False
 
     def starts_thinking(self, chat_template_kwargs: dict[str, Any]) -> bool:
         """Whether a reply to a request templated with these kwargs begins thinking."""
@@ -42,22 +60,6 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 class Qwen3ReasoningParser(ReasoningParser):
     def starts_thinking(self, chat_template_kwargs: dict[str, Any]) -> bool:
         return chat_template_kwargs.get("enable_thinking") is not False
-
-
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    "deepseek_r1": DeepSeekR1ReasoningParser,
-    "qwen3": Qwen3ReasoningParser,
-}
-
-
-def get_reasoning_parser(name: str | None) -> ReasoningParser | None:
-    if name is None:
-        return None
-    if name not in REASONING_PARSERS:
-        raise ValueError(
-            f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}"
-        )
-    return REASONING_PARSERS[name]()
 
 
 class ReasoningSplitter:
@@ -86,16 +88,26 @@ class ReasoningSplitter:
             if not final and (not stripped or (start.startswith(stripped) and stripped != start)):
                 self._held = text  # blank so far, or perhaps a start tag on its way
                 return "", ""
+            self.at_start = False
             if stripped.startswith(start):
                 text = stripped[len(start) :]
-            self.at_start = False
+            elif self.parser.requires_start:
+                self.thinking = False
+                return "", text
+        return self._thinking(text, final)
+
+    def _thinking(self, text: str, final: bool) -> tuple[str, str]:
         end = self.parser.end
         cut = text.find(end)
+        implicit = [i for i in (text.find(m) for m in self.parser.implicit_ends) if i >= 0]
+        if implicit and (cut < 0 or min(implicit) < cut):
+            self.thinking = False  # the marker begins the content
+            return text[: min(implicit)], text[min(implicit) :]
         if cut >= 0:
             self.thinking, self.after_end = False, True
             return text[:cut], self._content(text[cut + len(end) :])
         if not final:
-            keep = _partial_suffix(text, end)
+            keep = max(_partial_suffix(text, tag) for tag in (end, *self.parser.implicit_ends))
             if keep:
                 text, self._held = text[:-keep], text[-keep:]
         return text, ""

@@ -19,7 +19,8 @@ from typing import Any
 
 import msgspec
 
-from kvserve.services.api.parsers.tool_parsers import TOOL_PARSERS, ToolParser
+from kvserve.services.api.parsers.tool_base import ToolParser
+from kvserve.services.api.parsers.tool_registry import TOOL_PARSERS
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.protocol import (
     ChatCompletionRequest,
@@ -34,6 +35,13 @@ from kvserve.shared.api_config import FrontendConfig
 from kvserve.shared.structured_outputs import StructuredOutputsParams
 
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def tool_schemas(tools: list[ChatTool] | None) -> dict[str, dict[str, Any]] | None:
+    """name → parameters schema of the request's functions (None: no tools given)."""
+    if tools is None:
+        return None
+    return {tool.function.name: tool.function.parameters or _NO_PARAMETERS for tool in tools}
 
 
 def new_tool_call_id() -> str:
@@ -178,15 +186,23 @@ class ToolCallOutput:
         parser_name: --tool-call-parser (for "auto").
         parallel: parallel_tool_calls; False keeps an "auto" output's first call only (the
             grammar of "required" allows one call then).
+        tools: the request's tools: an "auto" call naming another function is content, and
+            their schemas type the values of formats that write them bare (qwen3_coder).
     """
 
-    def __init__(self, choice: str, parser_name: str | None = None, parallel: bool = True):
+    def __init__(
+        self,
+        choice: str,
+        parser_name: str | None = None,
+        parallel: bool = True,
+        tools: list[ChatTool] | None = None,
+    ):
         self.choice = choice
         self.max_calls = None if parallel else 1
         self.parser: ToolParser | None = None
         if choice == "auto":
             assert parser_name is not None, "resolve_tool_choice checked the parser is set"
-            self.parser = TOOL_PARSERS[parser_name]()
+            self.parser = TOOL_PARSERS[parser_name](tool_schemas(tools))
         self.text = ""
         self.num_sent_chars = 0  # content streamed so far
         self.num_calls = 0

@@ -1,14 +1,22 @@
 """Tool-call parsers for tool_choice "auto": find the tool calls in a model's free text.
 
-One parser per way models write calls, named as vLLM names them (--tool-call-parser):
+One parser per way models write calls, named as vLLM names them (--tool-call-parser); the
+three oldest sit here, every other family in its own file under tools/:
 
-    hermes       text <tool_call>{"name": "f", "arguments": {...}}</tool_call> ...
-    llama3_json  [<|python_tag|>]{"name": "f", "parameters": {...}}; {...}
-    pythonic     [f(a=1, b="x"), g()]
+    hermes           text <tool_call>{"name": "f", "arguments": {...}}</tool_call> ...
+    llama3_json      [<|python_tag|>]{"name": "f", "parameters": {...}}; {...}
+    pythonic         [f(a=1, b="x"), g()]
+    llama4_pythonic  [<|python_start|>][f(a=1)][<|python_end|>]          tools/llama4.py
+    mistral          [TOOL_CALLS]f[ARGS]{...} or [TOOL_CALLS][{...}]      tools/mistral.py
+    qwen3_coder      <tool_call><function=f><parameter=a>1</parameter>... tools/qwen3_coder.py
+                     (alias qwen3_xml)
+    deepseek_v3      <｜tool▁calls▁begin｜>...<｜tool▁sep｜>f ```json   tools/deepseek.py
+    deepseek_v31     <｜tool▁calls▁begin｜>...f<｜tool▁sep｜>{...}      tools/deepseek.py
+    kimi_k2          <|tool_calls_section_begin|>...functions.f:0...      tools/kimi_k2.py
+    glm45            <tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>   tools/glm45.py
+    openai           gpt-oss's harmony (parsed by token ids: services/api/harmony/)
 
-A parser reads a whole output (`extract`) and, for streaming, says where tool calls begin
-in a growing text (`start_index`) and how much of its end may still turn into the start of
-one (`holdback`). Text that does not parse as calls stays content, as in vLLM.
+The base class and its helpers are in tool_base.py, the registry in tool_registry.py.
 """
 
 from __future__ import annotations
@@ -16,77 +24,13 @@ from __future__ import annotations
 import ast
 import json
 import re
-from dataclasses import dataclass, field
 
-
-@dataclass(slots=True)
-class ExtractedToolCalls:
-    """content: the text that is not a tool call (None when there is none);
-    calls: (function name, arguments as JSON text) in order."""
-
-    content: str | None
-    calls: list[tuple[str, str]] = field(default_factory=list)
-
-
-def _content(text: str) -> str | None:
-    return text if text.strip() else None
-
-
-def _call_of(obj, arguments_keys: tuple[str, ...]) -> tuple[str, str]:
-    """(name, arguments JSON) of one {"name": ..., "arguments"|"parameters": ...} object."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise ValueError("a tool call needs a name")
-    arguments: object = next((obj[k] for k in arguments_keys if k in obj), {})
-    if isinstance(arguments, str):
-        json.loads(arguments)  # must already be JSON text
-        return obj["name"], arguments
-    return obj["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-def _longest_marker_prefix(text: str, marker: str) -> int:
-    """Length of the longest end of text that begins `marker`."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
-
-
-class ToolParser:
-    """Base: tool calls start at `marker`; anchored parsers only at the start of the text."""
-
-    marker = ""
-    anchored = False
-
-    def extract(self, text: str) -> ExtractedToolCalls:
-        try:
-            return self._extract(text)
-        except (ValueError, SyntaxError, TypeError):
-            return ExtractedToolCalls(_content(text))  # not calls after all: plain text
-
-    def _extract(self, text: str) -> ExtractedToolCalls:
-        raise NotImplementedError
-
-    def start_index(self, text: str) -> int | None:
-        """Where tool calls begin in text, or None if they have not (yet)."""
-        if not self.anchored:
-            index = text.find(self.marker)
-            return None if index < 0 else index
-        stripped = text.lstrip()
-        starts = any(stripped.startswith(m) for m in self.start_markers)
-        return len(text) - len(stripped) if stripped and starts else None
-
-    @property
-    def start_markers(self) -> tuple[str, ...]:
-        return (self.marker,)
-
-    def holdback(self, text: str) -> int:
-        """Characters at the end of text (before any call) that may still start a call."""
-        if not self.anchored:
-            return _longest_marker_prefix(text, self.marker)
-        stripped = text.lstrip()
-        if not stripped or any(m.startswith(stripped) for m in self.start_markers):
-            return len(text)  # undecided: the first characters are what tells
-        return 0
+from kvserve.services.api.parsers.tool_base import (
+    ExtractedToolCalls,
+    ToolParser,
+    call_of,
+    content_of,
+)
 
 
 class HermesToolParser(ToolParser):
@@ -96,15 +40,15 @@ class HermesToolParser(ToolParser):
     def _extract(self, text: str) -> ExtractedToolCalls:
         start = text.find(self.marker)
         if start < 0:
-            return ExtractedToolCalls(_content(text))
+            return ExtractedToolCalls(content_of(text))
         calls = [
-            _call_of(json.loads(body), ("arguments", "parameters"))
+            call_of(json.loads(body), ("arguments", "parameters"))
             for body in self._CALL.findall(text[start:])
             if body.strip()
         ]
         if not calls:
             raise ValueError("empty tool call")
-        return ExtractedToolCalls(_content(text[:start]), calls)
+        return ExtractedToolCalls(content_of(text[:start]), calls)
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -119,11 +63,11 @@ class Llama3JsonToolParser(ToolParser):
     def _extract(self, text: str) -> ExtractedToolCalls:
         body = text.strip().removeprefix(self._PYTHON_TAG).lstrip()
         if not body.startswith("{"):
-            return ExtractedToolCalls(_content(text))
+            return ExtractedToolCalls(content_of(text))
         decoder, calls, position = json.JSONDecoder(), [], 0
         while position < len(body):
             obj, end = decoder.raw_decode(body, position)
-            calls.append(_call_of(obj, ("parameters", "arguments")))
+            calls.append(call_of(obj, ("parameters", "arguments")))
             position = end
             while position < len(body) and body[position] in " \t\r\n;":
                 position += 1
@@ -137,7 +81,7 @@ class PythonicToolParser(ToolParser):
     def _extract(self, text: str) -> ExtractedToolCalls:
         body = text.strip()
         if not (body.startswith("[") and body.endswith("]")):
-            return ExtractedToolCalls(_content(text))
+            return ExtractedToolCalls(content_of(text))
         tree = ast.parse(body, mode="eval").body
         if not isinstance(tree, ast.List) or not tree.elts:
             raise ValueError("not a list of calls")
@@ -152,10 +96,3 @@ class PythonicToolParser(ToolParser):
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
             calls.append((ast.unparse(node.func), json.dumps(arguments, ensure_ascii=False)))
         return ExtractedToolCalls(None, calls)
-
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    "hermes": HermesToolParser,
-    "llama3_json": Llama3JsonToolParser,
-    "pythonic": PythonicToolParser,
-}

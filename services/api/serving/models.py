@@ -44,6 +44,8 @@ class ServingModels:
         self.model_root = model_root
         self.lora_config = lora_config or LoRAConfig()
         self.lora_requests: dict[str, LoRARequest] = {}
+        # (tool-call parser, reasoning parser) the chat surfaces use, shown on the card.
+        self.parser_names: tuple[str | None, str | None] = (None, None)
         self._lora_ids = itertools.count(1)
         for module in lora_modules or ():
             try:
@@ -120,8 +122,15 @@ class ServingModels:
     def model_cards(self, max_model_len: int) -> list[ModelCard]:
         """/v1/models' entries: the base model, then each adapter (parent: its
         base_model_name from --lora-modules, else the served model)."""
+        tool_call_parser, reasoning_parser = self.parser_names
         cards = [
-            ModelCard(id=self.served_model_name, root=self.model_root, max_model_len=max_model_len)
+            ModelCard(
+                id=self.served_model_name,
+                root=self.model_root,
+                max_model_len=max_model_len,
+                tool_call_parser=tool_call_parser,
+                reasoning_parser=reasoning_parser,
+            )
         ]
         for lora in self.lora_requests.values():
             cards.append(

@@ -299,6 +299,10 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant message's calls
     tool_call_id: str | None = None  # a `tool` message answers this call
+    # An assistant message's chain of thought (vLLM's names), sent back in a tool loop:
+    # harmony keeps it across tool calls and drops it after a final answer.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True):
@@ -416,6 +420,10 @@ class ModelCard(msgspec.Struct, kw_only=True):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # kvserve's: the parsers serving this model's chat (--tool-call-parser and
+    # --reasoning-parser, `auto` resolved); null when none.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -19,9 +19,13 @@ class TokenizerInfo:
         model_dir: a folder with tokenizer files and, optionally, generation_config.json.
         chat_template: --chat-template: a Jinja template file, or the template itself; it
             replaces the tokenizer's own.
+        config_dir: the model's folder, whose config.json names its architecture (default:
+            model_dir; another one when --tokenizer points elsewhere).
     """
 
-    def __init__(self, model_dir: str, chat_template: str | None = None):
+    def __init__(
+        self, model_dir: str, chat_template: str | None = None, config_dir: str | None = None
+    ):
         # The fast tokenizer class loads tokenizer.json without importing torch (transformers'
         # AutoTokenizer does import it): the api process holds no model and no torch.
         tokenizer_cls: Any  # either class; both load with from_pretrained
@@ -31,6 +35,7 @@ class TokenizerInfo:
             from transformers import AutoTokenizer as tokenizer_cls
         self.tokenizer = tokenizer_cls.from_pretrained(model_dir)
         self.model_dir = model_dir
+        self.config_dir = config_dir or model_dir
         if chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(chat_template)
 
@@ -48,6 +53,12 @@ class TokenizerInfo:
             eos = json.load(f).get("eos_token_id")
         ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         return [i for i in ids if i != self.eos_token_id]
+
+    @property
+    def chat_template_text(self) -> str:
+        """The chat template as text (every named template of a tokenizer that has several)."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return template if isinstance(template, str) else "\n".join(map(str, template.values()))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)

@@ -6,7 +6,7 @@ each choice's text becomes content and OpenAI tool calls (finish_reason "tool_ca
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -16,18 +16,19 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvserve.services.api.harmony.output import HarmonyOutput
+from kvserve.services.api.harmony.prompt import HarmonyPrompt
 from kvserve.services.api.observability.tracing import trace_span
-from kvserve.services.api.parsers.reasoning_parsers import (
-    ReasoningParser,
-    ReasoningSplitter,
-    get_reasoning_parser,
-)
+from kvserve.services.api.parsers.auto import resolved_parsers
+from kvserve.services.api.parsers.reasoning_parsers import ReasoningParser, ReasoningSplitter
+from kvserve.services.api.parsers.reasoning_registry import get_reasoning_parser
 from kvserve.services.api.parsers.tool_calls import (
     ToolCallOutput,
     resolve_tool_choice,
     tool_constraint,
     tools_for_template,
 )
+from kvserve.services.api.parsers.tool_registry import TOOL_PARSERS
 from kvserve.services.api.serving.base import (
     MIN_LOGPROB,
     SSE_DONE,
@@ -39,7 +40,6 @@ from kvserve.services.api.serving.base import (
     prompt_logprobs_body,
     raise_if_failed,
     run_until_disconnected,
-    sse_event,
     stop_holdback,
 )
 from kvserve.services.api.serving.beam_search import beam_search_of
@@ -52,30 +52,27 @@ from kvserve.services.api.serving.multimodal import (
     load_image_bytes,
     load_image_processor,
 )
-from kvserve.services.api.serving.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.services.api.serving.outputs import Logprob, RequestOutput
 from kvserve.services.api.serving.protocol import (
-    UNSET,
     ChatCompletionRequest,
     ChatMessage,
     DeltaToolCall,
-    UsageInfo,
-    now_seconds,
+    ToolCall,
 )
 from kvserve.services.api.serving.request_constraints import structured_outputs_of
 from kvserve.services.api.surfaces.chat_messages import image_urls_of, messages_to_dicts
+from kvserve.services.api.surfaces.chat_stream import ChatStream, PreparedChat
 from kvserve.services.api.surfaces.openai_protocol import (
     ChatChoice,
     ChatCompletionResponse,
-    ChatCompletionStreamResponse,
     ChatLogprobEntry,
     ChatLogprobs,
     ChatResponseMessage,
-    ChatStreamChoice,
-    DeltaMessage,
     TopLogprob,
 )
 from kvserve.shared.api_config import parse_limit_mm_per_prompt
 from kvserve.shared.logging import init_logger
+from kvserve.shared.parser_names import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
 from kvserve.shared.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -101,24 +98,29 @@ class ChatDelta(NamedTuple):
     final: RequestOutput  # the cumulative output
 
 
-class PreparedChat(NamedTuple):
-    """A validated, templated chat request, ready to submit."""
-
-    ids: tuple[str, str]  # (the response's id, the engine's id)
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    tool_choice: str  # resolved: "none", "auto", "required" or a function's name
-    # The reasoning parser when the reply starts thinking (None: all of it is the answer).
-    reasoning: ReasoningParser | None = None
-
-
 class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint (see OpenAIServing for the constructor's arguments)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.reasoning_parser = get_reasoning_parser(self.frontend.reasoning_parser)
+        self.frontend = resolved_parsers(self.frontend, self.engine_client.tokenizer_info)
+        tool_parser, reasoning_parser = (
+            self.frontend.tool_call_parser,
+            self.frontend.reasoning_parser,
+        )
+        # gpt-oss speaks harmony: its own prompt rendering and output parsing, by channel.
+        self.harmony: HarmonyPrompt | None = None
+        if tool_parser == HARMONY_TOOL_PARSER or reasoning_parser == HARMONY_REASONING_PARSER:
+            self.harmony = HarmonyPrompt(self.tokenizer)
+            reasoning_parser = None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser)
+        self.tool_call_parser = tool_parser
         self._reasoning_end_ids: list[int] | None = None
+
+    @property
+    def splits_reasoning(self) -> bool:
+        """Whether replies come with their thinking apart (a reasoning parser, or harmony)."""
+        return self.reasoning_parser is not None or self.harmony is not None
 
     def reasoning_end_token_ids(self) -> list[int]:
         """The reasoning parser's end tag as token ids (what the engine watches)."""
@@ -129,12 +131,20 @@ class OpenAIServingChat(OpenAIServing):
         return self._reasoning_end_ids
 
     def reasoning_of(
-        self, request: ChatCompletionRequest, template_kwargs: dict[str, Any]
+        self,
+        request: ChatCompletionRequest,
+        template_kwargs: dict[str, Any],
+        tool_choice: str = "auto",
     ) -> tuple[ReasoningParser | None, dict[str, Any]]:
         """(the parser when the reply starts thinking, the SamplingParams fields that tell the
         engine); a thinking budget without a parser is a 400."""
         parser = self.reasoning_parser
         budget = request.thinking_token_budget
+        if self.harmony is not None:
+            if tool_choice not in ("auto", "none"):
+                return None, {}  # the prompt opens the call: its grammar applies at once
+            fields: dict[str, Any] = {"reasoning_end_token_ids": self.harmony.final_header_ids}
+            return None, fields | ({"thinking_token_budget": budget} if budget is not None else {})
         if parser is None:
             if budget is not None:
                 raise APIError(
@@ -145,7 +155,7 @@ class OpenAIServingChat(OpenAIServing):
             return None, {}
         if not parser.starts_thinking(template_kwargs):
             return None, {}
-        fields: dict[str, Any] = {"reasoning_end_token_ids": self.reasoning_end_token_ids()}
+        fields = {"reasoning_end_token_ids": self.reasoning_end_token_ids()}
         if budget is not None:
             fields["thinking_token_budget"] = budget
         return parser, fields
@@ -242,18 +252,12 @@ class OpenAIServingChat(OpenAIServing):
         template_kwargs = dict(request.chat_template_kwargs or {})
         if request.reasoning_effort is not None:
             template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
-        reasoning, reasoning_fields = self.reasoning_of(request, template_kwargs)
+        reasoning, reasoning_fields = self.reasoning_of(request, template_kwargs, tool_choice)
         image_urls = image_urls_of(request.messages)
         if image_urls:
             self.check_images(image_urls)
         with trace_span("tokenize"):
-            prompt_token_ids = self.apply_chat_template(
-                request.messages,
-                request.add_generation_prompt,
-                request.continue_final_message,
-                template_kwargs,
-                tools_for_template(request, tool_choice, self.frontend),
-            )
+            prompt_token_ids = self.prompt_token_ids(request, tool_choice, template_kwargs)
         if image_urls:
             prompt_token_ids = self.attach_images(prompt_token_ids, image_urls)
         self.check_prompt_tokens(prompt_token_ids, "messages")
@@ -273,9 +277,51 @@ class OpenAIServingChat(OpenAIServing):
             **reasoning_fields,
         )
         beam_search_of(request, self.engine_client.max_logprobs)  # its 400s, before submitting
+        harmony = self.harmony is not None and tool_choice in ("auto", "none")
+        params = self._with_parser_needs(params, tool_choice, reasoning, harmony)
         self.check_engine(request.n)
         ids = self.request_ids(raw_request, request, id_prefix)
-        return PreparedChat(ids, prompt_token_ids, params, tool_choice, reasoning)
+        return PreparedChat(ids, prompt_token_ids, params, tool_choice, reasoning, harmony)
+
+    def prompt_token_ids(
+        self, request: ChatCompletionRequest, tool_choice: str, template_kwargs: dict[str, Any]
+    ) -> list[int]:
+        """The templated conversation: harmony for gpt-oss, else the chat template."""
+        if self.harmony is None:
+            return self.apply_chat_template(
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                template_kwargs,
+                tools_for_template(request, tool_choice, self.frontend),
+            )
+        try:
+            return self.harmony.token_ids(request, messages_to_dicts(request.messages), tool_choice)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="reasoning_effort") from None
+
+    def _with_parser_needs(
+        self,
+        params: SamplingParams,
+        tool_choice: str,
+        reasoning: ReasoningParser | None,
+        harmony: bool,
+    ) -> SamplingParams:
+        """Harmony's <|call|> and <|return|> stop generation; parsers that read special
+        tokens get them kept in the text."""
+        if self.harmony is not None:
+            stop_ids = list(params.stop_token_ids or ()) + self.harmony.stop_token_ids
+            params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
+        if harmony or self._needs_special_tokens(tool_choice, reasoning):
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        return params
+
+    def _needs_special_tokens(self, tool_choice: str, reasoning: ReasoningParser | None) -> bool:
+        """Whether the parsers in use read markers that are special tokens ([TOOL_CALLS],
+        [THINK], Kimi's sections), which the text keeps only unskipped (as vLLM's do)."""
+        tool_parser = TOOL_PARSERS.get(self.tool_call_parser or "")
+        tool_markers = tool_choice == "auto" and tool_parser and tool_parser.needs_special_tokens
+        return bool(tool_markers or (reasoning is not None and reasoning.needs_special_tokens))
 
     async def start(
         self, prepared: PreparedChat, request: ChatCompletionRequest
@@ -327,12 +373,17 @@ class OpenAIServingChat(OpenAIServing):
         streamed = StreamedChoice(stop_holdback(prepared.params))
         tool_output = self.tool_output(request, prepared.tool_choice)
         splitter = ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
+        harmony = self.harmony_output(prepared, request)
         async for _, final in results:
             raise_if_failed(final)
             delta = streamed.next_delta(final.outputs[0], want_tokens=False)
             if delta is None:
                 continue
             text, _, finish_reason = delta
+            if harmony is not None:
+                parts = harmony.update(text, finish_reason is not None)
+                yield ChatDelta(*parts, finish_reason, harmony.num_calls, final)
+                continue
             reasoning = ""
             if splitter is not None:
                 reasoning, text = splitter.feed(text, finish_reason is not None)
@@ -345,11 +396,33 @@ class OpenAIServingChat(OpenAIServing):
                 reasoning, content, tool_deltas, finish_reason, tool_output.num_calls, final
             )
 
+    def harmony_output(
+        self, prepared: PreparedChat, request: ChatCompletionRequest
+    ) -> HarmonyOutput | None:
+        """How one choice's harmony splits into channels (None: the reply is not harmony)."""
+        if not prepared.harmony:
+            return None
+        return HarmonyOutput(prepared.tool_choice, request.tools, request.parallel_tool_calls)
+
+    def parse_whole(
+        self, prepared: PreparedChat, request: ChatCompletionRequest, text: str
+    ) -> tuple[str | None, str | None, list[ToolCall]]:
+        """A whole choice's (reasoning, content, tool calls), whatever the format."""
+        harmony = self.harmony_output(prepared, request)
+        if harmony is not None:
+            return harmony.result(text)
+        reasoning, text = split_reasoning(prepared.reasoning, text)
+        content, calls = self.tool_output(request, prepared.tool_choice).result(text)
+        return reasoning, content, calls
+
     def tool_output(self, request: ChatCompletionRequest, tool_choice: str) -> ToolCallOutput:
         """How one choice's text becomes content and tool calls (the chat-shaped surfaces
-        share it)."""
+        share it). Under harmony an "auto" choice's calls come from its channels
+        (harmony_output), and only the constrained choices read text."""
+        if self.harmony is not None and tool_choice in ("auto", "none"):
+            return ToolCallOutput("none")  # harmony_output reads this choice's calls
         return ToolCallOutput(
-            tool_choice, self.frontend.tool_call_parser, request.parallel_tool_calls
+            tool_choice, self.tool_call_parser, request.parallel_tool_calls, request.tools
         )
 
     # ------------------------------------------------------------------ non-streaming
@@ -360,11 +433,12 @@ class OpenAIServingChat(OpenAIServing):
         final = await self.final_output(prepared, request)
         choices = []
         for completion in final.outputs:
-            tool_output = self.tool_output(request, tool_choice)
-            reasoning, text = split_reasoning(prepared.reasoning, completion.text)
-            content, tool_calls = tool_output.result(text)
+            tool_output = self.harmony_output(prepared, request) or self.tool_output(
+                request, tool_choice
+            )
+            reasoning, content, tool_calls = self.parse_whole(prepared, request, completion.text)
             message = ChatResponseMessage("assistant", content or "", tool_calls)
-            if self.reasoning_parser is not None:
+            if self.splits_reasoning:
                 message.reasoning = message.reasoning_content = reasoning
             choices.append(
                 ChatChoice(
@@ -395,7 +469,7 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         results: AsyncGenerator[tuple[int, RequestOutput], None],
     ):
-        stream = _ChatStream(self, prepared, request)
+        stream = ChatStream(self, prepared, request)
         final: RequestOutput | None = None
         try:
             for chunk in stream.role_chunks():
@@ -447,117 +521,3 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatLogprobs(entries)
-
-
-class _ChatStream:
-    """One streamed chat request: per choice its progress, tool parsing and reasoning split,
-    and the chunks it emits.
-
-    Args:
-        serving: the chat endpoint (tool parsing, logprobs, model name, usage).
-        prepared: the request as submitted.
-        request: the request.
-    """
-
-    def __init__(
-        self, serving: OpenAIServingChat, prepared: PreparedChat, request: ChatCompletionRequest
-    ):
-        self.serving = serving
-        self.request = request
-        self.request_id = prepared.ids[0]
-        self.created = now_seconds()
-        self.usage: UsageInfo | msgspec.UnsetType | None = None if request.include_usage else UNSET
-        params = prepared.params
-        self.num_choices = params.n
-        self.streamed = [StreamedChoice(stop_holdback(params)) for _ in range(params.n)]
-        self.tool_outputs = [
-            serving.tool_output(request, prepared.tool_choice) for _ in range(params.n)
-        ]
-        self.splitters = [
-            ReasoningSplitter(prepared.reasoning) if prepared.reasoning else None
-            for _ in range(params.n)
-        ]
-
-    def role_chunks(self) -> Iterator[bytes]:
-        """OpenAI opens every choice with the role and empty content."""
-        for index in range(self.num_choices):
-            yield self._chunk([ChatStreamChoice(index, DeltaMessage("assistant", ""), None, None)])
-
-    def output_chunks(self, final: RequestOutput) -> Iterator[bytes]:
-        """One chunk per choice of `final` that has something new; failures raise."""
-        raise_if_failed(final)
-        for completion in final.outputs:
-            choice = self._choice(completion)
-            if choice is not None:
-                yield self._chunk([choice])
-
-    def usage_chunk(self, final: RequestOutput | None) -> bytes:
-        """The last chunk: no choices, the request's usage."""
-        self.usage = self.serving.usage([final])
-        return self._chunk([])
-
-    def _chunk(self, choices: list[ChatStreamChoice]) -> bytes:
-        return sse_event(
-            ChatCompletionStreamResponse(
-                id=self.request_id,
-                created=self.created,
-                model=self.serving.response_model(self.request.model),
-                choices=choices,
-                usage=self.usage,
-            )
-        )
-
-    def _choice(self, completion: CompletionOutput) -> ChatStreamChoice | None:
-        """The choice's new delta since the last chunk; None when there is none to send."""
-        request = self.request
-        delta = self.streamed[completion.index].next_delta(completion, want_tokens=request.logprobs)
-        if delta is None:
-            return None
-        text, first_token, finish_reason = delta
-        message, finish_reason = self._message(completion.index, text, finish_reason)
-        if message is None:
-            return None
-        logprobs = None
-        if request.logprobs:
-            logprobs = self.serving._logprobs(
-                completion.token_ids[first_token:],
-                (completion.logprobs or [])[first_token:],
-                request,
-            )
-        return ChatStreamChoice(
-            completion.index,
-            message,
-            logprobs,
-            finish_reason,
-            completion.stop_reason if finish_reason else None,
-        )
-
-    def _message(
-        self, index: int, text: str, finish_reason: str | None
-    ) -> tuple[DeltaMessage | None, str | None]:
-        """One choice's new text as a delta (reasoning split off, tool calls parsed) and its
-        finish reason (tool calls make it "tool_calls"); None while nothing is to be sent."""
-        reasoning = None
-        splitter = self.splitters[index]
-        if splitter is not None:
-            reasoning, text = splitter.feed(text, finish_reason is not None)
-            reasoning = reasoning or None
-        tool_output = self.tool_outputs[index]
-        if not tool_output.uses_tools:
-            if splitter is not None and not (
-                text or reasoning or finish_reason or self.request.logprobs
-            ):
-                return None, finish_reason  # a tag held back: nothing to send yet
-            message = DeltaMessage(content=text, reasoning=reasoning, reasoning_content=reasoning)
-            return message, finish_reason
-        content, tool_deltas = tool_output.update(text, finish_reason is not None)
-        message = DeltaMessage(
-            content=content,
-            reasoning=reasoning,
-            reasoning_content=reasoning,
-            tool_calls=tool_deltas or None,
-        )
-        finish_reason = tool_output.finish_reason(finish_reason, tool_output.num_calls)
-        if not (content or reasoning or tool_deltas or finish_reason or self.request.logprobs):
-            return None, finish_reason
-        return message, finish_reason

@@ -78,7 +78,6 @@ from kvserve.services.api.surfaces.chat import (
     ChatDelta,
     OpenAIServingChat,
     PreparedChat,
-    split_reasoning,
 )
 from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import PromptPin
@@ -316,14 +315,10 @@ class AnthropicServingMessages:
         self.chat = chat
 
     def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
-        chat_request = to_chat_request(request, self.chat.reasoning_parser is not None)
+        chat_request = to_chat_request(request, self.chat.splits_reasoning)
         self.chat.check_model(chat_request.model)
         tool_choice = resolve_tool_choice(chat_request, self.chat.frontend)
-        token_ids = self.chat.apply_chat_template(
-            chat_request.messages,
-            True,
-            tools=tools_for_template(chat_request, tool_choice, self.chat.frontend),
-        )
+        token_ids = self.chat.prompt_token_ids(chat_request, tool_choice, {})
         return CountTokensResponse(len(token_ids))
 
     async def create_message(self, request: MessagesRequest, raw_request: Request) -> Response:
@@ -334,7 +329,7 @@ class AnthropicServingMessages:
         if prewarm and request.stream:
             raise APIError(400, "max_tokens 0 (a cache pre-warm) cannot stream", "max_tokens")
         submitted = msgspec.structs.replace(request, max_tokens=1) if prewarm else request
-        chat_request = to_chat_request(submitted, self.chat.reasoning_parser is not None)
+        chat_request = to_chat_request(submitted, self.chat.splits_reasoning)
         prepared = self.chat.prepare(chat_request, raw_request, "msg_")
         cache = self._prompt_cache(breakpoints, prepared.prompt_token_ids)
         REQUEST_PINS.set(RequestPins(tuple(cache.pins)))
@@ -358,7 +353,7 @@ class AnthropicServingMessages:
 
     def _render_prefix(self, request: CountTokensRequest) -> list[int]:
         """The chat template's tokens of a request cut after a breakpoint's block."""
-        chat_request = to_chat_request(request, self.chat.reasoning_parser is not None)
+        chat_request = to_chat_request(request, self.chat.splits_reasoning)
         tool_choice = resolve_tool_choice(chat_request, self.chat.frontend)
         return self.chat.apply_chat_template(
             chat_request.messages,
@@ -378,8 +373,7 @@ class AnthropicServingMessages:
         completion = final.outputs[0]
         if prewarm:  # the prompt is cached; the one token it ran for is not the reply
             completion = dataclasses.replace(completion, text="", token_ids=[])
-        reasoning, text = split_reasoning(prepared.reasoning, completion.text)
-        content, calls = self.chat.tool_output(request, prepared.tool_choice).result(text)
+        reasoning, content, calls = self.chat.parse_whole(prepared, request, completion.text)
         blocks: list[ThinkingOut | TextOut | ToolUseOut] = (
             [ThinkingOut(reasoning)] if reasoning else []
         )

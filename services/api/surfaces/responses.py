@@ -45,7 +45,7 @@ from kvserve.services.api.serving.base import (
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.outputs import RequestOutput
 from kvserve.services.api.serving.protocol import ChatCompletionRequest, ToolCall
-from kvserve.services.api.surfaces.chat import OpenAIServingChat, PreparedChat, split_reasoning
+from kvserve.services.api.surfaces.chat import OpenAIServingChat, PreparedChat
 from kvserve.services.api.surfaces.responses_protocol import (
     FunctionCallItem,
     IncompleteDetails,
@@ -320,9 +320,7 @@ class OpenAIServingResponses:
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
             history = list(self.store.get(request.previous_response_id).conversation)
-        chat_request, conversation = to_chat_request(
-            request, history, self.chat.reasoning_parser is not None
-        )
+        chat_request, conversation = to_chat_request(request, history, self.chat.splits_reasoning)
         prepared = self.chat.prepare(chat_request, raw_request, "resp_")
         if request.stream:
             results = await self.chat.start(prepared, chat_request)
@@ -389,8 +387,9 @@ class OpenAIServingResponses:
         conversation: list[dict[str, Any]],
     ) -> Response:
         final = await self.chat.final_output(prepared, chat_request)
-        reasoning, text = split_reasoning(prepared.reasoning, final.outputs[0].text)
-        content, calls = self.chat.tool_output(chat_request, prepared.tool_choice).result(text)
+        reasoning, content, calls = self.chat.parse_whole(
+            prepared, chat_request, final.outputs[0].text
+        )
         output: list[OutputItem] = []
         if reasoning:
             output.append(ReasoningItem(new_id("rs"), [ReasoningText(reasoning)]))

@@ -124,15 +124,14 @@ def test_defaults_are_vllms():
         (["--ssl-keyfile", "k.pem"], "TLS needs both --ssl-keyfile and --ssl-certfile"),
         (["--max-logprobs", "-1"], "max_logprobs must be >= 0"),
         (["a", "--model", "b"], "model given twice"),
-        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+        (["--tool-call-parser", "granite"], "invalid choice: 'granite'"),
         (
             ["--structured-outputs-config", '{"backend": "outlines"}'],
             "backend 'outlines' is not supported",
         ),
         (
             ["--structured-outputs-config", '{"reasoning_parser": "granite"}'],
-            "reasoning_parser 'granite' is not one of deepseek_r1, qwen3",
+            "reasoning_parser 'granite' is not one of deepseek_r1, qwen3, deepseek_v3",
         ),
         (
             ["--guided-decoding-backend", "outlines"],
@@ -151,7 +150,9 @@ def test_unsupported_and_invalid_flags_are_refused_by_name(argv, message, capsys
 def test_the_reasoning_parser_and_the_runner_reach_the_front_end():
     options = _serve("--reasoning-parser", "qwen3", "--runner", "pooling")
     assert options.frontend.reasoning_parser == "qwen3" and options.frontend.runner == "pooling"
-    assert _serve().frontend.reasoning_parser is None
+    # auto (the default) is resolved against the model when the api starts.
+    assert _serve().frontend.reasoning_parser == "auto"
+    assert _serve().frontend.tool_call_parser == "auto"
 
 
 def test_config_file_flags_and_command_line_precedence(tmp_path):

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.services.api.parsers.reasoning_parsers import (
-    REASONING_PARSERS,
-    ReasoningSplitter,
-    get_reasoning_parser,
-)
-from kvserve.shared.config import REASONING_PARSER_NAMES
+from kvserve.services.api.parsers.reasoning_parsers import ReasoningSplitter
+from kvserve.services.api.parsers.reasoning_registry import REASONING_PARSERS, get_reasoning_parser
+from kvserve.shared.parser_names import REASONING_PARSER_NAMES
 
 R1 = get_reasoning_parser("deepseek_r1")
 
@@ -48,6 +45,7 @@ def test_qwen3_thinks_unless_the_request_turns_it_off():
     assert not qwen3.starts_thinking({"enable_thinking": False})
     assert R1.starts_thinking({"enable_thinking": False})  # R1 always thinks
     # The flag's choices (shared/config.py) are the registered parsers.
-    assert set(REASONING_PARSERS) == set(REASONING_PARSER_NAMES) >= {"deepseek_r1", "qwen3"}
+    names = set(REASONING_PARSERS) | {"openai_gptoss"}  # harmony's: services/api/harmony/
+    assert names == set(REASONING_PARSER_NAMES) >= {"deepseek_r1", "qwen3"}
     with pytest.raises(ValueError, match="deepseek_r1"):
         get_reasoning_parser("nope")

@@ -15,7 +15,7 @@ from kvserve.services.api.parsers.tool_calls import (
     resolve_tool_choice,
     tool_constraint,
 )
-from kvserve.services.api.parsers.tool_parsers import TOOL_PARSERS
+from kvserve.services.api.parsers.tool_registry import TOOL_PARSERS
 from kvserve.services.api.serving.errors import APIError
 from kvserve.services.api.serving.protocol import ChatCompletionRequest
 from kvserve.shared.api_config import FrontendConfig
