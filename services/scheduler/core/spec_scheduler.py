@@ -70,7 +70,9 @@ class SpecDecodeScheduler:
         if state is not None and draft_token_ids:
             # The matcher stands after the request's last token (update_from_output).
             grammar = state.grammar
-            draft_token_ids = [] if grammar is None else grammar_valid_prefix(grammar, draft_token_ids)
+            draft_token_ids = (
+                [] if grammar is None else grammar_valid_prefix(grammar, draft_token_ids)
+            )
         return draft_token_ids
 
     def _max_drafts(self, request: Request, token_budget: int) -> int:

@@ -155,10 +155,6 @@ def _match_length(tokens: list[int], pos: int, start: int, tail: list[int]) -> i
     if pos + 1 - depth >= start and tokens[pos + 1 - depth : pos + 1] == tail:
         return depth  # the common case in text that repeats: one slice compare
     length = 2
-    while (
-        length < depth
-        and pos - length >= start
-        and tokens[pos - length] == tail[-1 - length]
-    ):
+    while length < depth and pos - length >= start and tokens[pos - length] == tail[-1 - length]:
         length += 1
     return length

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvserve.services.worker.input_batch import InputBatch
 from kvserve.services.worker.spec_decode.methods import (
     DraftModelMethod,
     EagleMethod,
     MedusaMethod,
     NgramMethod,
 )
-from kvserve.services.worker.input_batch import InputBatch
 from kvserve.services.worker.spec_decode.proposer import Proposer, ProposerContext
 from kvserve.services.worker.step_inputs import StepBatch
 

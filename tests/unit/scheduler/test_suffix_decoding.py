@@ -69,7 +69,9 @@ def test_the_requests_own_text_drafts_a_copy_of_an_earlier_occurrence(text, cut)
 def test_draft_length_follows_the_match_and_the_tree_depth():
     body = list(range(100, 140))
     # The prompt holds body once; the output repeats its first 20 tokens: a 20-token match.
-    proposer = SuffixProposer(suffix_config(num_speculative_tokens=32, suffix_decoding_max_tree_depth=64))
+    proposer = SuffixProposer(
+        suffix_config(num_speculative_tokens=32, suffix_decoding_max_tree_depth=64)
+    )
     request = make_request("r", [1, 2, *body, 3], output=body[:20])
     assert proposer.propose(request, [], 32) == body[20:40]  # min(32, 1.0 * 20, 64 - 20)
     # A shallow tree leaves room for depth - m tokens: m = 12 gives 12 of the 24.
