@@ -7,23 +7,23 @@ text drafting for another. The worker runs no proposer for it
 request's drafts when the step's sampled tokens come back (`on_output`), and tells it when
 a request is freed.
 
-A new scheduler-side method: subclass `SchedulerProposer`, add it to `_PROPOSERS`, and add
-its name to `SpecMethod` and `SCHEDULER_METHODS` in shared/spec_config.py.
+A new scheduler-side method: a class with `SchedulerProposer`'s methods (a Protocol: the
+method's module needs nothing from here), its factory in `_PROPOSERS`, and its name in
+`SpecMethod` and `SCHEDULER_METHODS` in shared/spec_config.py.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Protocol
 
 from kvserve.services.scheduler.core.request import Request
 from kvserve.shared.spec_config import SpeculativeConfig
 
 
-class SchedulerProposer(ABC):
+class SchedulerProposer(Protocol):
     """One speculative method in the scheduler (see the module docstring)."""
 
-    @abstractmethod
     def propose(self, request: Request, new_token_ids: list[int], num_drafts: int) -> list[int]:
         """The request's drafts for its next step.
 
@@ -32,10 +32,11 @@ class SchedulerProposer(ABC):
             new_token_ids: the tokens this step emitted for it (verified; appended next).
             num_drafts: drafts wanted at most (0: none, but the proposer may keep up).
         """
+        ...
 
-    @abstractmethod
     def free(self, request: Request) -> None:
         """The request ended (finished, aborted or failed): drop its state."""
+        ...
 
 
 def _suffix(config: SpeculativeConfig) -> SchedulerProposer:

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import deque
 
 from kvserve.services.scheduler.core.request import Request
-from kvserve.services.scheduler.core.spec_proposers import SchedulerProposer
 from kvserve.services.scheduler.core.suffix_index import NO_DRAFT, SEPARATOR, Draft, SuffixIndex
 from kvserve.shared.spec_config import SpeculativeConfig
 
@@ -32,8 +31,9 @@ _MAX_CACHED_TOKENS = 1 << 21
 TenantKey = tuple[str, str | None]
 
 
-class SuffixProposer(SchedulerProposer):
-    """
+class SuffixProposer:
+    """A `SchedulerProposer` (spec_proposers.py).
+
     Args:
         config: the speculative config (method suffix and its suffix_decoding_* knobs).
     """
