@@ -90,13 +90,14 @@ def test_greedy_equals_greedy_without_speculation(prompts, reference, suffix_llm
     before = _accepted(suffix_llm)
     assert _generate(suffix_llm, prompts[:3], params) == expected
     # The repeat and rewrite prompts copy their own text: drafts from the prompt accepted.
-    assert _accepted(suffix_llm) > before
+    num_first = _accepted(suffix_llm) - before
+    assert num_first > 0
     totals = suffix_llm.stats_totals
     assert totals.spec_num_accepted_tokens < totals.spec_num_draft_tokens  # and some rejected
     # The same requests again draft from the first run's outputs as well.
     before = _accepted(suffix_llm)
     assert _generate(suffix_llm, prompts[:3], params) == expected
-    assert _accepted(suffix_llm) - before >= MAX_TOKENS
+    assert _accepted(suffix_llm) - before > num_first
     assert_no_leaked_blocks(suffix_llm.engine_core.scheduler)
 
 
