@@ -26,10 +26,11 @@ QUESTIONS = [
     "What is the capital of France?",
 ]
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False}
+# Bounded, so the small model's reply ends within max_tokens (an unbounded integer loops "111...").
 RECORD = {
     "type": "object",
-    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
-    "required": ["city", "population"],
+    "properties": {"city": {"type": "string", "maxLength": 16}, "capital": {"type": "boolean"}},
+    "required": ["city", "capital"],
 }
 # What the api's tool_choice "required" compiles to (parsers/tool_calls.required_calls_schema).
 TOOL_CALLS = {
@@ -44,7 +45,7 @@ TOOL_CALLS = {
                     "name": {"type": "string", "enum": ["get_weather"]},
                     "parameters": {
                         "type": "object",
-                        "properties": {"city": {"type": "string"}},
+                        "properties": {"city": {"type": "string", "maxLength": 16}},
                         "required": ["city"],
                     },
                 },
