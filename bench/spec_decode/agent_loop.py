@@ -27,6 +27,7 @@ from make_datasets import JSON_SCHEMA  # noqa: E402
 from run import NGRAM, SUFFIX  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.services.scheduler.core.suffix_proposer import TenantOutputs  # noqa: E402
 from kvserve.shared.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 MODES = {"off": None, "ngram": NGRAM, "suffix": SUFFIX}
@@ -58,6 +59,16 @@ def run_turns(llm: LLM, turns: list[tuple[str, str]], workload: str) -> tuple[fl
     return time.perf_counter() - wall, time.process_time() - cpu, outputs
 
 
+def forget_outputs(llm: LLM) -> None:
+    """Empty suffix decoding's store of finished outputs, so a round never drafts from the
+    previous round's identical requests (within a round, a turn drafts from the earlier
+    turns' replies, as in an agent loop)."""
+    spec = llm.engine_core.scheduler.spec_decode
+    proposer = getattr(spec, "proposer", None)
+    if proposer is not None:
+        proposer.outputs = TenantOutputs(proposer.outputs.max_cached_requests)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -76,6 +87,7 @@ def main() -> int:
         for round_index in range(options.rounds):
             shift = round_index % len(modes)
             for mode in modes[shift:] + modes[:shift]:
+                forget_outputs(engines[mode])
                 wall, cpu, outputs = run_turns(engines[mode], turns, workload)
                 reference = reference or outputs
                 assert outputs == reference, f"{mode} emitted other tokens than {modes[0]}"
