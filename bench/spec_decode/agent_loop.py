@@ -30,7 +30,12 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.services.scheduler.core.suffix_proposer import TenantOutputs  # noqa: E402
 from kvserve.shared.structured_outputs import StructuredOutputsParams  # noqa: E402
 
-MODES = {"off": None, "ngram": NGRAM, "suffix": SUFFIX}
+MODES = {
+    "off": None,
+    "ngram": NGRAM,
+    "suffix": SUFFIX,
+    "suffix-fixed": {**SUFFIX, "adaptive": False},
+}
 JSON_MAX_TOKENS = 160
 
 
