@@ -35,6 +35,7 @@ MODES = {
     "ngram": NGRAM,
     "suffix": SUFFIX,
     "suffix-fixed": {**SUFFIX, "adaptive": False},
+    "suffix-f4": {**SUFFIX, "adaptive": False, "suffix_decoding_max_spec_factor": 4.0},
 }
 JSON_MAX_TOKENS = 160
 
