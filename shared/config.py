@@ -20,6 +20,7 @@ import msgspec
 
 from kvserve.shared.cli_args import flag_doc
 from kvserve.shared.parser_names import REASONING_PARSER_NAMES
+from kvserve.shared.spec_config import SpeculativeConfig
 
 GiB = 1 << 30
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -340,85 +341,6 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"reasoning_parser {self.reasoning_parser!r} is not one of "
                 f"{', '.join(REASONING_PARSER_NAMES)}"
             )
-
-
-SpecMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
-
-
-class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Speculative decoding (vLLM's --speculative-config / speculative_config).
-
-    Args:
-        method: ngram (prompt lookup over the request's own tokens), draft_model (a smaller
-            model with the target's vocabulary, or the target's first num_draft_layers
-            layers as a self-draft), eagle (EAGLE-1: one decoder layer over the target's
-            hidden state and the next token) or medusa (residual heads over the last hidden
-            state).
-        num_speculative_tokens: drafts per step at most (k).
-        prompt_lookup_min, prompt_lookup_max: ngram: the n-gram lengths matched, longest
-            first.
-        model: draft_model: the draft's folder or GGUF file (absent: the target itself,
-            truncated to num_draft_layers); medusa: the heads' folder.
-        num_draft_layers: draft_model: run only the draft's first L layers (then its final
-            norm and LM head). Without `model` the draft shares the target's weights and
-            KV cache, so it costs no memory and no extra prefill.
-        disable_by_batch_size: no speculation in a step with at least this many running
-            requests (vLLM's key); None: no such cap.
-        adaptive: each request's k follows its measured acceptance, and speculation turns
-            itself off when a batch is large enough that extra tokens are not free (the rule
-            is in services/scheduler/core/spec_decode.py).
-    """
-
-    method: SpecMethod
-    num_speculative_tokens: int
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    model: str | None = None
-    num_draft_layers: int | None = None
-    disable_by_batch_size: int | None = None
-    adaptive: bool = True
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(
-                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
-            )
-        if self.method == "ngram":
-            low, high = self.ngram_range
-            if not 1 <= low <= high:
-                raise ValueError(
-                    f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {low}, {high}"
-                )
-        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-            raise ValueError("prompt_lookup_min/max apply to the ngram method only")
-        if self.method == "draft_model":
-            if self.model is None and self.num_draft_layers is None:
-                raise ValueError(
-                    "draft_model needs a draft `model`, or `num_draft_layers` for a self-draft "
-                    "made of the target's first layers"
-                )
-            if self.num_draft_layers is not None and self.num_draft_layers < 1:
-                raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
-        elif self.num_draft_layers is not None:
-            raise ValueError("num_draft_layers applies to the draft_model method only")
-        if self.method in ("medusa", "eagle") and self.model is None:
-            raise ValueError(f"{self.method} needs `model`: the folder of the draft head")
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError("the ngram method takes no model")
-
-    @property
-    def ngram_range(self) -> tuple[int, int]:
-        """(prompt_lookup_min, prompt_lookup_max), each defaulting to the other (vLLM)."""
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None and high is None:
-            return 5, 5  # vLLM's defaults
-        return (low or high or 1), (high or low or 1)
-
-    @property
-    def uses_lookahead_slots(self) -> bool:
-        """The proposer writes K/V past the verified tokens (a draft model's own steps), so
-        the scheduler reserves num_speculative_tokens more slots per request."""
-        return self.method in ("draft_model", "eagle")
 
 
 KVConnectorName = Literal["KvStoreConnector", "SharedStorageConnector", "OffloadingConnector"]

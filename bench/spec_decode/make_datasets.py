@@ -5,6 +5,13 @@
   and one small edit; the gpt turn is the passage with the edit applied, so the answer's
   length sets max_tokens and most of the answer repeats the prompt: the workload where
   n-gram speculation pays.
+- agent.jsonl: an agent loop. Each of two files (four of the code passages below joined,
+  about 300 tokens) goes through three turns; turn t shows the file as turn t - 1 left it
+  (its previous output) and asks for the whole file back with one more rename applied. The
+  gpt turn is that file, so the reply copies the prompt (and the previous turn's reply)
+  but for the renamed spots: the workload of suffix decoding.
+- json.jsonl: requests for a JSON inventory, run under JSON_SCHEMA (run.py passes it as
+  response_format): keys and structure repeat from item to item.
 - chat.jsonl: plain chat questions (kvserve.benchmarks.datasets.CHAT_QUESTIONS, none of
   them in the draft heads' training prompts); run with --sharegpt-output-len.
 
@@ -100,7 +107,65 @@ PASSAGES = [
 ]
 
 
+# What the json workload's replies must match (run.py sends it as response_format).
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "quantity": {"type": "integer"},
+                    "unit": {"type": "string"},
+                    "in_stock": {"type": "boolean"},
+                },
+                "required": ["name", "quantity", "unit", "in_stock"],
+            },
+        }
+    },
+    "required": ["items"],
+}
+STORES = ["bakery", "hardware store", "pharmacy", "bookshop", "garden centre", "fish market"]
+
+
+def agent_entries() -> list[dict]:
+    """Two files, three turns each: every turn's file is the previous turn's reply."""
+    code = [p for p in PASSAGES if p[0].startswith(("def ", "class ", "for ", "SELECT"))]
+    entries = []
+    for files in (code[:4], code[1:] + code[:1]):
+        text = "\n".join(passage for passage, _ in files)
+        for old, new in (files[0][1][0], files[1][1][0], files[2][1][1]):
+            prompt = (
+                "You are a coding agent. Here is the current file:\n\n"
+                f"{text}\n\nApply this change: rename '{old}' to '{new}' everywhere. Output "
+                "the whole updated file and nothing else."
+            )
+            text = text.replace(old, new)
+            entries.append(_pair(prompt, text))
+    return entries
+
+
+def json_entries() -> list[dict]:
+    placeholder = "An inventory of some length, long enough for the dataset's minimum. " * 2
+    return [
+        _pair(
+            f"List eight products of a {store} as JSON: name, quantity, unit and whether it is "
+            "in stock.",
+            placeholder,
+        )
+        for store in STORES
+    ]
+
+
+def _pair(prompt: str, reply: str) -> dict:
+    return {"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
+
+
 def main() -> None:
+    _write("agent.jsonl", agent_entries())
+    _write("json.jsonl", json_entries())
     entries = []
     for passage, edits in PASSAGES:
         for old, new in edits:

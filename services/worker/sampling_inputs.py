@@ -111,10 +111,18 @@ def _min_tokens(
 
 def _grammar_rows(states: list[RequestState], so: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
     """The step's bitmask as [N, W] int32 (a view of the message's bytes), and the
-    sampling row of each of its rows."""
-    row_of = {s.req_id: i for i, s in enumerate(states)}
+    sampling row of each of its rows. A request verifying drafts has a row per position,
+    in order, as it has bitmask rows (listed once per row in grammar_req_ids)."""
+    rows_of: dict[str, list[int]] = {}
+    for i, s in enumerate(states):
+        rows_of.setdefault(s.req_id, []).append(i)
     bitmask = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(so.grammar_req_ids), -1)
-    rows = np.fromiter((row_of[r] for r in so.grammar_req_ids), np.int64, len(bitmask))
+    num_taken: dict[str, int] = {}
+    rows = np.empty(len(bitmask), np.int64)
+    for j, req_id in enumerate(so.grammar_req_ids):
+        n = num_taken.get(req_id, 0)
+        num_taken[req_id] = n + 1
+        rows[j] = rows_of[req_id][n]
     return bitmask, rows
 
 

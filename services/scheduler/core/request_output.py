@@ -21,8 +21,10 @@ def grammar_bitmask_of(
     plan: StepPlan, requests: dict[str, Request], manager: StructuredOutputManager | None
 ) -> tuple[list[str], bytes]:
     """The requests that sample under a grammar in this step (their scheduled tokens
-    reach the end of what they hold), and the bitmask of their next tokens."""
-    req_ids, grammars = [], []
+    reach the end of what they hold), and the bitmask of their next tokens: a request that
+    verifies k drafts is listed k + 1 times, with a row per position
+    (structured_output/draft_masks.py)."""
+    req_ids, grammars, drafts = [], [], []
     for req_id, num_tokens in plan.num_scheduled_tokens.items():
         request = requests[req_id]
         state = request.structured_output
@@ -31,12 +33,14 @@ def grammar_bitmask_of(
         if request.thinking is not None and not request.thinking.ended:
             continue  # the grammar constrains the answer, not the thinking
         if request.num_computed_tokens + num_tokens >= request.num_tokens:
-            req_ids.append(req_id)
+            draft_token_ids = plan.spec_token_ids.get(req_id, [])
+            req_ids += [req_id] * (1 + len(draft_token_ids))
             grammars.append(state.grammar)
+            drafts.append(draft_token_ids)
     if not grammars:
         return [], b""
     assert manager is not None, "grammars come from the manager"
-    return req_ids, manager.grammar_bitmask(grammars)
+    return req_ids, manager.grammar_bitmask(grammars, drafts)
 
 
 def forced_tokens_of(plan: StepPlan, requests: dict[str, Request]) -> dict[str, int]:

@@ -265,6 +265,8 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.request_finished(request)
         self.policy.on_request_freed(request)
+        if self.spec_decode is not None:
+            self.spec_decode.free(request)
         self.finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
 

@@ -5,7 +5,12 @@ its last token (`drafts_to_verify`); after the batch is decided, the adaptive ru
 (spec_decode.py) decides how many drafts each sampling request proposes after the step
 (`plan_proposals`), reserving lookahead slots for a proposer that writes K/V. When the
 outputs return, the rejected drafts are rolled back (`on_output`: num_computed_tokens and
-the K/V slots they wrote) and the new drafts kept for the next step.
+the K/V slots they wrote) and the new drafts kept for the next step: the worker's, or those
+of a scheduler-side proposer (spec_proposers.py: suffix decoding).
+
+A request under a grammar speculates too: its drafts are cut at the first token its grammar
+forbids when they are scheduled (`drafts_to_verify`), and the step's bitmask then carries one
+row per verified position (request_output.grammar_bitmask_of).
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 from kvserve.services.scheduler.core.kv_cache_manager import KVCacheManager
 from kvserve.services.scheduler.core.request import Request
 from kvserve.services.scheduler.core.spec_decode import SpecDecodePolicy, SpecRequestState
+from kvserve.services.scheduler.core.spec_proposers import make_scheduler_proposer
 from kvserve.services.scheduler.core.step_plan import StepPlan
+from kvserve.services.scheduler.structured_output.draft_masks import grammar_valid_prefix
 from kvserve.shared.config import SpeculativeConfig
 from kvserve.shared.messages import SchedulerOutput, SpecDecodeMetadata
 
@@ -37,12 +44,18 @@ class SpecDecodeScheduler:
         self.policy = SpecDecodePolicy(config, step_costs)
         self.max_model_len = max_model_len
         self.stats = _SpecStats(config.num_speculative_tokens)
+        self.proposer = make_scheduler_proposer(config)
 
     def add_request(self, request: Request) -> None:
-        """Structured-output requests never speculate: each draft would need the grammar's
-        bitmask at its own position."""
-        if request.sampling_params.structured_outputs is None:
+        """Every request speculates but one with both a grammar and a reasoning parser
+        (its grammar starts where its thinking ends, which a draft may cross)."""
+        if request.sampling_params.structured_outputs is None or request.thinking is None:
             request.spec = SpecRequestState()
+
+    def free(self, request: Request) -> None:
+        """The request ended: a scheduler-side proposer may learn from its output."""
+        if self.proposer is not None:
+            self.proposer.free(request)
 
     def drafts_to_verify(self, request: Request, token_budget: int) -> list[int]:
         """The drafts a running request verifies in this step: they follow its last token,
@@ -52,7 +65,15 @@ class SpecDecodeScheduler:
             return []
         if request.num_computed_tokens != request.num_tokens - 1:
             return []
-        return spec.draft_token_ids[: self._max_drafts(request, token_budget)]
+        draft_token_ids = spec.draft_token_ids[: self._max_drafts(request, token_budget)]
+        state = request.structured_output
+        if state is not None and draft_token_ids:
+            # The matcher stands after the request's last token (update_from_output).
+            grammar = state.grammar
+            draft_token_ids = (
+                [] if grammar is None else grammar_valid_prefix(grammar, draft_token_ids)
+            )
+        return draft_token_ids
 
     def _max_drafts(self, request: Request, token_budget: int) -> int:
         """A draft past the last allowed token is wasted work."""
@@ -139,6 +160,9 @@ class SpecDecodeScheduler:
             request.num_computed_tokens -= num_drafts - num_accepted
             spec.record(num_drafts, num_accepted)
             self.stats.add(num_drafts, num_accepted)
+        if self.proposer is not None:
+            num_drafts = metadata.num_to_propose.get(request.req_id, 0)
+            proposed = self.proposer.propose(request, sampled_token_ids, num_drafts)
         spec.draft_token_ids = proposed
 
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:

@@ -132,16 +132,30 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ each step
 
-    def grammar_bitmask(self, grammars: list[Grammar]) -> bytes:
-        """The allowed next tokens of each grammar, one row each, as SchedulerOutput bytes."""
+    def grammar_bitmask(
+        self, grammars: list[Grammar], drafts: list[list[int]] | None = None
+    ) -> bytes:
+        """The allowed next tokens of each grammar, one row each, as SchedulerOutput bytes;
+        with drafts (speculative decoding), 1 + len(drafts[i]) rows for grammars[i], one per
+        position it verifies (draft_masks.py)."""
         if not grammars:
             return b""
         backend = self._backend
         assert backend is not None, "a grammar exists, so the backend does"
-        if self._bitmask is None:
-            self._bitmask = np.empty((self.max_num_seqs, backend.bitmask_width), dtype=np.int32)
-        rows = self._bitmask[: len(grammars)]
-        backend.fill_bitmask(grammars, rows)
+        num_rows = len(grammars) + (sum(len(d) for d in drafts) if drafts else 0)
+        if self._bitmask is None or len(self._bitmask) < num_rows:
+            num_alloc = max(num_rows, self.max_num_seqs)
+            self._bitmask = np.empty((num_alloc, backend.bitmask_width), dtype=np.int32)
+        rows = self._bitmask[:num_rows]
+        if num_rows == len(grammars):
+            backend.fill_bitmask(grammars, rows)
+        else:
+            from kvserve.services.scheduler.structured_output.draft_masks import (
+                fill_verify_bitmask,
+            )
+
+            assert drafts is not None
+            fill_verify_bitmask(backend, grammars, drafts, rows)
         return rows.tobytes()
 
     def take_stats(self) -> tuple[int, int, list[float]]:

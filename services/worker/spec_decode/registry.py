@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvserve.services.worker.input_batch import InputBatch
 from kvserve.services.worker.spec_decode.methods import (
     DraftModelMethod,
     EagleMethod,
@@ -11,6 +12,7 @@ from kvserve.services.worker.spec_decode.methods import (
     NgramMethod,
 )
 from kvserve.services.worker.spec_decode.proposer import Proposer, ProposerContext
+from kvserve.services.worker.step_inputs import StepBatch
 
 ProposerFactory = Callable[[ProposerContext], Proposer]
 
@@ -32,8 +34,22 @@ def register_proposer(method: str, factory: ProposerFactory) -> None:
     _PROPOSERS[method] = factory
 
 
+class SchedulerSideMethod(Proposer):
+    """A method whose drafts the scheduler makes (services/scheduler/core/spec_proposers.py):
+    the worker verifies them and proposes nothing."""
+
+    def __init__(self, ctx: ProposerContext):
+        del ctx
+
+    def propose(self, step: StepBatch, batch: InputBatch) -> dict[str, list[int]]:
+        return {}
+
+
 def make_proposer(ctx: ProposerContext) -> Proposer:
-    """The proposer of ctx.config.method."""
+    """The proposer of ctx.config.method (for a scheduler-side method, one that proposes
+    nothing)."""
+    if ctx.config.proposes_in_scheduler:
+        return SchedulerSideMethod(ctx)
     try:
         factory = _PROPOSERS[ctx.config.method]
     except KeyError:
