@@ -16,32 +16,19 @@ from __future__ import annotations
 import json
 import re
 
-from kvserve.services.api.parsers.tool_base import (
-    ExtractedToolCalls,
-    ToolParser,
-    content_of,
-    typed_value,
-)
+from kvserve.services.api.parsers.tool_base import MarkedCallsParser, typed_value
 
-_CALL = re.compile(r"<tool_call>([^<\n]*)(.*?)</tool_call>", re.DOTALL)
 _ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)
 
 
-class Glm45ToolParser(ToolParser):
+class Glm45ToolParser(MarkedCallsParser):
     marker = "<tool_call>"
+    call_begin = "<tool_call>"
+    call_pattern = re.compile(
+        r"<tool_call>(?P<name>[^<\n]*)(?P<arguments>.*?)</tool_call>", re.DOTALL
+    )
 
-    def _extract(self, text: str) -> ExtractedToolCalls:
-        start = text.find(self.marker)
-        if start < 0:
-            return ExtractedToolCalls(content_of(text))
-        section = text[start:]
-        matches = _CALL.findall(section)
-        if not matches or len(matches) != section.count(self.marker):
-            raise ValueError("a tool call is open or malformed")
-        calls = [self._call(name.strip(), body) for name, body in matches]
-        return ExtractedToolCalls(content_of(text[:start]), calls)
-
-    def _call(self, name: str, body: str) -> tuple[str, str]:
+    def call_from(self, name: str, body: str) -> tuple[str, str]:
         if not name:
             raise ValueError("a tool call needs a name")
         properties = self.parameters_of(name)

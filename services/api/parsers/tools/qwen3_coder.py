@@ -21,39 +21,24 @@ from __future__ import annotations
 import json
 import re
 
-from kvserve.services.api.parsers.tool_base import (
-    ExtractedToolCalls,
-    ToolParser,
-    content_of,
-    typed_value,
-)
+from kvserve.services.api.parsers.tool_base import MarkedCallsParser, typed_value
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(MarkedCallsParser):
     marker = "<tool_call>"
+    call_begin = "<tool_call>"
+    # One <function=NAME> per call, nothing else around it.
+    call_pattern = re.compile(
+        r"<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<arguments>.*?)</function>\s*</tool_call>",
+        re.DOTALL,
+    )
 
-    def _extract(self, text: str) -> ExtractedToolCalls:
-        start = text.find(self.marker)
-        if start < 0:
-            return ExtractedToolCalls(content_of(text))
-        section = text[start:]
-        bodies = _CALL.findall(section)
-        if not bodies or len(bodies) != section.count(self.marker):
-            raise ValueError("a tool call is open or malformed")
-        return ExtractedToolCalls(content_of(text[:start]), [self._call(b) for b in bodies])
-
-    def _call(self, body: str) -> tuple[str, str]:
-        function = _FUNCTION.fullmatch(body)
-        if function is None:
-            raise ValueError("a <tool_call> without one <function=...>")
-        name = function.group(1).strip()
+    def call_from(self, name: str, body: str) -> tuple[str, str]:
         properties = self.parameters_of(name)
         arguments = {}
-        for key, raw in _PARAMETER.findall(function.group(2)):
+        for key, raw in _PARAMETER.findall(body):
             key = key.strip()
             arguments[key] = typed_value(_strip_newline(raw), properties.get(key))
         return name, json.dumps(arguments, ensure_ascii=False)
