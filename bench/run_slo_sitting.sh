@@ -124,6 +124,7 @@ start_vllm() {  # start_vllm NAME
   (cd /tmp
    export VLLM_CPU_KVCACHE_SPACE="$KV_CACHE_GIB"
    source "$ROOT/bench/vllm_cpu/vllm_cpu_env.sh"
+   export VLLM_SERVER_DEV_MODE=1  # its POST /reset_prefix_cache
    exec vllm serve "$VCPU_MODEL" --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" \
      --max-model-len "$MAX_MODEL_LEN") >"$OUT_DIR/$1.log" 2>&1 &
   SERVER_PID=$!
@@ -133,6 +134,10 @@ start_vllm() {  # start_vllm NAME
 bench() {  # bench TAG FLAGS...: one `kvserve bench serve` run, its JSON and report in OUT_DIR
   local tag=$1
   shift
+  # Every run starts from an empty prefix cache: the fcfs and slo runs of a round send the
+  # same prompts to one server, and the second would hit the first's blocks. (Refused, and
+  # ignored, while requests run: part b's document joins streams already running.)
+  curl -s -o /dev/null -X POST "http://127.0.0.1:$PORT/reset_prefix_cache" || true
   "$KVSERVE" bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer "$VCPU_MODEL" \
     --ignore-eos --disable-tqdm --percentile-metrics ttft,tpot,itl,e2el \
     --metric-percentiles 50,90,99 --save-result --result-dir "$OUT_DIR" \
