@@ -44,8 +44,8 @@ def base_url(tiny_llama_dir, tmp_path_factory):
         server.stop()
 
 
-def bench_tenants(base_url: str, model_dir: str, result_path, *args: str) -> tuple[str, dict]:
-    """Run `kvserve bench serve --tenants MIX ARGS`; its stdout and the saved JSON."""
+def bench_serve(base_url: str, model_dir: str, result_path, *args: str) -> tuple[str, dict]:
+    """Run `kvserve bench serve ARGS` against the server; its stdout and the saved JSON."""
     done = subprocess.run(
         [
             sys.executable,
@@ -59,10 +59,6 @@ def bench_tenants(base_url: str, model_dir: str, result_path, *args: str) -> tup
             model_dir,
             "--disable-tqdm",
             "--ignore-eos",
-            "--tenants",
-            MIX,
-            "--tenant-header",
-            "X-Tenant",
             "--save-result",
             "--result-dir",
             str(result_path.parent),
@@ -77,6 +73,13 @@ def bench_tenants(base_url: str, model_dir: str, result_path, *args: str) -> tup
     )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     return done.stdout, json.loads(result_path.read_text())
+
+
+def bench_tenants(base_url: str, model_dir: str, result_path, *args: str) -> tuple[str, dict]:
+    """Run `kvserve bench serve --tenants MIX ARGS`; its stdout and the saved JSON."""
+    return bench_serve(
+        base_url, model_dir, result_path, "--tenants", MIX, "--tenant-header", "X-Tenant", *args
+    )
 
 
 def check_tenant(result: dict, name: str, num: int, input_len: int, output_len: int) -> None:
@@ -142,52 +145,30 @@ def test_mixed_classes_send_their_targets_and_report_apart(base_url, tiny_llama_
     """--dataset-name mixed: only the short class carries target headers; the server's
     request_slo_total counts exactly those requests, and the report splits the classes."""
     before = slo_counts(base_url)
-    path = tmp_path / "mixed.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvserve.cli",
-            "bench",
-            "serve",
-            "--base-url",
-            base_url,
-            "--tokenizer",
-            tiny_llama_dir,
-            "--disable-tqdm",
-            "--ignore-eos",
-            "--api-key",
-            "sk-light",
-            "--dataset-name",
-            "mixed",
-            "--mix",
-            "short:16:4:0.8:ttft=1e9:tpot=1e9,long:200:4:0.2",
-            "--num-prompts",
-            "10",
-            "--request-rate",
-            "50",
-            "--seed",
-            "1",
-            "--save-result",
-            "--result-dir",
-            str(tmp_path),
-            "--result-filename",
-            path.name,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=BENCH_TIMEOUT_S,
-        check=False,
+    stdout, result = bench_serve(
+        base_url,
+        tiny_llama_dir,
+        tmp_path / "mixed.json",
+        "--api-key",
+        "sk-light",
+        "--dataset-name",
+        "mixed",
+        "--mix",
+        "short:16:4:0.8:ttft=1e9:tpot=1e9,long:200:4:0.2",
+        "--num-prompts",
+        "10",
+        "--request-rate",
+        "50",
+        "--seed",
+        "1",
     )
-    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
-    result = json.loads(path.read_text())
     num_short = result["request_classes"].count("short")
     assert 0 < num_short < 10 and result["completed"] == 10
     short, long = result["classes"]["short"], result["classes"]["long"]
     assert (short["num_requests"], long["num_requests"]) == (num_short, 10 - num_short)
     assert short["request_goodput"] > 0 and long["request_goodput"] is None
     assert short["p50_ttft_ms"] <= short["p99_ttft_ms"] and long["p50_itl_ms"] > 0
-    assert "Per-class Result" in done.stdout
+    assert "Per-class Result" in stdout
     after = slo_counts(base_url)
     assert after["ttft"] - before["ttft"] == num_short
     assert after["tpot"] - before["tpot"] == num_short
