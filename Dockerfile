@@ -83,12 +83,13 @@ FROM base AS runtime
 COPY --from=deps /opt/venv /opt/venv
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     pip install -q --no-deps --no-build-isolation /src \
-    && mkdir -p /cache /keys \
-    && chown kvserve:kvserve /cache /keys \
+    && mkdir -p /cache /keys /kv-disk \
+    && chown kvserve:kvserve /cache /keys /kv-disk \
     && chmod 0700 /keys
 # The model cache (converted checkpoints, built kernels) is a volume; a new volume starts
 # with the kernels prebuilt below. /keys is where compose.yaml keeps the transport keys: a new
-# volume there takes this folder's owner and mode (kvserve, 0700).
+# volume there takes this folder's owner and mode (kvserve, 0700). /kv-disk: the KV store's
+# disk tier (compose's kvserve-kv-disk volume, written by the kvserve user).
 ENV KVSERVE_CACHE_DIR=/cache HF_HOME=/cache/huggingface
 USER kvserve
 WORKDIR /home/kvserve

@@ -1,10 +1,12 @@
 """The CPU GEMM paths of kernels/gemm.py on the default model's layer shapes, interleaved.
 
 For each linear-layer shape of SmolLM2-135M (and its LM head) and each row count, times
-torch's F.linear and oneDNN's packed path A B A B in one process, and prints GFLOP/s and
-the ratio, next to what `kernels.gemm.measure_shape` (the start-up tuner) picks.
+every path that runs the dtype here (torch's F.linear, oneDNN's packed path, the native
+GEMV up to 64 rows, the widened path for bfloat16) A B C A B C in one process, and prints
+GFLOP/s per path next to what `kernels.gemm.measure_shape` (the start-up tuner) picks.
 
     .venv/bin/python bench/gemm_paths.py [--dtype float32 bfloat16] [--rounds 5]
+        [--rows 1 32 256 2048]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ SHAPES = {
     "down": (576, 1536),
     "lm_head": (49152, 576),
 }
-ROWS = (1, 4, 16, 64, 256, 1024)
+ROWS = (1, 32, 256, 2048)
 
 
 def _seconds(fn, min_s: float = 0.05) -> float:
@@ -38,35 +40,49 @@ def _seconds(fn, min_s: float = 0.05) -> float:
     return min(samples)  # load only adds time
 
 
+def _calls(dtype: torch.dtype, weight: torch.Tensor, rows: int) -> dict:
+    """The paths timed for this dtype and row count: path name -> call of x."""
+    calls = {"torch": lambda x: F.linear(x, weight)}
+    if gemm.onednn_available(dtype):
+        packed = gemm.pack_onednn(weight)
+        calls["onednn"] = lambda x: gemm.onednn_linear(x, packed, None)
+    if gemm.native_available(dtype) and rows <= 64:
+        calls["native"] = lambda x: gemm.native_linear(x, weight, None)
+    if gemm.widened_available(dtype):
+        calls["widened"] = lambda x: gemm.widened_linear(x, weight, None)
+    return calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(
-        "| dtype | layer | N x K | rows | torch GFLOP/s | oneDNN GFLOP/s | oneDNN / torch | tuner |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print("| dtype | layer | N x K | rows | GFLOP/s per path | fastest | tuner |")
+    print("|---|---|---|---|---|---|---|")
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         for layer, (n, k) in SHAPES.items():
             weight = torch.randn(n, k, dtype=dtype) / k**0.5
-            packed = gemm.pack_onednn(weight)
-            tuned = gemm.measure_shape(dtype, n, k, max_rows=max(ROWS))
-            for rung, rows in enumerate(ROWS):
+            tuned = gemm.measure_shape(dtype, n, k, max_rows=max(args.rows))
+            for rows in args.rows:
                 if layer == "lm_head" and rows > 256:
                     continue  # logits only for the sampled rows (<= max_num_seqs)
                 x = torch.randn(rows, k, dtype=dtype)
-                a, b = [], []
+                calls = _calls(dtype, weight, rows)
+                times: dict[str, list[float]] = {path: [] for path in calls}
                 for _ in range(args.rounds):
-                    a.append(_seconds(lambda x=x, w=weight: F.linear(x, w)))
-                    b.append(_seconds(lambda x=x, p=packed: gemm.onednn_linear(x, p, None)))
-                flop = 2 * rows * n * k
-                ta, tb = min(a), min(b)
+                    for path, call in calls.items():
+                        times[path].append(_seconds(lambda c=call, x=x: c(x)))
+                rates = {path: 2 * rows * n * k / min(t) / 1e9 for path, t in times.items()}
+                cells = ", ".join(f"{path} {rate:.0f}" for path, rate in rates.items())
+                fastest = max(rates, key=lambda path: rates[path])
                 print(
-                    f"| {dtype_name} | {layer} | {n}x{k} | {rows} | {flop / ta / 1e9:.0f} | "
-                    f"{flop / tb / 1e9:.0f} | {ta / tb:.2f} | {tuned.paths[rung]} |"
+                    f"| {dtype_name} | {layer} | {n}x{k} | {rows} | {cells} | {fastest} | "
+                    f"{tuned.path_for(rows)} |",
+                    flush=True,
                 )
 
 

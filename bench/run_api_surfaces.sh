@@ -25,16 +25,8 @@ KVSERVE_ONLY="${KVSERVE_ONLY:-}"
 OUT_DIR="${OUT_DIR:-$ROOT/bench/results/api_surfaces-$(date +%Y%m%d-%H%M%S)}"
 MODEL=smollm2
 
-SERVER_PID=""
-cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-  fi
-  SERVER_PID=""
-}
-trap cleanup EXIT
-log() { echo "== $(date +%H:%M:%S) $*" >&2; }
+# SERVER_PID, cleanup (also on exit), log
+source "$(dirname "$0")/sitting_server.sh"
 
 wait_healthy() {
   local deadline=$((SECONDS + 900))

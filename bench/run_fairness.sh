@@ -21,16 +21,8 @@ OUT_DIR="${OUT_DIR:-$ROOT/bench/results/fairness-$(date +%Y%m%d-%H%M%S)}"
 MIX="${MIX:-heavy:rate=inf,conc=32,input=1024,output=64,num=48;light:rate=1,conc=4,input=128,output=32,num=20}"
 mkdir -p "$OUT_DIR"
 
-SERVER_PID=""
-cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-  fi
-  SERVER_PID=""
-}
-trap cleanup EXIT
-log() { echo "== $(date +%H:%M:%S) $*" >&2; }
+# SERVER_PID, cleanup (also on exit), log
+source "$(dirname "$0")/sitting_server.sh"
 
 serve() {  # serve DP LOG FLAGS...
   local dp=$1 logfile=$2

@@ -77,32 +77,9 @@ LIGHT_NUM="${LIGHT_NUM:-12}"
 C32_PROMPTS="${C32_PROMPTS:-64}"
 export KVSERVE_NATIVE_DECODE_ROWS="${KVSERVE_NATIVE_DECODE_ROWS:-128}"
 
-SERVER_PID=""
-cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-  fi
-  SERVER_PID=""
-}
-trap cleanup EXIT
-log() { echo "== $(date +%H:%M:%S) $*" >&2; }
+# SERVER_PID, cleanup (also on exit), log, wait_healthy
+source "$(dirname "$0")/sitting_server.sh"
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
-
-wait_healthy() {  # wait_healthy LOG: until /health answers 200
-  local deadline=$((SECONDS + 900))
-  until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
-    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-      log "the server exited during start-up; its log: $1"
-      exit 1
-    fi
-    if [ $SECONDS -gt $deadline ]; then
-      log "the server is not healthy after 900 s; its log: $1"
-      exit 1
-    fi
-    sleep 0.5
-  done
-}
 
 start_kvserve() {  # start_kvserve NAME BINARY FLAGS...: a kvserve server on PORT
   local name=$1 binary=$2

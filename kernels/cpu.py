@@ -92,6 +92,14 @@ def cpu_has_amx() -> bool:
     return has_amx is not None and bool(has_amx())
 
 
+@functools.cache
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU multiplies bfloat16 pairs in hardware (AVX512-BF16's `vdpbf16ps` or
+    AMX-BF16 tiles): without one, oneDNN's bfloat16 GEMM emulates it, slower than float32."""
+    flags = cpu_identity().rsplit("|", 1)[-1].split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def cpu_isa() -> str:
     """The vector ISA torch's CPU kernels run and whether this CPU has AMX tiles, for the
     start-up log: 'AVX512, AMX' or 'AVX2, no AMX'."""

@@ -1,15 +1,22 @@
 """CPU GEMM paths for the linear layers, chosen by measuring on this machine.
 
-Three paths compute y = x W^T (+ b) for a weight W [N, K]:
+Four paths compute y = x W^T (+ b) for a weight W [N, K]:
 
     torch   F.linear: MKL's sgemm / bf16 GEMM on x86 (what PyTorch picks)
     onednn  oneDNN's inner product with W reordered once into its blocked layout
             (torch.ops.mkldnn._linear_pointwise over _reorder_linear_weight), the path
             vLLM-CPU and torch.compile's CPU backend use
     native  the decode stack's GEMV (csrc/decode_stack.c): W read once per call whatever
-            the row count, rows two at a time; bfloat16 widened in registers, so it runs
+            the row count, inputs four at a time (with AVX-512 against four W rows a tile);
+            bfloat16 widened in registers, so it runs
             where oneDNN's bfloat16 cannot (an AVX2-only CPU, where torch's bfloat16 GEMM
             is a slow generic loop)
+    widened bfloat16 only: W kept in bfloat16 (half the bytes held and read), widened to
+            float32 into a reused scratch buffer at each call, x widened too, MKL's sgemm,
+            the result rounded once to bfloat16. On a CPU without a bfloat16 dot product
+            (no AVX512-BF16, no AMX) oneDNN's bfloat16 GEMM emulates one and ran 4-8x
+            slower than float32 at 256-2048 rows (bench/RESULTS.md); widening a weight
+            costs one pass over it, a few percent of a GEMM of 256 rows or more
 
 Which is faster depends on the CPU, the dtype, the weight's shape and the number of rows
 (on an AMD EPYC VM oneDNN ran float32 1.1-4x faster than MKL, bench/RESULTS.md; elsewhere
@@ -37,6 +44,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,13 +52,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.cpu import cpu_identity
+from kvserve.kernels.cpu import cpu_has_bf16_dot, cpu_identity
 from kvserve.shared.env import CACHE_DIR
 from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
 
-PATHS = ("torch", "onednn", "native")
+PATHS = ("torch", "onednn", "native", "widened")
 # Row counts the plan is measured at; a call takes the first rung >= its rows (the last
 # rung's choice beyond it).
 ROW_LADDER = (1, 4, 16, 64, 256, 1024)
@@ -62,7 +70,7 @@ DROP_FACTOR = 3.0
 # was contended: it is used, not cached.
 CONTENDED_SHARE = 0.05
 # The cache file's format and measuring method; a new one re-measures every machine.
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 _PSI_CPU = "/proc/pressure/cpu"
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -84,12 +92,28 @@ def native_available(dtype: torch.dtype) -> bool:
     return dtype in cpu.DTYPES and cpu.library() is not None
 
 
+def widened_available(dtype: torch.dtype) -> bool:
+    """The widened path computes bfloat16 layers (float32 ones are torch's own path)."""
+    return dtype == torch.bfloat16
+
+
 def path_available(path: str, dtype: torch.dtype) -> bool:
     if path == "onednn":
         return onednn_available(dtype)
     if path == "native":
         return native_available(dtype)
+    if path == "widened":
+        return widened_available(dtype)
     return True
+
+
+def unmeasured_plan(dtype: torch.dtype) -> ShapePlan:
+    """The plan of a shape left unmeasured (the cores proved contended): torch's path, except
+    bfloat16 on a CPU without a bfloat16 dot product, where torch's emulated bfloat16 GEMM is
+    the slowest path from 16 rows on (bench/RESULTS.md): the widened one runs there."""
+    if dtype != torch.bfloat16 or cpu_has_bf16_dot():
+        return ShapePlan(("torch",) * len(ROW_LADDER))
+    return ShapePlan(tuple("torch" if rows < 16 else "widened" for rows in ROW_LADDER))
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -114,6 +138,29 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ctypes.c_int(k),
     )
     return y.view(*lead, n)
+
+
+# Per thread: the float32 copy of the weight being multiplied. It stays held, as large as the
+# largest weight widened (4 bytes a weight: the default model's MLP, 7 MB).
+_SCRATCH = threading.local()
+
+
+def _widened_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W widened to float32 in this thread's scratch buffer (grown to the largest weight
+    widened, then reused: no allocation, no page faults per call)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < weight.numel():
+        buf = _SCRATCH.buf = torch.empty(weight.numel(), dtype=torch.float32)
+    return buf[: weight.numel()].view(weight.shape).copy_(weight)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """y = x W^T (+ b) for bfloat16 x and W, computed in float32 (MKL's sgemm): every product
+    of two bfloat16 values is exact in float32 and the sum is float32, as in oneDNN's
+    bfloat16 GEMM; the result is rounded to bfloat16 once."""
+    w32 = _widened_weight(weight)
+    y = F.linear(x.float(), w32, None if bias is None else bias.float())
+    return y.to(x.dtype)
 
 
 def pack_onednn(weight: torch.Tensor, rows_hint: int = 64) -> torch.Tensor:
@@ -193,6 +240,8 @@ def linear(
         return onednn_linear(x if x.is_contiguous() else x.contiguous(), prepared.packed, bias)
     if path == "native":
         return native_linear(x, weight, bias)
+    if path == "widened":
+        return widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -207,7 +256,7 @@ class GemmPlan:
     source: str = "measured"  # measured | cached | forced
     seconds: float = 0.0
     stalled_share: float | None = None  # of the measuring time some task waited for a CPU
-    # Shapes left on torch unmeasured: measuring stopped once the cores proved contended.
+    # Shapes left unmeasured (unmeasured_plan): measuring stopped once the cores proved contended.
     unmeasured: int = 0
 
     @staticmethod
@@ -249,6 +298,8 @@ def measure_shape(
         calls["onednn"] = lambda x: onednn_linear(x, packed, None)
     if native_available(dtype):
         calls["native"] = lambda x: native_linear(x, weight, None)
+    if widened_available(dtype):
+        calls["widened"] = lambda x: widened_linear(x, weight, None)
     paths: list[str] = []
     for rows in ROW_LADDER:
         if rows > max_rows and paths:
@@ -308,15 +359,15 @@ def tune(
     """The plan for every (dtype, N, K, max_rows) given.
 
     Args:
-        mode: auto (measure, or reuse this machine's cached measurements), torch, onednn
-            or native (forced, no measuring; a dtype the forced path cannot run stays on
+        mode: auto (measure, or reuse this machine's cached measurements), torch, onednn,
+            native or widened (forced, no measuring; a dtype the forced path cannot run stays on
             torch).
         use_cache: read and extend the on-disk plan cache (auto only).
         measure: times one shape (tests pass a fake).
     """
     shapes = sorted(set(shapes), key=lambda s: (str(s[0]), s[1], s[2], s[3]))
     if mode not in (*PATHS, "auto"):
-        raise ValueError(f"unknown GEMM path {mode!r}: use auto, torch, onednn or native")
+        raise ValueError(f"unknown GEMM path {mode!r}: use auto, torch, onednn, native or widened")
     if mode in PATHS:
         return _forced_plan(shapes, mode)
     torch_only = ShapePlan(("torch",) * len(ROW_LADDER))
@@ -345,9 +396,10 @@ def tune(
             continue
         if measured and (stalled_share() or 0.0) > CONTENDED_SHARE:
             # Once the cores prove contended (other engines of this machine measuring at
-            # start-up, say), further timings would time that work: stop, run torch.
+            # start-up, say), further timings would time that work: stop; the shapes
+            # left take the unmeasured plan (torch, or widened for an emulated bfloat16).
             plan.unmeasured += 1
-            plan.shapes[key] = torch_only
+            plan.shapes[key] = unmeasured_plan(dtype)
             continue
         plan.shapes[key] = measured[cache_key] = measure(dtype, n, k, max_rows)
         plan.source = "measured"
@@ -385,7 +437,7 @@ def _cache_measured(path: str, plan: GemmPlan, plans: dict[str, ShapePlan]) -> N
         logger.warning(
             "CPU GEMM plan measured while other work held the cores (a task waited for a CPU "
             "%.0f%% of the time): used for this start, not cached; %d shapes left unmeasured "
-            "run torch",
+            "run torch (bfloat16 ones widened where the CPU emulates bfloat16)",
             100 * plan.stalled_share,
             plan.unmeasured,
         )

@@ -290,7 +290,8 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
         float,
         flag_doc(
             "seconds a request whose engine core died waits for a live one (with one engine "
-            "and --restart-dead-engines: for its restart) before it fails"
+            "and --restart-dead-engines: for its restart) before it fails; a new request that "
+            "arrives while no engine core lives (--restart-dead-engines) waits as long"
         ),
     ] = 60.0
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)

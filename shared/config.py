@@ -77,10 +77,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = None
     cpu_gemm: Annotated[
-        Literal["auto", "torch", "onednn", "native"],
+        Literal["auto", "torch", "onednn", "native", "widened"],
         flag_doc(
             "GEMM path of the linear layers on CPU: auto times torch's (MKL), oneDNN's with "
-            "a prepacked weight and kvserve's native GEMV for each layer shape at start-up "
+            "a prepacked weight, kvserve's native GEMV and (bfloat16) the widened path, "
+            "bfloat16 weights computed in float32, for each layer shape at start-up "
             "(cached per machine) and keeps the fastest per row count"
         ),
     ] = "auto"
@@ -161,6 +162,17 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_offloading_backend: Annotated[
         Literal["native"], flag_doc("the offload tier's store: native (kvserve's kv-store)")
     ] = "native"
+    kv_offloading_disk_path: Annotated[
+        str | None,
+        flag_doc(
+            "folder of a disk tier under the offload store (its --disk-path; engine N uses "
+            "DIR/engine-N): evicted blocks spill there, pinned ones outlive a restart"
+        ),
+    ] = None
+    kv_offloading_disk_bytes: Annotated[
+        int,
+        flag_doc("bytes of block files each offload store's disk tier holds at most", parse="size"),
+    ] = 16 * GiB
     cache_dtype: Annotated[
         KvCacheDtype,
         flag_doc(
@@ -180,6 +192,12 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError(f"kv_offloading_size must be positive, got {self.kv_offloading_size}")
+        if self.kv_offloading_disk_path is not None and self.kv_offloading_size is None:
+            raise ValueError("--kv-offloading-disk-path needs --kv-offloading-size")
+        if self.kv_offloading_disk_bytes <= 0:
+            raise ValueError(
+                f"kv_offloading_disk_bytes must be positive, got {self.kv_offloading_disk_bytes}"
+            )
 
     @property
     def kv_cache_bytes(self) -> int:

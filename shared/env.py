@@ -278,3 +278,23 @@ PROMPT_CACHE_TTL_SCALE = EnvVar(
     "tests only: the api multiplies every prompt-cache TTL (cache_control's 5m / 1h, "
     "prompt_cache_retention's 24h) by this factor, so a test sees a pin expire in seconds",
 )
+
+
+def _step_costs(text: str) -> list[tuple[int, float]]:
+    """'1:0.02,8:0.025,64:0.09' -> [(1, 0.02), (8, 0.025), (64, 0.09)]."""
+    pairs = []
+    for item in text.split(","):
+        tokens, _, seconds = item.partition(":")
+        pairs.append((_positive_int(tokens), _positive_float(seconds)))
+    return pairs
+
+
+SPEC_STEP_COSTS = EnvVar(
+    "KVSERVE_SPEC_STEP_COSTS",
+    None,
+    _step_costs,
+    "query tokens:seconds pairs (1:0.02,8:0.025,64:0.09): adaptive speculative decoding "
+    "weighs drafts against these step costs instead of timing verify steps of 1, 2, 4, ... "
+    "256 tokens at start-up (three rounds: over a dozen CPU seconds for the default model). "
+    "Tests set it, so the rule's choices do not depend on the machine or its load",
+)

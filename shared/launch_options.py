@@ -148,10 +148,30 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_store_size: Annotated[
         int, flag_doc("bytes of KV blocks the P/D KV store holds at most (8G, 512M)", parse="size")
     ] = 4 * GiB
+    kv_store_disk_path: Annotated[
+        str | None,
+        flag_doc(
+            "folder of the P/D KV store's disk tier (its --disk-path): evicted blocks spill "
+            "there, pinned ones outlive a store restart"
+        ),
+    ] = None
+    kv_store_disk_bytes: Annotated[
+        int,
+        flag_doc("bytes of block files the P/D KV store's disk tier holds at most", parse="size"),
+    ] = 16 * GiB
 
     @property
     def enabled(self) -> bool:
         return self.prefill_size > 0 or self.decode_size > 0
+
+    def store_options(self, address: str) -> KvStoreOptions:
+        """The options of the P/D KV store that listens on `address`."""
+        return KvStoreOptions(
+            address=address,
+            size=self.kv_store_size,
+            disk_path=self.kv_store_disk_path,
+            disk_bytes=self.kv_store_disk_bytes,
+        )
 
     @property
     def num_engines(self) -> int:
@@ -186,6 +206,10 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.kv_store_size <= 0:
             raise ValueError(f"--kv-store-size must be positive, got {self.kv_store_size}")
+        if self.kv_store_disk_path is not None and self.kv_store_disk_bytes <= 0:
+            raise ValueError(
+                f"--kv-store-disk-bytes must be positive, got {self.kv_store_disk_bytes}"
+            )
 
 
 class EngineSockets(msgspec.Struct, frozen=True, kw_only=True):

@@ -214,6 +214,14 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     kv_store_usage: float = 0.0
     kv_store_hits: int = 0
     kv_store_misses: int = 0
+    # The store's disk tier (--disk-path), as the store counts it since it started: bytes
+    # and block files held, blocks written, read back and evicted, files that failed checks.
+    kv_store_disk_bytes: int = 0
+    kv_store_disk_blocks: int = 0
+    kv_store_disk_writes: int = 0
+    kv_store_disk_reads: int = 0
+    kv_store_disk_evictions: int = 0
+    kv_store_disk_checksum_failures: int = 0
     # Latency targets: the step-time model's mean relative error |predicted - measured| /
     # measured (an EWMA over the measured steps; 0 before the first).
     step_time_prediction_error: float = 0.0
@@ -580,6 +588,8 @@ class KvStoreStats(msgspec.Struct, frozen=True, kw_only=True):
     disk_pinned: int = 0  # of them, pinned with a TTL
     disk_hits: int = 0
     disk_spills: int = 0
+    disk_writes: int = 0  # block files written whole (spills and pins)
+    disk_evictions: int = 0  # unpinned block files deleted to make room
     disk_checksum_failures: int = 0
     disk_expirations: int = 0
     disk_dropped: int = 0

@@ -32,6 +32,7 @@ import _posixshmem  # CPython's own POSIX shm module, what SharedMemory is built
 import functools
 import mmap
 import os
+import secrets
 import struct
 import threading
 import time
@@ -40,10 +41,13 @@ from multiprocessing import shared_memory
 
 import msgspec
 
+from kvserve.shared.shm_segments import unlink_segments
+
 _WRITTEN, _MORE, _READ_FLAGS = 0, 1, 2
 _LENGTH = struct.Struct("<Q")
 _CACHE_LINE = 64
 _fence_lock = threading.Lock()
+RING_SHM_PREFIX = "kvserve-ring-"  # then the creator's pid: see unlink_rings_of
 
 
 def _memory_fence() -> None:
@@ -55,6 +59,24 @@ def _memory_fence() -> None:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def ring_shm_name(pid: int) -> str:
+    """A new ring segment's name: the creator's pid, so that whoever restarts a killed
+    creator can find (and unlink) what it left, and a random part for several rings."""
+    return f"{RING_SHM_PREFIX}{pid}-{secrets.token_hex(4)}"
+
+
+def unlink_rings_of(pid: int) -> list[str]:
+    """Unlink the ring segments that process `pid`, now dead, created; their names.
+
+    A SIGKILLed writer never unlinks its ring (8 MiB by default), and the tracker it
+    registered it with only does at the launcher's exit: one would pile up per death.
+
+    Args:
+        pid: the dead process (never a live one: its ring would vanish under it).
+    """
+    return unlink_segments(f"{RING_SHM_PREFIX}{pid}-*")
 
 
 class ShmRingHandle(msgspec.Struct, frozen=True):
@@ -138,7 +160,9 @@ class ShmRingBuffer:
         # The segment is registered with the resource tracker, so it is unlinked even if
         # this process dies without closing the ring. A new segment is all zeros: every
         # chunk starts out free (never written).
-        shm = shared_memory.SharedMemory(create=True, size=geometry.total_bytes)
+        shm = shared_memory.SharedMemory(
+            ring_shm_name(os.getpid()), create=True, size=geometry.total_bytes
+        )
         handle = ShmRingHandle(shm.name, num_readers, num_chunks, chunk_bytes)
 
         def close_and_unlink() -> None:

@@ -163,22 +163,87 @@ static inline void NAME(float *y, int64_t ldy, const float *x, const T *w, int n
     }                                                                                         \
 }
 
-#define DEFINE_GEMV(NAME, T, LOAD, LOAD8)                                                     \
+#define GEMV_ROW_TILES(NAME, T, LOAD, LOAD8)                                                  \
 GEMV_TILE(NAME##_x4, T, LOAD, LOAD8, 4, 1)                                                    \
 GEMV_TILE(NAME##_x2, T, LOAD, LOAD8, 2, 0)                                                    \
 GEMV_TILE(NAME##_x1, T, LOAD, LOAD8, 1, 0)                                                    \
+static inline void NAME##_row(float *y, int64_t ldy, const float *x, const T *w, int n, int m, \
+                              int M, int K) {                                                 \
+    for (; m + 4 <= M; m += 4) NAME##_x4(y, ldy, x, w, n, m, K);                              \
+    for (; m + 2 <= M; m += 2) NAME##_x2(y, ldy, x, w, n, m, K);                              \
+    if (m < M) NAME##_x1(y, ldy, x, w, n, m, K);                                              \
+}
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// (AVX-512) Four W rows against four inputs: each 16-wide W load (bfloat16 widened in the
+// register) feeds four FMAs and each input load four, where GEMV_TILE's one-row tile is
+// bound by its input loads (one per FMA): 2.5-4x the rate at 32 rows. Every output is summed
+// in GEMV_TILE's order, bit for bit: lane j of the 16-wide accumulator is GEMV_TILE's
+// acc[j / 8][j % 8], the last 8-chunk goes into the low half, then low + high and hsum8.
+#define GEMV_TILE_4X4(NAME, T, LOAD, LOAD8, LOAD16)                                           \
+static inline void NAME(float *y, int64_t ldy, const float *x, const T *w, int n, int m,      \
+                        int K) {                                                              \
+    __m512 acc[4][4];                                                                         \
+    const T *wr[4];                                                                           \
+    const float *xr[4];                                                                       \
+    for (int i = 0; i < 4; i++) {                                                             \
+        wr[i] = w + (int64_t)(n + i) * K;                                                     \
+        xr[i] = x + (int64_t)(m + i) * K;                                                     \
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();                          \
+    }                                                                                         \
+    int k = 0;                                                                                \
+    for (; k + 16 <= K; k += 16) {                                                            \
+        __m512 xv[4];                                                                         \
+        for (int c = 0; c < 4; c++) xv[c] = _mm512_loadu_ps(xr[c] + k);                       \
+        for (int r = 0; r < 4; r++) {                                                         \
+            const __m512 wv = LOAD16(wr[r] + k);                                              \
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv[c], wv, acc[r][c]);    \
+        }                                                                                     \
+    }                                                                                         \
+    const int tail8 = k + 8 <= K;                                                             \
+    for (int r = 0; r < 4; r++)                                                               \
+        for (int c = 0; c < 4; c++) {                                                         \
+            __m256 lo = _mm512_castps512_ps256(acc[r][c]);                                    \
+            const __m256 hi = _mm512_extractf32x8_ps(acc[r][c], 1);                           \
+            if (tail8) lo = _mm256_fmadd_ps(_mm256_loadu_ps(xr[c] + k), LOAD8(wr[r] + k), lo); \
+            float sum = hsum8(_mm256_add_ps(lo, hi));                                         \
+            for (int kk = k + 8 * tail8; kk < K; kk++) sum += xr[c][kk] * LOAD(wr[r], kk);    \
+            y[(int64_t)(m + c) * ldy + n + r] = sum;                                          \
+        }                                                                                     \
+}
+
+// Blocks of four W rows, split over the threads; inputs four at a time through the 4x4 tile
+// (the block's W rows stay in L1 across them), the rest (and N's last rows) row by row.
+#define DEFINE_GEMV(NAME, T, LOAD, LOAD8, LOAD16)                                             \
+GEMV_ROW_TILES(NAME, T, LOAD, LOAD8)                                                          \
+GEMV_TILE_4X4(NAME##_4x4, T, LOAD, LOAD8, LOAD16)                                             \
 static void NAME(float *y, int64_t ldy, const float *x, const T *w, int M, int N, int K) {    \
     _Pragma("omp parallel for schedule(static)")                                              \
-    for (int n = 0; n < N; n++) {                                                             \
+    for (int nb = 0; nb < (N + 3) / 4; nb++) {                                                \
+        const int n0 = 4 * nb, rows = N - n0 < 4 ? N - n0 : 4;                               \
         int m = 0;                                                                            \
-        for (; m + 4 <= M; m += 4) NAME##_x4(y, ldy, x, w, n, m, K);                          \
-        for (; m + 2 <= M; m += 2) NAME##_x2(y, ldy, x, w, n, m, K);                          \
-        if (m < M) NAME##_x1(y, ldy, x, w, n, m, K);                                          \
+        if (rows == 4)                                                                        \
+            for (; m + 4 <= M; m += 4) NAME##_4x4(y, ldy, x, w, n0, m, K);                    \
+        for (int n = n0; n < n0 + rows; n++) NAME##_row(y, ldy, x, w, n, m, M, K);           \
     }                                                                                         \
 }
 #else
+#define DEFINE_GEMV(NAME, T, LOAD, LOAD8, LOAD16)                                             \
+GEMV_ROW_TILES(NAME, T, LOAD, LOAD8)                                                          \
+static void NAME(float *y, int64_t ldy, const float *x, const T *w, int M, int N, int K) {    \
+    _Pragma("omp parallel for schedule(static)")                                              \
+    for (int n = 0; n < N; n++) NAME##_row(y, ldy, x, w, n, 0, M, K);                         \
+}
+#endif
+#else
 // Without AVX2: each output a plain sum over k, in order.
-#define DEFINE_GEMV(NAME, T, LOAD, LOAD8)                                                     \
+#define DEFINE_GEMV(NAME, T, LOAD, LOAD8, LOAD16)                                             \
 static void NAME(float *y, int64_t ldy, const float *x, const T *w, int M, int N, int K) {    \
     _Pragma("omp parallel for schedule(static)")                                              \
     for (int n = 0; n < N; n++) {                                                             \
@@ -196,8 +261,8 @@ static void NAME(float *y, int64_t ldy, const float *x, const T *w, int M, int N
 static inline float load_f32(const float *p, int64_t i) { return p[i]; }
 static inline float load_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
 
-DEFINE_GEMV(gemv_f32, float, load_f32, load8_f32)
-DEFINE_GEMV(gemv_bf16, uint16_t, load_bf16, load8_bf16)
+DEFINE_GEMV(gemv_f32, float, load_f32, load8_f32, load16_f32)
+DEFINE_GEMV(gemv_bf16, uint16_t, load_bf16, load8_bf16, load16_bf16)
 
 // y [M, N] (float32) = x W^T, each part of the matrix into its columns of y.
 static void gemv(const stack_shape *s, float *y, const float *x, const stack_matrix *w, int M,

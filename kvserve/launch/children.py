@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
 import multiprocessing
 import os
 import shutil
@@ -32,6 +31,7 @@ from kvserve.shared.config import EngineConfig, KVTransferConfig
 from kvserve.shared.launch_options import DPLayout, KvStoreOptions, PDConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.process_exit import exit_process
+from kvserve.shared.shm_segments import unlink_segments
 from kvserve.shared.transport import CoordinatorAddresses
 from kvserve.shared.wire import EngineAssignment
 
@@ -84,24 +84,27 @@ class KvStoreProcess:
     Supervised like the coordinator: a store that dies is started again on the same address
     (`respawn`), empty; the engines' clients connect to it afresh and recompute meanwhile.
 
+    A respawned store keeps its disk tier (--kv-store-disk-path): the pinned blocks there
+    outlive the restart.
+
     Args:
-        size: bytes of KV blocks it holds at most (--kv-store-size).
+        pd: the P/D options: the store's size (--kv-store-size) and disk tier.
     """
 
     START_TIMEOUT_S = 60.0
 
-    def __init__(self, size: int):
+    def __init__(self, pd: PDConfig):
         self.folder = tempfile.mkdtemp(prefix="kvserve-pd-")
         self.socket_path = os.path.join(self.folder, "kv-store")
         self.address = f"ipc://{self.socket_path}"
-        self.size = size
+        self.options = pd.store_options(self.address)
         self.process = self._spawn()
 
     def _spawn(self) -> BaseProcess:
         process = multiprocessing.get_context("spawn").Process(
             target=_kv_store_main,
             name="KvStore",
-            args=(KvStoreOptions(address=self.address, size=self.size), os.getpid()),
+            args=(self.options, os.getpid()),
         )
         process.start()
         logger.info(
@@ -112,9 +115,7 @@ class KvStoreProcess:
     def respawn(self) -> BaseProcess:
         """A new store on the same address, once the old one died (whose shared-memory
         segments, named after its pid, are unlinked: a killed store cannot)."""
-        for path in glob.glob(f"/dev/shm/kvserve-kv-*-{self.process.pid}"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        unlink_segments(f"kvserve-kv-*-{self.process.pid}")
         self.process = self._spawn()
         return self.process
 
@@ -158,11 +159,11 @@ def _stop_when_orphaned(parent_pid: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def kv_store_child(size: int) -> AsyncIterator[KvStoreProcess]:
+async def kv_store_child(pd: PDConfig) -> AsyncIterator[KvStoreProcess]:
     """The P/D KV store, listening (ChildStartError if it cannot), restarted while the block
     runs, stopped (its shared memory unlinked) on the way out: enter it before the engines,
     which may still be saving blocks while they stop."""
-    store = KvStoreProcess(size)
+    store = KvStoreProcess(pd)
     try:
         await asyncio.to_thread(store.wait_listening)
         async with supervised(

@@ -22,6 +22,7 @@ from kvserve.launch.supervisor import STOP_TIMEOUT_S, describe_exit, supervised
 from kvserve.shared.config import EngineConfig
 from kvserve.shared.logging import init_logger
 from kvserve.shared.process_exit import exit_process
+from kvserve.shared.shm_ring import unlink_rings_of
 from kvserve.shared.transport import EngineAddresses
 
 logger = init_logger(__name__)
@@ -121,6 +122,17 @@ def stop_engine_process(
         process.pid,
         describe_exit(process.exitcode),
     )
+    unlink_rings_left_by(process)  # a killed engine closed none
+
+
+def unlink_rings_left_by(process: BaseProcess) -> None:
+    """Unlink the shared-memory rings (to its workers) a dead engine core left behind:
+    one that exits cleanly unlinks its own; a killed one cannot, and the resource tracker
+    would keep its 8 MiB in /dev/shm until the launcher exits."""
+    if process.pid is None or process.is_alive():
+        return
+    for name in unlink_rings_of(process.pid):
+        logger.info("unlinked %s, left by engine core process (pid %d)", name, process.pid)
 
 
 class EngineCores:
@@ -146,7 +158,11 @@ class EngineCores:
         self.leftover_workers: list[psutil.Process | None] = []
 
     def start(self, engine_index: int) -> BaseProcess:
-        """Start (or restart) engine core `engine_index`."""
+        """Start (or restart) engine core `engine_index`; a restart first unlinks the
+        shared-memory rings its dead predecessor left (a killed process cannot)."""
+        dead = self.processes.get(engine_index)
+        if dead is not None:
+            unlink_rings_left_by(dead)
         return start_engine_process(self.configs[engine_index], self.launch, engine_index)
 
     @staticmethod

@@ -119,7 +119,7 @@ class FrontEnd:
     def kv_store(self) -> AbstractAsyncContextManager[KvStoreProcess] | None:
         """The P/D KV store (--prefill-size/--decode-size), else None."""
         pd = self.options.pd
-        return kv_store_child(pd.kv_store_size) if pd.enabled else None
+        return kv_store_child(pd) if pd.enabled else None
 
     def coordinator(self) -> AbstractAsyncContextManager[CoordinatorAddresses] | None:
         """The DP coordinator (more than one engine core), else None."""

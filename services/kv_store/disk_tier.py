@@ -97,6 +97,8 @@ class DiskTier:
         self.used_bytes = self.pending_spill_bytes = 0
         self.hits = self.spills = self.checksum_failures = self.expirations = 0
         self.dropped = 0  # spills or pin writes that found no room
+        self.writes = 0  # block files the writer finished (spills and pins)
+        self.evictions = 0  # unpinned blocks deleted to make room
 
     @property
     def wake_fd(self) -> int:
@@ -211,7 +213,9 @@ class DiskTier:
             self._settle(block)
             if not ok:
                 self._remove(block)
-            elif not block.expires_at:
+                continue
+            self.writes += 1
+            if not block.expires_at:
                 self._lru[block.key] = block
         return tokens
 
@@ -335,6 +339,7 @@ class DiskTier:
                 return False
             _, victim = self._lru.popitem(last=False)
             self._remove(victim)
+            self.evictions += 1
         return True
 
 

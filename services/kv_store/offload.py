@@ -32,13 +32,24 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         pass
 
 
-def start_offload_store(size_bytes: int) -> tuple[subprocess.Popen, KVTransferConfig]:
+def start_offload_store(
+    size_bytes: int, disk_path: str | None = None, disk_bytes: int = 0
+) -> tuple[subprocess.Popen, KVTransferConfig]:
     """Start the store on a fresh ipc:// path in a private folder (the store removes both
-    when it stops); returns it and the connector config."""
+    when it stops); returns it and the connector config.
+
+    Args:
+        size_bytes: its memory tier (--size).
+        disk_path: its disk tier's folder (--disk-path), None for none; one store at a time
+            may use a folder (the store locks it).
+        disk_bytes: the disk tier's budget (--disk-bytes).
+    """
     path = os.path.join(private_ipc_folder(), "offload-store")
     address = f"ipc://{path}"
     command = [sys.executable, "-m", "kvserve.cli", "kv-store"]
     command += ["--address", address, "--size", str(size_bytes)]
+    if disk_path is not None:
+        command += ["--disk-path", disk_path, "--disk-bytes", str(disk_bytes)]
     process = subprocess.Popen(command, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + _START_TIMEOUT_S
     while not os.path.exists(path):
@@ -48,7 +59,13 @@ def start_offload_store(size_bytes: int) -> tuple[subprocess.Popen, KVTransferCo
             process.kill()
             raise RuntimeError(f"the offload KV store did not bind {address}")
         time.sleep(0.05)
-    logger.info("KV offload tier: store pid %d at %s, %d bytes", process.pid, address, size_bytes)
+    logger.info(
+        "KV offload tier: store pid %d at %s, %d bytes, disk tier %s",
+        process.pid,
+        address,
+        size_bytes,
+        disk_path or "none",
+    )
     config = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",

@@ -222,10 +222,23 @@ class StoreSchedulerConnector(SchedulerConnector):
             fields["kv_store_usage"] = store.used_bytes / max(store.capacity_bytes, 1)
             fields["kv_store_hits"] = store.hits
             fields["kv_store_misses"] = store.misses
+            fields |= _disk_fields(store)
         return fields
 
     def close(self) -> None:
         self.store.backend.close()
+
+
+def _disk_fields(store: KvStoreStats) -> dict[str, int]:
+    """The store's disk-tier figures under their SchedulerStats names (all 0 without one)."""
+    return {
+        "kv_store_disk_bytes": store.disk_bytes,
+        "kv_store_disk_blocks": store.disk_blocks,
+        "kv_store_disk_writes": store.disk_writes,
+        "kv_store_disk_reads": store.disk_hits,
+        "kv_store_disk_evictions": store.disk_evictions,
+        "kv_store_disk_checksum_failures": store.disk_checksum_failures,
+    }
 
 
 class _StoreStats:

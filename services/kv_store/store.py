@@ -321,6 +321,8 @@ class KvBlockStore:
             disk_pinned=sum(block.expires_at > 0 for block in disk.blocks.values()),
             disk_hits=disk.hits,
             disk_spills=disk.spills,
+            disk_writes=disk.writes,
+            disk_evictions=disk.evictions,
             disk_checksum_failures=disk.checksum_failures,
             disk_expirations=disk.expirations,
             disk_dropped=disk.dropped,

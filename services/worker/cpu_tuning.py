@@ -53,7 +53,7 @@ def prepare_gemm(model: torch.nn.Module, config: EngineConfig) -> gemm.GemmPlan:
         if plan.stalled_share is not None:
             how += f", tasks waited for a CPU {100 * plan.stalled_share:.0f}% of it"
         if plan.unmeasured:
-            how += f", {plan.unmeasured} shapes left on torch unmeasured"
+            how += f", {plan.unmeasured} shapes left unmeasured"
     logger.info(
         "CPU GEMM plan (%s, %d threads, %s): %s",
         how,

@@ -347,10 +347,14 @@ class ModelRunner:
         1 + k each, as a verify step carries them, and the step runs against the bound KV
         cache (writing nothing), so it takes the path real steps take: the native decode
         stack while it holds them, the modules after. Empty unless adaptive speculation is
-        on; every rank runs it (collectives), the driver's figures are used."""
+        on; every rank runs it (collectives), the driver's figures are used. A table in
+        KVSERVE_SPEC_STEP_COSTS replaces the timing (shared/env.py)."""
         spec = self.spec_config
         if spec is None or not spec.adaptive:
             return []
+        fixed = env.SPEC_STEP_COSTS.get()
+        if fixed is not None:
+            return fixed
         assert self.kv_caches, "the step costs are measured once the KV cache is bound"
         return self.step_timer.measure_step_costs(
             spec.num_speculative_tokens, self.config.scheduler

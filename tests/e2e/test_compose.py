@@ -182,6 +182,9 @@ def test_pd_profile_runs_a_store_a_prefill_and_a_decode_engine():
     assert [e.engine_index for e in engines] == [0, 1]
     assert [e.engine.kv_transfer_config.kv_role for e in engines] == ["kv_producer", "kv_consumer"]
     (store_port,) = {addr.rsplit(":", 1)[1] for addr in store.addresses}
+    # The store's disk tier is on a volume of its own: pinned prefixes outlive its container.
+    assert store.disk_path == "/kv-disk" and store.disk_bytes > 0
+    assert _mounts(services["kv-store"])["/kv-disk"] == ("kvserve-kv-disk", False)
     for engine in engines:
         extra = engine.engine.kv_transfer_config.kv_connector_extra_config
         assert extra["store_address"] == f"tcp://kv-store:{store_port}"

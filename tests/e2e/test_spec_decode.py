@@ -1,13 +1,22 @@
 """Speculative decoding through the whole engine on the real default model (float32): greedy
 output equals greedy without speculation, token for token, with each method, over prompts
 whose drafts are both accepted and rejected; and under chunked prefill, preemption, n > 1,
-logprobs, seeds and TP = 2. Every run ends with zero leaked KV blocks."""
+logprobs, seeds and TP = 2. Every run ends with zero leaked KV blocks.
+
+The default model's engines cost seconds each to start, so tests of one config share one
+engine (`engines`, one alive at a time: they sit next to each other in this file), and the
+reference outputs without speculation are computed once (`reference`)."""
 
 from __future__ import annotations
+
+import gc
+import json
+from dataclasses import dataclass
 
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.services.api.engine_client.client import StatsTotals
 from tests.support.kv import assert_no_leaked_blocks
 from tests.support.models import DEFAULT_MODEL_KV_CACHE_MEMORY
 from tests.support.prompts import chat_prompt_ids
@@ -15,6 +24,9 @@ from tests.support.prompts import chat_prompt_ids
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 40
+# Tests that run the prompts again where a shorter run asserts the same thing compare this
+# many tokens with the reference's first ones (greedy: the same tokens, cut sooner).
+SHORT_MAX_TOKENS = 24
 # Chat questions (drafts mostly rejected) and rewriting tasks (text repeats: drafts accepted).
 QUESTIONS = [
     "What is the capital of France?",
@@ -28,6 +40,54 @@ QUESTIONS = [
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
 SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "num_draft_layers": 10}
+# Step costs for the adaptive rule (KVSERVE_SPEC_STEP_COSTS), in place of its start-up timing
+# (over a dozen CPU seconds): the default model's float32 verify steps on one core, flat up
+# to ~8 query tokens (a draft costs ~3-10% of a step at batch 1), then compute-bound.
+STEP_COSTS = "1:0.020,2:0.0205,4:0.021,8:0.023,16:0.036,32:0.066,64:0.13,128:0.26,256:0.55"
+# The n > 1 and logprobs request of test_logprobs_n_and_max_tokens, on the last 3 prompts.
+LOGPROBS_N = SamplingParams(temperature=0.0, max_tokens=17, logprobs=2, n=2)
+
+
+class OneEngine:
+    """The module's default-model engines, one alive at a time (each holds ~0.7 GB): asking
+    for another config than the live one's shuts that one down first. Each `get` starts
+    fresh stats totals, so a test's acceptance checks count its own drafts only."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.llm: LLM | None = None
+
+    def get(self, **engine_kwargs) -> LLM:
+        """The engine of these LLM arguments (beyond dtype and the KV cache size)."""
+        key = json.dumps(engine_kwargs, sort_keys=True)
+        if key != self.key or self.llm is None:
+            self.close()
+            engine_kwargs.setdefault("kv_cache_memory", DEFAULT_MODEL_KV_CACHE_MEMORY)
+            self.llm = LLM(dtype="float32", **engine_kwargs)
+            self.key = key
+        self.llm.stats_totals = StatsTotals()
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.engine_core.shutdown()
+            self.llm, self.key = None, None
+            gc.collect()
+
+
+@dataclass
+class Reference:
+    """Outputs without speculation: greedy over every prompt, and LOGPROBS_N's."""
+
+    greedy: list[list[int]]
+    logprobs_n: list
+
+
+@pytest.fixture(scope="module")
+def engines():
+    one = OneEngine()
+    yield one
+    one.close()
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +96,11 @@ def prompts(default_model_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(prompts) -> list[list[int]]:
-    llm = LLM(dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
-    return _greedy(llm, prompts)
+def reference(engines, prompts) -> Reference:
+    llm = engines.get()
+    inputs = [{"prompt_token_ids": p} for p in prompts[2:]]
+    logprobs_n = llm.generate(inputs, LOGPROBS_N, use_tqdm=False)
+    return Reference(_greedy(llm, prompts), logprobs_n)
 
 
 def _greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
@@ -47,8 +109,10 @@ def _greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _assert_equal(ours, reference) -> None:
+def _assert_equal(ours, reference, max_tokens: int = MAX_TOKENS) -> None:
+    """ours equals reference token for token; ours ran max_tokens, reference MAX_TOKENS."""
     for i, (a, b) in enumerate(zip(ours, reference)):
+        b = b[:max_tokens]
         assert a == b, f"prompt {i} ({QUESTIONS[i]!r}) diverges:\nspec {a}\nref  {b}"
 
 
@@ -65,82 +129,23 @@ def _fixed(spec: dict) -> dict:
     return {**spec, "adaptive": False}
 
 
-@pytest.mark.parametrize(
-    "spec, one_at_a_time",
-    [
-        pytest.param(_fixed(NGRAM), False, id="ngram"),
-        # The adaptive rule drafts where a draft pays for its share of the step. At batch 1 it
-        # pays while the draft's acceptance beats the verify step's extra time (about 10-30%
-        # on a CPU), so drafts are taken, accepted and rejected on any machine. In a batch of
-        # five the first draft must beat a ~12% step: whether it does depends on the
-        # machine's thread count and load, and the rule may rightly keep to sure drafts.
-        pytest.param(NGRAM, True, id="ngram-adaptive"),
-        pytest.param(_fixed(SELF_DRAFT), False, id="self-draft"),
-    ],
-)
-def test_greedy_equals_greedy_without_speculation(spec, one_at_a_time, prompts, greedy_reference):
-    llm = LLM(
-        dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, speculative_config=spec
-    )
-    if one_at_a_time:
-        ours = [_greedy(llm, [prompt])[0] for prompt in prompts]
-    else:
-        ours = _greedy(llm, prompts)
-    _assert_equal(ours, greedy_reference)
+def test_ngram_greedy_equals_greedy_without_speculation(engines, prompts, reference):
+    llm = engines.get(speculative_config=_fixed(NGRAM))
+    _assert_equal(_greedy(llm, prompts), reference.greedy)
     _assert_accepted_and_rejected(llm)
     assert_no_leaked_blocks(llm.engine_core.scheduler)
 
 
-def test_a_separate_draft_model_with_its_own_kv_cache(default_model_dir, prompts, greedy_reference):
-    # The default model loaded again as the draft, truncated: its own weights and KV cache,
-    # caught up on every step (prefix-cache hits included: the prompts share the template).
-    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": default_model_dir,
-            "num_draft_layers": 6, "adaptive": False}  # fmt: skip
-    llm = LLM(
-        dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, speculative_config=spec
-    )
-    assert llm.engine_core.executor.worker.runner.proposer.draft.owns_cache
-    _assert_equal(_greedy(llm, prompts), greedy_reference)
-    _assert_equal(_greedy(llm, prompts), greedy_reference)  # a second round from the cache
-    _assert_accepted_and_rejected(llm)
-    assert_no_leaked_blocks(llm.engine_core.scheduler)
-
-
-def test_chunked_prefill_and_preemption(prompts, greedy_reference):
-    longest = max(len(p) for p in prompts) + MAX_TOKENS + 8
-    num_blocks = -(-longest // 16) + 4  # one request always fits, two do not
-    for spec in (_fixed(NGRAM), _fixed(SELF_DRAFT)):
-        llm = LLM(
-            dtype="float32",
-            speculative_config=spec,
-            max_num_batched_tokens=32,
-            num_gpu_blocks_override=num_blocks,
-        )
-        _assert_equal(_greedy(llm, prompts), greedy_reference)
-        assert llm.engine_core.scheduler.num_preemptions_total > 0
-        _assert_accepted_and_rejected(llm)
-        assert_no_leaked_blocks(llm.engine_core.scheduler)
-
-
-def test_logprobs_n_and_max_tokens(prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=17, logprobs=2, n=2)
-    inputs = [{"prompt_token_ids": p} for p in prompts[2:]]
-    plain = LLM(dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
-    want = plain.generate(inputs, params, use_tqdm=False)
-    del plain
-    spec = LLM(
-        dtype="float32",
-        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
-        speculative_config=_fixed(NGRAM),
-    )
-    got = spec.generate(inputs, params, use_tqdm=False)
+def test_logprobs_n_and_max_tokens(engines, prompts, reference):
+    spec = engines.get(speculative_config=_fixed(NGRAM))
+    got = spec.generate([{"prompt_token_ids": p} for p in prompts[2:]], LOGPROBS_N, use_tqdm=False)
     assert any(len(o.outputs[0].token_ids) == 17 for o in got)  # max_tokens ended some
-    for w, g in zip(want, got):
+    for w, g in zip(reference.logprobs_n, got):
         assert len(g.outputs) == 2
-        for wc, gc in zip(w.outputs, g.outputs):
-            assert gc.token_ids == wc.token_ids
-            assert len(gc.logprobs) == len(gc.token_ids)
-            for wl, gl in zip(wc.logprobs, gc.logprobs):
+        for wc, gc_ in zip(w.outputs, g.outputs):
+            assert gc_.token_ids == wc.token_ids
+            assert len(gc_.logprobs) == len(gc_.token_ids)
+            for wl, gl in zip(wc.logprobs, gc_.logprobs):
                 assert list(gl) == list(wl)  # the same top tokens at every position
                 for token_id in wl:
                     assert gl[token_id].logprob == pytest.approx(wl[token_id].logprob, abs=1e-3)
@@ -149,16 +154,10 @@ def test_logprobs_n_and_max_tokens(prompts):
     assert_no_leaked_blocks(spec.engine_core.scheduler)
 
 
-def test_structured_outputs_beside_speculating_requests(prompts, greedy_reference):
-    import json
-
+def test_structured_outputs_beside_speculating_requests(engines, prompts, reference):
     from kvserve.shared.structured_outputs import StructuredOutputsParams
 
-    llm = LLM(
-        dtype="float32",
-        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
-        speculative_config=_fixed(NGRAM),
-    )
+    llm = engines.get(speculative_config=_fixed(NGRAM))
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     constrained = SamplingParams(
         temperature=0.0,
@@ -168,18 +167,53 @@ def test_structured_outputs_beside_speculating_requests(prompts, greedy_referenc
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     outs = llm.generate(inputs + inputs[:1], [plain] * len(inputs) + [constrained], use_tqdm=False)
-    _assert_equal([o.outputs[0].token_ids for o in outs[:-1]], greedy_reference)
+    _assert_equal([o.outputs[0].token_ids for o in outs[:-1]], reference.greedy)
     assert set(json.loads(outs[-1].outputs[0].text)) == {"n"}
     _assert_accepted_and_rejected(llm)
     assert_no_leaked_blocks(llm.engine_core.scheduler)
 
 
-def test_aborts_mid_speculation_free_every_block(prompts):
-    llm = LLM(
-        dtype="float32",
-        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
-        speculative_config=_fixed(SELF_DRAFT),
-    )
+def test_seeded_random_sampling_is_reproducible(engines, prompts):
+    llm = engines.get(speculative_config=_fixed(NGRAM))
+    seeds = (1, 1, 2, 3, 4)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=32) for s in seeds]
+    outs = llm.generate([{"prompt_token_ids": prompts[3]}] * len(seeds), params, use_tqdm=False)
+    first, again, *others = (o.outputs[0].token_ids for o in outs)
+    assert first == again
+    assert any(other != first for other in others)  # the seed matters
+    alone = llm.generate([{"prompt_token_ids": prompts[3]}], params[0], use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == first  # whatever else is in the batch
+    assert llm.stats_totals.spec_num_accepted_tokens > 0
+    assert_no_leaked_blocks(llm.engine_core.scheduler)
+
+
+def test_adaptive_ngram_greedy_equals_greedy_without_speculation(
+    engines, prompts, reference, monkeypatch
+):
+    # The adaptive rule drafts where a draft pays for its share of the step. At batch 1 it
+    # pays while the draft's acceptance beats the verify step's extra time (STEP_COSTS: a few
+    # percent), so drafts are taken, accepted and rejected. In a batch of five the first
+    # draft must beat a larger share of the step, and the rule may rightly keep to sure
+    # drafts: the prompts go one at a time.
+    monkeypatch.setenv("KVSERVE_SPEC_STEP_COSTS", STEP_COSTS)
+    llm = engines.get(speculative_config=NGRAM)
+    costs = llm.engine_core.scheduler.spec_decode.policy.step_cost_model
+    assert costs.num_tokens[:2] == [1, 2] and costs.seconds[0] == 0.020  # the table, untimed
+    n = SHORT_MAX_TOKENS  # five requests one at a time: five times the steps of a batch
+    _assert_equal([_greedy(llm, [p], n)[0] for p in prompts], reference.greedy, n)
+    _assert_accepted_and_rejected(llm)
+    assert_no_leaked_blocks(llm.engine_core.scheduler)
+
+
+def test_self_draft_greedy_equals_greedy_without_speculation(engines, prompts, reference):
+    llm = engines.get(speculative_config=_fixed(SELF_DRAFT))
+    _assert_equal(_greedy(llm, prompts), reference.greedy)
+    _assert_accepted_and_rejected(llm)
+    assert_no_leaked_blocks(llm.engine_core.scheduler)
+
+
+def test_aborts_mid_speculation_free_every_block(engines, prompts):
+    llm = engines.get(speculative_config=_fixed(SELF_DRAFT))
     core = llm.engine_core
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     for i, ids in enumerate(prompts):
@@ -195,27 +229,43 @@ def test_aborts_mid_speculation_free_every_block(prompts):
     assert_no_leaked_blocks(core.scheduler)
 
 
-def test_seeded_random_sampling_is_reproducible(prompts):
-    llm = LLM(
-        dtype="float32",
-        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
-        speculative_config=_fixed(NGRAM),
-    )
-    seeds = (1, 1, 2, 3, 4)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=32) for s in seeds]
-    outs = llm.generate([{"prompt_token_ids": prompts[3]}] * len(seeds), params, use_tqdm=False)
-    first, again, *others = (o.outputs[0].token_ids for o in outs)
-    assert first == again
-    assert any(other != first for other in others)  # the seed matters
-    alone = llm.generate([{"prompt_token_ids": prompts[3]}], params[0], use_tqdm=False)
-    assert alone[0].outputs[0].token_ids == first  # whatever else is in the batch
-    assert llm.stats_totals.spec_num_accepted_tokens > 0
+def test_a_separate_draft_model_with_its_own_kv_cache(
+    engines, default_model_dir, prompts, reference
+):
+    # The default model loaded again as the draft, truncated: its own weights and KV cache,
+    # caught up on every step (prefix-cache hits included: the prompts share the template).
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": default_model_dir,
+            "num_draft_layers": 6, "adaptive": False}  # fmt: skip
+    llm = engines.get(speculative_config=spec)
+    assert llm.engine_core.executor.worker.runner.proposer.draft.owns_cache
+    _assert_equal(_greedy(llm, prompts), reference.greedy)
+    # A second round from the cache: the prompts hit, the draft catches up on them.
+    n = SHORT_MAX_TOKENS
+    _assert_equal(_greedy(llm, prompts, n), reference.greedy, n)
+    _assert_accepted_and_rejected(llm)
     assert_no_leaked_blocks(llm.engine_core.scheduler)
 
 
-def test_tensor_and_pipeline_parallel(tiny_llama_for_tp, default_model_dir):
+def test_chunked_prefill_and_preemption(engines, prompts, reference):
+    longest = max(len(p) for p in prompts) + MAX_TOKENS + 8
+    num_blocks = -(-longest // 16) + 4  # one request always fits, two do not
+    for spec in (_fixed(NGRAM), _fixed(SELF_DRAFT)):
+        llm = engines.get(
+            speculative_config=spec,
+            max_num_batched_tokens=32,
+            num_gpu_blocks_override=num_blocks,
+            kv_cache_memory=None,
+        )
+        _assert_equal(_greedy(llm, prompts), reference.greedy)
+        assert llm.engine_core.scheduler.num_preemptions_total > 0
+        _assert_accepted_and_rejected(llm)
+        assert_no_leaked_blocks(llm.engine_core.scheduler)
+
+
+def test_tensor_and_pipeline_parallel(engines, tiny_llama_for_tp, default_model_dir):
     # The default model's 9 heads do not split over 2 ranks: a tiny random Llama does
     # (its greedy text loops, so n-gram drafts are accepted too).
+    engines.close()  # the last default-model engine's memory is not needed here
     inputs = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 42], [7] * 11, [20, 21, 22])]
     params = SamplingParams(temperature=0.0, max_tokens=24)
     tiny = {"tokenizer": default_model_dir, "dtype": "float32", "max_model_len": 256,
@@ -246,12 +296,13 @@ def tiny_llama_for_tp(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def medusa_heads(tmp_path_factory) -> str:
+def medusa_heads(tmp_path_factory, engines) -> str:
     """Medusa heads for the default model from a short `train-draft` run (the real
     training path; a few prompts, so the heads are weak: some drafts pass, most do not)."""
     from kvserve.shared.launch_options import TrainDraftOptions
     from kvserve.training.train_draft import train_draft
 
+    engines.close()  # training starts its own engine
     folder = str(tmp_path_factory.mktemp("medusa"))
     options = TrainDraftOptions(
         output=folder, num_heads=3, num_prompts=12, max_tokens=48, epochs=2, batch_size=32
@@ -260,30 +311,25 @@ def medusa_heads(tmp_path_factory) -> str:
     return folder
 
 
-def test_medusa_heads(medusa_heads, prompts, greedy_reference):
+def test_medusa_heads(engines, medusa_heads, prompts, reference):
     spec = {"method": "medusa", "model": medusa_heads, "num_speculative_tokens": 3,
             "adaptive": False}  # fmt: skip
-    llm = LLM(
-        dtype="float32", kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY, speculative_config=spec
-    )
-    _assert_equal(_greedy(llm, prompts), greedy_reference)
+    llm = engines.get(speculative_config=spec)
+    _assert_equal(_greedy(llm, prompts), reference.greedy)
     _assert_accepted_and_rejected(llm)
     assert_no_leaked_blocks(llm.engine_core.scheduler)
     with pytest.raises(ValueError, match="exceeds the 3 Medusa heads"):
-        LLM(
-            dtype="float32",
-            kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
-            speculative_config={**spec, "num_speculative_tokens": 4},
-        )
+        engines.get(speculative_config={**spec, "num_speculative_tokens": 4})
 
 
 @pytest.fixture(scope="module")
-def eagle_head(tmp_path_factory) -> str:
+def eagle_head(tmp_path_factory, engines) -> str:
     """An EAGLE-1 head for the default model from a short `train-draft --method eagle` run
     (the real training path; few prompts, so its guesses are weak)."""
     from kvserve.shared.launch_options import TrainDraftOptions
     from kvserve.training.train_eagle import train_eagle
 
+    engines.close()  # training starts its own engine
     folder = str(tmp_path_factory.mktemp("eagle"))
     options = TrainDraftOptions(
         output=folder, method="eagle", num_prompts=12, max_tokens=48, epochs=1, batch_size=2
@@ -292,15 +338,10 @@ def eagle_head(tmp_path_factory) -> str:
     return folder
 
 
-def test_eagle_head(eagle_head, prompts, greedy_reference):
+def test_eagle_head(engines, eagle_head, prompts, reference):
     spec = {"method": "eagle", "model": eagle_head, "num_speculative_tokens": 3,
             "adaptive": False}  # fmt: skip
-    llm = LLM(
-        dtype="float32",
-        kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY,
-        speculative_config=spec,
-        max_num_batched_tokens=64,
-    )
-    _assert_equal(_greedy(llm, prompts), greedy_reference)  # chunked prompts too
+    llm = engines.get(speculative_config=spec, max_num_batched_tokens=64)
+    _assert_equal(_greedy(llm, prompts), reference.greedy)  # chunked prompts too
     _assert_accepted_and_rejected(llm)
     assert_no_leaked_blocks(llm.engine_core.scheduler)

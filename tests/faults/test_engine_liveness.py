@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from kvserve.services.api.engine_client.client import EngineDeadError
 from kvserve.services.api.engine_client.mp_client import (
+    ClientTopology,
     EngineChannel,
     EngineStalledError,
     MPEngineClient,
@@ -57,6 +58,7 @@ HEARTBEAT_TIMEOUT_S = 1.0
 HUNG_TIMEOUT_S = 3.0
 STALL_TIMEOUT_S = 1.0
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+DEFAULT_TOPOLOGY = ClientTopology()  # one engine, no restarts
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +88,18 @@ class ScriptedEngine:
         pid: int = 1,
         block_size: int = 16,
         hostname: str = "scripted-host",
+        engine_index: int = 0,
+        kv_role: str | None = None,
     ):
         self.pid, self.block_size, self.hostname = pid, block_size, hostname
+        self.engine_index, self.kv_role = engine_index, kv_role
         self.ctx = zmq.asyncio.Context()
         self.dealer = make_socket(
-            self.ctx, addresses.input_addr, zmq.DEALER, bind=False, identity=engine_identity(0)
+            self.ctx,
+            addresses.input_addr,
+            zmq.DEALER,
+            bind=False,
+            identity=engine_identity(engine_index),
         )
         self.push = make_socket(self.ctx, addresses.output_addr, zmq.PUSH, bind=False)
         self.encoder = MessageEncoder()
@@ -104,12 +113,13 @@ class ScriptedEngine:
 
     async def start(self) -> None:
         handshake = EngineReady(
-            engine_index=0,
+            engine_index=self.engine_index,
             num_blocks=64,
             max_model_len=128,
             block_size=self.block_size,
             hostname=self.hostname,
             pid=self.pid,
+            kv_role=self.kv_role,
         )
         await self.dealer.send_multipart(self.encoder.encode(MsgType.READY, handshake))
         self.heartbeat_task = asyncio.create_task(self._beat())
@@ -120,7 +130,9 @@ class ScriptedEngine:
                 self.num_iterations += self.advancing
                 await self.send(
                     MsgType.HEARTBEAT,
-                    EngineHeartbeat(0, self.num_iterations, self.num_iterations, self.idle, 1),
+                    EngineHeartbeat(
+                        self.engine_index, self.num_iterations, self.num_iterations, self.idle, 1
+                    ),
                 )
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
@@ -142,23 +154,28 @@ class ScriptedEngine:
         self.ctx.destroy(linger=0)
 
 
-async def _connect(tokenizer_info, **engine_args) -> tuple[MPEngineClient, ScriptedEngine]:
+async def _connect(
+    tokenizer_info, topology: ClientTopology = DEFAULT_TOPOLOGY, **engine_args
+) -> tuple[MPEngineClient, ScriptedEngine]:
     channel = EngineChannel(EngineAddresses.local())
     engine = ScriptedEngine(channel.addresses, **engine_args)
     await engine.start()
-    client = await MPEngineClient.connect(channel, tokenizer_info, "tiny", ready_timeout_s=5)
+    client = await MPEngineClient.connect(
+        channel, tokenizer_info, "tiny", ready_timeout_s=5, topology=topology
+    )
     return client, engine
 
 
-def _scenario(tokenizer_info, body, **engine_args):
+def _scenario(tokenizer_info, body, topology: ClientTopology = DEFAULT_TOPOLOGY, **engine_args):
     """Run body(client, engine) on a fresh event loop, always closing both ends.
 
     Args:
+        topology: the client's (restarts, --migration-wait-s).
         engine_args: for the ScriptedEngine (a pid and hostname to watch).
     """
 
     async def main():
-        client, engine = await _connect(tokenizer_info, **engine_args)
+        client, engine = await _connect(tokenizer_info, topology, **engine_args)
         try:
             await body(client, engine)
         finally:
@@ -447,3 +464,93 @@ def test_a_ready_that_does_not_fit_is_refused(tokenizer_info):
             stranger.close()
 
     _scenario(tokenizer_info, body)
+
+
+HELD_WAIT_S = 1.0  # --migration-wait-s of the clients that wait for restarts
+
+
+def test_a_request_sent_while_the_last_engine_is_dead_waits_for_its_restart(tokenizer_info):
+    async def body(client, engine):
+        await engine.send(MsgType.DEAD, EngineDead(0, "RuntimeError: boom"))
+        await wait_until_async(lambda: not client.engines[0].is_alive, timeout_s=5)
+        assert client.waits_for_engine and not client.is_healthy and client.dead_reason is None
+        task = asyncio.create_task(_collect(client, "held"))
+        await asyncio.sleep(HELD_WAIT_S / 2)  # held meanwhile, neither failed nor sent
+        assert not task.done()
+        successor = ScriptedEngine(client.channel.addresses, pid=2)
+        try:
+            await successor.start()
+            msg_type, request = await successor.recv()
+            assert msg_type == MsgType.ADD and request.request_id.startswith("held")
+            assert not client.waits_for_engine
+            output = EngineCoreOutput(request.request_id, [65], finish_reason=FinishReason.LENGTH)
+            await successor.send(MsgType.OUTPUTS, EngineCoreOutputs(outputs=[output]))
+            outputs = await asyncio.wait_for(task, 5)
+            assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == [65]
+        finally:
+            successor.close()
+
+    topology = ClientTopology(wait_for_restarts=True, migration_wait_s=10 * HELD_WAIT_S)
+    _scenario(tokenizer_info, body, topology)
+
+
+def test_a_held_request_fails_once_no_engine_came_back_in_time(tokenizer_info):
+    async def body(client, engine):
+        await engine.send(MsgType.DEAD, EngineDead(0, "RuntimeError: boom"))
+        await wait_until_async(lambda: not client.engines[0].is_alive, timeout_s=5)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"within 1 s \(--migration-wait-s\)"):
+            await asyncio.wait_for(_collect(client, "held"), 5)
+        assert time.monotonic() - started >= HELD_WAIT_S
+        assert client.dead_reason is None and not client.queues  # nothing left behind
+
+    topology = ClientTopology(wait_for_restarts=True, migration_wait_s=HELD_WAIT_S)
+    _scenario(tokenizer_info, body, topology)
+
+
+def test_without_restarts_a_request_after_the_last_death_fails_at_once(tokenizer_info):
+    async def body(client, engine):
+        await engine.send(MsgType.DEAD, EngineDead(0, "RuntimeError: boom"))
+        await asyncio.wait_for(client.wait_dead(), 5)
+        assert not client.waits_for_engine
+        with pytest.raises(EngineDeadError, match="boom"):
+            await asyncio.wait_for(_collect(client, "refused"), 1)
+
+    _scenario(tokenizer_info, body)
+
+
+def test_a_pd_prefill_whose_lone_engine_dies_is_held_then_fails_in_time(tokenizer_info):
+    """P/D: the prefill copy's engine (the only kv_producer) dies with it; the request is
+    held for a restarted prefill engine, and without one fails after --migration-wait-s
+    with the prefill's death in the reason; the decode engine never gets it."""
+
+    async def main():
+        channel = EngineChannel(EngineAddresses.local())
+        prefill = ScriptedEngine(channel.addresses, pid=1, kv_role="kv_producer")
+        decode = ScriptedEngine(channel.addresses, pid=2, engine_index=1, kv_role="kv_consumer")
+        await prefill.start()
+        await decode.start()
+        topology = ClientTopology(
+            num_engines=2, wait_for_restarts=True, migration_wait_s=HELD_WAIT_S
+        )
+        client = await MPEngineClient.connect(
+            channel, tokenizer_info, "tiny", ready_timeout_s=5, topology=topology
+        )
+        try:
+            task = asyncio.create_task(_collect(client, "pd"))
+            msg_type, copy = await prefill.recv()
+            assert msg_type == MsgType.ADD and copy.request_id.endswith("-prefill")
+            await prefill.send(MsgType.DEAD, EngineDead(0, "RuntimeError: prefill boom"))
+            await wait_until_async(lambda: client.waits_for_engine, timeout_s=5)
+            assert client.flow.lost_stage() == "prefill" and not task.done()
+            with pytest.raises(EngineDeadError, match=r"within 1 s .*prefill boom"):
+                await asyncio.wait_for(task, 5)
+            assert client.dead_reason is None and not client.queues
+            with pytest.raises(TimeoutError):
+                await decode.recv(timeout_s=0.2)  # the decode was never sent
+        finally:
+            await client.shutdown()
+            prefill.close()
+            decode.close()
+
+    asyncio.run(main())

@@ -18,7 +18,8 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Collection, Iterator
+import time
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -60,7 +61,6 @@ class Stream:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    num_chunks: int = 0
     request_id: str = ""
 
 
@@ -68,9 +68,8 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _run(url: str, stream: Stream, on_chunk=None) -> None:
-    """Stream one request into `stream` (in a thread): three kinds, each with its checks.
-    `on_chunk(stream)` runs after each chunk."""
+def _run(url: str, stream: Stream) -> None:
+    """Stream one request into `stream` (in a thread): three kinds, each with its checks."""
     client = _client(url)
     try:
         if stream.kind == "json":
@@ -87,10 +86,7 @@ def _run(url: str, stream: Stream, on_chunk=None) -> None:
                 },
             )
             for chunk in chunks:
-                stream.num_chunks += 1
                 stream.request_id = chunk.id
-                if on_chunk is not None:
-                    on_chunk(stream)
                 if chunk.choices:
                     stream.text += chunk.choices[0].delta.content or ""
                     stream.finish_reason = chunk.choices[0].finish_reason or stream.finish_reason
@@ -110,10 +106,7 @@ def _run(url: str, stream: Stream, on_chunk=None) -> None:
             extra_body={"ignore_eos": True, **({"top_k": 8} if seeded else {})},
         )
         for chunk in chunks:
-            stream.num_chunks += 1
             stream.request_id = chunk.id
-            if on_chunk is not None:
-                on_chunk(stream)
             choice = chunk.choices[0]
             stream.text += choice.text
             if choice.logprobs is not None:
@@ -131,51 +124,85 @@ def _streams() -> list[Stream]:
     ]
 
 
-class KillMidStream:
-    """When the first stream has KILL_AFTER_CHUNKS chunks, SIGSTOP the engine core running
-    the most requests (by /health; ties: the highest index): none of its streams can end
-    now, and those that were to start there wait there. SIGKILL it half a second later
-    (`victim`: its /health entry). The tiny model streams 300 tokens in about a second, so
-    a later trigger could miss streams that end first."""
+class Generating:
+    """Which engine core is mid-stream now, by the api's own counts (/health): the tokens
+    each engine sent back since this object was made, and the requests it holds. A kill
+    point taken from these is the server's state; the client's chunks are not (a loaded
+    client reads far behind the server, and the tiny model streams 300 tokens in about a
+    second).
 
-    KILL_AFTER_CHUNKS = 3
+    Args:
+        server: the server under test (make this before its streams start).
+        engines: the candidate engine indices (None: every engine).
+    """
+
+    MID_STREAM_TOKENS = 8  # a few tokens per stream: each on it has started, none ended
+
+    def __init__(self, server: ServeProcess, engines: Collection[int] | None = None):
+        self.server = server
+        _, body = server.health()
+        self.before = {
+            e["engine"]: e["num_generated_tokens"]
+            for e in body["engines"]
+            if engines is None or e["engine"] in engines
+        }
+
+    def busiest(self, min_tokens: int = MID_STREAM_TOKENS) -> dict:
+        """The /health entry of the candidate engine holding the most requests (ties: the
+        highest index) once it holds some and sent `min_tokens` since the start (60 s at
+        most)."""
+        found: dict = {}
+
+        def generating() -> bool:
+            _, body = self.server.health()
+            for entry in sorted(
+                (e for e in body["engines"] if e["engine"] in self.before),
+                key=lambda e: (e["num_in_flight"], e["engine"]),
+                reverse=True,
+            ):
+                generated = entry["num_generated_tokens"] - self.before[entry["engine"]]
+                if entry["num_in_flight"] and generated >= min_tokens:
+                    found.update(entry)
+                    return True
+            return False
+
+        assert wait_until(generating, timeout_s=60, interval_s=0.005), self.server.health()
+        return found
+
+
+class KillMidStream:
+    """Once the engine core running the most requests is mid-stream (Generating), SIGSTOP
+    it: none of its streams can end now, and those that were to start there wait there.
+    SIGKILL it half a second later (`victim`: its /health entry)."""
 
     def __init__(self, server: ServeProcess):
-        self.server = server
+        self.generating = Generating(server)
         self.victim: dict = {}
-        self.fired = threading.Event()
-        self._lock = threading.Lock()
-        self._killer: threading.Timer | None = None
 
-    def on_chunk(self, stream: Stream) -> None:
-        if self.fired.is_set() or stream.num_chunks < self.KILL_AFTER_CHUNKS:
-            return
-        with self._lock:
-            if self.fired.is_set():
-                return
-            self.victim = _busiest(self.server)
-            pid = self.victim["pid"]
-            os.kill(pid, signal.SIGSTOP)
-            self.fired.set()
-            self._killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
-            self._killer.start()
-
-    def join(self) -> None:
-        assert self.fired.is_set(), "no stream got far enough to kill the engine"
-        assert self._killer is not None
-        self._killer.join()
+    def __call__(self) -> None:
+        self.victim = self.generating.busiest()
+        pid = self.victim["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
 
 
-def _run_all(url: str, kill: KillMidStream | None = None) -> list[Stream]:
-    """Run every stream at once (with `kill`'s SIGSTOP and SIGKILL among them)."""
-    streams = _streams()
-    on_chunk = kill.on_chunk if kill is not None else None
-    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
-        futures = [pool.submit(_run, url, stream, on_chunk) for stream in streams]
-        for future in futures:
+def _run_all(url: str, on_started: Callable[[], None] | None = None) -> list[Stream]:
+    """Run every stream at once, and `on_started()` (a kill) in a thread beside them."""
+    return _run_beside(url, _streams(), on_started)
+
+
+def _run_beside(
+    url: str, streams: list[Stream], on_started: Callable[[], None] | None
+) -> list[Stream]:
+    """Run `streams` at once; `on_started()`, if any, in a thread of its own as they are
+    sent (it waits for its own moment, from the server's state)."""
+    with concurrent.futures.ThreadPoolExecutor(len(streams) + 1) as pool:
+        started = pool.submit(on_started) if on_started is not None else None
+        for future in [pool.submit(_run, url, stream) for stream in streams]:
             future.result(timeout=180)
-    if kill is not None:
-        kill.join()
+        if started is not None:
+            started.result(timeout=180)  # its own failure fails the test
     return streams
 
 
@@ -229,22 +256,6 @@ def _healthy(server: ServeProcess) -> Iterator[ServeProcess]:
         yield server
     finally:
         server.stop()
-
-
-def _busiest(server: ServeProcess, engines: Collection[int] | None = None) -> dict:
-    """The /health entry of the engine core running the most requests now (of `engines`;
-    ties: the highest index), once one runs any (60 s at most; with P/D the streams reach
-    the decode engines after their prefill): the victim that surely holds streams."""
-    found: dict = {}
-
-    def running() -> bool:
-        _, body = server.health()
-        candidates = [e for e in body["engines"] if engines is None or e["engine"] in engines]
-        found.update(max(candidates, key=lambda e: (e["num_running"], e["engine"])))
-        return found["num_running"] > 0
-
-    assert wait_until(running, timeout_s=60, interval_s=0.01), found
-    return found
 
 
 def _moved_kinds(server: ServeProcess, streams: list[Stream]) -> set[str]:
@@ -336,6 +347,7 @@ def test_a_killed_engine_streams_resume_on_the_other(dp_server, receiver):
     kill = KillMidStream(dp_server)
 
     streams = _run_all(dp_server.url, kill)
+    assert kill.victim, "no engine got far enough to kill"
 
     _assert_same(streams, reference)
     victim = kill.victim["engine"]
@@ -428,15 +440,8 @@ def poisoned_server(tiny_llama_dir, tmp_path_factory):
         yield server
 
 
-def _run_greedy(
-    url: str,
-    on_started=None,
-    token_prompts: bool = False,
-    after_chunks: int = 3,
-    every_stream: bool = False,
-) -> list[Stream]:
-    """Six greedy streams at once; `on_started()` runs (once, in a thread) when the first
-    has `after_chunks` chunks (0: as they are sent), or with `every_stream`, when each has.
+def _run_greedy(url: str, on_started=None, token_prompts: bool = False) -> list[Stream]:
+    """Six greedy streams at once; `on_started()` runs in a thread beside them.
 
     Args:
         token_prompts: prompts of token ids below 100, and 200 tokens (for the
@@ -447,29 +452,7 @@ def _run_greedy(
         Stream("greedy", i, [1 + i, 2 + i, 3 + i], 200) if token_prompts else Stream("greedy", i)
         for i in range(6)
     ]
-    fired: list[threading.Thread] = []
-    lock = threading.Lock()
-
-    def on_chunk(stream: Stream) -> None:
-        if on_started is None or fired or stream.num_chunks < after_chunks:
-            return
-        if every_stream and any(s.num_chunks < after_chunks for s in streams):
-            return
-        with lock:
-            if not fired:
-                fired.append(threading.Thread(target=on_started))
-                fired[0].start()
-
-    if after_chunks == 0:
-        on_chunk(streams[0])
-    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
-        for future in [pool.submit(_run, url, stream, on_chunk) for stream in streams]:
-            future.result(timeout=180)
-    if on_started is not None:
-        assert fired, "the streams never got going"
-        fired[0].join(180)
-        assert not fired[0].is_alive(), "on_started() never returned"
-    return streams
+    return _run_beside(url, streams, on_started)
 
 
 def test_a_poison_request_is_quarantined_and_the_others_finish(poisoned_server):
@@ -487,9 +470,38 @@ def test_a_poison_request_is_quarantined_and_the_others_finish(poisoned_server):
         except openai.OpenAIError as exc:
             poison["error"] = exc
 
-    # Sent once every bystander streams: one still on its way to an engine as the last one
-    # dies is refused (EngineDeadError), not moved; those in flight wait for the restarts.
-    streams = _run_greedy(server.url, on_started=send_poison, after_chunks=1, every_stream=True)
+    pids = _engine_pids(server)
+
+    def send_poison_once_all_run() -> None:
+        # Sent once every bystander is on an engine and produced tokens there (the api's
+        # own counts), so they move as bystanders: the engines are paused until all six
+        # are sent, so each engine's first steps run all of its own.
+        def all_sent() -> bool:
+            return sum(e["num_in_flight"] for e in server.health()[1]["engines"]) == 6
+
+        assert wait_until(all_sent, timeout_s=60, interval_s=0.01), server.health()
+        engines = server.health()[1]["engines"]
+        base = {e["engine"]: e["num_generated_tokens"] for e in engines}
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+        def all_running() -> bool:
+            return all(
+                e["num_generated_tokens"] - base[e["engine"]] >= 2 * e["num_in_flight"]
+                for e in server.health()[1]["engines"]
+            )
+
+        assert wait_until(all_running, timeout_s=60, interval_s=0.01), server.health()
+        send_poison()
+
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        streams = _run_greedy(server.url, on_started=send_poison_once_all_run)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     _assert_same(streams, reference)  # the bystanders moved (twice, some) and finished
     error = poison["error"]
@@ -527,9 +539,10 @@ def tp_server(default_model_dir, tmp_path_factory):
 def test_a_killed_worker_streams_resume_on_the_other_engine(tp_server):
     reference = _run_greedy(tp_server.url, token_prompts=True)
     victim: dict = {}
+    generating = Generating(tp_server)
 
     def kill_worker() -> None:
-        victim.update(_busiest(tp_server))
+        victim.update(generating.busiest())
         psutil.Process(victim["pid"]).children()[-1].send_signal(signal.SIGKILL)
 
     streams = _run_greedy(tp_server.url, kill_worker, token_prompts=True)
@@ -587,7 +600,7 @@ def test_pd_a_killed_decode_engine_streams_resume_through_the_store(pd_server):
     for pid in pids.values():
         os.kill(pid, signal.SIGSTOP)
     try:
-        streams = _run_greedy(pd_server.url, kill_decode_engine, after_chunks=0)
+        streams = _run_greedy(pd_server.url, kill_decode_engine)
     finally:
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
@@ -633,9 +646,10 @@ def test_kv_both_a_moved_stream_loads_its_blocks_from_the_store(shared_store_ser
     # The engines forget their own prefixes: what the moved streams find comes from the store.
     assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 200
     victim: dict = {}
+    generating = Generating(server)
 
     def kill_busiest() -> None:
-        victim.update(_busiest(server))
+        victim.update(generating.busiest())
         os.kill(victim["pid"], signal.SIGKILL)
 
     streams = _run_greedy(server.url, kill_busiest)

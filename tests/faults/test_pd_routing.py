@@ -11,6 +11,7 @@ pool serves, and the next message from it puts it back.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import zmq
@@ -22,6 +23,7 @@ from kvserve.services.api.engine_client.mp_client import (
     EngineChannel,
     MPEngineClient,
 )
+from kvserve.services.api.serving.base import OpenAIServing
 from kvserve.services.api.serving.tokenizer import TokenizerInfo
 from kvserve.shared.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from kvserve.shared.sampling_params import SamplingParams
@@ -128,8 +130,11 @@ class RoleEngine:
         self.ctx.destroy(linger=0)
 
 
-def _scenario(tokenizer_info, roles: list[str | None], body) -> None:
-    """body(client, engines) against engines 0..len(roles)-1 of these roles."""
+def _scenario(
+    tokenizer_info, roles: list[str | None], body, wait_for_restarts: bool = False
+) -> None:
+    """body(client, engines) against engines 0..len(roles)-1 of these roles (a client that
+    waits for restarted engines when `wait_for_restarts`, as with --restart-dead-engines)."""
 
     async def main():
         channel = EngineChannel(EngineAddresses.local())
@@ -141,7 +146,7 @@ def _scenario(tokenizer_info, roles: list[str | None], body) -> None:
             tokenizer_info,
             "tiny",
             ready_timeout_s=5,
-            topology=ClientTopology(num_engines=len(roles)),
+            topology=ClientTopology(num_engines=len(roles), wait_for_restarts=wait_for_restarts),
         )
         try:
             await body(client, engines)
@@ -318,3 +323,60 @@ def test_a_suspect_prefill_engine_is_passed_over_but_a_lone_one_still_gets_work(
         assert (await asyncio.wait_for(task, 5))[-1].finished
 
     _scenario(tokenizer_info, ["kv_producer", "kv_producer", "kv_consumer"], body)
+
+
+def _assert_requests_are_taken(client: MPEngineClient) -> None:
+    """Every engine of some stage is suspect, yet new requests are admitted (not a 503), and
+    not held for a restart either: they queue to a suspect engine."""
+    assert client.is_healthy and not client.waits_for_engine
+    assert client.health_report()["status"] == "degraded"
+    OpenAIServing(client, "tiny").check_engine()  # the api's gate before every request
+
+
+def test_a_lone_suspect_prefill_engine_queues_new_requests(tokenizer_info, monkeypatch, caplog):
+    """--prefill-size 1 --decode-size 1 --restart-dead-engines: the prefill engine turns
+    suspect (paused) before the request comes; the request's prefill copy waits on it and
+    the request completes once it speaks again."""
+    monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", str(SHORT_HEARTBEAT_TIMEOUT_S))
+
+    async def body(client, engines):
+        prefill, decode = engines
+        await _silence(client, prefill)
+        _assert_requests_are_taken(client)
+        with caplog.at_level(logging.WARNING, logger="kvserve"):
+            task = asyncio.create_task(_collect(client, "r1"))
+            _, copy = await prefill.recv()
+        assert copy.request_id == "r1-prefill"
+        assert any(
+            "request r1-prefill queued to suspect engine core 0" in r.getMessage()
+            for r in caplog.records
+        )
+        await decode.assert_silent()  # the decode waits for the prefill
+        prefill.beating = True  # it was only paused
+        await wait_until_async(lambda: not client.engines[0].is_suspect, timeout_s=2)
+        await prefill.finish(copy.request_id, [9])
+        _, request = await decode.recv()
+        await decode.finish(request.request_id, [65, 66, 67])
+        assert (await asyncio.wait_for(task, 5))[-1].outputs[0].token_ids == [65, 66, 67]
+        assert client.health_report()["status"] == "healthy"
+
+    _scenario(tokenizer_info, ["kv_producer", "kv_consumer"], body, wait_for_restarts=True)
+
+
+def test_a_request_queues_to_one_of_two_suspect_engines(tokenizer_info, monkeypatch):
+    """DP=2, both engines suspect: a new request waits on one of them and completes once
+    that one speaks again."""
+    monkeypatch.setenv("KVSERVE_ENGINE_HEARTBEAT_TIMEOUT_S", str(SHORT_HEARTBEAT_TIMEOUT_S))
+
+    async def body(client, engines):
+        for engine in engines:
+            await _silence(client, engine)
+        _assert_requests_are_taken(client)
+        task = asyncio.create_task(_collect(client, "r1"))
+        holder = await _engine_that_got(engines, "r1")
+        assert not task.done()
+        holder.beating = True
+        await holder.finish("r1", [65, 66, 67])
+        assert (await asyncio.wait_for(task, 5))[-1].outputs[0].token_ids == [65, 66, 67]
+
+    _scenario(tokenizer_info, [None, None], body, wait_for_restarts=True)

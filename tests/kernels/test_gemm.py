@@ -205,6 +205,7 @@ def test_a_dtype_onednn_cannot_run_here_stays_on_torch(monkeypatch):
         gemm, "onednn_available", lambda dtype=torch.float32: dtype != torch.bfloat16
     )
     monkeypatch.setattr(gemm, "native_available", lambda dtype: False)
+    monkeypatch.setattr(gemm, "widened_available", lambda dtype: False)
     measured = []
 
     def fake_measure(dtype, n, k, max_rows):
@@ -277,7 +278,7 @@ def test_measuring_never_picks_a_path_that_cannot_run_the_dtype(monkeypatch):
         gemm, "onednn_available", lambda dtype=torch.float32: dtype != torch.bfloat16
     )
     plan = gemm.measure_shape(torch.bfloat16, 64, 32, 16, seconds_per_rung=0.003)
-    assert set(plan.paths) <= {"torch", "native"}
+    assert set(plan.paths) <= {"torch", "native", "widened"}  # no onednn
     forced = gemm.tune([(torch.bfloat16, 64, 32, 16)], mode="native")
     assert forced.summary() == {"bfloat16:64x32": "native"}
 
@@ -290,3 +291,83 @@ def test_the_start_up_log_names_the_cpus_isa_and_whether_it_has_amx():
     isa, amx = cpu.cpu_isa().split(", ")
     assert isa == torch.backends.cpu.get_cpu_capability()
     assert amx == ("AMX" if "amx_tile" in flags else "no AMX")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_widened_path_matches_a_float32_reference(rows, with_bias):
+    """bfloat16 weights computed in float32: the float32 product of the same bfloat16 values,
+    rounded once to bfloat16."""
+    torch.manual_seed(rows)
+    weight = (torch.randn(96, 40) / 40**0.5).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 40).to(torch.bfloat16)
+    got = gemm.widened_linear(x, weight, bias)
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2**-8)
+    # A strided input (a slice of a fused output) and a smaller weight reuse the scratch.
+    x_wide = torch.randn(rows, 48).to(torch.bfloat16)
+    small = weight[:24].contiguous()
+    torch.testing.assert_close(
+        gemm.widened_linear(x_wide[:, 4:44], small, None).float(),
+        F.linear(x_wide[:, 4:44].float(), small.float()),
+        atol=1e-6,
+        rtol=2**-8,
+    )
+
+
+def test_a_plan_naming_widened_runs_it_for_its_rows_only(monkeypatch):
+    weight = torch.randn(12, 16).to(torch.bfloat16)
+    prepared = gemm.LinearWeights(gemm.ShapePlan(("torch",) * 2 + ("widened",) * 4))
+    calls = []
+    real = gemm.widened_linear
+    monkeypatch.setattr(gemm, "widened_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (3, 40):
+        x = torch.randn(rows, 16).to(torch.bfloat16)
+        got = gemm.linear(x, weight, None, prepared, add=torch.ones(rows, 12, dtype=torch.bfloat16))
+        want = F.linear(x.float(), weight.float()) + 1
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=2**-7)
+    assert calls == [40]
+    assert gemm.tune([(torch.float32, 12, 16, 64)], mode="widened").summary() == {
+        "float32:12x16": "torch"  # widened computes bfloat16 layers only
+    }
+
+
+@pytest.mark.parametrize("bf16_dot", [False, True])
+def test_shapes_left_unmeasured_take_widened_where_bfloat16_is_emulated(
+    tmp_path, monkeypatch, bf16_dot
+):
+    # A CPU without a bfloat16 dot product (AVX-512 but no AVX512-BF16, AVX2 only): torch's
+    # bfloat16 GEMM is oneDNN's emulation, 4-6x slower than float32 on prefill rows; a start
+    # on contended cores must not leave bfloat16 layers there.
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm, "cpu_has_bf16_dot", lambda: bf16_dot)
+    stall_us = [0]
+
+    def fake_measure(dtype, n, k, max_rows):
+        stall_us[0] += 10**9  # contended from the first shape on
+        return gemm.ShapePlan(("onednn",) * 6)
+
+    monkeypatch.setattr(gemm, "cpu_stall_us", lambda: stall_us[0])
+    shapes = [(torch.bfloat16, n, 576, 2048) for n in (64, 960)] + [(torch.float32, 960, 576, 2048)]
+    plan = gemm.tune(shapes, measure=fake_measure)
+    assert plan.unmeasured == 2
+    emulated = "torch from 1, widened from 16"
+    assert plan.summary() == {
+        "bfloat16:64x576": "onednn",
+        "bfloat16:960x576": "torch" if bf16_dot else emulated,
+        "float32:960x576": "torch",
+    }
+
+
+def test_cpu_has_bf16_dot_reads_the_flags(monkeypatch):
+    cpu.cpu_has_bf16_dot.cache_clear()
+    try:
+        monkeypatch.setattr(cpu, "cpu_identity", lambda: "x86_64|Xeon|avx2 avx512f avx512_vnni")
+        assert not cpu.cpu_has_bf16_dot()
+        cpu.cpu_has_bf16_dot.cache_clear()
+        monkeypatch.setattr(cpu, "cpu_identity", lambda: "x86_64|Xeon|avx512f avx512_bf16")
+        assert cpu.cpu_has_bf16_dot()
+    finally:
+        cpu.cpu_has_bf16_dot.cache_clear()

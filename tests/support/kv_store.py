@@ -16,19 +16,24 @@ from tests.support.ports import free_port
 
 
 class StoreProcess:
-    """A `kvserve kv-store` subprocess bound to a fresh ipc:// path and a tcp:// port."""
+    """A `kvserve kv-store` subprocess bound to a fresh ipc:// path and a tcp:// port; its
+    output goes to `log_path` when given (else to the test's own)."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, log_path: str | None = None):
         base = os.path.join(tempfile.gettempdir(), f"kvserve-kvtest-{uuid.uuid4().hex[:10]}")
         self.ipc = f"ipc://{base}"
         self.tcp = f"tcp://127.0.0.1:{free_port()}"
         self.args = args
+        self.log_path = log_path
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen:
         command = [sys.executable, "-m", "kvserve.cli", "kv-store"]
         command += ["--address", f"{self.ipc},{self.tcp}", *self.args]
-        return subprocess.Popen(command)
+        if self.log_path is None:
+            return subprocess.Popen(command)
+        with open(self.log_path, "a") as log:
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
     def restart(self) -> None:
         self.proc = self._start()

@@ -8,7 +8,7 @@ import torch
 
 from kvserve.services.worker.layers.attention import Attention, AttentionMetadata
 from kvserve.services.worker.models import load_model
-from tests.support.distributed import init_two_ranks, leave_two_ranks
+from tests.support.distributed import init_two_ranks, leave_two_ranks, run_two_ranks
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -90,7 +90,7 @@ def assert_tensor_parallel_2_matches_hf(
     model_dir with num_blocks KV blocks; rank 0's logits must equal HF's."""
     out_path = str(tmp_path / "logits.pt")
     args = (model_dir, str(tmp_path / "store"), out_path, requests, num_blocks)
-    torch.multiprocessing.spawn(_tp_worker, nprocs=2, args=args)
+    run_two_ranks(_tp_worker, args)
     logits = torch.load(out_path)
     assert len(logits) == len(requests)
     for step_logits, (tokens, _, _) in zip(logits, requests):

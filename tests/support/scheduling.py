@@ -3,7 +3,8 @@
 The run ends when the slower worker ends, so the longest modules go first: a long module
 handed out last would run alone while the other worker idles. Each module's seconds come
 from a recorded run (tests/data/module_seconds.json; refresh it with
-`python -m tests.support.scheduling JUNIT_XML` after `pytest --junitxml JUNIT_XML`); a module
+`python -m tests.support.scheduling JUNIT_XML` after `pytest --junitxml JUNIT_XML`, of the
+whole suite or of the modules that changed: the others keep their entries); a module
 it does not list is taken for a short one and keeps its collection order after the listed.
 
 Two groups of modules are each one unit (one worker runs them back to back):
@@ -11,7 +12,7 @@ Two groups of modules are each one unit (one worker runs them back to back):
 - the modules whose tests start three engine processes at once (P/D, migration, supervision:
   ~1.6 GiB each): on two workers they overlapped and took the run over its memory budget.
 
-Run as a script, it writes module_seconds.json from a junit XML file.
+Run as a script, it merges a junit XML file's modules into module_seconds.json.
 """
 
 from __future__ import annotations
@@ -70,13 +71,8 @@ def longest_first(units: list[str]) -> list[str]:
     return sorted(units, key=lambda unit: -seconds[unit])  # sorted() is stable
 
 
-def module_seconds_of_junit(junit_path: str) -> dict[str, int]:
-    """Seconds per test module (path as in node ids) of a pytest junit XML file, longest
-    first, the modules of at least _MIN_RECORDED_S seconds.
-
-    Args:
-        junit_path: what `pytest --junitxml` wrote.
-    """
+def _seconds_per_module(junit_path: str) -> collections.Counter[str]:
+    """Seconds per test module (path as in node ids) of every module in a junit XML file."""
     seconds: collections.Counter[str] = collections.Counter()
     for case in ElementTree.parse(junit_path).iter("testcase"):
         parts = case.get("classname", "").split(".")
@@ -84,10 +80,36 @@ def module_seconds_of_junit(junit_path: str) -> dict[str, int]:
         ends = [i for i, part in enumerate(parts) if part.startswith("test_")]
         module = "/".join(parts[: ends[0] + 1] if ends else parts) + ".py"
         seconds[module] += float(case.get("time", 0))
+    return seconds
+
+
+def module_seconds_of_junit(junit_path: str) -> dict[str, int]:
+    """Seconds per test module (path as in node ids) of a pytest junit XML file, longest
+    first, the modules of at least _MIN_RECORDED_S seconds.
+
+    Args:
+        junit_path: what `pytest --junitxml` wrote.
+    """
+    seconds = _seconds_per_module(junit_path)
     return {m: round(s) for m, s in seconds.most_common() if s >= _MIN_RECORDED_S}
 
 
+def merged_module_seconds(recorded: dict[str, int], junit_path: str) -> dict[str, int]:
+    """The record with the modules junit_path ran measured anew, longest first: a run of a
+    few modules replaces their entries and keeps every other module's; a module that ran
+    in under _MIN_RECORDED_S seconds leaves the record.
+
+    Args:
+        recorded: the current record (module_seconds.json).
+        junit_path: what `pytest --junitxml` wrote, for the whole suite or a few modules.
+    """
+    measured = _seconds_per_module(junit_path)
+    merged = {m: s for m, s in recorded.items() if m not in measured}
+    merged.update({m: round(s) for m, s in measured.items() if s >= _MIN_RECORDED_S})
+    return dict(sorted(merged.items(), key=lambda item: -item[1]))
+
+
 if __name__ == "__main__":
-    recorded = module_seconds_of_junit(sys.argv[1])
+    recorded = merged_module_seconds(json.loads(MODULE_SECONDS_PATH.read_text()), sys.argv[1])
     MODULE_SECONDS_PATH.write_text(json.dumps(recorded, indent=1) + "\n")
     print(f"{len(recorded)} modules, {sum(recorded.values())} s -> {MODULE_SECONDS_PATH}")

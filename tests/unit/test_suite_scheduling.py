@@ -13,6 +13,7 @@ from tests.support.scheduling import (
     THREE_ENGINE_MODULES,
     THREE_ENGINE_UNIT,
     longest_first,
+    merged_module_seconds,
     module_seconds_of_junit,
     unit_of,
 )
@@ -52,3 +53,18 @@ def test_module_seconds_sum_a_junit_files_cases_per_module(tmp_path):
         "</testsuite></testsuites>"
     )
     assert module_seconds_of_junit(str(junit)) == {"tests/e2e/test_a.py": 6}
+
+
+def test_a_partial_junit_replaces_its_modules_and_keeps_the_others(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.e2e.test_a" name="t1" time="40.4"/>'
+        '<testcase classname="tests.unit.test_b" name="t2" time="0.2"/>'
+        "</testsuite></testsuites>"
+    )
+    recorded = {"tests/e2e/test_a.py": 90, "tests/unit/test_b.py": 30, "tests/e2e/test_c.py": 60}
+    merged = merged_module_seconds(recorded, str(junit))
+    # test_a measured anew, test_b now too short to record, test_c (not run) kept.
+    assert merged == {"tests/e2e/test_c.py": 60, "tests/e2e/test_a.py": 40}
+    assert list(merged) == ["tests/e2e/test_c.py", "tests/e2e/test_a.py"]  # longest first

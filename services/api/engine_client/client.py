@@ -248,11 +248,23 @@ class EngineClient:
     def _forget_request(self, request_id: str, child_ids: list[str]) -> None:
         """The request ended (finished, failed or aborted): drop its routing state."""
 
+    async def _submit(self, requests: list[EngineCoreRequest]) -> None:
+        """Send a new request's children (a client that waits for restarted engines
+        holds them while none serves)."""
+        await self._send_requests(requests)
+
     # ------------------------------------------------------------------ public API
 
     @property
     def is_healthy(self) -> bool:
         return self.dead_reason is None
+
+    @property
+    def waits_for_engine(self) -> bool:
+        """No engine core serves now but one is expected back: new requests are held for
+        it rather than refused (never here: only a client of restartable engine processes
+        waits)."""
+        return False
 
     def health_report(self) -> dict:
         """/health's body: overall status and one entry per engine core."""
@@ -332,7 +344,7 @@ class EngineClient:
                 targets,
                 pins,
             )
-            await trace.send(self._send_requests(requests))
+            await trace.send(self._submit(requests))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

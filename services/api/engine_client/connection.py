@@ -177,6 +177,9 @@ class EngineConnection:
         self.dead_reason: str | None = None
         self.latest_stats: SchedulerStats | None = None
         self.stats_totals = StatsTotals()
+        # Tokens it sent back (moved requests' included): /health shows it, so a fault test
+        # can act mid-stream from the server's own count rather than from its client's reads.
+        self.num_generated_tokens = 0
         self.request_ids: set[str] = set()  # api request ids in flight here
 
     @property
@@ -273,6 +276,7 @@ class EngineConnection:
             "pid": self.handshake.pid,
             "num_running": stats.num_running_reqs if stats else 0,
             "num_waiting": stats.num_waiting_reqs if stats else 0,
+            "num_generated_tokens": self.num_generated_tokens,
         }
         reason = self.dead_reason or self.suspect_reason or self.stall_reason(stall_timeout_s)
         if reason is not None:

@@ -10,7 +10,7 @@ Silence alone is not death. The output thread beats every interval whatever the 
 does, but a busy host (load above the cores, a cgroup CPU quota, memory reclaim) can keep a
 live engine from beating for seconds. So an engine that sent nothing for
 ENGINE_HEARTBEAT_TIMEOUT_S is only *suspect*: it gets no new requests while another engine
-serves (while none does, it still queues them), keeps its running ones, and /health shows it
+serves (while none does, it still queues them, logged), keeps its running ones, and /health shows it
 "suspect" with the reason; its next message clears that. It is hung once it made no progress
 for ENGINE_HUNG_TIMEOUT_S: for an engine on this host, neither its processes' CPU time nor
 their run-queue wait grew (shared/progress.py: a stopped or blocked process shows neither; a

@@ -44,6 +44,7 @@ from kvserve.services.api.engine_client.client import EngineClient, EngineDeadEr
 from kvserve.services.api.engine_client.connection import EngineChannel, EngineConnection
 from kvserve.services.api.engine_client.dp_router import PREFIX_LOAD_SLACK, DPRouting
 from kvserve.services.api.engine_client.liveness import EngineLiveness
+from kvserve.services.api.engine_client.load_tables import LoadTableFeed
 from kvserve.services.api.engine_client.migration import RequestMigrator
 from kvserve.services.api.engine_client.pd_flow import PDFlow, make_flow
 from kvserve.services.api.engine_client.pool import EnginePool
@@ -66,6 +67,8 @@ from kvserve.shared.wire import EngineHeartbeat, EngineReady, EngineStats, MsgTy
 logger = init_logger(__name__)
 
 __all__ = ["EngineChannel", "EngineStalledError", "MPEngineClient"]
+
+HELD_RETRY_INTERVAL_S = 0.25  # how often a request held for a restarted engine tries again
 
 
 class EngineStalledError(EngineDeadError):
@@ -172,12 +175,11 @@ class MPEngineClient(EngineClient):
             asyncio.create_task(self.liveness.receive_readmissions(), name="engine-readmissions"),
         ]
         if load_table_addr is not None:
-            tasks.append(
-                asyncio.create_task(
-                    self.routing.receive_load_tables(load_table_addr),
-                    name="dp-load-table",
-                )
+            feed = LoadTableFeed(
+                self.pool, self.routing.router, load_table_addr, self.routing.share_tenant_service
             )
+            self.routing.load_tables = feed
+            tasks.append(asyncio.create_task(feed.receive(), name="dp-load-table"))
         return tasks
 
     @classmethod
@@ -251,6 +253,14 @@ class MPEngineClient(EngineClient):
         return self.dead_reason is None and self.flow.serves(self._serving_ids())
 
     @property
+    def waits_for_engine(self) -> bool:
+        """No engine core (with P/D: of some stage) is alive and the client waits for
+        restarts: new requests are held, up to --migration-wait-s, for the restarted one."""
+        if not self.wait_for_restarts or self.dead_reason is not None:
+            return False
+        return not self.pool.live_ids(self.engines) or self.flow.lost_stage() is not None
+
+    @property
     def stall_reason(self) -> str | None:
         """Why no engine takes requests while some live, or None while one serves."""
         if self.dead_reason is not None or self.pool.serving_engines():
@@ -277,6 +287,8 @@ class MPEngineClient(EngineClient):
         report: dict[str, Any] = {"status": status, "engines": engines}
         if self.kv_store_address is not None:
             report["kv_store"] = self.kv_store_address
+        if self.routing.load_tables is not None:
+            report["coordinator"] = self.routing.load_tables.describe()
         return report
 
     def per_engine_stats(self) -> list[tuple[int, SchedulerStats | None, StatsTotals]]:
@@ -357,6 +369,51 @@ class MPEngineClient(EngineClient):
         self.pool.assign(requests, engine)
         self.migrator.on_sent(requests)
 
+    async def _submit(self, requests: list[EngineCoreRequest]) -> None:
+        """Send a new request; one in transit as the last engine core dies (or sent while
+        it restarts) waits for the restarted one, up to --migration-wait-s.
+
+        Raises:
+            EngineDeadError: no engine core serves and none is expected, or none came
+                back in time.
+        """
+        held_since: float | None = None
+        cause = ""  # why it was first held (a death), not a later try's "none is left"
+        while True:
+            try:
+                await self._send_requests(requests)
+            except EngineDeadError as exc:
+                if not self.waits_for_engine:
+                    raise
+                if held_since is None:
+                    held_since, cause = time.monotonic(), str(exc)
+                    logger.warning(
+                        "request %s is held for a restarted engine core (up to %g s, "
+                        "--migration-wait-s): %s",
+                        self._parent_id(requests),
+                        self.migrator.wait_s,
+                        exc,
+                    )
+                elif time.monotonic() - held_since >= self.migrator.wait_s:
+                    raise EngineDeadError(
+                        f"no engine core came back within {self.migrator.wait_s:g} s "
+                        f"(--migration-wait-s) to serve this request: {cause}"
+                    ) from exc
+                await asyncio.sleep(HELD_RETRY_INTERVAL_S)
+                continue
+            if held_since is not None:
+                logger.info(
+                    "request %s sent to engine core %s after %.2f s held for it",
+                    self._parent_id(requests),
+                    self.pool.child_engine.get(requests[0].request_id),
+                    time.monotonic() - held_since,
+                )
+            return
+
+    def _parent_id(self, requests: list[EngineCoreRequest]) -> str:
+        parent = self.output_processor.child_to_parent.get(requests[0].request_id)
+        return parent.request_id if parent is not None else requests[0].request_id
+
     async def _send_abort(self, engine_request_ids: list[str]) -> None:
         await self.pool.abort(engine_request_ids)
 
@@ -369,8 +426,10 @@ class MPEngineClient(EngineClient):
 
     async def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
         engine = self.engines.get(outputs.engine_index)
-        if engine is not None and outputs.scheduler_stats is not None:
-            engine.on_stats(outputs.scheduler_stats)
+        if engine is not None:
+            engine.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs.outputs)
+            if outputs.scheduler_stats is not None:
+                engine.on_stats(outputs.scheduler_stats)
         self.flow.on_outputs(outputs)
         migrator = self.migrator
         if migrator.moved_children:

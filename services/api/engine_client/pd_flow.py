@@ -8,8 +8,11 @@ kv_producers and other roles (the client picks its flow once, at start-up: make_
 Each stage picks the least loaded engine of its pool (EngineRouting, restricted to the
 pool). A client that goes away during the prefill aborts it on the prefill engine (the
 decode is never sent); during the decode, on the decode engine. A prefill engine that dies
-is retried once on another live one; with none left the request fails (EngineDeadError, a
-503). Once a pool has no live engine the client is dead, as when no engine at all is left.
+is retried once on another live one; with none left `send` raises EngineDeadError, which
+MPEngineClient._submit holds for the restarted prefill engine when engines restart
+(--migration-wait-s; the whole send, prefill first, is tried again), else a 503. Once a
+pool has no live engine the client is dead, as when no engine at all is left, unless it
+waits for restarts.
 """
 
 from __future__ import annotations

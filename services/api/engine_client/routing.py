@@ -1,7 +1,8 @@
 """Which engine core a request goes to, and the plain (data-parallel) request flow.
 
 EngineRouting picks the least loaded serving engine (the DPRouter, fed by the DP
-coordinator's load tables when there is one) among those whose queue has room, and sends
+coordinator's load tables when there is one, by the api's own counts while it is lost:
+load_tables.py) among those whose queue has room, and sends
 there, moving on to another engine when the chosen one turns out unreachable. With the fair
 policy the load tables carry each engine's tenant counters, and every engine gets the sum of
 the others' (TenantService), so its scheduler sees the tenants' cluster-wide service. A suspect
@@ -18,20 +19,17 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Protocol, cast
 
-import msgspec
-import zmq
-
 from kvserve.services.api.engine_client.cache_affinity import PROMPT_CACHE_KEY
 from kvserve.services.api.engine_client.client import EngineDeadError, estimate_waiting, overloaded
 from kvserve.services.api.engine_client.connection import EngineConnection
 from kvserve.services.api.engine_client.dp_router import PREFIX_LOAD_SLACK, DPRouter, DPRouting
+from kvserve.services.api.engine_client.load_tables import LoadTableFeed
 from kvserve.services.api.engine_client.pool import EnginePool
 from kvserve.shared.hashing import HashAlgo, get_hash_fn, make_extra_keys
 from kvserve.shared.logging import init_logger
 from kvserve.shared.lora import lora_extra_key
 from kvserve.shared.messages import EngineCoreOutputs, EngineCoreRequest
-from kvserve.shared.transport import make_socket
-from kvserve.shared.wire import EngineLoad, LoadTable, MsgType, TenantService
+from kvserve.shared.wire import EngineLoad, MsgType, TenantService
 
 logger = init_logger(__name__)
 
@@ -46,6 +44,8 @@ class EngineRouting:
     def __init__(self, pool: EnginePool, router: DPRouter):
         self.pool = pool
         self.router = router
+        # The DP coordinator's tables (None: no coordinator); set by the client.
+        self.load_tables: LoadTableFeed | None = None
 
     def _num_waiting(self, engine: EngineConnection) -> int:
         return estimate_waiting(self.pool.num_in_flight[engine.engine_index], engine.latest_stats)
@@ -78,6 +78,8 @@ class EngineRouting:
     ) -> EngineConnection:
         """The least loaded engine of `pool` (None: every engine) for these requests."""
         first = requests[0]
+        if self.load_tables is not None:
+            self.load_tables.refresh()
         # Engines with room first; when none has (a race with check_capacity), the
         # engine refuses past its bound itself.
         candidates = self._engines_with_room(len(requests)) or self._candidates()
@@ -119,29 +121,21 @@ class EngineRouting:
             try:
                 for request in requests:
                     await self.pool.send(engine, MsgType.ADD, request)
-                return engine
             except EngineDeadError:
                 if not self.pool.live_ids(self.pool.engines if pool is None else pool):
                     raise
-                # Unreachable before its heartbeats lapsed: try another engine.
+                continue  # unreachable before its heartbeats lapsed: try another engine
+            if engine.is_suspect:
+                # Chosen only because no engine of its pool serves: it waits for this one.
+                logger.warning(
+                    "request %s queued to suspect engine core %d (no engine of its pool "
+                    "serves; it runs once that one speaks again)",
+                    requests[0].request_id,
+                    engine.engine_index,
+                )
+            return engine
 
-    async def receive_load_tables(self, load_table_addr: str) -> None:
-        """Feed the DP coordinator's load tables to the router (a task, until cancelled)."""
-        socket = make_socket(self.pool.channel.ctx, load_table_addr, zmq.SUB, bind=False)
-        decoder = msgspec.msgpack.Decoder(LoadTable)
-        try:
-            while True:
-                try:
-                    table = decoder.decode(await socket.recv())
-                except msgspec.DecodeError as exc:
-                    logger.error("dropped a malformed load table: %s", exc)
-                    continue
-                self.router.update_loads(table.loads)
-                await self._share_tenant_service(table.loads)
-        finally:
-            socket.close()
-
-    async def _share_tenant_service(self, loads: list[EngineLoad]) -> None:
+    async def share_tenant_service(self, loads: list[EngineLoad]) -> None:
         """Hand each engine core the others' tenant counters (the fair policy's cluster
         view: fair_share.py); nothing to do while no engine reports any."""
         reporting = [load for load in loads if load.tenant_service]

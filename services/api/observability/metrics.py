@@ -23,6 +23,8 @@ Sources:
   all and by tenant, the goodput gauge, and each engine's step time prediction error;
 - prompt pins (services/api/observability/pin_metrics.py): pinned blocks, pin hits and misses
   by TTL class, expirations, pins yielded;
+- the KV store's disk tier (services/api/observability/store_disk_metrics.py): bytes and
+  files held, blocks written, read and evicted, checksum failures, as the store counts them;
 - LoRA (with --enable-lora): vLLM's `lora_requests_info`, the adapters of running and
   waiting requests in its labels, at scrape time;
 - prometheus_client's process, platform and GC collectors (`process_*`, `python_*`).
@@ -54,6 +56,7 @@ from kvserve.services.api.observability.stats import (
     IterationStats,
     MigrationStats,
 )
+from kvserve.services.api.observability.store_disk_metrics import DISK_GAUGES
 from kvserve.services.api.tenancy.metrics import TenantMetrics
 from kvserve.services.api.tenancy.usage import UsageLedger
 from kvserve.shared.messages import FinishReason, SchedulerStats
@@ -220,6 +223,7 @@ _GAUGES = (
         "Blocks asked of the KV store that it did not hold, since it started (all engines).",
         lambda stats: stats.kv_store_misses,
     ),
+    *DISK_GAUGES,
 )
 _COUNTERS = (
     (

@@ -176,9 +176,11 @@ class OpenAIServing:
 
     def check_engine(self, num_requests: int = 1) -> None:
         """Fail before a stream starts (a stream's status is sent before its first chunk):
-        a 503 without a serving engine, a 429 when no engine's queue has room for
-        `num_requests` engine requests (prompts x n)."""
-        if not self.engine_client.is_healthy:
+        a 503 without a serving engine (unless one is restarting), a 429 when no engine's
+        queue has room for `num_requests` engine requests (prompts x n)."""
+        # With no engine alive but one restarting, the request is held for it (and fails
+        # with a 503 only if none comes back in time: MPEngineClient._submit).
+        if not self.engine_client.is_healthy and not self.engine_client.waits_for_engine:
             reason = (
                 self.engine_client.dead_reason
                 or getattr(self.engine_client, "stall_reason", None)

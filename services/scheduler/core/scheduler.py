@@ -286,7 +286,11 @@ class Scheduler:
             self.pins.expire()
         # max_num_batched_tokens, unless latency targets cut the step (latency_targets.py).
         budget = self.latency.step_budget(self.running, self.waiting)
-        plan = StepPlan(budget.token_budget, running_prefill_budget=budget.running_prefill_budget)
+        plan = StepPlan(
+            budget.token_budget,
+            prefill_budget=budget.prefill_budget,
+            running_prefill_budget=budget.running_prefill_budget,
+        )
         self.encoder.start_step()
         # The policy's rounds: one, but for the fair policy's short steps (policies/).
         for step_round in self.policy.rounds(self.running, plan):

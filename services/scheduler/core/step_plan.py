@@ -22,8 +22,10 @@ class StepPlan:
     scheduled earlier in the same step."""
 
     token_budget: int
-    # Latency targets (latency_targets.py): what running requests' prompt chunks may take of
-    # token_budget, the rest kept for a waiting TTFT target's prompt; None: all of it.
+    # Latency targets (latency_targets.py): what running prompt chunks may take of
+    # token_budget (the rest is the decodes'), and what those without a TTFT target may take
+    # (the rest kept for prompts with one); None: all of it.
+    prefill_budget: int | None = None
     running_prefill_budget: int | None = None
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -43,17 +45,30 @@ class StepPlan:
         self.token_budget -= num_tokens
 
     def budget_for_running(self, request: Request) -> int:
-        """The tokens `request` (running) may take: its prompt chunk may take only the
-        running prefill budget."""
-        is_prefill = request.num_tokens - request.num_computed_tokens > 1
-        if self.running_prefill_budget is None or not is_prefill:
+        """The tokens `request` (running) may take: a prompt chunk only the prefill budget,
+        and one without a TTFT target only the running prefill budget."""
+        if not _is_prefill(request):
             return self.token_budget
-        return min(self.token_budget, self.running_prefill_budget)
+        budget = self.token_budget
+        if self.prefill_budget is not None:
+            budget = min(budget, self.prefill_budget)
+        if self.running_prefill_budget is not None and not request.slo_ttft_ms:
+            budget = min(budget, self.running_prefill_budget)
+        return budget
 
     def took_running(self, request: Request, num_tokens: int) -> None:
         """`request` (running) was scheduled `num_tokens` (after add)."""
         self.scheduled_running.append(request)
-        if self.running_prefill_budget is not None and num_tokens > 1:
+        self._spend_prefill(request, num_tokens)
+
+    def _spend_prefill(self, request: Request, num_tokens: int) -> None:
+        """Take a running prompt chunk of `num_tokens` (negative: give it back) out of the
+        prefill budgets that bound it."""
+        if not _is_prefill(request):
+            return
+        if self.prefill_budget is not None:
+            self.prefill_budget -= num_tokens
+        if self.running_prefill_budget is not None and not request.slo_ttft_ms:
             self.running_prefill_budget -= num_tokens
 
     def undo(self, request: Request) -> None:
@@ -66,8 +81,7 @@ class StepPlan:
         self.encoder_inputs.pop(request.req_id, None)
         self.token_budget += num_tokens
         self.scheduled_running.remove(request)
-        if self.running_prefill_budget is not None and num_tokens > 1:
-            self.running_prefill_budget += num_tokens
+        self._spend_prefill(request, -num_tokens)
 
     def record_events(self, now: float) -> None:
         """One timestamp for the whole step: its requests start computing together."""
@@ -75,6 +89,11 @@ class StepPlan:
             request.record_event(EngineCoreEventType.SCHEDULED, now)
         for request in self.preempted:
             request.record_event(EngineCoreEventType.PREEMPTED, now)
+
+
+def _is_prefill(request: Request) -> bool:
+    """Whether `request` computes prompt tokens in this step (before _advance)."""
+    return request.num_tokens - request.num_computed_tokens > 1
 
 
 def make_scheduler_output(

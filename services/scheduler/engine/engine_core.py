@@ -142,7 +142,7 @@ class EngineCore:
         start = time.perf_counter()
         self._offload_store: subprocess.Popen | None = None
         if config.cache.kv_offloading_size is not None:
-            config = self._start_offload_tier(config)
+            config = self._start_offload_tier(config, engine_index)
         _check_sleep_mode(config)
         if is_encoder_model(model_dir):
             config = encoder_engine_config(config, model_dir)
@@ -233,16 +233,23 @@ class EngineCore:
             enable_sleep_mode=config.model.enable_sleep_mode,
         )
 
-    def _start_offload_tier(self, config: EngineConfig) -> EngineConfig:
+    def _start_offload_tier(self, config: EngineConfig, engine_index: int) -> EngineConfig:
         """--kv-offloading-size: start this engine's own store and connect through the
-        OffloadingConnector."""
+        OffloadingConnector; its disk tier (--kv-offloading-disk-path) is a folder of this
+        engine's own, since a store locks its folder and DP engines each start one."""
         from kvserve.services.kv_store.offload import start_offload_store
 
         if config.kv_transfer_config is not None:
             raise ValueError("use --kv-offloading-size or --kv-transfer-config, not both")
-        assert config.cache.kv_offloading_size is not None
-        size = int(config.cache.kv_offloading_size * 2**30)
-        self._offload_store, transfer = start_offload_store(size)
+        cache = config.cache
+        assert cache.kv_offloading_size is not None
+        size = int(cache.kv_offloading_size * 2**30)
+        disk_path = cache.kv_offloading_disk_path
+        if disk_path is not None:
+            disk_path = os.path.join(disk_path, f"engine-{engine_index}")
+        self._offload_store, transfer = start_offload_store(
+            size, disk_path, cache.kv_offloading_disk_bytes
+        )
         return msgspec.structs.replace(config, kv_transfer_config=transfer)
 
     def _make_kv_connector(self, config: EngineConfig):

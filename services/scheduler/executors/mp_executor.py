@@ -108,7 +108,7 @@ class MpExecutor(RankedExecutor):
         # The result socket lives in a private folder, removed on shutdown.
         # TODO(config): take the address from config once it has same-host ipc addresses.
         self._ipc_dir = tempfile.mkdtemp(prefix="kvserve-mp-")
-        result_addr = f"ipc://{self._ipc_dir}/results"
+        result_addr = self.result_addr = f"ipc://{self._ipc_dir}/results"
         self._zmq_ctx = zmq.Context(io_threads=1)
         self._results = make_socket(self._zmq_ctx, result_addr, zmq.PULL, bind=True)
         self._ring = ShmRingBuffer.create(num_readers=self.world_size)
@@ -182,16 +182,18 @@ class MpExecutor(RankedExecutor):
         self._broadcast(worker_proc.CALL, call, timeout_s)
         answers: dict[int, msgspec.Raw] = {}
         while len(answers) < len(targets):
-            body = self._receive(worker_proc.REPLY, timeout_s, f"running {method} on {targets}")
-            reply = self._reply_decoder.decode(body)
+            reply = self._receive(
+                worker_proc.REPLY, self._reply_decoder, timeout_s, f"running {method} on {targets}"
+            )
             answers[reply.rank] = reply.result
         return [msgspec.msgpack.decode(answers[rank], type=result_type) for rank in targets]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcast one step to every rank and return the driver rank's answer."""
         self._broadcast(worker_proc.EXECUTE, scheduler_output, self.execute_timeout_s)
-        body = self._receive(worker_proc.OUTPUT, self.execute_timeout_s, "executing a step")
-        return self._output_decoder.decode(body)
+        return self._receive(
+            worker_proc.OUTPUT, self._output_decoder, self.execute_timeout_s, "executing a step"
+        )
 
     def check_health(self) -> None:
         self._raise_if_dead()
@@ -233,10 +235,12 @@ class MpExecutor(RankedExecutor):
         decoder = msgspec.msgpack.Decoder(WorkerReady)
         readies: dict[int, WorkerReady] = {}
         while len(readies) < self.world_size:
-            body = self._receive(
-                worker_proc.READY, self.start_timeout_s, "waiting for the workers to load the model"
+            ready = self._receive(
+                worker_proc.READY,
+                decoder,
+                self.start_timeout_s,
+                "waiting for the workers to load the model",
             )
-            ready = decoder.decode(body)
             assert ready.rank not in readies, f"rank {ready.rank} reported ready twice"
             readies[ready.rank] = ready
         return [readies[rank] for rank in range(self.world_size)]
@@ -254,8 +258,11 @@ class MpExecutor(RankedExecutor):
         except TimeoutError:
             self._die(f"the workers took no message from the ring for {timeout_s:.0f} s")
 
-    def _receive(self, kind: bytes, timeout_s: float, doing: str) -> memoryview:
-        """The body of the next result message, which must be of type `kind`."""
+    def _receive(
+        self, kind: bytes, decoder: msgspec.msgpack.Decoder, timeout_s: float, doing: str
+    ) -> Any:
+        """The decoded body of the next result message of type `kind`; any other message
+        that is not a FAILURE is dropped (logged), and the wait goes on."""
         self._raise_if_dead()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -266,18 +273,43 @@ class MpExecutor(RankedExecutor):
             events = dict(self._poller.poll(int(1000 * min(remaining, _POLL_INTERVAL_S))))
             if self._results in events:
                 # Messages first: a failing worker's traceback beats "it died".
-                return self._accept(kind, *self._results.recv_multipart(copy=False))
+                result = self._accept(kind, decoder, self._results.recv_multipart(copy=False))
+                if result is not None:
+                    return result
             self._check_workers()
 
-    def _accept(self, expected: bytes, kind_frame: zmq.Frame, body_frame: zmq.Frame) -> memoryview:
+    def _accept(
+        self, expected: bytes, decoder: msgspec.msgpack.Decoder, frames: list[zmq.Frame]
+    ) -> Any:
+        """One result message's decoded body, or None for a malformed one (the wrong frame
+        count or type, a body that does not decode): dropped with one log line, as anything
+        a peer on the result socket may send must never bring the engine down."""
+        if len(frames) != 2:
+            logger.error("mp executor: dropped a result message of %d frames", len(frames))
+            return None
+        kind_frame, body_frame = frames
         kind = kind_frame.bytes
         if kind == worker_proc.FAILURE:
             self._raise_failure(body_frame)
-        assert kind == expected, f"expected a {expected!r} message from the workers, got {kind!r}"
-        return body_frame.buffer
+        if kind != expected:
+            logger.error(
+                "mp executor: dropped a %r message from the workers while waiting for %r",
+                kind[:8],
+                expected,
+            )
+            return None
+        try:
+            return decoder.decode(body_frame.buffer)
+        except msgspec.DecodeError as exc:
+            logger.error("mp executor: dropped an undecodable %r message: %s", kind, exc)
+            return None
 
     def _raise_failure(self, body_frame: zmq.Frame) -> None:
-        failure = msgspec.msgpack.decode(body_frame.buffer, type=WorkerFailure)
+        try:
+            failure = msgspec.msgpack.decode(body_frame.buffer, type=WorkerFailure)
+        except msgspec.DecodeError as exc:
+            logger.error("mp executor: dropped an undecodable FAILURE message: %s", exc)
+            return
         self._die(f"worker rank {failure.rank} failed:\n{failure.message}")
 
     # ------------------------------------------------------------------ liveness
@@ -291,9 +323,9 @@ class MpExecutor(RankedExecutor):
                 continue
             # It may have sent its traceback just before dying: prefer that message.
             if self._results.poll(100):
-                kind_frame, body_frame = self._results.recv_multipart(copy=False)
-                if kind_frame.bytes == worker_proc.FAILURE:
-                    self._raise_failure(body_frame)
+                frames = self._results.recv_multipart(copy=False)
+                if len(frames) == 2 and frames[0].bytes == worker_proc.FAILURE:
+                    self._raise_failure(frames[1])
             self._die(f"worker rank {rank} (pid {proc.pid}) died: {_describe_exit(proc)}")
 
     def _check_silence(self, rank: int, now: float) -> None:

@@ -253,7 +253,11 @@ def test_the_byte_budget_holds_under_a_flood_and_pins_are_kept(stores):
         assert stats.disk_bytes <= 10 * FILE and stats.used_bytes <= 4 * BLOCK
     _settle(store)
     assert sum(os.path.getsize(p) for p in _files(stores.root)) <= 10 * FILE
-    assert store.stats().disk_blocks == 10  # full: 3 pinned + the 7 newest spills
+    stats = store.stats()
+    assert stats.disk_blocks == 10  # full: 3 pinned + the 7 newest spills
+    # Every settled write is held or was evicted (spills only: a pin is never evicted).
+    assert stats.disk_evictions > 0
+    assert stats.disk_writes - stats.disk_evictions == stats.disk_blocks
     assert store.lookup(pool, chain("flood-0", 2)) == 0
     assert _get(store, pool, pinned) == pinned_payloads
     _assert_no_leaks(store)
@@ -270,6 +274,7 @@ def test_a_failed_write_leaves_no_entry_and_no_held_block(stores):
     _assert_no_leaks(store)
     stats = store.stats()
     assert (stats.disk_blocks, stats.disk_bytes, stats.num_blocks) == (0, 0, 2)
+    assert stats.disk_writes == 0
     assert _get(store, pool, hashes) == payloads
 
 

@@ -63,6 +63,37 @@ def test_pd_adds_the_kv_store_and_gives_each_engine_its_role():
     assert topology.kv_store_address == "ipc:///tmp/kv-store"
 
 
+def test_pd_passes_the_disk_tier_to_its_kv_store():
+    plan = _plan(
+        "--prefill-size", "1", "--decode-size", "1", "--kv-store-size", "1G",
+        "--kv-store-disk-path", "/var/kv", "--kv-store-disk-bytes", "2G",
+    )  # fmt: skip
+    store = plan.options.pd.store_options("ipc:///tmp/kv-store")
+    assert (store.address, store.size) == ("ipc:///tmp/kv-store", 1 << 30)
+    assert (store.disk_path, store.disk_bytes) == ("/var/kv", 2 << 30)
+    without = _plan("--prefill-size", "1", "--decode-size", "1").options.pd
+    assert without.store_options("ipc:///s").disk_path is None
+
+
+def test_a_disk_tier_of_no_bytes_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        _plan(
+            "--prefill-size", "1", "--decode-size", "1", "--kv-store-disk-path", "/d",
+            "--kv-store-disk-bytes", "0",
+        )  # fmt: skip
+    assert "--kv-store-disk-bytes must be positive, got 0" in capsys.readouterr().err
+
+
+def test_the_offload_disk_tier_reaches_each_engines_config_and_needs_the_offload_tier(capsys):
+    plan = _plan("--kv-offloading-size", "2", "--kv-offloading-disk-path", "/var/kv")
+    (config,) = plan.engine_cores(_launch(plan), None).configs.values()
+    assert config.cache.kv_offloading_disk_path == "/var/kv"
+    assert config.cache.kv_offloading_disk_bytes == 16 << 30
+    with pytest.raises(SystemExit):
+        _plan("--kv-offloading-disk-path", "/var/kv")
+    assert "--kv-offloading-disk-path needs --kv-offloading-size" in capsys.readouterr().err
+
+
 def test_multi_node_binds_tcp_and_answers_headless_nodes():
     plan = _plan("-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "h")
     assert (plan.num_engines, plan.num_local_engines) == (2, 1)

@@ -9,20 +9,28 @@ one method on the worker and one collective_rpc where it is wanted, nothing in b
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
 import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvserve.services.scheduler.executors.executor import UniExecutor
 from kvserve.services.scheduler.executors.mp_executor import MpExecutor
+from kvserve.services.worker import worker_proc
 from kvserve.services.worker.worker import Worker
 from kvserve.shared.config import CacheConfig, EngineConfig, ParallelConfig
 from kvserve.shared.env import WORKER_HEARTBEAT_TIMEOUT_S, WORKER_HUNG_TIMEOUT_S
+from kvserve.shared.messages import WorkerCallResult
 from tests.support.processes import wait_gone
 from tests.support.waiting import wait_until
 
@@ -256,3 +264,72 @@ def test_mp_rank_frozen_for_less_than_the_hung_budget_only_delays_a_call(
     finally:
         executor.shutdown()
     _assert_released(executor)
+
+
+# A result message that is none of the workers' (a peer on the result socket, a truncated
+# frame): any frame count, an unknown kind, or a known kind whose body does not decode. A
+# FAILURE is left out (a real one rightly ends the executor), and so are whole bodies of the
+# kinds a call waits for (they would be answers).
+_WHOLE_REPLY = msgspec.msgpack.encode(
+    WorkerCallResult(0, msgspec.Raw(msgspec.msgpack.encode(Fact(0, 1, [1, 2]))))
+)
+_MALFORMED_RESULTS = st.one_of(
+    st.lists(st.binary(max_size=16), min_size=1, max_size=4).filter(lambda f: len(f) != 2),
+    st.tuples(
+        st.binary(min_size=1, max_size=2).filter(lambda k: k != worker_proc.FAILURE),
+        st.binary(max_size=32),
+    ).filter(lambda f: f[0] not in (worker_proc.REPLY, worker_proc.OUTPUT, worker_proc.READY)),
+    st.tuples(
+        st.sampled_from([worker_proc.REPLY, worker_proc.OUTPUT, worker_proc.READY]),
+        st.integers(0, len(_WHOLE_REPLY) - 1).map(lambda n: _WHOLE_REPLY[:n]),  # truncated
+    ),
+).map(list)
+
+
+@pytest.fixture(scope="module")
+def result_peer(mp_executor) -> Iterator[zmq.Socket]:
+    """A PUSH to the executor's result socket, connected once (its first messages would
+    otherwise wait for the connection)."""
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.PUSH)
+    peer.linger = 0
+    peer.connect(mp_executor.result_addr)
+    yield peer
+    ctx.destroy(linger=0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages=st.lists(_MALFORMED_RESULTS, min_size=1, max_size=3))
+def test_mp_drops_malformed_result_messages_and_serves_on(mp_executor, result_peer, messages):
+    with _dropped_lines() as dropped:
+        for frames in messages:
+            result_peer.send_multipart(frames)
+        # Each call reads what is queued; the malformed messages go by in its waits.
+        deadline = time.monotonic() + 10
+        while len(dropped) < len(messages) and time.monotonic() < deadline:
+            answer = mp_executor.collective_rpc("made_up_fact", (1,), ranks=[0], result_type=Fact)
+            assert answer[0].rank == 0 and answer[0].scaled == [1, 2]
+        assert len(dropped) == len(messages), dropped  # one line each
+
+
+class _DroppedLines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("mp executor: dropped"):
+            self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _dropped_lines():
+    """The executor's 'dropped' log lines while the block runs (caplog is function-scoped,
+    and hypothesis runs the test body many times in one call)."""
+    handler = _DroppedLines()
+    logger = logging.getLogger("kvserve.services.scheduler.executors.mp_executor")
+    logger.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)

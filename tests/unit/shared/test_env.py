@@ -1,4 +1,5 @@
-"""shared/env.py: a hung budget shorter than the heartbeat timeout it follows is refused."""
+"""shared/env.py: a hung budget shorter than the heartbeat timeout it follows is refused; a
+step-cost table reads as (tokens, seconds) pairs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from kvserve.shared.env import (
     ENGINE_HEARTBEAT_TIMEOUT_S,
     ENGINE_HUNG_TIMEOUT_S,
+    SPEC_STEP_COSTS,
     WORKER_HEARTBEAT_TIMEOUT_S,
     WORKER_HUNG_TIMEOUT_S,
     read_hung_timeout_s,
@@ -39,3 +41,14 @@ def test_a_hung_budget_may_equal_the_heartbeat_timeout_but_not_undercut_it(monke
     monkeypatch.setenv(ENGINE_HUNG_TIMEOUT_S.name, "0")
     with pytest.raises(ValueError, match="must be > 0"):
         read_hung_timeout_s(ENGINE_HUNG_TIMEOUT_S, ENGINE_HEARTBEAT_TIMEOUT_S)
+
+
+def test_the_step_cost_table_reads_as_pairs_and_refuses_a_malformed_one(monkeypatch):
+    monkeypatch.delenv(SPEC_STEP_COSTS.name, raising=False)
+    assert SPEC_STEP_COSTS.get() is None  # unset: the workers time the steps
+    monkeypatch.setenv(SPEC_STEP_COSTS.name, "1:0.02, 8:0.025,64:0.09")
+    assert SPEC_STEP_COSTS.get() == [(1, 0.02), (8, 0.025), (64, 0.09)]
+    for bad in ("1:0.02,8", "0:0.02", "1:-1", "a:b"):
+        monkeypatch.setenv(SPEC_STEP_COSTS.name, bad)
+        with pytest.raises(ValueError, match="KVSERVE_SPEC_STEP_COSTS"):
+            SPEC_STEP_COSTS.get()

@@ -10,10 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import shared_memory
 
 import pytest
 
-from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle
+from kvserve.shared.shm_ring import ShmRingBuffer, ShmRingHandle, ring_shm_name, unlink_rings_of
 from tests.support import REPO_ROOT
 from tests.support.waiting import wait_until
 
@@ -219,3 +220,21 @@ def test_segment_of_a_killed_writer_is_cleaned_up():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_rings_a_dead_process_left_are_unlinked_by_its_pid():
+    """A killed writer's ring is found by the pid in its name (what the launcher does when it
+    restarts or stops an engine core); another process's ring is left alone."""
+    mine = ShmRingBuffer.create(num_readers=1, num_chunks=2, chunk_bytes=64)
+    assert mine.handle.name.startswith(ring_shm_name(os.getpid()).rsplit("-", 1)[0] + "-")
+    dead_pid = 2**22 + 7  # above any pid_max default: no live process has it
+    left = shared_memory.SharedMemory(ring_shm_name(dead_pid), create=True, size=64)
+    left.close()
+    try:
+        assert unlink_rings_of(dead_pid) == [left.name]
+        assert not os.path.exists("/dev/shm/" + left.name)
+        assert _segment_exists(mine.handle)  # not the dead pid's: untouched
+        assert unlink_rings_of(dead_pid) == []
+    finally:
+        mine.close()
+    assert not _segment_exists(mine.handle)

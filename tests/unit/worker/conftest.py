@@ -38,7 +38,8 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """The default model converted from its GGUF, in a cache folder of this test session."""
+    """The default model converted from its GGUF, in a cache folder of this test session
+    (test_model_loader.py tests the conversion; other tests read default_model_dir)."""
     from kvserve.services.worker.model_loader import resolve_model
 
     return resolve_model(None, cache_dir=str(tmp_path_factory.mktemp("kvserve-cache")))

@@ -195,6 +195,28 @@ def test_the_step_costs_for_adaptive_speculation_are_measured_on_the_stack(
     assert calls == costs * 3
 
 
+def test_a_step_cost_table_in_the_environment_replaces_the_timing(tiny_llama_dir, monkeypatch):
+    # KVSERVE_SPEC_STEP_COSTS (tests set it): the adaptive rule reads the table, and no
+    # verify step is timed at start-up.
+    from kvserve import LLM
+    from tests.support.models import TINY_KV_CACHE_MEMORY
+
+    calls: list[int] = []
+    real_run = decode_stack.DecodeStack.run
+    monkeypatch.setattr(
+        decode_stack.DecodeStack,
+        "run",
+        lambda self, *args: calls.append(args[0].shape[0]) or real_run(self, *args),
+    )
+    monkeypatch.setenv("KVSERVE_SPEC_STEP_COSTS", "1:0.01,4:0.012,16:0.03")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 3}  # fmt: skip
+    llm = LLM(tiny_llama_dir, kv_cache_memory=TINY_KV_CACHE_MEMORY, speculative_config=spec)
+    costs = llm.engine_core.scheduler.spec_decode.policy.step_cost_model
+    assert (costs.num_tokens, costs.seconds) == ([1, 4, 16], [0.01, 0.012, 0.03])
+    assert calls == []
+
+
 def test_a_slot_below_zero_is_not_written(tiny_checkpoint):
     model_dir, _ = tiny_checkpoint("llama")
     model, _ = _bound(model_dir, torch.float32)

@@ -151,18 +151,21 @@ def test_tensor_parallel_2_matches_hf(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_matches_hf_greedy(smollm2_dir):
+def test_default_model_matches_hf_greedy(default_model_dir):
+    # The folder every engine serves (the session's cache), not smollm2_dir's fresh
+    # conversion: test_model_loader.py tests the conversion, and under pytest-xdist it may
+    # run in another worker, which would convert the GGUF (~16 CPU s) a second time.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     prompt_ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
         return_dict=True,
     )["input_ids"]
-    model, _ = load_model(smollm2_dir, torch.float32, "cpu")
+    model, _ = load_model(default_model_dir, torch.float32, "cpu")
     bind_kv_caches(model, num_blocks=8, block_size=16)
-    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     block_ids = [3, 1, 6, 0]
     (logits,) = run_step(model, [(prompt_ids, 0, block_ids)], block_size=16)
     torch.testing.assert_close(logits, hf_logits(hf_model, prompt_ids), atol=1e-3, rtol=0)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvserve.services.worker.parallel_check import verify_parallel_sizes
 from kvserve.services.worker.parallel_state import pp_layer_range
-from tests.support.distributed import init_two_ranks, leave_two_ranks
+from tests.support.distributed import init_two_ranks, leave_two_ranks, run_two_ranks
 
 VOCAB, HIDDEN, NUM_TOKENS = 10, 8, 6
 
@@ -87,9 +87,7 @@ def _tp_layers_worker(rank: int, store_path: str, out_path: str) -> None:
 
 def test_tp2_layers_equal_the_unsplit_ones(tmp_path):
     out_path = str(tmp_path / "results")
-    torch.multiprocessing.spawn(
-        _tp_layers_worker, nprocs=2, args=(str(tmp_path / "store"), out_path)
-    )
+    run_two_ranks(_tp_layers_worker, (str(tmp_path / "store"), out_path))
     for rank in range(2):
         results = torch.load(f"{out_path}.{rank}")
         assert set(results) == {"embedding", "lm_head", "row", "column", "qkv", "merged"}
@@ -130,9 +128,7 @@ def test_pp2_stages_hold_their_layers_and_load_a_tied_head(tiny_checkpoint, tmp_
     # checkpoint's embedding, which it does not hold itself.
     model_dir, hf_model = tiny_checkpoint("llama3_rope")
     out_path = str(tmp_path / "summary")
-    torch.multiprocessing.spawn(
-        _pp_model_worker, nprocs=2, args=(str(tmp_path / "store"), model_dir, out_path)
-    )
+    run_two_ranks(_pp_model_worker, (str(tmp_path / "store"), model_dir, out_path))
     first, last = torch.load(f"{out_path}.0"), torch.load(f"{out_path}.1")
     assert (first["has_embedding"], first["has_norm"], first["has_lm_head"]) == (True, False, False)
     assert (last["has_embedding"], last["has_norm"], last["has_lm_head"]) == (False, True, True)

@@ -27,7 +27,7 @@ from kvserve.services.worker.quantization import (
     checkpoint_quantization,
     weight_bytes,
 )
-from tests.support.distributed import init_two_ranks, leave_two_ranks
+from tests.support.distributed import init_two_ranks, leave_two_ranks, run_two_ranks
 
 gguf = pytest.importorskip("gguf")
 
@@ -222,7 +222,7 @@ def _tp_worker(rank: int, store_path: str, out_path: str) -> None:
 
 def test_tp2_splits_blocks_by_rows_and_block_aligned_columns(tmp_path):
     out_path = str(tmp_path / "results")
-    torch.multiprocessing.spawn(_tp_worker, nprocs=2, args=(str(tmp_path / "store"), out_path))
+    run_two_ranks(_tp_worker, (str(tmp_path / "store"), out_path))
     for rank in range(2):
         results = torch.load(f"{out_path}.{rank}")
         assert "cannot split Q4_1 weight columns" in results.pop("odd_error")
