@@ -78,7 +78,12 @@ def test_default_model_fp8_kv_agrees_with_float_kv(default_model_dir, token_ids,
     # fp8 = e4m3 (e5m2's 2 mantissa bits agree less: bench/fp8_kv_cache.py reports both).
     _bind(model, torch.float8_e4m3fn, num_blocks)
     logprobs = _teacher_forced_logprobs(model, token_ids)
-    agreement = (logprobs.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    # A position agrees when the fp8 run's choice is a top-1 of the reference: a bfloat16
+    # model's logits (widened from bfloat16) often tie exactly, and argmax's pick among tied
+    # tokens is arbitrary (on a Zen 4 with AVX512-BF16, 8 of 26 "flips" over a longer text
+    # were exact ties).
+    chosen = reference.gather(1, logprobs.argmax(-1, keepdim=True))[:, 0]
+    agreement = (chosen == reference.max(-1).values).float().mean().item()
     delta = (logprobs - reference).gather(1, targets[:, None]).abs().mean().item()
     assert agreement >= 0.95 and delta < 0.1, (agreement, delta)
 
