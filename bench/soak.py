@@ -103,6 +103,7 @@ def deployment_for(args: argparse.Namespace, folder: str) -> Deployment:
 def run_soak(args: argparse.Namespace) -> dict:
     """The whole soak; its report (a dict, as --out writes it)."""
     folder = args.log_dir or tempfile.mkdtemp(prefix="kvserve-soak-")
+    os.makedirs(folder, exist_ok=True)
     deployment = deployment_for(args, folder)
     tiny = deployment.spec.tiny
     started = time.monotonic()
