@@ -12,28 +12,36 @@ requests is slo_pace.py):
    their rows: running prompt chunks take only the step's prompt share
    (StepPlan.prefill_budget), wherever they stand in the running list.
 2. The step's time limit is the tightest of: the TPOT targets of the running decodes (times
-   TPOT_HEADROOM: the step, not the client's inter-token time, is predicted); the
-   time left to the earliest TTFT deadline among the prompts with one (running or waiting),
-   while a step holding the decodes and that prompt can still end before it; and, while
-   any live request has a TTFT target, a quarter of the tightest such target (a request
-   arriving now waits for the step in flight: no 2,048-token step beside short chats).
+   TPOT_HEADROOM, for what happens around the engine, the api's time); the time left to
+   the earliest TTFT deadline among the prompts with one (running or waiting), while a
+   step holding the decodes and that prompt can still end before it; and, while any live
+   request has a TTFT target or one left in the last TARGET_MEMORY_S, a quarter of the
+   tightest such target (a request arriving now waits for the step in flight: no
+   2,048-token step beside short chats, nor in a lull between them).
+   A step's time is planned at a high quantile, not the mean (_predict): the model's
+   prediction times the P90 of measured / predicted over the latest steps with prompt
+   tokens (StepTimeModel.ratio_quantile), plus the P90 of the time between one step's end
+   and the next one's start (UnseenTime: the busy loop around the step), which the
+   client's time between tokens holds and the step's measurement does not.
 3. Prompt tokens (chunks of running prompts and waiting prompts) fill what is left: the most
-   whose predicted step time (step_time.py) keeps within the limit, all of
-   max_num_batched_tokens without a limit.
+   whose planned step time keeps within the limit, all of max_num_batched_tokens without
+   a limit.
 4. The pace floor: the prompts whose TTFT deadline is ahead must all be computed by the
-   earliest one, so a step holds at least the fewest prompt tokens at which steps of that
-   size clear them in time; such a step may run past the per-step TPOT limit by the slack
-   the decodes banked (TPOT is an average over a request's output, vLLM's definition: a
-   decode ahead of its pace can afford one longer step), and as long as the earliest prompt
-   whole needs while its deadline can still be met, never past that deadline. With no such
-   prompt, no slack is spent.
+   earliest one's pace point, TTFT_PACE_SHARE (half) of its target after its arrival, so
+   a step holds at least the fewest prompt tokens at which steps of that size clear them
+   by then (not just in time: the last step's time varies; once the pace point passed,
+   as many as the step may hold); such a step may run past the per-step TPOT
+   limit by the slack the decodes banked (TPOT is an average over a request's output,
+   vLLM's definition: a decode ahead of its pace can afford one longer step; slo_pace.py),
+   never further and never past that deadline. With no such prompt, no slack is spent.
 5. Prompts with a TTFT target get their tokens first, within those prompt tokens: running
    prompt chunks without one take only the rest (StepPlan.running_prefill_budget), so a
    short request is admitted now instead of behind another request's long prompt (if a
    seat is free). Those whose deadline passed still go first, but set no pace.
 
-With no live request carrying a target, the budget is max_num_batched_tokens, as without
-this module. A missed target is not refused: the request is served, late.
+With no live request carrying a target (and none with a TTFT target in the last
+TARGET_MEMORY_S), the budget is max_num_batched_tokens, as without this module. A missed
+target is not refused: the request is served, late.
 """
 
 from __future__ import annotations
@@ -46,7 +54,13 @@ from dataclasses import dataclass
 from kvserve.services.scheduler.core.request import Request
 from kvserve.services.scheduler.core.request_queue import RequestQueue
 from kvserve.services.scheduler.core.slo_pace import TpotPaces, UrgentPrompts, urgent_prompts
-from kvserve.services.scheduler.core.step_time import StepShape, StepTimeModel, attended, shape_of
+from kvserve.services.scheduler.core.step_time import (
+    StepShape,
+    StepTimeModel,
+    UnseenTime,
+    attended,
+    shape_of,
+)
 from kvserve.shared.config import SchedulerConfig
 from kvserve.shared.messages import SchedulerOutput
 
@@ -54,11 +68,16 @@ from kvserve.shared.messages import SchedulerOutput
 _MIN_PREFILL_TOKENS = 16
 # While requests with a TTFT target are live, a step is at most this share of the tightest.
 _ARRIVAL_STEPS = 4
-# Steps aim at this share of the tightest TPOT target, not at the target itself: the model
-# predicts the step, not the time between two tokens a client sees (output processing, the
-# api), and steps planned at exactly the target landed just over it (the 2026-12-07 sitting:
-# short-class P50 TPOT 130 ms against a 127 ms target, so about half the chats missed).
-TPOT_HEADROOM = 0.8
+# ... and for this long after the last of them left.
+TARGET_MEMORY_S = 30.0
+# The pace floor aims to clear the prompts with a TTFT deadline ahead by this share of the
+# earliest one's target after its arrival (not just in time: the last step's time varies).
+TTFT_PACE_SHARE = 0.5
+# Steps aim at this share of the tightest TPOT target, not at the target itself: the plan
+# holds the step at its P90 and the engine's time between steps, not the api's time around
+# them (the 2026-12-07 sitting, steps planned at the mean and at exactly the target:
+# short-class P50 TPOT 130 ms against a 127 ms target; 0.8 of it, and the mean, P99 140).
+TPOT_HEADROOM = 0.9
 
 
 @dataclass(frozen=True)
@@ -104,7 +123,12 @@ class LatencyTargets:
         self.clock = clock
         self.num_targeted = 0  # live requests with a target
         self._ttft_targets_ms: Counter[float] = Counter()  # of the live requests
+        # The TTFT target of the latest request with one to leave, and until when it
+        # still sets the arrival limit (a lull between short chats is no licence for a
+        # 2,048-token step that the next one would wait behind).
+        self._recent_ttft: tuple[float, float] | None = None
         self._paces = TpotPaces()
+        self.unseen = UnseenTime(self.model.ratio_level)
 
     def add(self, request: Request) -> None:
         """A request arrived: give it the engine's default targets where it carries none."""
@@ -124,23 +148,31 @@ class LatencyTargets:
             self._ttft_targets_ms[request.slo_ttft_ms] -= 1
             if not self._ttft_targets_ms[request.slo_ttft_ms]:
                 del self._ttft_targets_ms[request.slo_ttft_ms]
+            self._recent_ttft = (request.slo_ttft_ms, self.clock() + TARGET_MEMORY_S)
         self._paces.forget(request)
 
-    def record_step(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """A measured step (schedule to outputs) refits the step-time model."""
+    def record_step(
+        self, scheduler_output: SchedulerOutput, seconds: float, next_step_follows: bool = True
+    ) -> None:
+        """A measured step (schedule to outputs) refits the step-time model; the time to
+        the next step's start (`next_step_follows`: requests are left) is the unseen time."""
         if scheduler_output.total_num_scheduled_tokens:
             self.model.record(shape_of(scheduler_output), seconds)
+        self.unseen.step_ended(self.clock(), next_step_follows)
 
     def step_budget(self, running: list[Request], waiting: RequestQueue) -> StepBudget:
         """This step's budget under the targets of `running` and of the waiting queue."""
-        if not self.num_targeted:
-            return StepBudget(self.max_num_batched_tokens)
         now = self.clock()
+        self.unseen.step_started(now)
+        if self._recent_ttft is not None and self._recent_ttft[1] <= now:
+            self._recent_ttft = None
+        if not self.num_targeted and self._recent_ttft is None:
+            return StepBudget(self.max_num_batched_tokens)
         decodes = self._running_decodes(running, now)
         num_decode_tokens = decodes.num_rows + decodes.num_drafts
         room = max(self.max_num_batched_tokens - num_decode_tokens, 0)
         seats = self.config.max_num_seqs - len(running)
-        urgent = urgent_prompts(running, waiting, seats, room, now)
+        urgent = urgent_prompts(running, waiting, seats, room, now, TTFT_PACE_SHARE)
         limit_s = min(
             decodes.tightest_tpot_s,
             self._ttft_limit(urgent, decodes),
@@ -160,7 +192,8 @@ class LatencyTargets:
         decodes = _running_decodes(running)
         for request in running:
             if request.slo_tpot_ms is not None and request.num_output_tokens:
-                allowance = self._paces.next_token_allowance(request, now)
+                per_step_s = request.slo_tpot_ms / 1000 * TPOT_HEADROOM
+                allowance = self._paces.next_token_allowance(request, now, per_step_s)
                 decodes.banked_s = min(decodes.banked_s, allowance)
         return decodes
 
@@ -174,24 +207,28 @@ class LatencyTargets:
         return urgent.head_slack_s
 
     def _arrival_limit(self) -> float:
-        """While requests with a TTFT target are live, no step longer than a share of the
-        tightest such target: one arriving now waits for the step in flight (lever against
-        2,048-token steps beside short chats)."""
-        if not self._ttft_targets_ms:
+        """While requests with a TTFT target are live, or one left in the last
+        TARGET_MEMORY_S, no step longer than a share of the tightest such target: one
+        arriving now waits for the step in flight (lever against 2,048-token steps beside
+        short chats)."""
+        targets_ms = list(self._ttft_targets_ms)
+        if self._recent_ttft is not None:
+            targets_ms.append(self._recent_ttft[0])
+        if not targets_ms:
             return float("inf")
-        return min(self._ttft_targets_ms) / 1000 / _ARRIVAL_STEPS
+        return min(targets_ms) / 1000 / _ARRIVAL_STEPS
 
     def _urgent_floor(self, decodes: _Decodes, urgent: UrgentPrompts, num_prefill: int) -> int:
         """The prompt tokens this step needs so the prompts with TTFT targets keep pace:
-        enough per step to clear them all by the earliest deadline, at least the earliest
-        prompt whole when it can still make its deadline. Such a step may run past the
-        decodes' per-step TPOT limit by the slack they banked (TPOT is an average over a
-        request's output), and never past that deadline."""
+        enough per step to clear them all by the earliest deadline's pace point
+        (TTFT_PACE_SHARE of its target after its arrival; once that passed, as many as
+        the rest of this rule allows). Such a step may run past the decodes' per-step
+        TPOT limit by the slack they banked (TPOT is an average over a request's output;
+        slo_pace.py), never further (at the planned quantile: _predict), and never past
+        that deadline."""
         if not urgent.num_tokens or urgent.head_slack_s <= 0:
             return 0
         allowance_s = min(decodes.banked_s, urgent.head_slack_s)
-        if self._predict(decodes, urgent.num_head_tokens) <= urgent.head_slack_s:
-            allowance_s = max(allowance_s, self._predict(decodes, urgent.num_head_tokens))
         upper = min(self._max_prefill_tokens(decodes, allowance_s), urgent.num_tokens)
         if upper <= num_prefill:
             return num_prefill
@@ -206,7 +243,7 @@ class LatencyTargets:
 
     def _keeps_pace(self, decodes: _Decodes, urgent: UrgentPrompts, num_prefill: int) -> bool:
         """Whether steps of `num_prefill` prompt tokens clear the urgent prompts in time."""
-        num_steps = urgent.head_slack_s / self._predict(decodes, num_prefill)
+        num_steps = urgent.head_pace_s / self._predict(decodes, num_prefill)
         return num_prefill * max(int(num_steps), 1) >= urgent.num_tokens
 
     def _max_prefill_tokens(self, decodes: _Decodes, limit_s: float) -> int:
@@ -227,7 +264,10 @@ class LatencyTargets:
         return low
 
     def _predict(self, decodes: _Decodes, num_prefill: int) -> float:
-        return self.model.predict(
+        """The time a step with `num_prefill` prompt tokens beside the decodes stays within
+        most often (the model's ratio_level quantile, P90), with the time between steps
+        that its measurement does not hold: what a client sees between two tokens."""
+        return self.unseen.quantile_s + self.model.ratio_quantile * self.model.predict(
             StepShape(
                 num_prefill_tokens=num_prefill,
                 num_decode_rows=decodes.num_rows,

@@ -513,7 +513,7 @@ class Scheduler:
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """How long a step took from schedule to outputs (the step-time model's and adaptive
         speculation's input)."""
-        self.latency.record_step(scheduler_output, seconds)
+        self.latency.record_step(scheduler_output, seconds, self.has_requests())
         if self.spec_decode is not None:
             self.spec_decode.record_step_time(scheduler_output, seconds)
 

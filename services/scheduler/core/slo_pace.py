@@ -5,7 +5,11 @@ TPOT is an average over a request's output (vLLM's definition: (latency - TTFT) 
 tokens - 1)), so a step faster than the target banks the difference, and one longer step
 can spend it without the request missing its target. `TpotPaces` keeps, per request, when
 it was first seen decoding and how many tokens it had then; the request's next token is due
-by that time plus the target per token since.
+by that time plus the target per token since. The request's later steps are each planned
+within the per-step limit (the target times the rule's headroom, at a high quantile), so
+the margin between the two over its next BORROW_TOKENS tokens (up to max_tokens) may be
+spent now too: a request that just started decoding has banked nothing yet, but its
+later steps will.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from dataclasses import dataclass
 from kvserve.services.scheduler.core.request import Request
 from kvserve.services.scheduler.core.request_queue import RequestQueue
 
+# The most of a request's later tokens whose margin (target - per-step limit) a step may
+# spend now (the request may stop before max_tokens: its margin is then not earned).
+BORROW_TOKENS = 32
+
 
 class TpotPaces:
     """Each running request's TPOT pace: (first seen decoding, its output tokens then)."""
@@ -23,15 +31,19 @@ class TpotPaces:
     def __init__(self) -> None:
         self._starts: dict[str, tuple[float, int]] = {}
 
-    def next_token_allowance(self, request: Request, now: float) -> float:
+    def next_token_allowance(self, request: Request, now: float, per_step_s: float) -> float:
         """The longest step after which `request` (decoding, with a TPOT target) is still
-        on pace: its slack, never less than its target (a request behind its pace gets the
-        per-step limit, as if it had no slack)."""
+        on pace: its slack, never less than `per_step_s`, the per-step limit its target
+        sets (a request behind its pace gets that limit, as if it had no slack)."""
         assert request.slo_tpot_ms is not None
         start = self._starts.setdefault(request.req_id, (now, request.num_output_tokens))
         target_s = request.slo_tpot_ms / 1000
         num_due = request.num_output_tokens - start[1] + 1
-        return max(start[0] + target_s * num_due - now, target_s)
+        slack_s = start[0] + target_s * num_due - now
+        num_after = 0  # tokens after this step's, each planned within per_step_s
+        if request.max_tokens is not None:
+            num_after = min(request.max_tokens - request.num_output_tokens - 1, BORROW_TOKENS)
+        return max(slack_s + max(num_after, 0) * (target_s - per_step_s), per_step_s)
 
     def forget(self, request: Request) -> None:
         self._starts.pop(request.req_id, None)
@@ -47,16 +59,25 @@ class UrgentPrompts:
             prompts without a target (a late first token beats a later one), but set no pace.
         num_head_tokens: those of the request with the earliest deadline ahead.
         head_slack_s: the time left to that deadline.
+        head_pace_s: the time left to that request's pace point, `pace_share` of its TTFT
+            target after its arrival (0 once passed): the pace floor aims there, not at
+            the deadline, as the last step's time varies.
     """
 
     num_tokens: int = 0
     num_late_tokens: int = 0
     num_head_tokens: int = 0
     head_slack_s: float = float("inf")
+    head_pace_s: float = float("inf")
 
 
 def urgent_prompts(
-    running: list[Request], waiting: RequestQueue, seats: int, room: int, now: float
+    running: list[Request],
+    waiting: RequestQueue,
+    seats: int,
+    room: int,
+    now: float,
+    pace_share: float = 1.0,
 ) -> UrgentPrompts:
     """The prompts with a TTFT target: running ones mid-prefill, then waiting ones in
     admission order while seats last, until `room` tokens (a step's most) are counted."""
@@ -76,7 +97,15 @@ def urgent_prompts(
     if not ahead:
         return UrgentPrompts(0, num_late)
     head = min(ahead, key=_deadline)
-    return UrgentPrompts(num_tokens, num_late, _prompt_left(head), _deadline(head) - now)
+    assert head.slo_ttft_ms is not None
+    pace_point = head.arrival_time + pace_share * head.slo_ttft_ms / 1000
+    return UrgentPrompts(
+        num_tokens,
+        num_late,
+        _prompt_left(head),
+        _deadline(head) - now,
+        max(pace_point - now, 0.0),
+    )
 
 
 def _prompt_left(request: Request) -> int:

@@ -18,11 +18,19 @@ equations (half-life ~70 steps, so a machine that gets slower is followed), and 
 `_REFIT_INTERVAL` steps a non-negative least-squares solve, pulled weakly towards the prior
 in the directions the steps seen do not pin down, gives the new coefficients. The mean
 relative prediction error is kept as an EWMA (SchedulerStats.step_time_prediction_error).
+
+The fit predicts a step's mean time; a step varies around it (log-normal, 16-33% on a
+2-core CPU server), and steps that carry prompt chunks ran longer than predicted there. So
+the model also keeps the ratio measured / predicted of the latest steps with prompt tokens
+(the steps the latency targets size) and its running `ratio_level` quantile
+(`ratio_quantile`, P90 by default; 1.0 until `_MIN_RATIOS` such steps): a prediction times
+it is a time the step stays within that often (latency_targets.py plans with it).
 Plain Python: 5 features, a few microseconds a step.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from kvserve.shared.messages import SchedulerOutput
@@ -37,6 +45,10 @@ _PRIOR_WEIGHT = 0.05  # ridge towards the prior, in steps' worth of evidence
 _REFIT_INTERVAL = 8
 _SOLVE_SWEEPS = 12
 _ERROR_WEIGHT = 0.05  # EWMA weight of the newest step's relative error
+_RATIO_WINDOW = 128  # steps with prompt tokens whose measured / predicted ratio is kept
+_MIN_RATIOS = 16  # fewer: ratio_quantile stays 1.0 (the mean prediction)
+RATIO_LEVEL = 0.9  # the quantile of the ratio that ratio_quantile follows
+_MAX_GAP_S = 0.5  # a longer gap between steps is a wait, not the loop's own work
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,9 @@ class StepTimeModel:
         self._num_since_refit = 0
         self.num_steps = 0
         self.relative_error = 0.0  # EWMA of |predicted - measured| / measured
+        self.ratio_level = RATIO_LEVEL
+        self.ratio_quantile = 1.0  # of measured / predicted, steps with prompt tokens
+        self._ratios: deque[float] = deque(maxlen=_RATIO_WINDOW)
 
     def predict(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients, shape.features()))
@@ -138,7 +153,10 @@ class StepTimeModel:
         if seconds <= 0:
             return
         x = shape.features()
-        error = abs(sum(c * xi for c, xi in zip(self.coefficients, x)) - seconds) / seconds
+        predicted = sum(c * xi for c, xi in zip(self.coefficients, x))
+        error = abs(predicted - seconds) / seconds
+        if shape.num_prefill_tokens and predicted > 0:
+            self._ratios.append(seconds / predicted)
         if self.num_steps == 0:
             self.relative_error = error
         else:
@@ -156,6 +174,9 @@ class StepTimeModel:
         """Non-negative least squares on the decayed normal equations, with a ridge towards
         the prior (projected Gauss-Seidel, warm-started from the current coefficients)."""
         self._num_since_refit = 0
+        if len(self._ratios) >= _MIN_RATIOS:
+            ratios = sorted(self._ratios)
+            self.ratio_quantile = ratios[min(int(self.ratio_level * len(ratios)), len(ratios) - 1)]
         gram, coefficients = self._gram, self.coefficients
         targets = [m + _PRIOR_WEIGHT * p for m, p in zip(self._moment, self.prior)]
         diagonals = [gram[i][i] + _PRIOR_WEIGHT for i in range(_NUM_FEATURES)]
@@ -164,3 +185,39 @@ class StepTimeModel:
                 # Row i of the normal equations, solved for coefficient i (the others held).
                 rest = sum([a * c for a, c in zip(row, coefficients)]) - row[i] * coefficients[i]
                 coefficients[i] = max((targets[i] - rest) / diagonals[i], 0.0)
+
+
+class UnseenTime:
+    """The seconds between a measured step's end and the next step's start, while requests
+    wait for it: the busy loop around the step (outputs out, inputs in), which the time
+    between a client's tokens holds but the step's own measurement does not. Keeps the
+    latest gaps and their running `level` quantile (`quantile_s`; 0 until `_MIN_RATIOS`).
+
+    Args:
+        level: the quantile followed (the step-time model's ratio_level).
+    """
+
+    def __init__(self, level: float = RATIO_LEVEL) -> None:
+        self.level = level
+        self.quantile_s = 0.0
+        self._gaps: deque[float] = deque(maxlen=_RATIO_WINDOW)
+        self._step_end: float | None = None
+        self._num_since_update = 0
+
+    def step_ended(self, now: float, next_step_follows: bool) -> None:
+        """A step was measured; `next_step_follows`: requests are left, so the engine
+        steps again at once (else it may idle, and the gap is no step's)."""
+        self._step_end = now if next_step_follows else None
+
+    def step_started(self, now: float) -> None:
+        if self._step_end is None:
+            return
+        gap, self._step_end = now - self._step_end, None
+        if not 0 <= gap <= _MAX_GAP_S:
+            return  # a clock step, or a wait (a pause, grammars compiling): not the loop's
+        self._gaps.append(gap)
+        self._num_since_update += 1
+        if len(self._gaps) >= _MIN_RATIOS and self._num_since_update >= _REFIT_INTERVAL:
+            self._num_since_update = 0
+            gaps = sorted(self._gaps)
+            self.quantile_s = gaps[min(int(self.level * len(gaps)), len(gaps) - 1)]

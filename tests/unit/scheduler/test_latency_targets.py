@@ -9,9 +9,14 @@ import msgspec
 import pytest
 
 from kvserve.services.scheduler.core.features import SchedulerFeatures
-from kvserve.services.scheduler.core.latency_targets import TPOT_HEADROOM
+from kvserve.services.scheduler.core.latency_targets import (
+    TARGET_MEMORY_S,
+    TPOT_HEADROOM,
+    TTFT_PACE_SHARE,
+)
 from kvserve.services.scheduler.core.request import RequestStatus
 from kvserve.services.scheduler.core.scheduler import Scheduler
+from kvserve.services.scheduler.core.slo_pace import BORROW_TOKENS
 from kvserve.services.scheduler.core.step_time import StepShape, attended, shape_of
 from kvserve.shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.shared.messages import EngineCoreEventType, FinishReason
@@ -103,6 +108,55 @@ def test_a_step_is_the_largest_that_keeps_the_tpot_target():
     assert_no_leaked_blocks(scheduler)
 
 
+def test_steps_are_planned_at_the_ratio_quantile_with_the_unseen_time():
+    # Measured steps ran up to 1.4x their prediction (P90), and 5 ms pass between steps
+    # that no step's measurement holds: the step is the largest whose time at that
+    # quantile, with those 5 ms, keeps the TPOT target.
+    target_s, unseen_s, ratio = 0.050, 0.005, 1.4
+    scheduler = _scheduler()
+    scheduler.latency.model.ratio_quantile = ratio
+    scheduler.latency.unseen.quantile_s = unseen_s
+    _with_decodes(scheduler, tpot=target_s * 1000)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    num_before = 0
+    for _ in range(5):
+        scheduler_output, _ = step(scheduler)
+        chunk = scheduler_output.num_scheduled_tokens["document"]
+        assert unseen_s + ratio * _predict(scheduler, scheduler_output) <= target_s * TPOT_HEADROOM
+        shape = shape_of(scheduler_output)
+        one_more = StepShape(
+            shape.num_prefill_tokens + 1,
+            shape.num_decode_rows,
+            shape.num_context_tokens + num_before + chunk + 1,
+        )
+        assert unseen_s + ratio * scheduler.latency.model.predict(one_more) > (
+            target_s * TPOT_HEADROOM
+        )
+        num_before += chunk
+    # The mean prediction alone would have allowed a larger step: the quantile cut it.
+    assert scheduler.latency.model.predict(one_more) < target_s * TPOT_HEADROOM
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_the_time_between_steps_is_learned_and_an_idle_wait_is_not():
+    scheduler = _scheduler()
+    clock = [NOW]
+    scheduler.latency.clock = lambda: clock[0]
+    for i in range(20):
+        # A request of two tokens (three steps: its prompt, its decode, its finish), then
+        # the engine idles 300 ms until the next one: that wait is no step's unseen time.
+        scheduler.add_request(create_request(f"r{i}", 10, max_tokens=2))
+        while scheduler.has_requests():
+            scheduler_output, _ = step(scheduler)
+            clock[0] += 0.020  # the step
+            scheduler.record_step_time(scheduler_output, 0.020)
+            clock[0] += 0.007  # the busy loop around it: outputs out, inputs in
+        clock[0] += 0.300
+    assert scheduler.latency.unseen.quantile_s == pytest.approx(0.007)
+    assert_no_leaked_blocks(scheduler)
+
+
 def test_the_decodes_fit_even_when_they_alone_miss_the_target():
     scheduler = _scheduler()
     _with_decodes(scheduler, tpot=1.0)  # 1 ms: below the 10 ms of any step
@@ -181,6 +235,28 @@ def test_a_ttft_target_already_missed_still_goes_before_a_long_prompt():
     assert [new.req_id for new in scheduler_output.scheduled_new_reqs] == ["late"]
     assert scheduler_output.num_scheduled_tokens["late"] == 10
     assert scheduler_output.num_scheduled_tokens["document"] > 0
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_a_lull_between_ttft_targets_still_cuts_the_step():
+    # The last chat with a TTFT target left: for TARGET_MEMORY_S a document's step stays
+    # within a quarter of that target (the next chat would wait behind it), then it has
+    # the whole budget again.
+    scheduler = _scheduler()
+    clock = [NOW]
+    scheduler.latency.clock = lambda: clock[0]
+    scheduler.add_request(_targeted("chat", 10, ttft=500.0, max_tokens=1, arrival_time=NOW))
+    step(scheduler)  # the chat's prompt and its only token: it left
+    assert scheduler.latency.num_targeted == 0
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW))
+    clock[0] += TARGET_MEMORY_S - 1
+    scheduler_output, _ = step(scheduler)
+    assert 0 < scheduler_output.num_scheduled_tokens["document"] < 2048
+    assert _predict(scheduler, scheduler_output) <= 0.500 / 4
+    clock[0] += 1
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens == {"document": 2048}
     run_to_completion(scheduler)
     assert_no_leaked_blocks(scheduler)
 
@@ -373,4 +449,50 @@ def test_a_per_step_limit_holds_without_urgent_prompts():
     while "decode0" in scheduler.requests:
         assert _predict(scheduler, run.step()) <= tpot_s
     run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_a_decode_with_tokens_to_go_lends_its_later_margin_and_no_more():
+    # A decode that just started has banked nothing, but each of its next BORROW_TOKENS
+    # steps is planned within the per-step limit (the target times TPOT_HEADROOM): a step
+    # may spend that margin now on a prompt whose TTFT deadline needs it whole (400
+    # tokens, 100 ms). A decode about to end lends nothing: the prompt, though it would
+    # make its deadline whole, is cut so the step keeps the decode's target.
+    tpot_s = 0.020
+    per_step_s = tpot_s * TPOT_HEADROOM
+    for max_tokens in (100, 2):
+        scheduler = _scheduler()
+        scheduler.add_request(_targeted("decode", 20, tpot=tpot_s * 1000, max_tokens=max_tokens))
+        step(scheduler)  # its prompt and first token: it decodes from now on
+        scheduler.add_request(_targeted("chat", 400, ttft=100.0, arrival_time=NOW))
+        scheduler_output, _ = step(scheduler)
+        planned_s = _predict(scheduler, scheduler_output)
+        if max_tokens == 100:
+            assert scheduler_output.num_scheduled_tokens["chat"] == 400
+            assert per_step_s < planned_s <= tpot_s + BORROW_TOKENS * (tpot_s - per_step_s)
+        else:
+            assert scheduler_output.num_scheduled_tokens["chat"] < 400
+            assert planned_s <= tpot_s  # its slack at its first step: one target
+        run_to_completion(scheduler)
+        assert_no_leaked_blocks(scheduler)
+
+
+def test_prompts_with_ttft_targets_are_cleared_well_before_the_deadline():
+    # Four decodes keep steps short (20 ms TPOT target); a 2,000-token prompt with a 600 ms
+    # TTFT target arrives. The pace floor clears it within TTFT_PACE_SHARE of that time,
+    # not just in time (the last step's time varies).
+    tpot_s, ttft_s = 0.020, 0.600
+    scheduler = _scheduler()
+    run = _Run(scheduler)
+    for i in range(4):
+        scheduler.add_request(_targeted(f"decode{i}", 20, tpot=tpot_s * 1000, max_tokens=300))
+    for _ in range(30):
+        run.step()
+    scheduler.add_request(_targeted("chat", 2000, ttft=ttft_s * 1000, arrival_time=run.now))
+    arrival = run.now
+    while "chat" not in run.token_times:
+        run.step()
+    assert run.token_times["chat"][0] - arrival <= TTFT_PACE_SHARE * ttft_s + tpot_s
+    run_to_completion(scheduler)
+    assert all(run.tpot(f"decode{i}") <= tpot_s for i in range(4))
     assert_no_leaked_blocks(scheduler)

@@ -74,6 +74,30 @@ def test_the_coefficients_stay_non_negative():
     assert all(c >= 0 for c in model.coefficients)
 
 
+def test_the_ratio_quantile_follows_the_steps_with_prompt_tokens():
+    # Steps with prompt chunks vary log-normally around their time (sigma 0.3, as on a
+    # 2-core server): the model keeps the P90 of measured / predicted.
+    model, rng = StepTimeModel(), random.Random(2)
+    model.coefficients = list(TRUE_COEFFICIENTS)
+    ratios = []
+    for i in range(400):
+        shape = StepShape(rng.randint(1, 2048), rng.randint(0, 64), rng.randint(0, 10**6))
+        if i < 15:
+            assert model.ratio_quantile == 1.0  # too few steps yet: the mean prediction
+        measured = rng.lognormvariate(0, 0.3) * _seconds(shape)
+        ratios.append(measured / model.predict(shape))
+        model.record(shape, measured)
+    latest = sorted(ratios[-128:])
+    # The P90 of the latest 128 (within one refit interval's lag).
+    assert latest[106] <= model.ratio_quantile <= latest[124]
+    assert 1.25 < model.ratio_quantile < 1.7  # exp(1.28 * 0.3) = 1.47
+    # Decode-only steps do not count: the latency targets size the steps with prompts.
+    decodes_only, decode = StepTimeModel(), StepShape(0, 32, 32 * 1000)
+    for _ in range(100):
+        decodes_only.record(decode, 2 * _seconds(decode))
+    assert decodes_only.ratio_quantile == 1.0
+
+
 def test_the_prior_comes_from_the_start_up_measurement():
     costs = [(n, 0.010 + n * 1e-4) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
     intercept, per_prefill, per_decode, _, per_verify = prior_from_step_costs(costs)
