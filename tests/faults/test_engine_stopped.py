@@ -11,9 +11,10 @@ per engine core) stopped (SIGSTOP) mid-stream, then continued or not. Nothing is
   finishes on the same engine after SIGCONT;
 - a worker stopped past it fails its engine core, whose stream moves, and which is restarted.
 
-Each stop point comes from the server's own counts (/health: the engine holding the stream
-has generated some of it); each resume point from its own verdict where it gives one (the
-suspect reason's time without progress), and the timeouts are shortened by environment
+The stream is sent while every engine core is stopped, so it surely waits on the engine the
+api sent it to (its own count: /health's num_in_flight), which is the one stopped on; each
+resume point comes from the server's own verdict where it gives one (the suspect reason's
+time without progress, the executor's log), and the timeouts are shortened by environment
 variables. One server serves every test (a test that restarts an engine waits for it).
 """
 
@@ -58,10 +59,11 @@ ENV = {
     "KVSERVE_WORKER_HEARTBEAT_TIMEOUT_S": str(WORKER_HEARTBEAT_TIMEOUT_S),
     "KVSERVE_WORKER_HUNG_TIMEOUT_S": str(WORKER_HUNG_TIMEOUT_S),
 }
-LONG_STREAM = {
+# Held from its first step (sent while the engine cores are stopped): it need not be long.
+STREAM = {
     "model": DP_MODEL_NAME,
     "prompt": "a stream that outlives a stopped process",
-    "max_tokens": 400,
+    "max_tokens": 64,
     "temperature": 0,
     "ignore_eos": True,
 }
@@ -129,22 +131,34 @@ class Stream:
         assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "length", lines[-3:]
 
 
-def _long_stream(server: ServeProcess) -> tuple[Stream, dict]:
-    """A long greedy stream, and the /health entry of the engine core generating it, taken
-    as soon as the api has got a few of its tokens from there."""
-    before = {index: e["num_generated_tokens"] for index, e in _engines(server).items()}
-    stream = Stream(server.url, LONG_STREAM)
-    found: dict = {}
+def _held_stream(server: ServeProcess) -> tuple[Stream, dict]:
+    """A greedy stream sent while every engine core is stopped, so that it surely waits
+    on the one the api sent it to (the api's own count, /health's num_in_flight); the stream
+    and that engine's /health entry, every engine core still stopped (the caller continues
+    them). A stop timed from a stream's tokens could come after the tiny model ended it."""
+    pids = [entry["pid"] for entry in _engines(server).values()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        stream = Stream(server.url, STREAM)
+        held: dict = {}
 
-    def generating() -> bool:
-        for index, entry in _engines(server).items():
-            if entry["num_in_flight"] and entry["num_generated_tokens"] - before[index] >= 2:
-                found.update(entry)
-                return True
-        return False
+        def sent() -> bool:
+            entries = [entry for entry in _engines(server).values() if entry["num_in_flight"]]
+            held.update(entries[0] if entries else {})
+            return bool(entries)
 
-    assert wait_until(generating, timeout_s=30, interval_s=0.005), server.health()
-    return stream, found
+        assert wait_until(sent, timeout_s=30), server.health()
+    except BaseException:
+        _continue(*pids)
+        raise
+    return stream, held
+
+
+def _continue(*pids: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def _quiet_s(reason: str) -> float:
@@ -171,17 +185,25 @@ def _migrations(server: ServeProcess) -> float:
 
 @contextlib.contextmanager
 def _stopped(pid: int) -> Iterator[None]:
+    """The process stopped (again: it may be already), continued on exit."""
     os.kill(pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+        _continue(pid)
+
+
+def _restarting(server: ServeProcess, old_pids: list[int]) -> None:
+    """The dead engine's processes (engine core first) are gone, and the launcher is starting
+    it again (--restart-dead-engines)."""
+    assert wait_gone(old_pids, timeout_s=15) == [], "a stopped process outlived its engine"
+    restarting = rf"engine core \d \(pid {old_pids[0]}\) exited .*; restarting it in"
+    assert wait_until(lambda: re.search(restarting, server.log()), timeout_s=10), server.log()
 
 
 def _restarted(server: ServeProcess, index: int, old_pids: list[int]) -> None:
-    """The dead engine's processes are gone and a new engine core serves in its place."""
-    assert wait_gone(old_pids, timeout_s=15) == [], "a stopped process outlived its engine"
+    """_restarting, then a new engine core serves in its place, and gets requests."""
+    _restarting(server, old_pids)
 
     def successor_serves() -> bool:
         entry = _engines(server)[index]
@@ -193,10 +215,12 @@ def _restarted(server: ServeProcess, index: int, old_pids: list[int]) -> None:
 
 def test_an_engine_core_stopped_short_of_the_hung_budget_is_suspect_then_serves_again(server):
     log_start = len(server.log())
-    stream, victim = _long_stream(server)
+    stream, victim = _held_stream(server)
     index, pid = victim["engine"], victim["pid"]
     other = 1 - index
     with _stopped(pid):
+        _continue(_engines(server)[other]["pid"])
+        assert wait_until(lambda: _engines(server)[other]["state"] == "serving", timeout_s=10)
         assert wait_until(lambda: _engines(server)[index]["state"] == "suspect", timeout_s=10)
         # New requests go to the other engine and finish; the stream waits on this one.
         before = _engines(server)[other]["num_generated_tokens"]
@@ -227,17 +251,19 @@ def test_an_engine_core_stopped_short_of_the_hung_budget_is_suspect_then_serves_
 def test_an_engine_core_stopped_past_the_hung_budget_is_restarted_and_its_stream_moves(server):
     log_start = len(server.log())
     migrations = _migrations(server)
-    stream, victim = _long_stream(server)
+    stream, victim = _held_stream(server)
     index, pid = victim["engine"], victim["pid"]
     worker_pid = _worker_pid(pid)
+    stopped_at = time.monotonic()
     with _stopped(pid):
-        stopped_at = time.monotonic()
+        _continue(_engines(server)[1 - index]["pid"])
         assert wait_until(lambda: "it is hung" in server.log()[log_start:], timeout_s=20), (
             server.log()[log_start:]
         )
         hung_after_s = time.monotonic() - stopped_at
         stream.assert_finished()  # moved to the other engine, and finished there
-    assert HUNG_TIMEOUT_S <= hung_after_s < HUNG_TIMEOUT_S + 6, hung_after_s
+    # Stopped a moment before stopped_at (while the stream was sent).
+    assert HUNG_TIMEOUT_S - 1 <= hung_after_s < HUNG_TIMEOUT_S + 6, hung_after_s
     log = server.log()[log_start:]
     assert re.search(
         rf"engine core {index} sent nothing for [\d.]+ s and its process used no CPU time "
@@ -250,12 +276,13 @@ def test_an_engine_core_stopped_past_the_hung_budget_is_restarted_and_its_stream
 
 def test_a_worker_stopped_short_of_its_hung_budget_leaves_its_engine_slow(server):
     log_start = len(server.log())
-    stream, victim = _long_stream(server)
+    stream, victim = _held_stream(server)
     index, pid = victim["engine"], victim["pid"]
     worker_pid = _worker_pid(pid)
     suspect = rf"worker rank 0 \(pid {worker_pid}\) has not beaten for \d+ s .*: suspect"
     with _stopped(worker_pid):
         stopped_at = time.monotonic()
+        _continue(*(entry["pid"] for entry in _engines(server).values()))
         assert wait_until(lambda: re.search(suspect, server.log()[log_start:]), timeout_s=10)
         # The engine core beats on: the api sees a live engine whose step takes long.
         assert _engines(server)[index]["state"] == "serving", server.health()
@@ -272,7 +299,7 @@ def test_a_worker_stopped_short_of_its_hung_budget_leaves_its_engine_slow(server
 def test_a_worker_stopped_past_its_hung_budget_fails_its_engine_which_is_restarted(server):
     log_start = len(server.log())
     migrations = _migrations(server)
-    stream, victim = _long_stream(server)
+    stream, victim = _held_stream(server)
     index, pid = victim["engine"], victim["pid"]
     worker_pid = _worker_pid(pid)
     hung = (
@@ -280,9 +307,12 @@ def test_a_worker_stopped_past_its_hung_budget_fails_its_engine_which_is_restart
         rf"and waited for none for \d+ s .*: it is hung"
     )
     with _stopped(worker_pid):
+        _continue(*(entry["pid"] for entry in _engines(server).values()))
         assert wait_until(lambda: re.search(hung, server.log()[log_start:]), timeout_s=20), (
             server.log()[log_start:]
         )
         stream.assert_finished()  # moved to the other engine, and finished there
     assert _migrations(server) >= migrations + 1
-    _restarted(server, index, [pid, worker_pid])
+    # Its readmission is test_an_engine_core_stopped_past_the_hung_budget_...'s (the same
+    # restart path): a restart takes 10-30 s on a loaded 2-core host.
+    _restarting(server, [pid, worker_pid])
