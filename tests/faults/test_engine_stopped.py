@@ -312,6 +312,9 @@ def test_a_worker_stopped_past_its_hung_budget_fails_its_engine_which_is_restart
             server.log()[log_start:]
         )
         stream.assert_finished()  # moved to the other engine, and finished there
+    # The executor failed its engine core, which said so (DEAD) before it exited.
+    gone = rf"engine core {index} is gone \(engine core {index} died: RuntimeError: worker rank 0"
+    assert re.search(gone, server.log()[log_start:]), server.log()[log_start:]
     assert _migrations(server) >= migrations + 1
     # Its readmission is test_an_engine_core_stopped_past_the_hung_budget_...'s (the same
     # restart path): a restart takes 10-30 s on a loaded 2-core host.
