@@ -79,7 +79,8 @@ class ScriptedEngine:
 
     Heartbeats go out every interval while `beating`; `advancing` makes each one report a new
     busy-loop iteration; `idle` is what the loop claims to be doing. The READY names `pid` on
-    `hostname`: another host by default, so only heartbeats can be watched.
+    `hostname`: another host by default, so only heartbeats can be watched (and
+    `worker_pids` there, the workers).
     """
 
     def __init__(
@@ -90,8 +91,10 @@ class ScriptedEngine:
         hostname: str = "scripted-host",
         engine_index: int = 0,
         kv_role: str | None = None,
+        worker_pids: tuple[int, ...] = (),
     ):
         self.pid, self.block_size, self.hostname = pid, block_size, hostname
+        self.worker_pids = list(worker_pids)
         self.engine_index, self.kv_role = engine_index, kv_role
         self.ctx = zmq.asyncio.Context()
         self.dealer = make_socket(
@@ -120,6 +123,7 @@ class ScriptedEngine:
             hostname=self.hostname,
             pid=self.pid,
             kv_role=self.kv_role,
+            worker_pids=self.worker_pids,
         )
         await self.dealer.send_multipart(self.encoder.encode(MsgType.READY, handshake))
         self.heartbeat_task = asyncio.create_task(self._beat())
@@ -341,10 +345,37 @@ def test_a_silent_local_engine_whose_process_is_stopped_is_hung(tokenizer_info):
             await wait_until_async(lambda: not client.engines[0].is_alive, HUNG_TIMEOUT_S + 3)
             assert time.monotonic() - silent_since >= HUNG_TIMEOUT_S
             reason = client.engines[0].dead_reason
-            assert "its processes used no CPU time and waited for none" in reason, reason
+            assert "its process used no CPU time and waited for none" in reason, reason
             assert "it is hung (stopped or blocked)" in reason, reason
 
         _scenario(tokenizer_info, body, pid=process.pid, hostname=this_hostname())
+
+
+def test_a_silent_local_engine_whose_process_is_stopped_is_hung_though_its_workers_run(
+    tokenizer_info,
+):
+    # An mp engine core's workers poll their ring and beat whatever the engine core does:
+    # their CPU time is no sign that the engine core lives.
+    with _child("while True: pass") as process, _child("while True: pass") as worker:
+
+        async def body(client, engine):
+            engine.beating = False
+            process.send_signal(signal.SIGSTOP)
+            silent_since = time.monotonic()
+            await wait_until_async(lambda: not client.engines[0].is_alive, HUNG_TIMEOUT_S + 3)
+            assert time.monotonic() - silent_since >= HUNG_TIMEOUT_S
+            reason = client.engines[0].dead_reason
+            assert "its process used no CPU time and waited for none" in reason, reason
+            # Killed with its engine core, as a hung engine's workers are.
+            assert worker.wait(timeout=5) == -signal.SIGKILL
+
+        _scenario(
+            tokenizer_info,
+            body,
+            pid=process.pid,
+            hostname=this_hostname(),
+            worker_pids=[worker.pid],
+        )
 
 
 def test_a_silent_local_engine_whose_process_runs_is_never_hung(tokenizer_info):

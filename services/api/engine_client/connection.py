@@ -3,8 +3,8 @@ wait) and EngineConnection (what the api knows about one engine core behind them
 
 Its identity (the DEALER routing id), its READY handshake, the processes to watch when it
 runs on this host, when it last spoke and advanced, whether its silence makes it suspect
-(and what its processes did meanwhile: SilenceWatch), its latest stats, and the requests it
-holds, so that its death fails exactly those.
+(and what its engine-core process did meanwhile: SilenceWatch), its latest stats, and the
+requests it holds, so that its death fails exactly those.
 """
 
 from __future__ import annotations
@@ -168,10 +168,13 @@ class EngineConnection:
         self.last_message_time = now
         self.last_progress_time = now
         self.last_heartbeat: EngineHeartbeat | None = None
-        # Its processes on this host: a silent engine that uses CPU time, or waits for it,
-        # is slow or starved, not hung (EngineLiveness).
+        # Its engine-core process on this host: a silent engine whose process uses CPU time,
+        # or waits for it, is slow or starved, not hung (EngineLiveness). That process only:
+        # it is the one that beats, and its workers poll their ring and beat whatever it
+        # does, so their CPU time would keep a stopped engine core "slow" forever (their own
+        # hangs are its executor's to find).
         self.silence = SilenceWatch(
-            [ProcessProgress(p.pid) for _, p in self.watched_processes if p is not None], now
+            [ProcessProgress(p.pid) for _, p in self.watched_processes[:1] if p is not None], now
         )
         self.suspect_reason: str | None = None  # set by EngineLiveness while it is silent
         self.dead_reason: str | None = None
@@ -287,7 +290,7 @@ class EngineConnection:
 def _processes_to_watch(
     handshake: EngineReady, engine_process
 ) -> list[tuple[str, psutil.Process | None]]:
-    """(name, process) of the engine core and its workers, when they run on this host."""
+    """(name, process) of the engine core, then its workers, when they run on this host."""
     if handshake.hostname != this_hostname():
         return []  # remote engine: heartbeats are all we have
     name = (

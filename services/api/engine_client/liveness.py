@@ -6,18 +6,21 @@ fails the requests it holds with EngineDeadError naming it:
     once, from the process itself;
   - the engine sent its DEAD sentinel (seen by the client's output loop);
   - it is hung: silent, and no progress for ENGINE_HUNG_TIMEOUT_S (below).
-Silence alone is not death. The output thread beats every interval whatever the busy loop
-does, but a busy host (load above the cores, a cgroup CPU quota, memory reclaim) can keep a
-live engine from beating for seconds. So an engine that sent nothing for
-ENGINE_HEARTBEAT_TIMEOUT_S is only *suspect*: it gets no new requests while another engine
-serves (while none does, it still queues them, logged), keeps its running ones, and /health shows it
-"suspect" with the reason; its next message clears that. It is hung once it made no progress
-for ENGINE_HUNG_TIMEOUT_S: for an engine on this host, neither its processes' CPU time nor
-their run-queue wait grew (shared/progress.py: a stopped or blocked process shows neither; a
-slow one shows CPU time, a starved one waits for a CPU); for an engine on another host,
-nothing but its silence can be known, so silence for the whole budget is hung. A hung engine
-on this host is then killed (SIGKILL, the engine core and its workers): it cannot wake up and
-act on requests that moved meanwhile, and --restart-dead-engines starts it again.
+Silence alone is not death. The output thread beats every interval whatever the busy loop does,
+but a busy host (load above the cores, a cgroup CPU quota, memory reclaim) can keep a live
+engine from beating for seconds. So an engine that sent nothing for ENGINE_HEARTBEAT_TIMEOUT_S
+is only *suspect*: it gets no new requests while another engine serves (while none does, it
+still queues them, logged), keeps its running ones, and /health shows it "suspect" with the
+reason; its next message clears that. It is hung once it made no progress for
+ENGINE_HUNG_TIMEOUT_S: for an engine on this host, neither its engine-core process's CPU time
+nor its run-queue wait grew (shared/progress.py: a stopped or blocked process shows neither; a
+slow one shows CPU time, a starved one waits for a CPU). Its workers' CPU time does not count:
+they poll and beat whatever the engine core does (a stopped engine core with mp workers would
+never be hung), and a stopped or blocked worker is its executor's to find (MpExecutor fails the
+engine core, which then dies as any does). For an engine on another host, nothing but its
+silence can be known, so silence for the whole budget is hung. A hung engine on this host is
+then killed (SIGKILL, the engine core and its workers): it cannot wake up and act on requests
+that moved meanwhile, and --restart-dead-engines starts it again.
 Engines that are not the api's children watch it in turn: it sends every engine a
 FRONTEND_HEARTBEAT every interval, and they shut down after KVSERVE_FRONTEND_TIMEOUT_S
 without a word from it.
@@ -163,7 +166,7 @@ class EngineLiveness:
             )
         return (
             f"engine core {engine.engine_index} sent nothing for {silence.silent_s(now):.1f} s "
-            f"and its processes used no CPU time and waited for none for "
+            f"and its process used no CPU time and waited for none for "
             f"{silence.quiet_s(now):.1f} s (hung budget {budget}): it is hung (stopped or "
             f"blocked)"
         )
