@@ -228,6 +228,13 @@ class LlamaModel(nn.Module):
         # the stage's layers in one C call (models/native_decode.py binds it on the CPU once
         # the KV cache is bound).
         self.decode_stack: DecodeStack | None = None
+        # EAGLE-3 (spec_decode/eagle3.py) reads the residual stream entering these layers
+        # (an index of num_layers: the last layer's output): each step writes them side by
+        # side into the first rows of aux_hidden_states [tokens, len(ids) * hidden], a
+        # buffer kept across steps (so a CUDA graph's replay writes it too). The native
+        # decode stack runs the layers as one call, so it stands aside while they are set.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(
         self,
@@ -258,7 +265,11 @@ class LlamaModel(nn.Module):
             hidden_states, residual = intermediate_tensors
         end_layer = self.end_layer if num_layers is None else min(num_layers, self.end_layer)
         stack = self.decode_stack
-        if (
+        if self.aux_hidden_state_layers:
+            hidden_states, residual = self._run_keeping_aux(
+                positions, hidden_states, residual, attn_metadata, end_layer
+            )
+        elif (
             stack is not None
             and end_layer == self.end_layer
             and stack.takes(hidden_states.shape[0], attn_metadata.seq_lens.shape[0])
@@ -281,6 +292,31 @@ class LlamaModel(nn.Module):
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def _run_keeping_aux(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        end_layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers, each aux layer's input stream (hidden + residual) kept on the way."""
+        ids = self.aux_hidden_state_layers
+        num_tokens, hidden = hidden_states.shape
+        buffer = self.aux_hidden_states
+        if buffer is None or buffer.shape[0] < num_tokens:
+            buffer = hidden_states.new_empty(num_tokens, len(ids) * hidden)
+            self.aux_hidden_states = buffer
+        for index in range(self.start_layer, end_layer + 1):
+            for slot, layer_id in enumerate(ids):
+                if layer_id == index:
+                    stream = hidden_states if residual is None else hidden_states + residual
+                    buffer[:num_tokens, slot * hidden : (slot + 1) * hidden].copy_(stream)
+            if index < end_layer:
+                layer = self.layers[index]
+                hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        return hidden_states, residual
 
 
 class LlamaForCausalLM(nn.Module):
