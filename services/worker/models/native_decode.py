@@ -183,8 +183,6 @@ def bind_decode_stack(
         head.native_amx = False
     if max_requests <= 0:
         return "off (KVSERVE_NATIVE_DECODE_ROWS=0)"
-    if inner.aux_hidden_state_layers:
-        return "off: EAGLE-3 reads hidden states between layers; decode steps run the modules"
     try:
         stage = [
             _decoder_layer(layer) for layer in inner.layers[inner.start_layer : inner.end_layer]

@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import decode_stack
 from kvserve.services.worker.models import load_model
+from kvserve.services.worker.models.native_decode import bind_decode_stack
 from kvserve.services.worker.spec_decode.eagle3 import (
     Eagle3Config,
     default_aux_layer_ids,
@@ -97,6 +99,29 @@ def test_aux_hidden_states_are_the_hf_layer_inputs(tiny_checkpoint):
     torch.testing.assert_close(aux[1], hf[0][0], rtol=0, atol=1e-4)  # the embeddings
     # Index 2 of 2 layers: the last layer's output, before the final norm.
     torch.testing.assert_close(model.model.norm(aux[2]), final, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not decode_stack.available(torch.float32), reason="needs the C kernels")
+@torch.no_grad()
+def test_aux_hidden_states_on_the_native_stack_are_the_modules(tiny_checkpoint):
+    """The stack runs the layers between the aux layers (one call per run): the same aux
+    states and output as the modules."""
+    folder, _ = tiny_checkpoint("llama")
+    models = [_target(folder), _target(folder)]
+    for model, rows in zip(models, (8, 0)):
+        model.model.aux_hidden_state_layers = (1, 0, 2)
+        bind_kv_caches(model)
+        bind_decode_stack(model, torch.float32, rows, tokens_per_request=4)
+    assert models[0].model.decode_stack is not None and models[1].model.decode_stack is None
+    steps = [[([5, 17, 3], 0, [0, 1]), ([9, 2], 0, [2])], [([44], 3, [0, 1]), ([60, 8], 2, [2])]]
+    for requests in steps:
+        outs, auxes = [], []
+        for model in models:
+            input_ids, positions, metadata = build_step(requests)
+            outs.append(model(input_ids, positions, metadata))
+            auxes.append(model.model.aux_hidden_states[: len(input_ids)].clone())
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
+        torch.testing.assert_close(auxes[0], auxes[1], rtol=0, atol=1e-5)
 
 
 def _reference_forward(head, input_ids, features, positions) -> torch.Tensor:
