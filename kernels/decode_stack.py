@@ -274,8 +274,10 @@ class DecodeStack:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer for a step the stack takes (M tokens).
+        """Every layer (or the stack's layers [first, last) of `layers`: a model that reads
+        the stream between layers, EAGLE-3's target) for a step the stack takes (M tokens).
 
         hidden, residual: [M, H] as the module path's (hidden_states, residual); residual
         None when the stack starts at the model's first layer. positions, slot_mapping: [M]
@@ -299,9 +301,13 @@ class DecodeStack:
         # Locals: each must outlive the call (a .contiguous() copy would not).
         positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
         seq_lens = seq_lens.contiguous()
+        first, last = layers or (0, len(self.layers))
+        c_layers = (_Layer * (last - first)).from_buffer(
+            self._c_layers, first * ctypes.sizeof(_Layer)
+        )
         self._fn(
-            self._c_layers,
-            ctypes.c_int(len(self.layers)),
+            c_layers,
+            ctypes.c_int(last - first),
             ctypes.byref(self._c_shape),
             ctypes.c_void_p(hidden.data_ptr()),
             ctypes.c_void_p(residual.data_ptr()),

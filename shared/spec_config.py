@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-SpecMethod = Literal["ngram", "draft_model", "eagle", "medusa", "suffix"]
+SpecMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix"]
 
 # Methods whose proposer runs in the scheduler over the request's tokens (no model): the
 # worker proposes nothing for them (services/scheduler/core/spec_proposers.py).
@@ -21,14 +21,18 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         method: ngram (prompt lookup over the request's own tokens), draft_model (a smaller
             model with the target's vocabulary, or the target's first num_draft_layers
             layers as a self-draft), eagle (EAGLE-1: one decoder layer over the target's
-            hidden state and the next token), medusa (residual heads over the last hidden
-            state) or suffix (suffix decoding over the request's prompt and output and its
-            tenant's recent outputs, in the scheduler).
+            hidden state and the next token), eagle3 (EAGLE-3: one decoder layer over three
+            target layers' hidden states and the next token, its own LM head over a draft
+            vocabulary), medusa (residual heads over the last hidden state) or suffix
+            (suffix decoding over the request's prompt and output and its tenant's recent
+            outputs, in the scheduler).
         num_speculative_tokens: drafts per step at most (k): at most 16, or 32 for suffix.
         prompt_lookup_min, prompt_lookup_max: ngram: the n-gram lengths matched, longest
             first.
         model: draft_model: the draft's folder or GGUF file (absent: the target itself,
-            truncated to num_draft_layers); medusa: the heads' folder.
+            truncated to num_draft_layers); medusa: the heads' folder; eagle, eagle3: the
+            draft head's folder (EAGLE-3: the published layout, config.json with
+            architectures ["LlamaForCausalLMEagle3"]).
         num_draft_layers: draft_model: run only the draft's first L layers (then its final
             norm and LM head). Without `model` the draft shares the target's weights and
             KV cache, so it costs no memory and no extra prefill.
@@ -85,7 +89,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
         elif self.num_draft_layers is not None:
             raise ValueError("num_draft_layers applies to the draft_model method only")
-        if self.method in ("medusa", "eagle") and self.model is None:
+        if self.method in ("medusa", "eagle", "eagle3") and self.model is None:
             raise ValueError(f"{self.method} needs `model`: the folder of the draft head")
         if self.method in ("ngram", "suffix") and self.model is not None:
             raise ValueError(f"the {self.method} method takes no model")
@@ -115,7 +119,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     def uses_lookahead_slots(self) -> bool:
         """The proposer writes K/V past the verified tokens (a draft model's own steps), so
         the scheduler reserves num_speculative_tokens more slots per request."""
-        return self.method in ("draft_model", "eagle")
+        return self.method in ("draft_model", "eagle", "eagle3")
 
     @property
     def proposes_in_scheduler(self) -> bool:

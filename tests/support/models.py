@@ -1,8 +1,11 @@
 """Tiny random-weight models, written in seconds and stepped in milliseconds.
 
-Three builders:
+Four builders:
 - `build_tiny_llama`: a Llama folder (config, safetensors, byte-level tokenizer) written
   with numpy and `tokenizers` only, so a process test that serves it never imports torch.
+  With `successor=True` its greedy next token is a fixed permutation of the current one
+  (`tiny_successor`), whatever the context, so a draft can be built to guess it.
+- `build_tiny_eagle3`: an EAGLE-3 draft folder for such a model, in the published layout.
 - `make_tiny_hf_model`: a 2-layer Hugging Face Llama or Qwen2 model to compare our model
   against, and to save as a checkpoint folder.
 - `write_llama_gguf`: such a model as llama.cpp would write it into a GGUF file.
@@ -36,16 +39,32 @@ _DIMS = dict(
 )
 
 
-def build_tiny_llama(model_dir: str, seed: int = 0) -> str:
-    """Write config.json, model.safetensors and tokenizer files into model_dir; return it."""
+def build_tiny_llama(model_dir: str, seed: int = 0, successor: bool = False) -> str:
+    """Write config.json, model.safetensors and tokenizer files into model_dir; return it.
+
+    Args:
+        successor: an untied LM head whose row tiny_successor()[x] is the normed embedding
+            of x, and layers scaled down 20x: the greedy next token of x is its successor.
+    """
     os.makedirs(model_dir, exist_ok=True)
-    _write_config(model_dir)
-    _write_weights(model_dir, seed)
+    _write_config(model_dir, tied=not successor)
+    _write_weights(model_dir, seed, successor)
     _write_tokenizer(model_dir)
     return model_dir
 
 
-def _write_config(model_dir: str) -> None:
+def tiny_successor() -> np.ndarray:
+    """[TINY_VOCAB_SIZE] the next token of each token in a `successor` tiny Llama: a fixed
+    permutation of the bytes (EOS follows EOS only, so it is never generated)."""
+    order = np.random.default_rng(1234).permutation(TINY_EOS_TOKEN_ID)
+    return np.append(order, TINY_EOS_TOKEN_ID)
+
+
+def _rms_normed(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _write_config(model_dir: str, tied: bool = True) -> None:
     config = dict(
         architectures=["LlamaForCausalLM"],
         model_type="llama",
@@ -54,7 +73,7 @@ def _write_config(model_dir: str) -> None:
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         hidden_act="silu",
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         bos_token_id=None,
         eos_token_id=TINY_EOS_TOKEN_ID,
         torch_dtype="float32",
@@ -64,7 +83,7 @@ def _write_config(model_dir: str) -> None:
         json.dump(config, f, indent=1)
 
 
-def _write_weights(model_dir: str, seed: int) -> None:
+def _write_weights(model_dir: str, seed: int, successor: bool = False) -> None:
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
@@ -79,6 +98,13 @@ def _write_weights(model_dir: str, seed: int) -> None:
         "model.embed_tokens.weight": rand(TINY_VOCAB_SIZE, hidden),
         "model.norm.weight": np.ones(hidden, np.float32),
     }
+    # A successor model's layers only nudge the residual stream: the LM head's match of
+    # the current token's own embedding decides.
+    out_scale = 0.05 if successor else 1.0
+    if successor:
+        head = np.empty_like(tensors["model.embed_tokens.weight"])
+        head[tiny_successor()] = _rms_normed(tensors["model.embed_tokens.weight"])
+        tensors["lm_head.weight"] = head
     for i in range(_DIMS["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
         tensors.update(
@@ -88,10 +114,10 @@ def _write_weights(model_dir: str, seed: int) -> None:
                 prefix + "self_attn.q_proj.weight": rand(hidden, hidden),
                 prefix + "self_attn.k_proj.weight": rand(kv_size, hidden),
                 prefix + "self_attn.v_proj.weight": rand(kv_size, hidden),
-                prefix + "self_attn.o_proj.weight": rand(hidden, hidden),
+                prefix + "self_attn.o_proj.weight": rand(hidden, hidden) * out_scale,
                 prefix + "mlp.gate_proj.weight": rand(inter, hidden),
                 prefix + "mlp.up_proj.weight": rand(inter, hidden),
-                prefix + "mlp.down_proj.weight": rand(hidden, inter),
+                prefix + "mlp.down_proj.weight": rand(hidden, inter) * out_scale,
             }
         )
     save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -117,6 +143,80 @@ def _write_tokenizer(model_dir: str) -> None:
             },
             f,
         )
+
+
+def build_tiny_eagle3(
+    draft_dir: str, target_dir: str, draft_vocab_size: int | None = None, seed: int = 0
+) -> str:
+    """Write an EAGLE-3 draft for the tiny Llama in target_dir, in the published layout
+    (config.json + model.safetensors, no embedding: the target's is shared); return its folder.
+
+    Built to guess what a `successor` target says: attention (q = k = 3 x, v = x, on the
+    normed embedding half only) reads the current pair's own token, o_proj scales it up 8x
+    over the residual (hidden_norm(g), norm_before_residual), and lm_head holds the target's
+    head rows, so the argmax is the successor of the pair's token. fc, the MLP and the
+    hidden half of the attention input carry random weights that do not change the guess.
+    With draft_vocab_size, lm_head keeps that many target rows (a random subset, d2t
+    mapping them); a successor outside it is never guessed.
+    """
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(seed)
+    hidden, inter, heads = _DIMS["hidden_size"], _DIMS["intermediate_size"], 4
+    target = load_file(os.path.join(target_dir, "model.safetensors"))
+    head = target.get("lm_head.weight", target["model.embed_tokens.weight"])
+    vocab = head.shape[0]
+    size = draft_vocab_size or vocab
+    targets = np.arange(vocab) if size == vocab else np.sort(rng.choice(vocab, size, False))
+    eye, zeros = np.eye(hidden, dtype=np.float32), np.zeros((hidden, hidden), np.float32)
+
+    def rand(*shape, scale=0.15):
+        return rng.normal(0.0, scale, shape).astype(np.float32)
+
+    ones = np.ones(hidden, np.float32)
+    tensors = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": ones,
+        "midlayer.hidden_norm.weight": ones,
+        "midlayer.post_attention_layernorm.weight": ones,
+        "midlayer.self_attn.q_proj.weight": np.concatenate([3 * eye, zeros], 1),
+        "midlayer.self_attn.k_proj.weight": np.concatenate([3 * eye, zeros], 1),
+        "midlayer.self_attn.v_proj.weight": np.concatenate(
+            [eye, rand(hidden, hidden, scale=0.02)], 1
+        ),
+        "midlayer.self_attn.o_proj.weight": 8 * eye,
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter, scale=0.01),
+        "norm.weight": ones,
+        "lm_head.weight": np.ascontiguousarray(head[targets]),
+        "d2t": (targets - np.arange(size)).astype(np.int64),
+        "t2d": np.isin(np.arange(vocab), targets),
+    }
+    config = dict(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        draft_vocab_size=size,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        # The tiny target has 2 layers (the defaults, 2, L // 2 and L - 3, need 6): the
+        # embeddings, the first layer's output and the last one's.
+        eagle_aux_hidden_state_layer_ids=[0, 1, 2],
+        norm_before_residual=True,
+    )
+    os.makedirs(draft_dir, exist_ok=True)
+    with open(os.path.join(draft_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    save_file(tensors, os.path.join(draft_dir, "model.safetensors"), metadata={"format": "pt"})
+    return draft_dir
 
 
 # The dimensions of the tiny HF models: make_tiny_hf_model's and tests/support/hf_models.py's.

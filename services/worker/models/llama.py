@@ -228,6 +228,13 @@ class LlamaModel(nn.Module):
         # the stage's layers in one C call (models/native_decode.py binds it on the CPU once
         # the KV cache is bound).
         self.decode_stack: DecodeStack | None = None
+        # EAGLE-3 (spec_decode/eagle3.py) reads the residual stream entering these layers
+        # (an index of num_layers: the last layer's output): each step writes them side by
+        # side into the first rows of aux_hidden_states [tokens, len(ids) * hidden], a
+        # buffer kept across steps (so a CUDA graph's replay writes it too). The native
+        # decode stack then runs the layers between them, one call per run.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(
         self,
@@ -258,29 +265,86 @@ class LlamaModel(nn.Module):
             hidden_states, residual = intermediate_tensors
         end_layer = self.end_layer if num_layers is None else min(num_layers, self.end_layer)
         stack = self.decode_stack
-        if (
-            stack is not None
-            and end_layer == self.end_layer
+        if stack is not None and not (
+            end_layer == self.end_layer
             and stack.takes(hidden_states.shape[0], attn_metadata.seq_lens.shape[0])
         ):
-            multi = attn_metadata.max_query_len > 1  # a verify step or a short prefill chunk
-            hidden_states, residual = stack.run(
-                hidden_states,
-                residual,
-                positions,
-                attn_metadata.slot_mapping,
-                attn_metadata.block_table,
-                attn_metadata.seq_lens,
-                attn_metadata.query_start_loc if multi else None,
+            stack = None
+        if self.aux_hidden_state_layers:
+            hidden_states, residual = self._run_keeping_aux(
+                positions, hidden_states, residual, attn_metadata, end_layer, stack
             )
         else:
-            for layer in self.layers[self.start_layer : end_layer]:
-                hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+            hidden_states, residual = self._run_layers(
+                (self.start_layer, end_layer), positions, hidden_states, residual, attn_metadata,
+                stack,
+            )  # fmt: skip
         if self.norm is None:
             assert residual is not None  # every stage runs at least one layer (pp_layer_range)
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def _run_layers(
+        self,
+        layer_range: tuple[int, int],
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        stack: DecodeStack | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers [first, last): on the native stack when it takes the step, else the
+        modules one by one."""
+        first, last = layer_range
+        if stack is None:
+            for layer in self.layers[first:last]:
+                hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+            return hidden_states, residual
+        multi = attn_metadata.max_query_len > 1  # a verify step or a short prefill chunk
+        return stack.run(
+            hidden_states,
+            residual,
+            positions,
+            attn_metadata.slot_mapping,
+            attn_metadata.block_table,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc if multi else None,
+            (first - self.start_layer, last - self.start_layer),
+        )
+
+    def _run_keeping_aux(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        end_layer: int,
+        stack: DecodeStack | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers in runs cut at the aux layers, each one's input stream (hidden +
+        residual) kept at its cut."""
+        ids = self.aux_hidden_state_layers
+        num_tokens, hidden = hidden_states.shape
+        buffer = self.aux_hidden_states
+        if buffer is None or buffer.shape[0] < num_tokens:
+            buffer = hidden_states.new_empty(num_tokens, len(ids) * hidden)
+            self.aux_hidden_states = buffer
+        first = self.start_layer
+        for cut in sorted({i for i in ids if first <= i <= end_layer}):
+            if cut > first:
+                hidden_states, residual = self._run_layers(
+                    (first, cut), positions, hidden_states, residual, attn_metadata, stack
+                )
+                first = cut
+            stream = hidden_states if residual is None else hidden_states + residual
+            for slot in (s for s, layer_id in enumerate(ids) if layer_id == cut):
+                buffer[:num_tokens, slot * hidden : (slot + 1) * hidden].copy_(stream)
+        if end_layer > first:
+            hidden_states, residual = self._run_layers(
+                (first, end_layer), positions, hidden_states, residual, attn_metadata, stack
+            )
+        return hidden_states, residual
 
 
 class LlamaForCausalLM(nn.Module):

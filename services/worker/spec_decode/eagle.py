@@ -77,7 +77,8 @@ class EagleConfig:
         num_layers = int(raw.get("num_hidden_layers", 1))
         if num_layers != 1:
             raise ValueError(
-                f"eagle: num_hidden_layers={num_layers}; an EAGLE-1 head has one decoder layer"
+                f"eagle: num_hidden_layers={num_layers}; an EAGLE head (1 or 3) has one "
+                "decoder layer"
             )
         num_heads = int(raw["num_attention_heads"])
         max_position = int(raw.get("max_position_embeddings") or 2048)

@@ -1,4 +1,5 @@
-"""The EAGLE-1 proposer: the runner's glue around `EagleHead` (eagle.py).
+"""The EAGLE proposer (EAGLE-1 and EAGLE-3): the runner's glue around the draft head
+(`EagleHead` in eagle.py, `Eagle3Head` in eagle3.py).
 
 Every target step, the head first catches up on the step's verified positions: for each
 request, the pairs (f_p, x_{p+1}) of the positions whose next token is known now (a prompt
@@ -10,12 +11,19 @@ pair gives the first guess, and each further guess is one single-token step whos
 (the head's own previous output, the previous guess). The scheduler reserved lookahead slots
 for those steps (SpeculativeConfig.uses_lookahead_slots). Guesses are greedy.
 
+The two heads differ in what they read and how they guess, nothing else here: EAGLE-1
+reads the target's final hidden state f_p and guesses with the target's LM head; EAGLE-3
+reads fc of three target layers' states (the target keeps them for it) and guesses with its
+own norm and LM head over its draft vocabulary, mapped to target ids through d2t.
+
 One approximation: a block reused from the prefix cache holds, at its last slot, the pair
 built with the token that followed it in the request that computed it; a request that
 diverges right at the block boundary reads that pair. It only changes guesses, never output.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,7 +35,8 @@ from kvserve.services.worker.layers.attention import (
 )
 from kvserve.services.worker.parallel_state import broadcast_from_driver, get_pp_size
 from kvserve.services.worker.spec_decode.draft_head import DraftLMHead
-from kvserve.services.worker.spec_decode.eagle import load_eagle
+from kvserve.services.worker.spec_decode.eagle import EagleHead, load_eagle
+from kvserve.services.worker.spec_decode.eagle3 import Eagle3Head, load_eagle3
 from kvserve.shared.config import SpeculativeConfig
 from kvserve.shared.logging import init_logger
 
@@ -37,8 +46,8 @@ logger = init_logger(__name__)
 class EagleProposer:
     """
     Args:
-        config: the speculative config (method eagle, `model` the head's folder).
-        target_model: the target; the head reads its embedding and LM head.
+        config: the speculative config (method eagle or eagle3, `model` the head's folder).
+        target_model: the target; the head reads its embedding (EAGLE-1: and LM head).
         dtype, device: the target's.
         block_size: the KV cache's block size.
     """
@@ -54,14 +63,22 @@ class EagleProposer:
         if get_pp_size() > 1:
             raise ValueError("eagle speculation does not run with pipeline parallelism")
         assert config.model is not None, "SpeculativeConfig checks eagle has a model"
-        self.head = load_eagle(config.model, target_model, dtype, device)
+        self.head: EagleHead | Eagle3Head
+        self.guess: Callable[[torch.Tensor], torch.Tensor]  # head outputs [N, H] -> ids [N]
+        self.features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, rows)
+        if config.method == "eagle3":
+            head = load_eagle3(config.model, target_model, dtype, device)
+            self.head, self.guess, self.features = head, head.guess, head.target_features
+        else:
+            self.head = load_eagle(config.model, target_model, dtype, device)
+            self.guess = DraftLMHead(target_model).argmax
+            self.features = _rows_of
         self.target = target_model
-        self.lm_head = DraftLMHead(target_model)
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
         self.attention_layers = self.head.attention_layers
-        logger.info("EAGLE head from %s", config.model)
+        logger.info("%s head from %s", config.method.upper(), config.model)
 
     def kv_cache_bytes_per_block(self) -> int:
         return kv_cache_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
@@ -154,7 +171,7 @@ class EagleProposer:
             lens, num_computed[active] + lens, slot_mapping, block_table[rows[active]]
         )
         dev = self.device
-        features = hidden[torch.from_numpy(hidden_rows).to(dev)]
+        features = self.features(hidden, torch.from_numpy(hidden_rows).to(dev))
         return self.head(
             torch.from_numpy(input_ids).to(dev),
             features,
@@ -186,7 +203,7 @@ class EagleProposer:
         limit = np.zeros(num_reqs, dtype=np.int64)
         limit[reqs] = np.maximum(wanted, 0)
         for step in range(out.shape[1]):
-            guesses = broadcast_from_driver(self.lm_head.argmax(feature))
+            guesses = broadcast_from_driver(self.guess(feature))
             out[reqs, step] = guesses.cpu().numpy()
             keep = np.flatnonzero(wanted > step + 1)
             if not len(keep):
@@ -203,3 +220,8 @@ class EagleProposer:
                 metadata,
             )
         return [out[i, : int(limit[i])].tolist() for i in range(num_reqs)]
+
+
+def _rows_of(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """EAGLE-1's features: the target's final hidden states themselves."""
+    return hidden[rows]

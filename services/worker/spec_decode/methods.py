@@ -75,8 +75,9 @@ class DraftModelMethod(Proposer):
 
 
 class EagleMethod(Proposer):
-    """The EAGLE head catches up on every verified position of each step, then guesses for
-    the requests asked for drafts (every rank runs it)."""
+    """The EAGLE head (EAGLE-1, or EAGLE-3 with method eagle3) catches up on every verified
+    position of each step, then guesses for the requests asked for drafts (every rank runs
+    it)."""
 
     def __init__(self, ctx: ProposerContext):
         from kvserve.services.worker.spec_decode.eagle_proposer import EagleProposer

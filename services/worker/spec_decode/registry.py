@@ -20,6 +20,7 @@ _PROPOSERS: dict[str, ProposerFactory] = {
     "ngram": NgramMethod,
     "draft_model": DraftModelMethod,
     "eagle": EagleMethod,
+    "eagle3": EagleMethod,  # the same proposer over an EAGLE-3 head (eagle3.py)
     "medusa": MedusaMethod,
 }
 

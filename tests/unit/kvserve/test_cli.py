@@ -78,6 +78,18 @@ CASES = [
         lambda o: (o.frontend.enable_auto_tool_choice, o.frontend.tool_call_parser),
         (True, "hermes"),
     ),
+    (
+        [
+            "--speculative-config",
+            '{"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}',
+        ],
+        lambda o: (
+            o.engine.speculative_config.method,
+            o.engine.speculative_config.model,
+            o.engine.speculative_config.uses_lookahead_slots,
+        ),
+        ("eagle3", "/d", True),
+    ),
     (["--tool-call-parser", "llama3_json"], lambda o: o.frontend.tool_call_parser, "llama3_json"),
     (["--tool-call-parser", "pythonic"], lambda o: o.frontend.tool_call_parser, "pythonic"),
     (
@@ -117,6 +129,10 @@ def test_defaults_are_vllms():
         (
             ["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'],
             "medusa needs `model`",
+        ),
+        (
+            ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
+            "eagle3 needs `model`",
         ),
         (["--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
         (["--revision", "main"], "no downloads"),
