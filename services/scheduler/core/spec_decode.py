@@ -101,6 +101,10 @@ class SpecDecodePolicy:
         # Measured / modelled step time, of steps without drafts and with them.
         self.plain_ratio = 1.0
         self.spec_ratio = 1.0
+        # A proposer that scores its own drafts (suffix decoding) proposes up to the cap,
+        # and each proposal is trimmed to what pays (num_worth_verifying).
+        self.trims_proposals = False
+        self.batch_size = 1  # requests that sampled in the last planned step
 
     def record_step(self, num_tokens: int, seconds: float, verified_drafts: bool) -> None:
         """One engine step's real time (schedule to outputs), for the ratios."""
@@ -120,6 +124,25 @@ class SpecDecodePolicy:
         ratio = self.spec_ratio if num_drafts else self.plain_ratio
         return self.step_cost_model(num_tokens) * ratio
 
+    def num_worth_verifying(self, gains: list[float]) -> int:
+        """How many of a scored proposal's drafts to verify: the prefix that maximises the
+        step's expected tokens per second, (B + sum of its gains) / step_seconds(B + k),
+        B the requests of the last planned step. Every length is weighed, not only the
+        first that stops paying: a copy is often right whole or wrong at its first token.
+
+        Args:
+            gains: the chance that the first j drafts are all accepted, j = 1 .. len.
+        """
+        base = self.batch_size
+        best_k, best_rate = 0, base / self.step_seconds(base)
+        expected_tokens = float(base)
+        for k, gain in enumerate(gains, 1):
+            expected_tokens += gain
+            rate = expected_tokens / self.step_seconds(base + k, k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
     def num_to_propose(
         self, states: list[SpecRequestState], caps: list[int], num_running: int
     ) -> list[int]:
@@ -134,7 +157,8 @@ class SpecDecodePolicy:
         if config.disable_by_batch_size is not None and num_running >= config.disable_by_batch_size:
             return [0] * len(states)
         caps = [min(cap, self.num_speculative_tokens) for cap in caps]
-        if not config.adaptive:
+        self.batch_size = len(states)
+        if not config.adaptive or self.trims_proposals:
             return caps
         for state, cap in zip(states, caps):
             state.steps_off = state.steps_off + 1 if cap > 0 else 0

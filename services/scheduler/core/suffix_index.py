@@ -22,7 +22,7 @@ one text into the next; the oldest texts are dropped from the front (`drop_front
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SEPARATOR = -1
 # Pair keys: a * _PAIR + b, unique for token ids below 2**32 (SEPARATOR included).
@@ -32,10 +32,14 @@ _PAIR = 1 << 32
 @dataclass
 class Draft:
     """A proposal and its score: the expected number of its tokens accepted (the sum of
-    each prefix's estimated probability)."""
+    each prefix's estimated probability, `path_probs`). The proposer sets the other fields:
+    what it was drafted from."""
 
     token_ids: list[int]
     score: float
+    path_probs: list[float] = field(default_factory=list)
+    match_len: int = 0
+    source: int = 0  # which index it was copied from (suffix_acceptance.py)
 
 
 NO_DRAFT = Draft([], 0.0)
@@ -121,6 +125,7 @@ class SuffixIndex:
         """
         tokens, num = self.tokens, len(self.tokens)
         token_ids: list[int] = []
+        path_probs: list[float] = []
         prob, score = 1.0, 0.0
         while len(token_ids) < max_len and ends:
             if len(ends) == 1:
@@ -130,6 +135,7 @@ class SuffixIndex:
                 if SEPARATOR in rest:
                     rest = rest[: rest.index(SEPARATOR)]
                 token_ids += rest
+                path_probs += [prob] * len(rest)
                 score += prob * len(rest)
                 break
             counts: dict[int, int] = {}
@@ -144,9 +150,10 @@ class SuffixIndex:
             if prob < min_prob:
                 break
             token_ids.append(token_id)
+            path_probs.append(prob)
             score += prob
             ends = [pos + 1 for pos in ends if pos + 1 < num and tokens[pos + 1] == token_id]
-        return Draft(token_ids, score)
+        return Draft(token_ids, score, path_probs)
 
 
 def _match_length(tokens: list[int], pos: int, start: int, tail: list[int]) -> int:
