@@ -9,12 +9,14 @@ suffix and how often each next token follows them) from the text itself:
 - `ends[(a, b)]`: every position where the token pair (a, b) ends, ascending. A context's
   candidate occurrences are those of its last pair, newest first; each one's match length is
   how far the text before it agrees with the context (a slice compare, at most `depth`).
+  Where the pair never occurred, those of its last token (`ends[a]`, match length 1): a
+  one-token match still drafts one token, which costs a verify step almost nothing.
 - The draft walks forward from the occurrences that match at least m tokens: at each
   position the most frequent next token is taken, its frequency multiplied into the path's
   probability, and the occurrences that disagree are dropped (a suffix tree's node counts,
   without building the tree). One occurrence left: its continuation is copied at once.
 
-Appending a token costs one dict append; a proposal costs one dict lookup plus the work on
+Appending a token costs two dict appends; a proposal costs one dict lookup plus the work on
 at most `max_candidates` occurrences. Several texts (a tenant's finished outputs) share one
 index with `SEPARATOR` between them, which no token equals, so no match or draft crosses from
 one text into the next; the oldest texts are dropped from the front (`drop_front`).
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 SEPARATOR = -1
 # Pair keys: a * _PAIR + b, unique for token ids below 2**32 (SEPARATOR included).
 _PAIR = 1 << 32
+# Single-token keys: _ONE - token, below every pair key.
+_ONE = -(2 * _PAIR)
 
 
 @dataclass
@@ -70,12 +74,12 @@ class SuffixIndex:
         prev = tokens[-1] if tokens else SEPARATOR
         pos = len(tokens)
         for token_id in token_ids:
-            key = prev * _PAIR + token_id
-            positions = ends.get(key)
-            if positions is None:
-                ends[key] = [pos]
-            else:
-                positions.append(pos)
+            for key in (prev * _PAIR + token_id, _ONE - token_id):
+                positions = ends.get(key)
+                if positions is None:
+                    ends[key] = [pos]
+                else:
+                    positions.append(pos)
             prev = token_id
             pos += 1
         tokens.extend(token_ids)
@@ -90,23 +94,32 @@ class SuffixIndex:
 
     def matches(self, context: list[int], depth: int) -> list[tuple[int, int]]:
         """(end position, match length) of the earlier occurrences of the context's
-        suffix that have a next token, newest first; match lengths are 2 .. depth.
+        suffix that have a next token, newest first: those of its last pair (match lengths
+        2 .. depth), or where it has none, those of its last token (match length 1).
 
         Args:
-            context: the text to continue (its last tokens; at least 2).
+            context: the text to continue (its last tokens).
             depth: the longest match looked for.
         """
-        if len(context) < 2:
+        if not context:
             return []
-        positions = self.ends.get(context[-2] * _PAIR + context[-1])
+        depth = min(depth, len(context))
+        found = []
+        if len(context) >= 2:
+            pair = context[-2] * _PAIR + context[-1]
+            found = self._occurrences(pair, context[-depth:], self.start + 1)
+        return found or self._occurrences(_ONE - context[-1], context[-depth:], self.start)
+
+    def _occurrences(self, key: int, tail: list[int], first: int) -> list[tuple[int, int]]:
+        """(end position, match length with tail) of the key's occurrences from position
+        `first` on that have a next token, newest first, at most max_candidates."""
+        positions = self.ends.get(key)
         if not positions:
             return []
         tokens, start, last = self.tokens, self.start, len(self.tokens) - 1
-        depth = min(depth, len(context))
-        tail = context[-depth:]
         found = []
         for pos in reversed(positions):
-            if pos < start + 1:
+            if pos < first:
                 break  # dropped texts (positions ascend)
             if pos >= last or tokens[pos + 1] == SEPARATOR:
                 continue  # nothing follows it yet
@@ -157,11 +170,11 @@ class SuffixIndex:
 
 
 def _match_length(tokens: list[int], pos: int, start: int, tail: list[int]) -> int:
-    """How many tokens ending at pos equal the end of `tail` (the pair itself matched)."""
+    """How many tokens ending at pos equal the end of `tail` (its last token matched)."""
     depth = len(tail)
     if pos + 1 - depth >= start and tokens[pos + 1 - depth : pos + 1] == tail:
         return depth  # the common case in text that repeats: one slice compare
-    length = 2
+    length = 1
     while length < depth and pos - length >= start and tokens[pos - length] == tail[-1 - length]:
         length += 1
     return length

@@ -109,9 +109,11 @@ class SuffixProposer:
         return draft
 
     def _match_length(self, longest: int, num_drafts: int) -> tuple[int, int]:
-        """(m, draft allowance) for the match length m in 2..longest whose allowance
-        min(num_drafts, factor * m, depth - m) is largest, the longer m on ties."""
-        best = (2, self._allowance(2, num_drafts))
+        """(m, draft allowance) for the match length m in 2..longest (1 when only the last
+        token matched) whose allowance min(num_drafts, factor * m, depth - m) is largest,
+        the longer m on ties."""
+        first = min(2, longest)
+        best = (first, self._allowance(first, num_drafts))
         for m in range(3, longest + 1):
             allowance = self._allowance(m, num_drafts)
             if allowance >= best[1]:
