@@ -75,8 +75,15 @@ class StepCostModel:
             samples.append((n + 1, t * 1.02))
         self.num_tokens = [n for n, _ in samples]
         self.seconds = [t for _, t in samples]
+        self._memo: dict[int, float] = {}  # the rule asks for the same counts every step
 
     def __call__(self, num_tokens: int) -> float:
+        seconds = self._memo.get(num_tokens)
+        if seconds is None:
+            seconds = self._memo[num_tokens] = self._interpolate(num_tokens)
+        return seconds
+
+    def _interpolate(self, num_tokens: int) -> float:
         ns, ts = self.num_tokens, self.seconds
         i = bisect.bisect_left(ns, num_tokens)
         if i < len(ns) and ns[i] == num_tokens:
@@ -133,12 +140,14 @@ class SpecDecodePolicy:
         Args:
             gains: the chance that the first j drafts are all accepted, j = 1 .. len.
         """
-        base = self.batch_size
-        best_k, best_rate = 0, base / self.step_seconds(base)
+        base, model = self.batch_size, self.step_cost_model
+        best_k, best_rate = 0, base / (model(base) * self.plain_ratio)
+        # Rates compared at the drafting steps' ratio (the same for every k >= 1).
+        best_rate *= self.spec_ratio
         expected_tokens = float(base)
         for k, gain in enumerate(gains, 1):
             expected_tokens += gain
-            rate = expected_tokens / self.step_seconds(base + k, k)
+            rate = expected_tokens / model(base + k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k

@@ -42,9 +42,17 @@ def _prior_chance(bucket: int) -> float:
     return match_len / (match_len + 1)
 
 
+def _bucket(match_len: int) -> int:
+    return min(int(2 * math.log2(max(match_len, 1))), _NUM_BUCKETS - 1)
+
+
+# Every bucket from 256 on is the last; a table up to there saves the log per token.
+_BUCKETS = [_bucket(m) for m in range(256)]
+
+
 def bucket_of(match_len: int) -> int:
     """Match lengths 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-22, ... (about sqrt(2) apart)."""
-    return min(int(2 * math.log2(max(match_len, 1))), _NUM_BUCKETS - 1)
+    return _BUCKETS[match_len] if match_len < 256 else _NUM_BUCKETS - 1
 
 
 class DraftAcceptance:
@@ -84,10 +92,14 @@ class DraftAcceptance:
             match_len: the match it was drafted on.
             path_probs: the suffix index's path probability after each draft token.
         """
+        tried, accepted = self.tried[source], self.accepted[source]
         gains = []
         prob, prev_path = 1.0, 1.0
         for i, path in enumerate(path_probs):
-            prob *= self.chance(source, match_len + i) * (path / prev_path)
-            prev_path = path
+            b = bucket_of(match_len + i)
+            prob *= accepted[b] / tried[b]
+            if path != prev_path:
+                prob *= path / prev_path
+                prev_path = path
             gains.append(prob)
         return gains

@@ -9,8 +9,9 @@ suffix and how often each next token follows them) from the text itself:
 - `ends[(a, b)]`: every position where the token pair (a, b) ends, ascending. A context's
   candidate occurrences are those of its last pair, newest first; each one's match length is
   how far the text before it agrees with the context (a slice compare, at most `depth`).
-  Where the pair never occurred, those of its last token (`ends[a]`, match length 1): a
-  one-token match still drafts one token, which costs a verify step almost nothing.
+  Where no earlier occurrence of the pair has a next token, those of its last token
+  (`ends[a]`, match length 1): a one-token match drafts one token, which costs a verify step
+  almost nothing.
 - The draft walks forward from the occurrences that match at least m tokens: at each
   position the most frequent next token is taken, its frequency multiplied into the path's
   probability, and the occurrences that disagree are dropped (a suffix tree's node counts,
@@ -108,11 +109,13 @@ class SuffixIndex:
         if len(context) >= 2:
             pair = context[-2] * _PAIR + context[-1]
             found = self._occurrences(pair, context[-depth:], self.start + 1)
-        return found or self._occurrences(_ONE - context[-1], context[-depth:], self.start)
+        # No earlier occurrence of the pair has a next token: each of the last token's
+        # matches 1 token exactly.
+        return found or self._occurrences(_ONE - context[-1], None, self.start)
 
-    def _occurrences(self, key: int, tail: list[int], first: int) -> list[tuple[int, int]]:
-        """(end position, match length with tail) of the key's occurrences from position
-        `first` on that have a next token, newest first, at most max_candidates."""
+    def _occurrences(self, key: int, tail: list[int] | None, first: int) -> list[tuple[int, int]]:
+        """(end position, match length with tail, 1 without) of the key's occurrences from
+        position `first` on that have a next token, newest first, at most max_candidates."""
         positions = self.ends.get(key)
         if not positions:
             return []
@@ -123,7 +126,7 @@ class SuffixIndex:
                 break  # dropped texts (positions ascend)
             if pos >= last or tokens[pos + 1] == SEPARATOR:
                 continue  # nothing follows it yet
-            found.append((pos, _match_length(tokens, pos, start, tail)))
+            found.append((pos, 1 if tail is None else _match_length(tokens, pos, start, tail)))
             if len(found) >= self.max_candidates:
                 break
         return found

@@ -4,7 +4,7 @@ the prefix that pays (SpecDecodePolicy.num_worth_verifying), in place of alpha *
 from __future__ import annotations
 
 from kvserve.services.scheduler.core.request import Request
-from kvserve.services.scheduler.core.spec_decode import SpecDecodePolicy
+from kvserve.services.scheduler.core.spec_decode import SpecDecodePolicy, StepCostModel
 from kvserve.services.scheduler.core.suffix_acceptance import DraftAcceptance, bucket_of
 from kvserve.services.scheduler.core.suffix_proposer import SuffixProposer
 from kvserve.shared.config import SpeculativeConfig
@@ -89,7 +89,7 @@ def test_a_proposal_is_scored_and_learned_from_the_next_steps_tokens():
 def test_the_scheduler_proposes_up_to_the_cap_and_keeps_the_prefix_that_pays():
     config = suffix_config(num_speculative_tokens=16)
     scheduler = create_scheduler(speculative_config=config, block_size=4)
-    scheduler.spec_decode.policy.step_cost_model.__init__(STEP_COSTS)
+    scheduler.spec_decode.policy.step_cost_model = StepCostModel(STEP_COSTS)
     body = list(range(100, 140))
     prompt = [1, 2, *body, 3, *body[:24]]
     scheduler.add_request(create_request("a", prompt_token_ids=prompt, max_tokens=60))
