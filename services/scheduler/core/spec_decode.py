@@ -24,6 +24,11 @@ speculating (its alpha ** 1 does not pay for the extra token), and a large batch
 altogether (the step time grows with every token). A request whose drafts were turned off
 retries one draft every `_PROBE_INTERVAL` steps, so a change of text can turn them back on,
 unless a draft of a fresh request's acceptance would not pay in the batch.
+
+A proposer that scores its own drafts (suffix decoding: a copy is accepted whole or breaks at
+an edit, not token by token at one rate) is asked for up to the cap instead, and each
+proposal is cut to the prefix whose expected tokens per second are highest over every
+length (`num_worth_verifying`, with the proposer's chance that each prefix is accepted).
 """
 
 from __future__ import annotations
