@@ -34,6 +34,8 @@ MODES = {
     "off": None,
     "ngram": NGRAM,
     "suffix": SUFFIX,
+    # The adaptive rule as before suffix drafts were scored (alpha ** j for every method).
+    "suffix-alpha": SUFFIX,
     "suffix-fixed": {**SUFFIX, "adaptive": False},
     "suffix-f4": {**SUFFIX, "adaptive": False, "suffix_decoding_max_spec_factor": 4.0},
 }
@@ -86,6 +88,8 @@ def main() -> int:
     engines = {
         m: LLM(dtype="float32", kv_cache_memory=1 << 28, speculative_config=MODES[m]) for m in modes
     }
+    if "suffix-alpha" in engines:
+        engines["suffix-alpha"].engine_core.scheduler.spec_decode.policy.trims_proposals = False
     for workload in options.workloads.split(","):
         turns = load(f"{workload}.jsonl", options.turns)
         figures: dict[str, list[tuple[float, float, int]]] = {m: [] for m in modes}

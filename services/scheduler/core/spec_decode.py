@@ -24,6 +24,11 @@ speculating (its alpha ** 1 does not pay for the extra token), and a large batch
 altogether (the step time grows with every token). A request whose drafts were turned off
 retries one draft every `_PROBE_INTERVAL` steps, so a change of text can turn them back on,
 unless a draft of a fresh request's acceptance would not pay in the batch.
+
+A proposer that scores its own drafts (suffix decoding: a copy is accepted whole or breaks at
+an edit, not token by token at one rate) is asked for up to the cap instead, and each
+proposal is cut to the prefix whose expected tokens per second are highest over every
+length (`num_worth_verifying`, with the proposer's chance that each prefix is accepted).
 """
 
 from __future__ import annotations
@@ -75,8 +80,15 @@ class StepCostModel:
             samples.append((n + 1, t * 1.02))
         self.num_tokens = [n for n, _ in samples]
         self.seconds = [t for _, t in samples]
+        self._memo: dict[int, float] = {}  # the rule asks for the same counts every step
 
     def __call__(self, num_tokens: int) -> float:
+        seconds = self._memo.get(num_tokens)
+        if seconds is None:
+            seconds = self._memo[num_tokens] = self._interpolate(num_tokens)
+        return seconds
+
+    def _interpolate(self, num_tokens: int) -> float:
         ns, ts = self.num_tokens, self.seconds
         i = bisect.bisect_left(ns, num_tokens)
         if i < len(ns) and ns[i] == num_tokens:
@@ -101,6 +113,10 @@ class SpecDecodePolicy:
         # Measured / modelled step time, of steps without drafts and with them.
         self.plain_ratio = 1.0
         self.spec_ratio = 1.0
+        # A proposer that scores its own drafts (suffix decoding) proposes up to the cap,
+        # and each proposal is trimmed to what pays (num_worth_verifying).
+        self.trims_proposals = False
+        self.batch_size = 1  # requests that sampled in the last planned step
 
     def record_step(self, num_tokens: int, seconds: float, verified_drafts: bool) -> None:
         """One engine step's real time (schedule to outputs), for the ratios."""
@@ -120,6 +136,27 @@ class SpecDecodePolicy:
         ratio = self.spec_ratio if num_drafts else self.plain_ratio
         return self.step_cost_model(num_tokens) * ratio
 
+    def num_worth_verifying(self, gains: list[float]) -> int:
+        """How many of a scored proposal's drafts to verify: the prefix that maximises the
+        step's expected tokens per second, (B + sum of its gains) / step_seconds(B + k),
+        B the requests of the last planned step. Every length is weighed, not only the
+        first that stops paying: a copy is often right whole or wrong at its first token.
+
+        Args:
+            gains: the chance that the first j drafts are all accepted, j = 1 .. len.
+        """
+        base, model = self.batch_size, self.step_cost_model
+        best_k, best_rate = 0, base / (model(base) * self.plain_ratio)
+        # Rates compared at the drafting steps' ratio (the same for every k >= 1).
+        best_rate *= self.spec_ratio
+        expected_tokens = float(base)
+        for k, gain in enumerate(gains, 1):
+            expected_tokens += gain
+            rate = expected_tokens / model(base + k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
     def num_to_propose(
         self, states: list[SpecRequestState], caps: list[int], num_running: int
     ) -> list[int]:
@@ -134,7 +171,8 @@ class SpecDecodePolicy:
         if config.disable_by_batch_size is not None and num_running >= config.disable_by_batch_size:
             return [0] * len(states)
         caps = [min(cap, self.num_speculative_tokens) for cap in caps]
-        if not config.adaptive:
+        self.batch_size = len(states)
+        if not config.adaptive or self.trims_proposals:
             return caps
         for state, cap in zip(states, caps):
             state.steps_off = state.steps_off + 1 if cap > 0 else 0

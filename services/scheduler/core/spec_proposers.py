@@ -34,6 +34,12 @@ class SchedulerProposer(Protocol):
         """
         ...
 
+    def expected_accepted(self, request: Request) -> list[float]:
+        """For the request's last proposal: the chance that its first j tokens are all
+        accepted, j = 1 .. its length. The adaptive rule keeps the prefix that pays
+        (SpecDecodePolicy.num_worth_verifying) instead of its alpha ** j model."""
+        ...
+
     def free(self, request: Request) -> None:
         """The request ended (finished, aborted or failed): drop its state."""
         ...

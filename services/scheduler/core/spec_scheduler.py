@@ -45,6 +45,7 @@ class SpecDecodeScheduler:
         self.max_model_len = max_model_len
         self.stats = _SpecStats(config.num_speculative_tokens)
         self.proposer = make_scheduler_proposer(config)
+        self.policy.trims_proposals = self.proposer is not None
 
     def add_request(self, request: Request) -> None:
         """Every request speculates but one with both a grammar and a reasoning parser
@@ -163,6 +164,9 @@ class SpecDecodeScheduler:
         if self.proposer is not None:
             num_drafts = metadata.num_to_propose.get(request.req_id, 0)
             proposed = self.proposer.propose(request, sampled_token_ids, num_drafts)
+            if proposed and self.config.adaptive and self.policy.trims_proposals:
+                gains = self.proposer.expected_accepted(request)
+                proposed = proposed[: self.policy.num_worth_verifying(gains)]
         spec.draft_token_ids = proposed
 
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:

@@ -9,12 +9,15 @@ suffix and how often each next token follows them) from the text itself:
 - `ends[(a, b)]`: every position where the token pair (a, b) ends, ascending. A context's
   candidate occurrences are those of its last pair, newest first; each one's match length is
   how far the text before it agrees with the context (a slice compare, at most `depth`).
+  Where no earlier occurrence of the pair has a next token, those of its last token
+  (`ends[a]`, match length 1): a one-token match drafts one token, which costs a verify step
+  almost nothing.
 - The draft walks forward from the occurrences that match at least m tokens: at each
   position the most frequent next token is taken, its frequency multiplied into the path's
   probability, and the occurrences that disagree are dropped (a suffix tree's node counts,
   without building the tree). One occurrence left: its continuation is copied at once.
 
-Appending a token costs one dict append; a proposal costs one dict lookup plus the work on
+Appending a token costs two dict appends; a proposal costs one dict lookup plus the work on
 at most `max_candidates` occurrences. Several texts (a tenant's finished outputs) share one
 index with `SEPARATOR` between them, which no token equals, so no match or draft crosses from
 one text into the next; the oldest texts are dropped from the front (`drop_front`).
@@ -22,20 +25,26 @@ one text into the next; the oldest texts are dropped from the front (`drop_front
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SEPARATOR = -1
 # Pair keys: a * _PAIR + b, unique for token ids below 2**32 (SEPARATOR included).
 _PAIR = 1 << 32
+# Single-token keys: _ONE - token, below every pair key.
+_ONE = -(2 * _PAIR)
 
 
 @dataclass
 class Draft:
     """A proposal and its score: the expected number of its tokens accepted (the sum of
-    each prefix's estimated probability)."""
+    each prefix's estimated probability, `path_probs`). The proposer sets the other fields:
+    what it was drafted from."""
 
     token_ids: list[int]
     score: float
+    path_probs: list[float] = field(default_factory=list)
+    match_len: int = 0
+    source: int = 0  # which index it was copied from (suffix_acceptance.py)
 
 
 NO_DRAFT = Draft([], 0.0)
@@ -66,12 +75,12 @@ class SuffixIndex:
         prev = tokens[-1] if tokens else SEPARATOR
         pos = len(tokens)
         for token_id in token_ids:
-            key = prev * _PAIR + token_id
-            positions = ends.get(key)
-            if positions is None:
-                ends[key] = [pos]
-            else:
-                positions.append(pos)
+            for key in (prev * _PAIR + token_id, _ONE - token_id):
+                positions = ends.get(key)
+                if positions is None:
+                    ends[key] = [pos]
+                else:
+                    positions.append(pos)
             prev = token_id
             pos += 1
         tokens.extend(token_ids)
@@ -86,27 +95,38 @@ class SuffixIndex:
 
     def matches(self, context: list[int], depth: int) -> list[tuple[int, int]]:
         """(end position, match length) of the earlier occurrences of the context's
-        suffix that have a next token, newest first; match lengths are 2 .. depth.
+        suffix that have a next token, newest first: those of its last pair (match lengths
+        2 .. depth), or where it has none, those of its last token (match length 1).
 
         Args:
-            context: the text to continue (its last tokens; at least 2).
+            context: the text to continue (its last tokens).
             depth: the longest match looked for.
         """
-        if len(context) < 2:
+        if not context:
             return []
-        positions = self.ends.get(context[-2] * _PAIR + context[-1])
+        depth = min(depth, len(context))
+        found = []
+        if len(context) >= 2:
+            pair = context[-2] * _PAIR + context[-1]
+            found = self._occurrences(pair, context[-depth:], self.start + 1)
+        # No earlier occurrence of the pair has a next token: each of the last token's
+        # matches 1 token exactly.
+        return found or self._occurrences(_ONE - context[-1], None, self.start)
+
+    def _occurrences(self, key: int, tail: list[int] | None, first: int) -> list[tuple[int, int]]:
+        """(end position, match length with tail, 1 without) of the key's occurrences from
+        position `first` on that have a next token, newest first, at most max_candidates."""
+        positions = self.ends.get(key)
         if not positions:
             return []
         tokens, start, last = self.tokens, self.start, len(self.tokens) - 1
-        depth = min(depth, len(context))
-        tail = context[-depth:]
         found = []
         for pos in reversed(positions):
-            if pos < start + 1:
+            if pos < first:
                 break  # dropped texts (positions ascend)
             if pos >= last or tokens[pos + 1] == SEPARATOR:
                 continue  # nothing follows it yet
-            found.append((pos, _match_length(tokens, pos, start, tail)))
+            found.append((pos, 1 if tail is None else _match_length(tokens, pos, start, tail)))
             if len(found) >= self.max_candidates:
                 break
         return found
@@ -121,6 +141,7 @@ class SuffixIndex:
         """
         tokens, num = self.tokens, len(self.tokens)
         token_ids: list[int] = []
+        path_probs: list[float] = []
         prob, score = 1.0, 0.0
         while len(token_ids) < max_len and ends:
             if len(ends) == 1:
@@ -130,6 +151,7 @@ class SuffixIndex:
                 if SEPARATOR in rest:
                     rest = rest[: rest.index(SEPARATOR)]
                 token_ids += rest
+                path_probs += [prob] * len(rest)
                 score += prob * len(rest)
                 break
             counts: dict[int, int] = {}
@@ -144,17 +166,18 @@ class SuffixIndex:
             if prob < min_prob:
                 break
             token_ids.append(token_id)
+            path_probs.append(prob)
             score += prob
             ends = [pos + 1 for pos in ends if pos + 1 < num and tokens[pos + 1] == token_id]
-        return Draft(token_ids, score)
+        return Draft(token_ids, score, path_probs)
 
 
 def _match_length(tokens: list[int], pos: int, start: int, tail: list[int]) -> int:
-    """How many tokens ending at pos equal the end of `tail` (the pair itself matched)."""
+    """How many tokens ending at pos equal the end of `tail` (its last token matched)."""
     depth = len(tail)
     if pos + 1 - depth >= start and tokens[pos + 1 - depth : pos + 1] == tail:
         return depth  # the common case in text that repeats: one slice compare
-    length = 2
+    length = 1
     while length < depth and pos - length >= start and tokens[pos - length] == tail[-1 - length]:
         length += 1
     return length

@@ -22,6 +22,11 @@ from __future__ import annotations
 from collections import deque
 
 from kvserve.services.scheduler.core.request import Request
+from kvserve.services.scheduler.core.suffix_acceptance import (
+    OWN_TEXT,
+    TENANT_OUTPUTS,
+    DraftAcceptance,
+)
 from kvserve.services.scheduler.core.suffix_index import NO_DRAFT, SEPARATOR, Draft, SuffixIndex
 from kvserve.shared.spec_config import SpeculativeConfig
 
@@ -44,22 +49,40 @@ class SuffixProposer:
         self.min_token_prob = config.suffix_decoding_min_token_prob
         self.requests: dict[str, SuffixIndex] = {}
         self.outputs = TenantOutputs(config.suffix_decoding_max_cached_requests)
+        # Each request's last proposal, until the step's tokens say how much of it was right.
+        self.last_drafts: dict[str, Draft] = {}
+        self.acceptance = DraftAcceptance()
 
     def propose(self, request: Request, new_token_ids: list[int], num_drafts: int) -> list[int]:
+        last = self.last_drafts.pop(request.req_id, None)
+        if last is not None:
+            # The step's tokens are the target's choices at the last draft's first positions.
+            self.acceptance.observe(last.source, last.match_len, last.token_ids, new_token_ids)
         if num_drafts <= 0:
             return []  # its index catches up when it next proposes
         index = self._synced_index(request, new_token_ids)
         context = index.tokens[-self.depth :]
-        best = self._draft(index, context, num_drafts)
+        best = self._draft(index, context, num_drafts, OWN_TEXT)
         shared = self.outputs.index_of(tenant_key(request))
         if shared is not None and len(best.token_ids) < num_drafts:
-            other = self._draft(shared, context, num_drafts)
+            other = self._draft(shared, context, num_drafts, TENANT_OUTPUTS)
             if other.score > best.score:
                 best = other
+        if best.token_ids:
+            self.last_drafts[request.req_id] = best
         return best.token_ids
+
+    def expected_accepted(self, request: Request) -> list[float]:
+        """The chance that the first j tokens of the request's last proposal are all
+        accepted, j = 1 .. its length (suffix_acceptance.py)."""
+        draft = self.last_drafts.get(request.req_id)
+        if draft is None:
+            return []
+        return self.acceptance.gains(draft.source, draft.match_len, draft.path_probs)
 
     def free(self, request: Request) -> None:
         self.requests.pop(request.req_id, None)
+        self.last_drafts.pop(request.req_id, None)
         self.outputs.add(tenant_key(request), request.output_token_ids)
 
     def _synced_index(self, request: Request, new_token_ids: list[int]) -> SuffixIndex:
@@ -72,19 +95,25 @@ class SuffixProposer:
         index.extend(new_token_ids)
         return index
 
-    def _draft(self, index: SuffixIndex, context: list[int], num_drafts: int) -> Draft:
+    def _draft(
+        self, index: SuffixIndex, context: list[int], num_drafts: int, source: int = OWN_TEXT
+    ) -> Draft:
         # A match leaves at least one token of the depth to draft.
         found = index.matches(context, self.depth - 1)
         if not found:
             return NO_DRAFT
         match_len, max_len = self._match_length(max(m for _, m in found), num_drafts)
         ends = [pos for pos, m in found if m >= match_len]
-        return index.draft(ends, max_len, self.min_token_prob)
+        draft = index.draft(ends, max_len, self.min_token_prob)
+        draft.match_len, draft.source = match_len, source
+        return draft
 
     def _match_length(self, longest: int, num_drafts: int) -> tuple[int, int]:
-        """(m, draft allowance) for the match length m in 2..longest whose allowance
-        min(num_drafts, factor * m, depth - m) is largest, the longer m on ties."""
-        best = (2, self._allowance(2, num_drafts))
+        """(m, draft allowance) for the match length m in 2..longest (1 when only the last
+        token matched) whose allowance min(num_drafts, factor * m, depth - m) is largest,
+        the longer m on ties."""
+        first = min(2, longest)
+        best = (first, self._allowance(first, num_drafts))
         for m in range(3, longest + 1):
             allowance = self._allowance(m, num_drafts)
             if allowance >= best[1]:

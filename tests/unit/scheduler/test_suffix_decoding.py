@@ -58,12 +58,16 @@ def test_every_draft_continues_an_occurrence_of_the_context_in_one_text(texts, c
 @settings(max_examples=100, deadline=None)
 @given(text=st.lists(st.integers(0, 3), min_size=3, max_size=60), cut=st.integers(2, 60))
 def test_the_requests_own_text_drafts_a_copy_of_an_earlier_occurrence(text, cut):
-    """On one text with one occurrence of the context's suffix, the draft is what followed."""
+    """The draft is what followed an earlier occurrence of the context's last pair, or of
+    its last token where the pair has no earlier occurrence (then one token)."""
     proposer = SuffixProposer(suffix_config(suffix_decoding_min_token_prob=0.0))
     request = make_request("r", text[: min(cut, len(text))])
     draft = proposer.propose(request, [], 8)
     tokens = request.all_token_ids
-    assert occurs_in(tokens[-2:] + draft, tokens)
+    if occurs_in(tokens[-2:], tokens[:-1]):
+        assert occurs_in(tokens[-2:] + draft, tokens)
+    else:
+        assert len(draft) <= 1 and occurs_in(tokens[-1:] + draft, tokens)
 
 
 def test_draft_length_follows_the_match_and_the_tree_depth():
@@ -80,6 +84,19 @@ def test_draft_length_follows_the_match_and_the_tree_depth():
     # A smaller spec factor drafts fewer tokens for the same match.
     half = SuffixProposer(suffix_config(suffix_decoding_max_spec_factor=0.25))
     assert len(half.propose(request, [], 8)) == 4  # m = 16 of the 20, 0.25 * 16
+
+
+def test_a_context_whose_last_pair_never_occurred_drafts_one_token():
+    index = SuffixIndex()
+    index.extend([5, 6, 7, 5, 8, 9, 5])
+    # (9, 5) occurs only at the end: the earlier 5s match 1 token each, newest first.
+    assert index.matches([9, 5], 8) == [(3, 1), (0, 1)]
+    assert index.matches([7, 5], 8) == [(3, 2)]  # the pair occurred: only it
+    proposer = SuffixProposer(suffix_config(suffix_decoding_min_token_prob=0.0))
+    # The 5s were followed by 6 and by 8: one token of the newest's, at probability 1/2.
+    assert proposer.propose(make_request("r", [5, 6, 7, 5, 8, 9, 5]), [], 8) in ([6], [8])
+    assert proposer.propose(make_request("s", [5, 6, 7, 9, 5]), [], 8) == [6]
+    assert SuffixProposer(suffix_config()).propose(make_request("t", [1, 2, 3]), [], 8) == []
 
 
 def test_continuations_that_disagree_lower_the_path_probability():
