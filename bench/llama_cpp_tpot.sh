@@ -27,16 +27,7 @@ PORT="${PORT:-8013}"
 OUT_DIR="${OUT_DIR:-$ROOT/bench/results/llama_cpp-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT_DIR"
 
-SERVER_PID=""
-cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-  fi
-  SERVER_PID=""
-}
-trap cleanup EXIT
-log() { echo "== $*" >&2; }
+source "$(dirname "$0")/sitting_server.sh"
 
 build_llama_server() {
   local src="$LLAMA_CPP_DIR/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp"
@@ -54,15 +45,6 @@ build_llama_server() {
     cmake --build build -j"$(nproc)" --target llama-server >/dev/null)
 }
 
-wait_healthy() {  # wait_healthy NAME
-  local deadline=$((SECONDS + 300))
-  until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
-    kill -0 "$SERVER_PID" 2>/dev/null || { log "$1 exited; see $OUT_DIR/$1.log"; exit 1; }
-    [ $SECONDS -lt $deadline ] || { log "$1 not healthy after 300 s"; exit 1; }
-    sleep 1
-  done
-}
-
 bench_one() {  # bench_one NAME ROUND
   "$KVSERVE" bench serve --port "$PORT" --endpoint /v1/completions \
     --dataset-name random --num-prompts "$NUM_PROMPTS" --random-input-len "$INPUT_LEN" \
@@ -75,7 +57,7 @@ run_llama() {  # run_llama ROUND
   "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$PORT" -t "$(nproc)" -np 1 -c 4096 \
     >"$OUT_DIR/llama.log" 2>&1 &
   SERVER_PID=$!
-  wait_healthy llama
+  wait_healthy "$OUT_DIR/llama.log"
   bench_one llama "$1"
   cleanup
 }
@@ -86,7 +68,7 @@ run_kvserve() {  # run_kvserve NAME ROUND [serve flags]
   "$KVSERVE" serve --model "$GGUF" --port "$PORT" --dtype float32 "$@" \
     >"$OUT_DIR/$name.log" 2>&1 &
   SERVER_PID=$!
-  wait_healthy "$name"
+  wait_healthy "$OUT_DIR/$name.log"
   bench_one "$name" "$round"
   cleanup
 }

@@ -249,18 +249,26 @@ class EagleHead(nn.Module):
         """The parameters under the published names (q/k/v and gate/up split again)."""
         assert get_tp_size() == 1, "save a head from a single-rank model"
         attn = cast(LlamaDecoderLayer, self.layers[0]).self_attn
-        out = {}
-        for name, tensor in self.state_dict().items():
-            if name.endswith("qkv_proj.weight"):
-                parts = tensor.split([attn.q_size, attn.kv_size, attn.kv_size])
-                for shard, part in zip(("q_proj", "k_proj", "v_proj"), parts):
-                    out[name.replace("qkv_proj", shard)] = part
-            elif name.endswith("gate_up_proj.weight"):
-                for shard, part in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
-                    out[name.replace("gate_up_proj", shard)] = part
-            else:
-                out[name] = tensor
-        return out
+        return split_fused(self.state_dict(), attn.q_size, attn.kv_size)
+
+
+def split_fused(
+    state_dict: Mapping[str, torch.Tensor], q_size: int, kv_size: int
+) -> dict[str, torch.Tensor]:
+    """A head's tensors under the published names: the fused qkv_proj and gate_up_proj
+    split again into q/k/v and gate/up (`_fused_name` is the way in)."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if name.endswith("qkv_proj.weight"):
+            parts = tensor.split([q_size, kv_size, kv_size])
+            for shard, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                out[name.replace("qkv_proj", shard)] = part
+        elif name.endswith("gate_up_proj.weight"):
+            for shard, part in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
+                out[name.replace("gate_up_proj", shard)] = part
+        else:
+            out[name] = tensor
+    return out
 
 
 def _fused_name(name: str) -> tuple[str, object]:

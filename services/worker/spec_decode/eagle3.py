@@ -51,7 +51,7 @@ from kvserve.services.worker.models.llama import (
     LlamaModel,
 )
 from kvserve.services.worker.spec_decode.checkpoint import read_tensors
-from kvserve.services.worker.spec_decode.eagle import EagleConfig, _fused_name
+from kvserve.services.worker.spec_decode.eagle import EagleConfig, _fused_name, split_fused
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -291,18 +291,7 @@ class Eagle3Head(nn.Module):
     def published_state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors under the published names (q/k/v and gate/up split again)."""
         attn = self.midlayer.self_attn
-        out = {}
-        for name, tensor in self.state_dict().items():
-            if name.endswith("qkv_proj.weight"):
-                parts = tensor.split([attn.q_size, attn.kv_size, attn.kv_size])
-                for shard, part in zip(("q_proj", "k_proj", "v_proj"), parts):
-                    out[name.replace("qkv_proj", shard)] = part
-            elif name.endswith("gate_up_proj.weight"):
-                for shard, part in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
-                    out[name.replace("gate_up_proj", shard)] = part
-            else:
-                out[name] = tensor
-        return out
+        return split_fused(self.state_dict(), attn.q_size, attn.kv_size)
 
 
 def load_eagle3(
