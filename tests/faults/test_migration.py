@@ -303,6 +303,11 @@ def dp_server(tiny_llama_dir, tmp_path_factory, receiver):
             tiny_llama_dir,
             tmp_path_factory.mktemp("migration-dp"),
             *JSON_AND_CHAT_FLAGS,
+            # Two streams at a time an engine: the rest wait in it, so an engine stays mid-
+            # stream for several of the tiny model's 300-token runs, a window a loaded
+            # machine's /health poller (KillMidStream) cannot miss.
+            "--max-num-seqs",
+            "2",
             "--otlp-traces-endpoint",
             receiver.url,
         )
