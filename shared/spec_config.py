@@ -7,11 +7,16 @@ from typing import Literal
 
 import msgspec
 
-SpecMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix"]
+SpecMethod = Literal[
+    "ngram", "draft_model", "eagle", "eagle3", "medusa", "suffix", "mtp", "deepseek_mtp"
+]
 
 # Methods whose proposer runs in the scheduler over the request's tokens (no model): the
 # worker proposes nothing for them (services/scheduler/core/spec_proposers.py).
 SCHEDULER_METHODS = ("suffix",)
+# Methods whose drafter is the target checkpoint's own multi-token-prediction layer
+# (services/worker/spec_decode/mtp.py): "deepseek_mtp" is vLLM's name, "mtp" the short one.
+MTP_METHODS = ("mtp", "deepseek_mtp")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -23,9 +28,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             layers as a self-draft), eagle (EAGLE-1: one decoder layer over the target's
             hidden state and the next token), eagle3 (EAGLE-3: one decoder layer over three
             target layers' hidden states and the next token, its own LM head over a draft
-            vocabulary), medusa (residual heads over the last hidden state) or suffix
+            vocabulary), medusa (residual heads over the last hidden state), suffix
             (suffix decoding over the request's prompt and output and its tenant's recent
-            outputs, in the scheduler).
+            outputs, in the scheduler), or mtp / deepseek_mtp (the target checkpoint's own
+            multi-token-prediction layer, DeepSeek-V3's `num_nextn_predict_layers`, run as
+            the drafter; no `model`).
         num_speculative_tokens: drafts per step at most (k): at most 16, or 32 for suffix.
         prompt_lookup_min, prompt_lookup_max: ngram: the n-gram lengths matched, longest
             first.
@@ -93,6 +100,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError(f"{self.method} needs `model`: the folder of the draft head")
         if self.method in ("ngram", "suffix") and self.model is not None:
             raise ValueError(f"the {self.method} method takes no model")
+        if self.method in MTP_METHODS and self.model is not None:
+            raise ValueError(
+                f"the {self.method} method takes no model: its drafter is the target "
+                "checkpoint's own multi-token-prediction layer"
+            )
 
     def _check_suffix(self) -> None:
         if not 2 <= self.suffix_decoding_max_tree_depth <= 256:
@@ -119,7 +131,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     def uses_lookahead_slots(self) -> bool:
         """The proposer writes K/V past the verified tokens (a draft model's own steps), so
         the scheduler reserves num_speculative_tokens more slots per request."""
-        return self.method in ("draft_model", "eagle", "eagle3")
+        return self.method in ("draft_model", "eagle", "eagle3", *MTP_METHODS)
 
     @property
     def proposes_in_scheduler(self) -> bool:

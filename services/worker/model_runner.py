@@ -89,6 +89,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, device: torch.device):
         self.config = config
         self.device = device
+        self.model_dir = model_dir
         self.dtype = resolve_dtype(config.model.dtype_name, device, checkpoint_dtype(model_dir))
         self.model, self.hf_config = load_model(
             model_dir, self.dtype, device, config.model.quantization, config.model.model
@@ -182,6 +183,8 @@ class ModelRunner:
             is_driver=self.is_driver,
             single_stage=self.is_first_stage and self.is_last_stage,
             lora_manager=self.lora_manager,
+            model_dir=self.model_dir,
+            quantization=self.config.model.quantization,
         )
 
     # ------------------------------------------------------------------ KV cache

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -236,9 +236,10 @@ def _swap_embeddings(model: nn.Module) -> None:
 _Model = TypeVar("_Model", bound=nn.Module)
 
 
-def build_quantized(model_class: type[_Model], hf_config, method: str | None) -> _Model:
+def build_quantized(model_class: Callable[[Any], _Model], hf_config, method: str | None) -> _Model:
     """model_class(hf_config) with its linear layers (and under gguf the embedding and LM
-    head) holding `method`'s weights. Call inside the loader's dtype/device scopes."""
+    head) holding `method`'s weights. Call inside the loader's dtype/device scopes.
+    model_class is any builder of a module from the config (a draft layer's too)."""
     from kvserve.services.worker.layers.linear import quantization_scope
 
     qconfig = getattr(hf_config, "quantization_config", None)

@@ -1,11 +1,13 @@
 """Tiny random-weight models, written in seconds and stepped in milliseconds.
 
-Four builders:
+Five builders:
 - `build_tiny_llama`: a Llama folder (config, safetensors, byte-level tokenizer) written
   with numpy and `tokenizers` only, so a process test that serves it never imports torch.
   With `successor=True` its greedy next token is a fixed permutation of the current one
   (`tiny_successor`), whatever the context, so a draft can be built to guess it.
 - `build_tiny_eagle3`: an EAGLE-3 draft folder for such a model, in the published layout.
+- `build_tiny_deepseek_v3`: a DeepSeek-V3 folder the same way, with its multi-token-prediction
+  layer (`num_nextn_predict_layers`), built to guess a `successor` target's next tokens.
 - `make_tiny_hf_model`: a 2-layer Hugging Face Llama or Qwen2 model to compare our model
   against, and to save as a checkpoint folder.
 - `write_llama_gguf`: such a model as llama.cpp would write it into a GGUF file.
@@ -217,6 +219,147 @@ def build_tiny_eagle3(
         json.dump(config, f, indent=1)
     save_file(tensors, os.path.join(draft_dir, "model.safetensors"), metadata={"format": "pt"})
     return draft_dir
+
+
+# A tiny DeepSeek-V3 (build_tiny_deepseek_v3): MLA with q through its own latent, a dense
+# first layer then MoE (8 experts, 2 a token, in 2 of 4 groups, one shared expert).
+_DEEPSEEK_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+)
+
+
+def build_tiny_deepseek_v3(
+    model_dir: str, seed: int = 0, successor: bool = False, mtp: bool = True
+) -> str:
+    """Write a tiny DeepSeek-V3 folder (config.json with num_nextn_predict_layers, HF-named
+    model.safetensors, the byte-level tokenizer) with numpy only; return it.
+
+    Args:
+        successor: as build_tiny_llama's: the LM head's row tiny_successor()[x] is the normed
+            embedding of x and every layer's output projections are scaled down 20x, so the
+            greedy next token of x is its successor. The MTP layer is then built to guess
+            it: eh_proj passes the token's normed embedding through and its shared_head.head
+            is the target's LM head, so from the pair (h_p, x_{p+1}) it guesses x_{p+1}'s
+            successor, which is x_{p+2}.
+        mtp: write one MTP layer (model.layers.2.*, num_nextn_predict_layers 1); without,
+            num_nextn_predict_layers is 0 and the checkpoint has no such tensors.
+    """
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    dims = _DEEPSEEK_DIMS
+    hidden, num_layers = dims["hidden_size"], dims["num_hidden_layers"]
+
+    def rand(*shape, scale=0.15):
+        return rng.normal(0.0, scale, shape).astype(np.float32)
+
+    embed = rand(TINY_VOCAB_SIZE, hidden)
+    head = rand(TINY_VOCAB_SIZE, hidden)
+    if successor:
+        head[tiny_successor()] = _rms_normed(embed)
+    out_scale = 0.05 if successor else 1.0
+    ones = np.ones(hidden, np.float32)
+    tensors = {
+        "model.embed_tokens.weight": embed,
+        "model.norm.weight": ones,
+        "lm_head.weight": head,
+    }
+    for i in range(num_layers + (1 if mtp else 0)):
+        tensors.update(_deepseek_layer(f"model.layers.{i}.", i, rand, out_scale))
+    if mtp:
+        prefix = f"model.layers.{num_layers}."
+        eye = np.eye(hidden, dtype=np.float32)
+        # The built layer reads the token's half only: [enorm(e) | hnorm(h)] -> enorm(e).
+        eh_proj = np.concatenate([eye, 0 * eye], 1) if successor else rand(hidden, 2 * hidden)
+        tensors.update(
+            {
+                prefix + "embed_tokens.weight": embed,  # DeepSeek's copy of the target's
+                prefix + "enorm.weight": ones,
+                prefix + "hnorm.weight": ones,
+                prefix + "eh_proj.weight": eh_proj,
+                prefix + "shared_head.norm.weight": ones,
+                prefix + "shared_head.head.weight": head if successor else rand(*head.shape),
+            }
+        )
+    os.makedirs(model_dir, exist_ok=True)
+    save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    config = dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        vocab_size=TINY_VOCAB_SIZE,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_interleave=True,
+        hidden_act="silu",
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_nextn_predict_layers=1 if mtp else 0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=TINY_EOS_TOKEN_ID,
+        torch_dtype="float32",
+        **dims,
+    )
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    _write_tokenizer(model_dir)
+    return model_dir
+
+
+def _deepseek_layer(prefix: str, index: int, rand, out_scale: float) -> dict[str, np.ndarray]:
+    """One DeepSeek-V3 decoder layer's tensors under HF's names (dense before
+    first_k_dense_replace, else routed experts plus the shared one); the output projections
+    times out_scale."""
+    d = _DEEPSEEK_DIMS
+    hidden, heads = d["hidden_size"], d["num_attention_heads"]
+    nope, rope, v_dim = d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]
+    q_rank, kv_rank = d["q_lora_rank"], d["kv_lora_rank"]
+    ones = np.ones(hidden, np.float32)
+    out = {
+        "input_layernorm.weight": ones,
+        "post_attention_layernorm.weight": ones,
+        "self_attn.q_a_proj.weight": rand(q_rank, hidden),
+        "self_attn.q_a_layernorm.weight": np.ones(q_rank, np.float32),
+        "self_attn.q_b_proj.weight": rand(heads * (nope + rope), q_rank),
+        "self_attn.kv_a_proj_with_mqa.weight": rand(kv_rank + rope, hidden),
+        "self_attn.kv_a_layernorm.weight": np.ones(kv_rank, np.float32),
+        "self_attn.kv_b_proj.weight": rand(heads * (nope + v_dim), kv_rank),
+        "self_attn.o_proj.weight": rand(hidden, heads * v_dim) * out_scale,
+    }
+
+    def mlp(name: str, inter: int) -> None:
+        out[f"{name}.gate_proj.weight"] = rand(inter, hidden)
+        out[f"{name}.up_proj.weight"] = rand(inter, hidden)
+        out[f"{name}.down_proj.weight"] = rand(hidden, inter) * out_scale
+
+    if index < d["first_k_dense_replace"]:
+        mlp("mlp", d["intermediate_size"])
+    else:
+        out["mlp.gate.weight"] = rand(d["n_routed_experts"], hidden)
+        out["mlp.gate.e_score_correction_bias"] = rand(d["n_routed_experts"], scale=0.3)
+        for e in range(d["n_routed_experts"]):
+            mlp(f"mlp.experts.{e}", d["moe_intermediate_size"])
+        mlp("mlp.shared_experts", d["moe_intermediate_size"] * d["n_shared_experts"])
+    return {prefix + name: tensor for name, tensor in out.items()}
 
 
 # The dimensions of the tiny HF models: make_tiny_hf_model's and tests/support/hf_models.py's.

@@ -21,6 +21,10 @@ Routing: V2 softmax top-k, optionally within the `topk_group` best of `n_group` 
 (group_limited_greedy); V3 sigmoid scores plus `e_score_correction_bias` for the choice only,
 groups ranked by their two best, weights renormalized when norm_topk_prob; both scaled by
 `routed_scaling_factor`. transformers 5.25's modeling_deepseek_v2/v3 are the reference.
+
+V3's multi-token-prediction layers (`num_nextn_predict_layers`, checkpoint layers past
+num_hidden_layers) are not this model's: `--speculative-config '{"method": "deepseek_mtp"}'`
+runs the first as the drafter (spec_decode/mtp.py).
 """
 
 from __future__ import annotations
@@ -351,7 +355,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return DeepseekMoE(config, cls.router_class)
 
     def _on_this_stage(self, name: str) -> bool:
-        # Layers past num_hidden_layers are V3's multi-token-prediction heads: not served.
+        # Layers past num_hidden_layers are V3's multi-token-prediction layers: not the
+        # target's; speculation's drafter reads them itself (spec_decode/mtp.py).
         if name.startswith("model.layers."):
             if int(name.split(".")[2]) >= self.config.num_hidden_layers:
                 return False

@@ -1,5 +1,5 @@
-"""The EAGLE proposer (EAGLE-1 and EAGLE-3): the runner's glue around the draft head
-(`EagleHead` in eagle.py, `Eagle3Head` in eagle3.py).
+"""The EAGLE proposer (EAGLE-1, EAGLE-3 and MTP): the runner's glue around the draft head
+(`EagleHead` in eagle.py, `Eagle3Head` in eagle3.py, `MtpHead` in mtp.py).
 
 Every target step, the head first catches up on the step's verified positions: for each
 request, the pairs (f_p, x_{p+1}) of the positions whose next token is known now (a prompt
@@ -11,10 +11,12 @@ pair gives the first guess, and each further guess is one single-token step whos
 (the head's own previous output, the previous guess). The scheduler reserved lookahead slots
 for those steps (SpeculativeConfig.uses_lookahead_slots). Guesses are greedy.
 
-The two heads differ in what they read and how they guess, nothing else here: EAGLE-1
-reads the target's final hidden state f_p and guesses with the target's LM head; EAGLE-3
-reads fc of three target layers' states (the target keeps them for it) and guesses with its
-own norm and LM head over its draft vocabulary, mapped to target ids through d2t.
+The heads differ in what they read and how they guess, nothing else here (`DraftHead`):
+EAGLE-1 reads the target's final hidden state f_p and guesses with the target's LM head;
+EAGLE-3 reads fc of three target layers' states (the target keeps them for it) and guesses
+with its own norm and LM head over its draft vocabulary, mapped to target ids through d2t;
+MTP (DeepSeek-V3's multi-token-prediction layer, from the target's own checkpoint) reads f_p
+as EAGLE-1 does and guesses with its own norm and LM head (`shared_head`).
 
 One approximation: a block reused from the prefix cache holds, at its last slot, the pair
 built with the token that followed it in the request that computed it; a request that
@@ -24,61 +26,88 @@ diverges right at the block boundary reads that pair. It only changes guesses, n
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvserve.services.worker.layers.attention import (
+    Attention,
     AttentionMetadata,
     bind_kv_caches,
     kv_cache_bytes_per_block,
 )
 from kvserve.services.worker.parallel_state import broadcast_from_driver, get_pp_size
 from kvserve.services.worker.spec_decode.draft_head import DraftLMHead
-from kvserve.services.worker.spec_decode.eagle import EagleHead, load_eagle
-from kvserve.services.worker.spec_decode.eagle3 import Eagle3Head, load_eagle3
+from kvserve.services.worker.spec_decode.eagle import load_eagle
+from kvserve.services.worker.spec_decode.eagle3 import load_eagle3
 from kvserve.shared.config import SpeculativeConfig
 from kvserve.shared.logging import init_logger
 
 logger = init_logger(__name__)
 
 
+@dataclass
+class DraftHead:
+    """A one-layer draft head the proposer runs, with what it reads and how it guesses.
+
+    Args:
+        module: forward(input_ids [T], features [T, H], positions [T], metadata) -> h [T, H],
+            its K/V written into the paged caches of its `attention_layers`.
+        guess: h [N, H] -> guessed token ids [N].
+        features: (the target's final hidden states, rows [N]) -> the head's first input
+            [N, H] at those rows.
+        source: where it was loaded from (for the log).
+    """
+
+    module: torch.nn.Module
+    guess: Callable[[torch.Tensor], torch.Tensor]
+    features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    source: str
+
+
+def load_draft_head(
+    config: SpeculativeConfig,
+    target_model: torch.nn.Module,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> DraftHead:
+    """The EAGLE-1 or EAGLE-3 head of config.model (method eagle or eagle3)."""
+    assert config.model is not None, "SpeculativeConfig checks eagle has a model"
+    if config.method == "eagle3":
+        head3 = load_eagle3(config.model, target_model, dtype, device)
+        return DraftHead(head3, head3.guess, head3.target_features, config.model)
+    head = load_eagle(config.model, target_model, dtype, device)
+    return DraftHead(head, DraftLMHead(target_model).argmax, rows_of, config.model)
+
+
 class EagleProposer:
     """
     Args:
-        config: the speculative config (method eagle or eagle3, `model` the head's folder).
-        target_model: the target; the head reads its embedding (EAGLE-1: and LM head).
+        draft: the head (load_draft_head, or mtp.py's MTP layer).
+        method: the speculative method's name (for the log).
         dtype, device: the target's.
         block_size: the KV cache's block size.
     """
 
     def __init__(
         self,
-        config: SpeculativeConfig,
-        target_model: torch.nn.Module,
+        draft: DraftHead,
+        method: str,
         dtype: torch.dtype,
         device: torch.device,
         block_size: int,
     ):
         if get_pp_size() > 1:
-            raise ValueError("eagle speculation does not run with pipeline parallelism")
-        assert config.model is not None, "SpeculativeConfig checks eagle has a model"
-        self.head: EagleHead | Eagle3Head
-        self.guess: Callable[[torch.Tensor], torch.Tensor]  # head outputs [N, H] -> ids [N]
-        self.features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, rows)
-        if config.method == "eagle3":
-            head = load_eagle3(config.model, target_model, dtype, device)
-            self.head, self.guess, self.features = head, head.guess, head.target_features
-        else:
-            self.head = load_eagle(config.model, target_model, dtype, device)
-            self.guess = DraftLMHead(target_model).argmax
-            self.features = _rows_of
-        self.target = target_model
+            raise ValueError(f"{method} speculation does not run with pipeline parallelism")
+        self.head = draft.module
+        self.guess = draft.guess  # head outputs [N, H] -> ids [N]
+        self.features = draft.features  # (hidden, rows) -> [N, H]
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
-        self.attention_layers = self.head.attention_layers
-        logger.info("%s head from %s", config.method.upper(), config.model)
+        self.attention_layers = [m for m in self.head.modules() if isinstance(m, Attention)]
+        logger.info("%s head from %s", method.upper(), draft.source)
 
     def kv_cache_bytes_per_block(self) -> int:
         return kv_cache_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
@@ -222,6 +251,6 @@ class EagleProposer:
         return [out[i, : int(limit[i])].tolist() for i in range(num_reqs)]
 
 
-def _rows_of(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """EAGLE-1's features: the target's final hidden states themselves."""
+def rows_of(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """EAGLE-1's (and MTP's) features: the target's final hidden states themselves."""
     return hidden[rows]

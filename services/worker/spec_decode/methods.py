@@ -1,7 +1,10 @@
 """The built-in speculative methods behind the `Proposer` interface (proposer.py): the runner's
-glue around ngram.py, draft_model.py, eagle_proposer.py and medusa.py."""
+glue around ngram.py, draft_model.py, eagle_proposer.py (EAGLE-1, EAGLE-3, and MTP's layer
+from mtp.py) and medusa.py."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -13,6 +16,9 @@ from kvserve.services.worker.spec_decode.proposer import (
     proposal_requests,
 )
 from kvserve.services.worker.step_inputs import StepBatch
+
+if TYPE_CHECKING:
+    from kvserve.services.worker.spec_decode.eagle_proposer import DraftHead
 
 
 class NgramMethod(Proposer):
@@ -84,8 +90,14 @@ class EagleMethod(Proposer):
 
         self.ctx = ctx
         self.eagle = EagleProposer(
-            ctx.config, ctx.target_model, ctx.dtype, ctx.device, ctx.block_size
+            self.load_head(ctx), ctx.config.method, ctx.dtype, ctx.device, ctx.block_size
         )
+
+    def load_head(self, ctx: ProposerContext) -> DraftHead:
+        """The draft head the proposer runs: the one in config.model's folder."""
+        from kvserve.services.worker.spec_decode.eagle_proposer import load_draft_head
+
+        return load_draft_head(ctx.config, ctx.target_model, ctx.dtype, ctx.device)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.eagle.kv_cache_bytes_per_block()
@@ -117,6 +129,20 @@ class EagleMethod(Proposer):
             num_verified, hidden_rows, step.hidden, np.maximum(num_wanted, 0),
         )  # fmt: skip
         return {s.req_id: g for s, g in zip(step.states, guesses) if g}
+
+
+class MtpMethod(EagleMethod):
+    """The target checkpoint's own multi-token-prediction layer (DeepSeek-V3's) as the draft
+    head, run by the EAGLE proposer (mtp.py)."""
+
+    def load_head(self, ctx: ProposerContext) -> DraftHead:
+        from kvserve.services.worker.spec_decode.mtp import load_mtp_head
+
+        if ctx.model_dir is None:
+            raise ValueError(f"{ctx.config.method} reads the target's checkpoint folder")
+        return load_mtp_head(
+            ctx.model_dir, ctx.target_model, ctx.dtype, ctx.device, ctx.quantization
+        )
 
 
 class MedusaMethod(Proposer):

@@ -38,6 +38,9 @@ class ProposerContext:
         is_driver: this rank's guesses reach the scheduler (TP rank 0 of the last stage).
         single_stage: no pipeline parallelism (the whole model is on this rank).
         lora_manager: the runner's LoRA manager, or None.
+        model_dir: the target's checkpoint folder (a method may read more of it: the MTP
+            layers), or None.
+        quantization: the target's --quantization, to read more of its checkpoint alike.
     """
 
     config: SpeculativeConfig
@@ -49,6 +52,8 @@ class ProposerContext:
     is_driver: bool
     single_stage: bool
     lora_manager: Any = None
+    model_dir: str | None = None
+    quantization: str | None = None
 
 
 class Proposer(ABC):

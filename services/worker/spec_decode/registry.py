@@ -9,6 +9,7 @@ from kvserve.services.worker.spec_decode.methods import (
     DraftModelMethod,
     EagleMethod,
     MedusaMethod,
+    MtpMethod,
     NgramMethod,
 )
 from kvserve.services.worker.spec_decode.proposer import Proposer, ProposerContext
@@ -22,6 +23,9 @@ _PROPOSERS: dict[str, ProposerFactory] = {
     "eagle": EagleMethod,
     "eagle3": EagleMethod,  # the same proposer over an EAGLE-3 head (eagle3.py)
     "medusa": MedusaMethod,
+    # The target's own multi-token-prediction layer (mtp.py); deepseek_mtp is vLLM's name.
+    "mtp": MtpMethod,
+    "deepseek_mtp": MtpMethod,
 }
 
 
