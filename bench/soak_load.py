@@ -224,7 +224,9 @@ class Load:
         reasons = []
         for chunk in stream:
             reasons += [c.finish_reason for c in chunk.choices]
-            time.sleep(rng.uniform(0.2, 0.8))  # a reader slower than the engine writes
+            # A reader slower than the engine writes, until the load stops: then it reads the
+            # rest at once, since the soak's end waits for every stream to finish.
+            self.stop.wait(rng.uniform(0.2, 0.8))
         return _finished(reasons[-1])
 
 

@@ -135,7 +135,7 @@ def resources_summary(
 def engine_blocks(url: str, idle_timeout_s: float = 60.0) -> dict:
     """Once the engines are idle: each engine's KV blocks still held by a request (its own
     kv_cache_usage_perc x its allocatable blocks: free blocks back to the total is 0)."""
-    idle = wait_until(lambda: _idle(url), timeout_s=idle_timeout_s, interval_s=1.0)
+    idle = wait_until(lambda: _idle(url), timeout_s=idle_timeout_s, interval_s=0.2)
     text = metrics_text(url)
     engines = {}
     for engine in sorted(set(re.findall(r'engine="(\d+)"', text))):
@@ -193,7 +193,7 @@ def store_leases(address: str, lease_timeout_s: float = 30.0) -> dict:
     at_idle = held()
     deadline = time.monotonic() + lease_timeout_s + 5
     while held() != (0, 0) and time.monotonic() < deadline:
-        time.sleep(1.0)
+        time.sleep(0.2)
     leases, reserved = held()
     return {"at_idle": list(at_idle), "leaked_leases": leases, "leaked_reservations": reserved}
 

@@ -161,7 +161,7 @@ async def _connected_client(
     try:
         # The tokenizer loads while the engines load the model.
         tokenizer_info = await asyncio.to_thread(
-            TokenizerInfo, api.tokenizer_dir, api.frontend.chat_template, api.model_dir
+            TokenizerInfo, api.tokenizer_dir, api.frontend.chat_template, api.model_dir, True
         )
         client = await _until_signal(
             MPEngineClient.connect(

@@ -102,9 +102,28 @@ def load_prompts(path: str | None, num_prompts: int, seed: int) -> list[str]:
     return [prompts[i] for i in order[:num_prompts]]
 
 
+# What the heads learn from: (model folder, per sequence (prompt + greedy continuation ids,
+# prompt length)).
+Corpus = tuple[str, list[tuple[list[int], int]]]
+
+
+def generate_corpus(options: TrainDraftOptions, **engine_kwargs) -> Corpus:
+    """The target's greedy continuations of the options' prompts (model, prompts,
+    num_prompts, max_tokens, seed): what train_draft and train_eagle learn from. One corpus
+    can train both methods (the suite trains its Medusa heads and EAGLE head on one).
+
+    Args:
+        engine_kwargs: further `LLM` arguments for the generation engine.
+    """
+    prompts = load_prompts(options.prompts, options.num_prompts, options.seed)
+    return generate_sequences(
+        options.model, prompts, options.max_tokens, options.seed, **engine_kwargs
+    )
+
+
 def generate_sequences(
     model: str | None, prompts: list[str], max_tokens: int, seed: int, **engine_kwargs
-) -> tuple[str, list[tuple[list[int], int]]]:
+) -> Corpus:
     """(model folder, per prompt (prompt + greedy continuation ids, prompt length)): the
     prompts go through the chat template when the tokenizer has one.
 
@@ -265,18 +284,21 @@ def score_heads(
     )
 
 
-def train_draft(options: TrainDraftOptions, **engine_kwargs) -> DraftRun:
+def train_draft(
+    options: TrainDraftOptions, corpus: Corpus | None = None, **engine_kwargs
+) -> DraftRun:
     """Generate, collect hidden states, train, score; write the heads to options.output.
 
     Args:
+        corpus: generate_corpus(options)'s, made already (None: generated here).
         engine_kwargs: further `LLM` arguments for the generation engine.
     """
+    if corpus is None:
+        corpus = generate_corpus(options, **engine_kwargs)
+    model_dir, sequences = corpus
+    # Seeded after the generation, so a corpus made elsewhere trains the same heads.
     torch.manual_seed(options.seed)
-    prompts = load_prompts(options.prompts, options.num_prompts, options.seed)
-    num_held_out = max(1, len(prompts) // 10)
-    model_dir, sequences = generate_sequences(
-        options.model, prompts, options.max_tokens, options.seed, **engine_kwargs
-    )
+    num_held_out = max(1, len(sequences) // 10)
     target = HFTarget(model_dir)
     train = collect_positions(target, sequences[:-num_held_out], options.num_heads, "Train set")
     held_out = collect_positions(

@@ -41,12 +41,7 @@ from kvserve.services.worker.layers.rotary_embedding import (
 )
 from kvserve.services.worker.spec_decode.eagle import EagleConfig, save_eagle
 from kvserve.shared.launch_options import TrainDraftOptions
-from kvserve.training.train_draft import (
-    DraftScore,
-    HFTarget,
-    generate_sequences,
-    load_prompts,
-)
+from kvserve.training.train_draft import Corpus, DraftScore, HFTarget, generate_corpus
 
 # The classification loss's weight beside the feature regression (EAGLE-1 used 0.1; 1.0
 # measured better acceptance on SmolLM2 with our few thousand sequences).
@@ -428,16 +423,23 @@ class EagleRun:
     seconds: dict
 
 
-def train_eagle(options: TrainDraftOptions, **engine_kwargs) -> EagleRun:
-    """Generate, collect features, train, score; write the head to options.output."""
-    torch.manual_seed(options.seed)
+def train_eagle(
+    options: TrainDraftOptions, corpus: Corpus | None = None, **engine_kwargs
+) -> EagleRun:
+    """Generate, collect features, train, score; write the head to options.output.
+
+    Args:
+        corpus: generate_corpus(options)'s, made already (None: generated here).
+        engine_kwargs: further `LLM` arguments for the generation engine.
+    """
     seconds = {}
     start = time.perf_counter()
-    prompts = load_prompts(options.prompts, options.num_prompts, options.seed)
-    num_held_out = max(1, len(prompts) // 10)
-    model_dir, sequences = generate_sequences(
-        options.model, prompts, options.max_tokens, options.seed, **engine_kwargs
-    )
+    if corpus is None:
+        corpus = generate_corpus(options, **engine_kwargs)
+    model_dir, sequences = corpus
+    # Seeded after the generation, so a corpus made elsewhere trains the same head.
+    torch.manual_seed(options.seed)
+    num_held_out = max(1, len(sequences) // 10)
     seconds["generate"] = time.perf_counter() - start
     target = HFTarget(model_dir)
     train = collect_sequences(target, sequences[:-num_held_out], "Train set")

@@ -13,6 +13,7 @@ dockerd.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -169,6 +170,32 @@ def test_completions_and_chat_plain_and_streamed(client):
         model=MODEL, prompt="The sky is", max_tokens=8, stream=True
     )
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+
+
+def test_a_json_schema_holds_in_the_image_without_triton(compose, client):
+    # The CPU image leaves out Triton (the Dockerfile's deps stage): xgrammar asks for it only
+    # for its CUDA kernel, and compiles and matches grammars without it.
+    probe = "import importlib.util; print(importlib.util.find_spec('triton') is None)"
+    found = _run([*compose, "exec", "-T", "engine-0", "python", "-c", probe])
+    assert found.stdout.strip() == "True", (found.stdout, found.stderr)
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "enum": ["Paris", "Lyon", "Rome"]}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        max_tokens=32,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "capital", "schema": schema, "strict": True},
+        },
+    )
+    answer = json.loads(chat.choices[0].message.content)
+    assert set(answer) == {"capital"} and answer["capital"] in ("Paris", "Lyon", "Rome"), answer
 
 
 def test_requests_reach_both_engines(client):

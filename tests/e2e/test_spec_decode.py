@@ -44,6 +44,9 @@ SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "num_draft_l
 # (over a dozen CPU seconds): the default model's float32 verify steps on one core, flat up
 # to ~8 query tokens (a draft costs ~3-10% of a step at batch 1), then compute-bound.
 STEP_COSTS = "1:0.020,2:0.0205,4:0.021,8:0.023,16:0.036,32:0.066,64:0.13,128:0.26,256:0.55"
+# The draft heads' training text (`kvserve train-draft`'s options): a few prompts, so the
+# heads are weak and their drafts are both accepted and rejected.
+TRAIN_CORPUS = {"num_prompts": 12, "max_tokens": 48}
 # The n > 1 and logprobs request of test_logprobs_n_and_max_tokens, on the last 3 prompts.
 LOGPROBS_N = SamplingParams(temperature=0.0, max_tokens=17, logprobs=2, n=2)
 
@@ -296,18 +299,28 @@ def tiny_llama_for_tp(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def medusa_heads(tmp_path_factory, engines) -> str:
+def draft_corpus(engines):
+    """The default model's greedy continuations of the training prompts, generated once for
+    the Medusa heads and the EAGLE head (both train on TRAIN_CORPUS's prompts)."""
+    from kvserve.shared.launch_options import TrainDraftOptions
+    from kvserve.training.train_draft import generate_corpus
+
+    engines.close()  # the generation starts its own engine
+    options = TrainDraftOptions(output="", **TRAIN_CORPUS)
+    return generate_corpus(options, kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
+
+
+@pytest.fixture(scope="module")
+def medusa_heads(tmp_path_factory, engines, draft_corpus) -> str:
     """Medusa heads for the default model from a short `train-draft` run (the real
     training path; a few prompts, so the heads are weak: some drafts pass, most do not)."""
     from kvserve.shared.launch_options import TrainDraftOptions
     from kvserve.training.train_draft import train_draft
 
-    engines.close()  # training starts its own engine
+    engines.close()  # the training's HF model needs the memory
     folder = str(tmp_path_factory.mktemp("medusa"))
-    options = TrainDraftOptions(
-        output=folder, num_heads=3, num_prompts=12, max_tokens=48, epochs=2, batch_size=32
-    )
-    train_draft(options, kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
+    options = TrainDraftOptions(output=folder, num_heads=3, epochs=2, batch_size=32, **TRAIN_CORPUS)
+    train_draft(options, corpus=draft_corpus)
     return folder
 
 
@@ -323,18 +336,18 @@ def test_medusa_heads(engines, medusa_heads, prompts, reference):
 
 
 @pytest.fixture(scope="module")
-def eagle_head(tmp_path_factory, engines) -> str:
+def eagle_head(tmp_path_factory, engines, draft_corpus) -> str:
     """An EAGLE-1 head for the default model from a short `train-draft --method eagle` run
     (the real training path; few prompts, so its guesses are weak)."""
     from kvserve.shared.launch_options import TrainDraftOptions
     from kvserve.training.train_eagle import train_eagle
 
-    engines.close()  # training starts its own engine
+    engines.close()  # the training's HF model needs the memory
     folder = str(tmp_path_factory.mktemp("eagle"))
     options = TrainDraftOptions(
-        output=folder, method="eagle", num_prompts=12, max_tokens=48, epochs=1, batch_size=2
+        output=folder, method="eagle", epochs=1, batch_size=2, **TRAIN_CORPUS
     )
-    train_eagle(options, kv_cache_memory=DEFAULT_MODEL_KV_CACHE_MEMORY)
+    train_eagle(options, corpus=draft_corpus)
     return folder
 
 

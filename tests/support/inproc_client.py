@@ -46,7 +46,7 @@ class InprocEngineClient(EngineClient):
         self.engine_core = EngineCore(config, model_dir)
         model_name = config.model.served_name
         super().__init__(
-            TokenizerInfo(config.model.tokenizer or model_dir),
+            TokenizerInfo(config.model.tokenizer or model_dir, plain=True),  # as the api's
             self.engine_core.ready.max_model_len,
             model_name,
             max_logprobs=self.engine_core.ready.max_logprobs,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import httpx
+from tests.support.http import http_get
 
 _MISSING = object()
 
 
 def metrics_text(url: str) -> str:
     """GET url/metrics (a server's base URL); fails the test unless it answers 200."""
-    response = httpx.get(url + "/metrics", timeout=5)
+    response = http_get(url + "/metrics", timeout=5)
     assert response.status_code == 200, response.text
     return response.text
 

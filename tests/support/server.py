@@ -25,6 +25,7 @@ import openai
 import psutil
 
 from tests.support.engine import ENGINE_READY_TIMEOUT_S
+from tests.support.http import http_get
 from tests.support.metrics import metrics_text, read_metric
 from tests.support.models import TINY_KV_CACHE_MEMORY
 from tests.support.ports import free_port
@@ -68,7 +69,7 @@ def read_log(log_path: str) -> str:
 def health_status(port: int) -> int | None:
     """/health's status on 127.0.0.1:port, or None when nothing answers."""
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
+        return http_get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
     except httpx.TransportError:
         return None
 
@@ -83,7 +84,8 @@ def wait_healthy(
         assert process.poll() is None, f"kvserve exited early:\n{read_log(log_path)}"
         if health_status(port) == 200:
             return
-        time.sleep(0.5)
+        # The suite starts ~90 servers: a 0.5 s poll added ~0.25 s to each start.
+        time.sleep(0.1)
     raise AssertionError(f"kvserve not healthy in {timeout_s} s:\n{read_log(log_path)}")
 
 
@@ -182,7 +184,7 @@ class ServeProcess:
 
     def health(self) -> tuple[int, dict]:
         """/health's status and JSON body."""
-        response = httpx.get(self.url + "/health", timeout=5)
+        response = http_get(self.url + "/health", timeout=5)
         return response.status_code, response.json()
 
     def metric(self, name: str, engine: int) -> float:
