@@ -53,7 +53,12 @@ from dataclasses import dataclass
 
 from kvserve.services.scheduler.core.request import Request
 from kvserve.services.scheduler.core.request_queue import RequestQueue
-from kvserve.services.scheduler.core.slo_pace import TpotPaces, UrgentPrompts, urgent_prompts
+from kvserve.services.scheduler.core.slo_pace import (
+    TpotPaces,
+    UrgentPrompts,
+    oldest_untargeted_prompt,
+    urgent_prompts,
+)
 from kvserve.services.scheduler.core.step_time import (
     StepShape,
     StepTimeModel,
@@ -100,6 +105,7 @@ class _Decodes:
     tightest_tpot_s: float = float("inf")
     prefill_context: int = 0  # computed tokens of the first running prompt (its chunk's start)
     banked_s: float = float("inf")  # the longest step every TPOT average still allows
+    paced_s: float = float("inf")  # ... every per-step pace (slo_pace.paced_allowance)
 
 
 class LatencyTargets:
@@ -173,12 +179,12 @@ class LatencyTargets:
         room = max(self.max_num_batched_tokens - num_decode_tokens, 0)
         seats = self.config.max_num_seqs - len(running)
         urgent = urgent_prompts(running, waiting, seats, room, now, TTFT_PACE_SHARE)
-        limit_s = min(
-            decodes.tightest_tpot_s,
-            self._ttft_limit(urgent, decodes),
-            self._arrival_limit(),
-        )
-        num_prefill = self._max_prefill_tokens(decodes, limit_s)
+        cap_s = min(self._ttft_limit(urgent, decodes), self._arrival_limit())
+        num_prefill = self._max_prefill_tokens(decodes, min(decodes.tightest_tpot_s, cap_s))
+        if self._has_aged_prompt(running, waiting, seats, now):
+            # Catch-up: what the decodes banked under the per-step pace (module doc, 5).
+            catch_up = self._max_prefill_tokens(decodes, min(decodes.paced_s, cap_s))
+            num_prefill = max(num_prefill, catch_up)
         num_prefill = max(num_prefill, self._urgent_floor(decodes, urgent, num_prefill))
         num_reserved = min(urgent.num_tokens + urgent.num_late_tokens, num_prefill)
         return StepBudget(
@@ -195,7 +201,18 @@ class LatencyTargets:
                 per_step_s = request.slo_tpot_ms / 1000 * TPOT_HEADROOM
                 allowance = self._paces.next_token_allowance(request, now, per_step_s)
                 decodes.banked_s = min(decodes.banked_s, allowance)
+                paced = self._paces.paced_allowance(request, now, per_step_s)
+                decodes.paced_s = min(decodes.paced_s, paced)
         return decodes
+
+    def _has_aged_prompt(
+        self, running: list[Request], waiting: RequestQueue, seats: int, now: float
+    ) -> bool:
+        """Whether a prompt without a TTFT target has tokens left past its aging bound
+        (arrival_time + slo_aging_ms): behind its arrival, it may spend the decodes'
+        slack under the per-step pace."""
+        oldest = oldest_untargeted_prompt(running, waiting, seats)
+        return oldest is not None and now >= oldest + self.config.slo_aging_ms / 1000
 
     def _ttft_limit(self, urgent: UrgentPrompts, decodes: _Decodes) -> float:
         """The time left to the earliest TTFT deadline among the prompts, if a step holding

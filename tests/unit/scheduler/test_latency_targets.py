@@ -85,7 +85,8 @@ def test_a_step_is_the_largest_that_keeps_the_tpot_target():
     target_s = 0.050
     scheduler = _scheduler()
     _with_decodes(scheduler, tpot=target_s * 1000)
-    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    # (arrived now: within its aging bound, the document gets no more than the limit)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW))
     num_chunks = num_before = 0
     while scheduler.requests.get("chat0") is not None:
         scheduler_output, _ = step(scheduler)
@@ -117,7 +118,8 @@ def test_steps_are_planned_at_the_ratio_quantile_with_the_unseen_time():
     scheduler.latency.model.ratio_quantile = ratio
     scheduler.latency.unseen.quantile_s = unseen_s
     _with_decodes(scheduler, tpot=target_s * 1000)
-    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    # (arrived now: within its aging bound, the document gets no more than the limit)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW))
     num_before = 0
     for _ in range(5):
         scheduler_output, _ = step(scheduler)
@@ -495,4 +497,36 @@ def test_prompts_with_ttft_targets_are_cleared_well_before_the_deadline():
     assert run.token_times["chat"][0] - arrival <= TTFT_PACE_SHARE * ttft_s + tpot_s
     run_to_completion(scheduler)
     assert all(run.tpot(f"decode{i}") <= tpot_s for i in range(4))
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_a_prompt_past_its_aging_bound_spends_the_slack_of_the_per_step_pace():
+    # Four decodes with a 20 ms TPOT target take ~10.5 ms steps alone, and bank what is
+    # left of the per-step limit (18 ms). A document without a target gets steps within
+    # that limit until it has waited its aging bound (300 ms here); then it may spend what
+    # the decodes banked under the per-step pace: longer steps, each decode's tokens still
+    # within that pace (not its target's: nothing borrowed, the margin kept).
+    tpot_s, aging_s = 0.020, 0.300
+    per_step_s = tpot_s * TPOT_HEADROOM
+    scheduler = _scheduler(slo_aging_ms=aging_s * 1000)
+    run = _Run(scheduler)
+    for i in range(4):
+        scheduler.add_request(_targeted(f"decode{i}", 20, tpot=tpot_s * 1000, max_tokens=120))
+    for _ in range(30):
+        run.step()
+    arrival = run.now
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=arrival))
+    aged_steps_s = []
+    while "decode0" in scheduler.requests:
+        start = run.now
+        planned_s = _predict(scheduler, run.step())
+        if start < arrival + aging_s:
+            assert planned_s <= per_step_s
+        else:
+            aged_steps_s.append(planned_s)
+    assert max(aged_steps_s) > 2 * per_step_s
+    run_to_completion(scheduler)
+    for i in range(4):  # every token within the per-step pace since the first
+        times = run.token_times[f"decode{i}"]
+        assert all(t - times[0] <= k * per_step_s * (1 + 1e-9) for k, t in enumerate(times))
     assert_no_leaked_blocks(scheduler)
