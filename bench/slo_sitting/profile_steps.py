@@ -43,6 +43,9 @@ class Profile:
     num_floor: int = 0
     chunks: dict[str, list[int]] = field(default_factory=lambda: {"0": [], "1-2": [], "3+": []})
     step_s: list[float] = field(default_factory=list)
+    # (document tokens, seconds of steps) beside decodes and without any
+    beside: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    alone: list[float] = field(default_factory=lambda: [0.0, 0.0])
     record: dict[str, Any] = field(default_factory=dict)
     wrapped: bool = False
 
@@ -105,6 +108,9 @@ def _on_step(profile: Profile, scheduler: Scheduler, out: SchedulerOutput, secon
     record = profile.record
     budget = record.get("budget")
     num_rows = shape_of(out).num_decode_rows
+    rate = profile.beside if num_rows else profile.alone
+    rate[0] += num_doc
+    rate[1] += seconds
     if num_doc:
         bucket = "0" if num_rows == 0 else "1-2" if num_rows <= 2 else "3+"
         profile.chunks[bucket].append(num_doc)
@@ -146,6 +152,11 @@ def _report(rate: float, seed: int, profile: Profile, line: str) -> None:
         for k, v in profile.chunks.items()
     )
     print(f"  median doc chunk beside {chunks}")
+    beside, alone = profile.beside, profile.alone
+    print(
+        f"  doc tokens / s of step: beside decodes {beside[0] / max(beside[1], 1e-9):.0f} "
+        f"({beside[1]:.0f} s), without {alone[0] / max(alone[1], 1e-9):.0f} ({alone[1]:.0f} s)"
+    )
     binding = ", ".join(f"{k} {_pct(v, n)}" for k, v in profile.binding.most_common())
     print(f"  tightest limit: {binding}; pace floor raised {_pct(profile.num_floor, n)}")
 

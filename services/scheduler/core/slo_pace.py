@@ -45,15 +45,17 @@ class TpotPaces:
             num_after = min(request.max_tokens - request.num_output_tokens - 1, BORROW_TOKENS)
         return max(slack_s + max(num_after, 0) * (target_s - per_step_s), per_step_s)
 
-    def paced_allowance(self, request: Request, now: float, per_step_s: float) -> float:
+    def paced_allowance(
+        self, request: Request, now: float, pace_s: float, reserve_s: float, floor_s: float
+    ) -> float:
         """The longest step after which `request` (decoding, with a TPOT target) is still
-        on the per-step pace (`per_step_s` a token since first seen decoding, not the
-        target's): what it banked under the per-step limit, never less than that limit.
-        Nothing is borrowed from its later tokens, so a step spends this again and again
-        and the request still averages within the per-step limit."""
+        `reserve_s` ahead of a pace of `pace_s` a token since first seen decoding, never
+        less than `floor_s` (the per-step limit). Nothing is borrowed from its later
+        tokens, so a step may spend this again and again and the request still averages
+        within `pace_s`."""
         start = self._starts.setdefault(request.req_id, (now, request.num_output_tokens))
         num_due = request.num_output_tokens - start[1] + 1
-        return max(start[0] + per_step_s * num_due - now, per_step_s)
+        return max(start[0] + pace_s * num_due - reserve_s - now, floor_s)
 
     def forget(self, request: Request) -> None:
         self._starts.pop(request.req_id, None)
