@@ -33,8 +33,18 @@ requests is slo_pace.py):
    as many as the step may hold); such a step may run past the per-step TPOT
    limit by the slack the decodes banked (TPOT is an average over a request's output,
    vLLM's definition: a decode ahead of its pace can afford one longer step; slo_pace.py),
-   never further and never past that deadline. With no such prompt, no slack is spent.
-5. Prompts with a TTFT target get their tokens first, within those prompt tokens: running
+   never further and never past that deadline. With no such prompt, this floor spends
+   no slack.
+5. The catch-up: while a prompt without a TTFT target has waited past its aging bound
+   (arrival_time + slo_aging_ms; running mid-prefill or waiting for a seat), a step may
+   also run as long as every running decode stays CATCH_UP_RESERVE_S ahead of a pace of
+   CATCH_UP_PACE of its TPOT target a token since first seen decoding (never shorter than
+   rule 3's step; within the TTFT deadline and the arrival cap of rule 2). Nothing is
+   borrowed from later tokens, so this is spent step after step and each decode still
+   averages within that pace; the reserve is what a burst of chats' prompts spends at
+   once (rule 4). Without it, a document falls behind its arrivals while chats decode:
+   each step's fixed cost leaves prompt chunks of ~10 tokens beside them.
+6. Prompts with a TTFT target get their tokens first, within those prompt tokens: running
    prompt chunks without one take only the rest (StepPlan.running_prefill_budget), so a
    short request is admitted now instead of behind another request's long prompt (if a
    seat is free). Those whose deadline passed still go first, but set no pace.
