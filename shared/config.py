@@ -255,7 +255,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
         float,
         flag_doc(
             "with latency targets, a waiting request without a TTFT target counts as due "
-            "this long after its arrival, so targeted requests cannot starve it"
+            "this long after its arrival, so targeted requests cannot starve it; past it, "
+            "its prompt may use the time the decodes banked under their TPOT targets"
         ),
     ] = 5000.0
 

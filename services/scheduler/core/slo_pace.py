@@ -45,6 +45,18 @@ class TpotPaces:
             num_after = min(request.max_tokens - request.num_output_tokens - 1, BORROW_TOKENS)
         return max(slack_s + max(num_after, 0) * (target_s - per_step_s), per_step_s)
 
+    def paced_allowance(
+        self, request: Request, now: float, pace_s: float, reserve_s: float, floor_s: float
+    ) -> float:
+        """The longest step after which `request` (decoding, with a TPOT target) is still
+        `reserve_s` ahead of a pace of `pace_s` a token since first seen decoding, never
+        less than `floor_s` (the per-step limit). Nothing is borrowed from its later
+        tokens, so a step may spend this again and again and the request still averages
+        within `pace_s`."""
+        start = self._starts.setdefault(request.req_id, (now, request.num_output_tokens))
+        num_due = request.num_output_tokens - start[1] + 1
+        return max(start[0] + pace_s * num_due - reserve_s - now, floor_s)
+
     def forget(self, request: Request) -> None:
         self._starts.pop(request.req_id, None)
 
@@ -106,6 +118,21 @@ def urgent_prompts(
         _deadline(head) - now,
         max(pace_point - now, 0.0),
     )
+
+
+def oldest_untargeted_prompt(
+    running: list[Request], waiting: RequestQueue, seats: int
+) -> float | None:
+    """The arrival time of the oldest prompt without a TTFT target that has tokens to
+    compute: running mid-prefill, or waiting in admission order while seats last (None: no
+    such prompt)."""
+    waiting_seated = itertools.islice(waiting, max(seats, 0)) if waiting else ()
+    arrivals = [
+        request.arrival_time
+        for request in itertools.chain(running, waiting_seated)
+        if request.slo_ttft_ms is None and _prompt_left(request) > 1
+    ]
+    return min(arrivals, default=None)
 
 
 def _prompt_left(request: Request) -> int:

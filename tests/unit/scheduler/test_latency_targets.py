@@ -10,6 +10,8 @@ import pytest
 
 from kvserve.services.scheduler.core.features import SchedulerFeatures
 from kvserve.services.scheduler.core.latency_targets import (
+    CATCH_UP_PACE,
+    CATCH_UP_RESERVE_S,
     TARGET_MEMORY_S,
     TPOT_HEADROOM,
     TTFT_PACE_SHARE,
@@ -85,7 +87,8 @@ def test_a_step_is_the_largest_that_keeps_the_tpot_target():
     target_s = 0.050
     scheduler = _scheduler()
     _with_decodes(scheduler, tpot=target_s * 1000)
-    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    # (arrived now: within its aging bound, the document gets no more than the limit)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW))
     num_chunks = num_before = 0
     while scheduler.requests.get("chat0") is not None:
         scheduler_output, _ = step(scheduler)
@@ -117,7 +120,8 @@ def test_steps_are_planned_at_the_ratio_quantile_with_the_unseen_time():
     scheduler.latency.model.ratio_quantile = ratio
     scheduler.latency.unseen.quantile_s = unseen_s
     _with_decodes(scheduler, tpot=target_s * 1000)
-    scheduler.add_request(create_request("document", 6000, max_tokens=1))
+    # (arrived now: within its aging bound, the document gets no more than the limit)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW))
     num_before = 0
     for _ in range(5):
         scheduler_output, _ = step(scheduler)
@@ -495,4 +499,41 @@ def test_prompts_with_ttft_targets_are_cleared_well_before_the_deadline():
     assert run.token_times["chat"][0] - arrival <= TTFT_PACE_SHARE * ttft_s + tpot_s
     run_to_completion(scheduler)
     assert all(run.tpot(f"decode{i}") <= tpot_s for i in range(4))
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_a_prompt_past_its_aging_bound_spends_the_slack_under_the_catch_up_pace():
+    # Four decodes with a 100 ms TPOT target take ~10.5 ms steps alone. A document
+    # without a target (1 ms a prompt token here) gets steps within the per-step limit
+    # (90 ms) until it has waited its aging bound (300 ms); then it may spend what the
+    # decodes banked under the catch-up pace (CATCH_UP_PACE of the target a token) less
+    # CATCH_UP_RESERVE_S: longer steps, after each of which every decode is still that
+    # reserve ahead of that pace (nothing borrowed from later tokens).
+    tpot_s, aging_s = 0.100, 0.300
+    per_step_s, pace_s = tpot_s * TPOT_HEADROOM, tpot_s * CATCH_UP_PACE
+    scheduler = _scheduler(slo_aging_ms=aging_s * 1000)
+    scheduler.latency.model.coefficients[1] = 1.0
+    run = _Run(scheduler)
+    for i in range(4):
+        scheduler.add_request(_targeted(f"decode{i}", 20, tpot=tpot_s * 1000, max_tokens=60))
+    for _ in range(20):  # they bank ~75 ms a step under the catch-up pace
+        run.step()
+    arrival = run.now
+    scheduler.add_request(create_request("document", 8000, max_tokens=1, arrival_time=arrival))
+    catch_up_ends, longest_s = set(), 0.0
+    while "decode0" in scheduler.requests:
+        start = run.now
+        planned_s = _predict(scheduler, run.step())
+        if start < arrival + aging_s:
+            assert planned_s <= per_step_s
+        elif planned_s > per_step_s:
+            catch_up_ends.add(run.now)
+            longest_s = max(longest_s, planned_s)
+    assert longest_s > 2 * per_step_s
+    run_to_completion(scheduler)
+    for i in range(4):
+        times = run.token_times[f"decode{i}"]
+        for k, t in enumerate(times):
+            if t in catch_up_ends:
+                assert t - times[0] <= k * pace_s - CATCH_UP_RESERVE_S + 1e-9
     assert_no_leaked_blocks(scheduler)
