@@ -134,3 +134,34 @@ def test_a_bad_draft_folder_fails_at_start_up(successor_model, tmp_path, how, me
             kv_cache_memory=TINY_KV_CACHE_MEMORY,
             speculative_config=_spec(folder),
         )
+
+
+def test_a_head_trained_by_train_draft_serves_the_same_output(successor_model, tmp_path):
+    """`train-draft --method eagle3`'s code end to end (generation, the target's aux states,
+    training-time test, the published layout) on the successor target, whose next token
+    is a function of the current one: the trained head's drafts are accepted, output stays."""
+    from kvserve.shared.launch_options import TrainDraftOptions
+    from kvserve.training.train_eagle3 import train_eagle3
+
+    options = TrainDraftOptions(
+        model=successor_model,
+        output=str(tmp_path / "eagle3"),
+        method="eagle3",
+        num_prompts=12,
+        max_tokens=24,
+        epochs=4,
+        lr=3e-3,
+        batch_size=2,
+        num_spec_tokens=3,
+        draft_vocab_size=128,
+    )
+    run = train_eagle3(options, kv_cache_memory=TINY_KV_CACHE_MEMORY)
+    assert run.score.mean_acceptance_length > run.untrained_score.mean_acceptance_length
+    reference, llm = _greedy(successor_model)
+    _close(llm)
+    out, llm = _greedy(successor_model, _spec(options.output))
+    totals = llm.stats_totals
+    _close(llm)
+    assert out == reference
+    accepted, drafted = totals.spec_num_accepted_tokens, totals.spec_num_draft_tokens
+    assert drafted > 0 and accepted >= 0.3 * drafted, f"{accepted} of {drafted} accepted"
