@@ -521,8 +521,7 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
             or self.num_layers < 0
         ):
             raise ValueError(
-                "--num-heads, --num-spec-tokens, --draft-vocab-size must be >= 1, "
-                "--num-layers >= 0"
+                "--num-heads, --num-spec-tokens, --draft-vocab-size must be >= 1, --num-layers >= 0"
             )
         if self.num_prompts < 2 or self.max_tokens < self.num_heads + 2:
             raise ValueError(
@@ -533,9 +532,11 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def train_epochs(self) -> int:
-        return self.epochs if self.epochs is not None else {"medusa": 2, "eagle": 6, "eagle3": 6}[
-            self.method
-        ]
+        return (
+            self.epochs
+            if self.epochs is not None
+            else {"medusa": 2, "eagle": 6, "eagle3": 6}[self.method]
+        )
 
     @property
     def learning_rate(self) -> float:

@@ -4,10 +4,11 @@ Both heads are trained by `kvserve train-draft`'s own code (train_eagle.py, trai
 on the same data with the same step budget: kvserve's greedy replies (float32, chat template)
 to `--num-prompts` prompts of bench/spec_decode/train_prompts.jsonl, generated once; the
 last tenth of the (shuffled) prompts is held out. Same epochs, batch size and learning rate,
-so the same number of optimizer steps. Then each head serves the held-out prompts through
-the offline LLM (greedy, k = --num-spec-tokens, adaptive off) and the engine's counters give
-the mean accepted length per verify step, 1 + accepted drafts / verify steps; greedy output
-is checked against the same prompts without speculation.
+so the same number of optimizer steps. Then each head serves held-out prompts through the
+offline LLM (greedy, k = --num-spec-tokens, adaptive off; the held-out tenth, then further
+prompts of the file that neither head trained on, --num-serve-prompts in all) and the
+engine's counters give the mean accepted length per verify step, 1 + accepted drafts /
+verify steps; greedy output is checked against the same prompts without speculation.
 
     nice -n 10 .venv/bin/python bench/spec_decode/eagle3_vs_eagle.py --out /tmp/eagle3-bench
 
@@ -73,9 +74,7 @@ def train_eagle3(target: HFTarget, model_dir: str, split, options: TrainDraftOpt
 
 def serve(prompts: list[str], max_tokens: int, spec: dict | None) -> tuple[list, dict]:
     """Greedy replies to the prompts and the spec-decode counters."""
-    llm = LLM(
-        model=None, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, speculative_config=spec
-    )
+    llm = LLM(model=None, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     totals = llm.stats_totals
@@ -102,6 +101,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--num-spec-tokens", type=int, default=3)
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument(
+        "--num-serve-prompts",
+        type=int,
+        default=20,
+        help="held-out prompts served: the held-out tenth, then prompts not trained on",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (training)")
     args = parser.parse_args()
     start = time.perf_counter()
     eagle1 = TrainDraftOptions(
@@ -115,10 +121,18 @@ def main() -> None:
         num_spec_tokens=args.num_spec_tokens,
         draft_vocab_size=args.draft_vocab_size,
     )
-    eagle3 = msgspec.structs.replace(eagle1, method="eagle3", output=os.path.join(args.out, "eagle3"))
+    eagle3 = msgspec.structs.replace(
+        eagle1, method="eagle3", output=os.path.join(args.out, "eagle3")
+    )
     torch.manual_seed(eagle1.seed)
-    prompts = load_prompts(None, eagle1.num_prompts, eagle1.seed)
+    torch.set_num_threads(args.threads)
+    # The shuffled prompt file: the first num_prompts are train-draft's (a tenth held out);
+    # the served prompts start at the held-out ones and go on past them.
+    all_prompts = load_prompts(None, 10**9, eagle1.seed)
+    prompts = all_prompts[: eagle1.num_prompts]
     num_held_out = max(1, len(prompts) // 10)
+    first_served = len(prompts) - num_held_out
+    served = all_prompts[first_served : first_served + args.num_serve_prompts]
     model_dir, sequences = generate_sequences(
         None, prompts, eagle1.max_tokens, eagle1.seed, kv_cache_memory=KV_CACHE_MEMORY
     )
@@ -132,12 +146,12 @@ def main() -> None:
     report["eagle3"] = train_eagle3(target, model_dir, split, eagle3)
     del target
     gc.collect()
-    held_out = prompts[-num_held_out:]
-    reference, _ = serve(held_out, args.max_tokens, None)
+    report["num_served_prompts"] = len(served)
+    reference, _ = serve(served, args.max_tokens, None)
     for name, options in (("eagle", eagle1), ("eagle3", eagle3)):
         spec = {"method": name, "model": options.output,
                 "num_speculative_tokens": args.num_spec_tokens, "adaptive": False}  # fmt: skip
-        outputs, counters = serve(held_out, args.max_tokens, spec)
+        outputs, counters = serve(served, args.max_tokens, spec)
         report[name].update(counters, greedy_output_unchanged=outputs == reference)
     first, third = (report[n]["mean_accepted_length"] for n in ("eagle", "eagle3"))
     report["ratio_eagle3_over_eagle"] = round(third / first, 4) if first and third else None

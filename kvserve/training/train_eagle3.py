@@ -409,7 +409,9 @@ def train_eagle3_model(
         optimizer, T_max=num_batches * options.train_epochs
     )
     model.train()
-    bar = tqdm(total=num_batches * options.train_epochs, desc="Training EAGLE-3", dynamic_ncols=True)
+    bar = tqdm(
+        total=num_batches * options.train_epochs, desc="Training EAGLE-3", dynamic_ncols=True
+    )
     for _ in range(options.train_epochs):
         order = torch.randperm(len(data), generator=generator).tolist()
         for start in range(0, len(order), batch_size):
@@ -481,9 +483,7 @@ def fit_eagle3(
     config = eagle3_config_of(target.model.config, options.draft_vocab_size, model_dir)
     assert config.aux_layer_ids is not None
     train = collect_eagle3_sequences(target, sequences[0], config.aux_layer_ids, "Train set")
-    held_out = collect_eagle3_sequences(
-        target, sequences[1], config.aux_layer_ids, "Held-out set"
-    )
+    held_out = collect_eagle3_sequences(target, sequences[1], config.aux_layer_ids, "Held-out set")
     seconds["features"] = time.perf_counter() - start
     draft_ids = draft_vocabulary(train, config.layer.vocab_size, config.draft_vocab_size)
     model = make_eagle3(target, draft_ids, base_model=model_dir)
@@ -535,7 +535,9 @@ def run_train_eagle3(options: TrainDraftOptions) -> int:
         json.dump(report, f, indent=1)
     score = run.score
     print(f"wrote an EAGLE-3 head to {options.output} in {elapsed:.0f} s ({run.seconds})")
-    print(f"held-out chains (all {options.num_spec_tokens} next tokens known): {score.num_positions}")
+    print(
+        f"held-out chains (all {options.num_spec_tokens} next tokens known): {score.num_positions}"
+    )
     for i, (top1, chain) in enumerate(zip(score.top1, score.chain)):
         print(
             f"  draft {i + 1} (token t+{i + 2}): right when reached {top1:.3f}, "
