@@ -46,6 +46,10 @@ def _run_train_draft(options: TrainDraftOptions) -> int:
         from kvserve.training.train_eagle import run_train_eagle
 
         return run_train_eagle(options)
+    if options.method == "eagle3":
+        from kvserve.training.train_eagle3 import run_train_eagle3
+
+        return run_train_eagle3(options)
     from kvserve.training.train_draft import run_train_draft
 
     return run_train_draft(options)
@@ -149,7 +153,7 @@ COMMANDS: dict[str, _Command] = {
     "train-draft": (
         TrainDraftOptions,
         _run_train_draft,
-        "train Medusa draft heads on the model's own generations (speculative decoding)",
+        "train draft heads (Medusa, EAGLE-1, EAGLE-3) on the model's own generations",
         ("model",),
         (),
     ),

@@ -467,8 +467,8 @@ class GenerateOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """`kvserve train-draft`: Medusa heads or an EAGLE-1 head from the model's own greedy
-    generations.
+    """`kvserve train-draft`: Medusa heads, an EAGLE-1 or an EAGLE-3 head from the model's
+    own greedy generations.
 
     Self-distillation on this machine: no hub, no data sets."""
 
@@ -480,11 +480,18 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
         str, flag_doc("folder to write the heads to (config.json, model.safetensors)")
     ]
     method: Annotated[
-        Literal["medusa", "eagle"], flag_doc("draft kind: Medusa heads or an EAGLE-1 decoder layer")
+        Literal["medusa", "eagle", "eagle3"],
+        flag_doc("draft kind: Medusa heads, an EAGLE-1 or an EAGLE-3 decoder layer"),
     ] = "medusa"
     num_heads: Annotated[int, flag_doc("Medusa heads: the most tokens drafted per step")] = 3
     num_layers: Annotated[int, flag_doc("residual layers per head")] = 1
-    num_spec_tokens: Annotated[int, flag_doc("EAGLE: the drafted chain's length when scoring")] = 4
+    num_spec_tokens: Annotated[
+        int,
+        flag_doc("EAGLE: the drafted chain's length when scoring (EAGLE-3: and steps unrolled)"),
+    ] = 4
+    draft_vocab_size: Annotated[
+        int, flag_doc("EAGLE-3: the draft vocabulary, the training data's most frequent tokens")
+    ] = 8192
     share_lm_head: Annotated[
         bool, flag_doc("heads use the target's LM head (nothing to store; fewer bytes per step)")
     ] = True
@@ -509,8 +516,13 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
     seed: Annotated[int, flag_doc("seed of the prompt shuffle, the split and the training")] = 0
 
     def __post_init__(self):
-        if self.num_heads < 1 or self.num_layers < 0 or self.num_spec_tokens < 1:
-            raise ValueError("--num-heads, --num-spec-tokens must be >= 1, --num-layers >= 0")
+        if (
+            min(self.num_heads, self.num_spec_tokens, self.draft_vocab_size) < 1
+            or self.num_layers < 0
+        ):
+            raise ValueError(
+                "--num-heads, --num-spec-tokens, --draft-vocab-size must be >= 1, --num-layers >= 0"
+            )
         if self.num_prompts < 2 or self.max_tokens < self.num_heads + 2:
             raise ValueError(
                 "--num-prompts must be >= 2 (some are held out) and --max-tokens > --num-heads + 1"
@@ -520,7 +532,11 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def train_epochs(self) -> int:
-        return self.epochs if self.epochs is not None else {"medusa": 2, "eagle": 6}[self.method]
+        return (
+            self.epochs
+            if self.epochs is not None
+            else {"medusa": 2, "eagle": 6, "eagle3": 6}[self.method]
+        )
 
     @property
     def learning_rate(self) -> float:
@@ -530,4 +546,4 @@ class TrainDraftOptions(msgspec.Struct, frozen=True, kw_only=True):
     def train_batch_size(self) -> int:
         if self.batch_size is not None:
             return self.batch_size
-        return {"medusa": 64, "eagle": 2}[self.method]
+        return {"medusa": 64, "eagle": 2, "eagle3": 2}[self.method]

@@ -322,12 +322,18 @@ def load_eagle3(
 
 def save_eagle3(head: Eagle3Head, folder: str) -> None:
     """Write the published layout (config.json + model.safetensors)."""
+    save_eagle3_tensors(head.config, head.published_state_dict(), folder)
+
+
+def save_eagle3_tensors(
+    config: Eagle3Config, tensors: Mapping[str, torch.Tensor], folder: str
+) -> None:
+    """Write config and tensors already under the published names (a head's
+    published_state_dict, or the training module's state_dict) as the published layout."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(head.config.to_dict(), f, indent=1)
-    tensors = {
-        name: t.detach().to("cpu").contiguous() for name, t in head.published_state_dict().items()
-    }
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(config.to_dict(), f, indent=1)
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    save_file(cpu, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
