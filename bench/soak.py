@@ -122,11 +122,13 @@ def run_soak(args: argparse.Namespace) -> dict:
 def run_phases(
     args: argparse.Namespace, deployment: Deployment, greedy: GreedySample, config: LoadConfig
 ) -> dict:
-    """Load; after warm-up, chaos and the greedy sample beside it; then everything stops."""
+    """Load (primed first: Load.prime); after warm-up, chaos and the greedy sample beside
+    it; then everything stops."""
+    load = Load(deployment.url, config)
+    load.prime()
     t0 = time.monotonic()
     warmup_s = args.warmup_s if args.warmup_s is not None else max(30.0, args.duration / 5)
     watcher = Watcher(deployment, t0, interval_s=5.0 if args.duration < 600 else 10.0)
-    load = Load(deployment.url, config)
     chaos = Chaos(deployment, args.seed, max(0.15, min(1.0, args.duration / 1800)), t0)
     stop_watch, stop_chaos = threading.Event(), threading.Event()
     watch_thread = _thread(watcher.run, stop_watch)

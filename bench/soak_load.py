@@ -126,6 +126,40 @@ class Load:
             thread.start()
             self.threads.append(thread)
 
+    def prime(self, copies: int = 4) -> None:
+        """Each shape that loads something once per process (a grammar library, a tool
+        parser), `copies` at once so every engine of a DP=2 deployment gets one, before
+        the warm-up's memory samples: a first JSON-schema request late in a loaded run
+        would count its library's load as growth. Their outcomes count like any other."""
+        client = client_for(self.url, "alice", self.config.timeout_s)
+        rng = random.Random(self.config.seed)
+        threads = []
+        for shape in ("short", "chat_stream", "tools", "json_schema"):
+            for _ in range(copies):
+                seed = rng.randrange(1 << 30)
+                thread = threading.Thread(target=self._once, args=(client, shape, seed))
+                thread.start()
+                threads.append(thread)
+        for thread in threads:
+            thread.join(self.config.timeout_s + 10)
+
+    def _once(self, client: openai.OpenAI, shape: str, seed: int) -> None:
+        self._request(client, shape, "alice", random.Random(seed))
+
+    def _request(
+        self, client: openai.OpenAI, shape: str, tenant: str, rng: random.Random
+    ) -> Outcome:
+        """One request of `shape`, its outcome recorded."""
+        outcome = Outcome(shape, tenant, time.monotonic())
+        try:
+            outcome.status = getattr(self, f"_{shape}")(client, rng)
+        except Exception as exc:  # noqa: BLE001 - every failure is an outcome
+            outcome.status, outcome.error = "failed", describe_error(exc)
+            outcome.error_type = type(exc).__name__
+        outcome.end = time.monotonic()
+        self.outcomes.append(outcome)
+        return outcome
+
     def finish(self) -> None:
         self.stop.set()
         for thread in self.threads:
@@ -137,14 +171,7 @@ class Load:
         client = client_for(self.url, tenant, self.config.timeout_s)
         while not self.stop.is_set():
             shape = "slow" if slow else rng.choice(SHAPES)
-            outcome = Outcome(shape, tenant, time.monotonic())
-            try:
-                outcome.status = getattr(self, f"_{shape}")(client, rng)
-            except Exception as exc:  # noqa: BLE001 - every failure is an outcome
-                outcome.status, outcome.error = "failed", describe_error(exc)
-                outcome.error_type = type(exc).__name__
-            outcome.end = time.monotonic()
-            self.outcomes.append(outcome)
+            outcome = self._request(client, shape, tenant, rng)
             # A refused client waits longer, as a real one would before trying again.
             pause = 2 * self.config.pause_s if outcome.status != "failed" else 2.0
             self.stop.wait(rng.uniform(0, pause))
