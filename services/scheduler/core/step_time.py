@@ -12,12 +12,18 @@ near 1, so the fit is well conditioned.
 
 The coefficients start at a prior: from the workers' start-up measurement where there is
 one (`SchedulerFeatures.step_costs`: seconds of steps of 1, 2, 4 ... query tokens, measured
-for adaptive speculation), else a conservative guess (a GPU prefilling 10k tokens/s). Every
+for adaptive speculation), else a guess (a GPU prefilling 10k tokens/s). Every
 measured step then refits them (`record`): the step enters exponentially decayed normal
-equations (half-life ~70 steps, so a machine that gets slower is followed), and every
-`_REFIT_INTERVAL` steps a non-negative least-squares solve, pulled weakly towards the prior
-in the directions the steps seen do not pin down, gives the new coefficients. The mean
-relative prediction error is kept as an EWMA (SchedulerStats.step_time_prediction_error).
+equations (half-life ~70 steps, so a machine that gets slower is followed), and a
+non-negative least-squares solve, pulled weakly towards the prior in the directions the
+steps seen do not pin down, gives the new coefficients: after each of the first
+`_REFIT_INTERVAL` steps, then every `_REFIT_INTERVAL` steps. The first steps refit at once
+because the prior may be far off: an engine without speculation has no start-up
+measurement, and on the 2-core CPU the default guess predicts a 2,048-token step at 0.2 s
+where it takes 2-3 s; waiting for eight of them before the first refit let part (c)'s
+fair-policy sitting run whole-budget steps beside the light tenant's chats (TTFT target)
+for its first 20 s (bench/slo_sitting/simulate_tenants.py reproduces it). The mean relative
+prediction error is kept as an EWMA (SchedulerStats.step_time_prediction_error).
 
 The fit predicts a step's mean time; a step varies around it (log-normal, 16-33% on a
 2-core CPU server), and steps that carry prompt chunks ran longer than predicted there. So
@@ -167,7 +173,7 @@ class StepTimeModel:
             [_DECAY * g + xi * xj for g, xj in zip(row, x)] for row, xi in zip(self._gram, x)
         ]
         self._num_since_refit += 1
-        if self._num_since_refit >= _REFIT_INTERVAL:
+        if self._num_since_refit >= _REFIT_INTERVAL or self.num_steps <= _REFIT_INTERVAL:
             self.refit()
 
     def refit(self) -> None:

@@ -121,3 +121,14 @@ def test_the_shape_of_a_step_counts_prompt_tokens_decode_rows_and_attended_keys(
     # The decode's token attends its 10 computed tokens and itself; the chunk is causal.
     assert shape.num_context_tokens == 11 + 63 * 64 // 2
     assert shape.num_verify_rows == 0
+
+
+def test_the_model_knows_the_machine_after_its_first_measured_step():
+    # The default prior is far from this machine (a GPU's guess, 10x too fast): the first
+    # measured step refits at once, not after the regular interval's eight.
+    model = StepTimeModel()
+    shape = StepShape(num_prefill_tokens=2048, num_context_tokens=attended(2048, 0))
+    measured = 10 * model.predict(shape)
+    model.record(shape, measured)
+    assert model.predict(shape) == pytest.approx(measured, rel=0.05)
+
