@@ -27,10 +27,16 @@ prediction error is kept as an EWMA (SchedulerStats.step_time_prediction_error).
 
 The fit predicts a step's mean time; a step varies around it (log-normal, 16-33% on a
 2-core CPU server), and steps that carry prompt chunks ran longer than predicted there. So
-the model also keeps the ratio measured / predicted of the latest steps with prompt tokens
-(the steps the latency targets size) and its running `ratio_level` quantile
-(`ratio_quantile`, P90 by default; 1.0 until `_MIN_RATIOS` such steps): a prediction times
-it is a time the step stays within that often (latency_targets.py plans with it).
+the model also keeps the latest steps with prompt tokens (the steps the latency targets
+size), and at each refit the `ratio_level` quantile of their measured / predicted times
+under the new coefficients (`ratio_quantile`, P90 by default; 1.0 until `_MIN_RATIOS` such
+steps): a prediction times it is a time the step stays within that often
+(latency_targets.py plans with it). The ratios are taken against the current fit, not the
+one each step was planned with: a step planned before the fit knew its cost (the prior's
+first steps; the first document after decode-only steps, whose prompt coefficient was
+still the prior's) ran many times its prediction, and kept as such it held the P90 up for
+the next ~100 steps with prompts (part (c) simulated with eight whole-budget steps before
+the first refit: a P90 of 10 to 16 for 30 s, and no prompt token beside the decodes).
 Plain Python: 5 features, a few microseconds a step.
 """
 
@@ -149,7 +155,8 @@ class StepTimeModel:
         self.relative_error = 0.0  # EWMA of |predicted - measured| / measured
         self.ratio_level = RATIO_LEVEL
         self.ratio_quantile = 1.0  # of measured / predicted, steps with prompt tokens
-        self._ratios: deque[float] = deque(maxlen=_RATIO_WINDOW)
+        # The latest steps with prompt tokens: (features, measured seconds).
+        self._prompt_steps: deque[tuple[list[float], float]] = deque(maxlen=_RATIO_WINDOW)
 
     def predict(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients, shape.features()))
@@ -161,8 +168,8 @@ class StepTimeModel:
         x = shape.features()
         predicted = sum(c * xi for c, xi in zip(self.coefficients, x))
         error = abs(predicted - seconds) / seconds
-        if shape.num_prefill_tokens and predicted > 0:
-            self._ratios.append(seconds / predicted)
+        if shape.num_prefill_tokens:
+            self._prompt_steps.append((x, seconds))
         if self.num_steps == 0:
             self.relative_error = error
         else:
@@ -178,11 +185,9 @@ class StepTimeModel:
 
     def refit(self) -> None:
         """Non-negative least squares on the decayed normal equations, with a ridge towards
-        the prior (projected Gauss-Seidel, warm-started from the current coefficients)."""
+        the prior (projected Gauss-Seidel, warm-started from the current coefficients); then
+        the ratio quantile under the new coefficients."""
         self._num_since_refit = 0
-        if len(self._ratios) >= _MIN_RATIOS:
-            ratios = sorted(self._ratios)
-            self.ratio_quantile = ratios[min(int(self.ratio_level * len(ratios)), len(ratios) - 1)]
         gram, coefficients = self._gram, self.coefficients
         targets = [m + _PRIOR_WEIGHT * p for m, p in zip(self._moment, self.prior)]
         diagonals = [gram[i][i] + _PRIOR_WEIGHT for i in range(_NUM_FEATURES)]
@@ -191,6 +196,15 @@ class StepTimeModel:
                 # Row i of the normal equations, solved for coefficient i (the others held).
                 rest = sum([a * c for a, c in zip(row, coefficients)]) - row[i] * coefficients[i]
                 coefficients[i] = max((targets[i] - rest) / diagonals[i], 0.0)
+        if len(self._prompt_steps) >= _MIN_RATIOS:
+            ratios = sorted(
+                seconds / predicted
+                for x, seconds in self._prompt_steps
+                if (predicted := sum(c * xi for c, xi in zip(coefficients, x))) > 0
+            )
+            if ratios:
+                index = min(int(self.ratio_level * len(ratios)), len(ratios) - 1)
+                self.ratio_quantile = ratios[index]
 
 
 class UnseenTime:
