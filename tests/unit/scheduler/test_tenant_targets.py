@@ -59,7 +59,7 @@ class _Engine:
 
 def test_after_one_measured_step_no_step_beside_a_ttft_target_runs_long():
     # The default prior is a GPU's (0.1 s per 1k prompt tokens): on this CPU it predicts a
-    # 2,048-token step at a tenth of its 3 s. The first step, with no target live, takes the
+    # 2,048-token step at under a tenth of its 3 s. The first step, with no target live, takes the
     # whole budget anyway; the light tenant's chat arrives during it. From then on every step
     # must be short enough that a chat arriving during it waits for little (the arrival limit,
     # a quarter of the TTFT target), which needs the model to know the machine after that one
