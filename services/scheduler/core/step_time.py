@@ -12,19 +12,31 @@ near 1, so the fit is well conditioned.
 
 The coefficients start at a prior: from the workers' start-up measurement where there is
 one (`SchedulerFeatures.step_costs`: seconds of steps of 1, 2, 4 ... query tokens, measured
-for adaptive speculation), else a conservative guess (a GPU prefilling 10k tokens/s). Every
+for adaptive speculation), else a guess (a GPU prefilling 10k tokens/s). Every
 measured step then refits them (`record`): the step enters exponentially decayed normal
-equations (half-life ~70 steps, so a machine that gets slower is followed), and every
-`_REFIT_INTERVAL` steps a non-negative least-squares solve, pulled weakly towards the prior
-in the directions the steps seen do not pin down, gives the new coefficients. The mean
-relative prediction error is kept as an EWMA (SchedulerStats.step_time_prediction_error).
+equations (half-life ~70 steps, so a machine that gets slower is followed), and a
+non-negative least-squares solve, pulled weakly towards the prior in the directions the
+steps seen do not pin down, gives the new coefficients: after each of the first
+`_REFIT_INTERVAL` steps, then every `_REFIT_INTERVAL` steps. The first steps refit at once
+because the prior may be far off: an engine without speculation has no start-up
+measurement, and on the 2-core CPU the default guess predicts a 2,048-token step at 0.2 s
+where it takes 2-3 s; waiting for eight of them before the first refit let part (c)'s
+fair-policy sitting run whole-budget steps beside the light tenant's chats (TTFT target)
+for its first 20 s (bench/slo_sitting/simulate_tenants.py reproduces it). The mean relative
+prediction error is kept as an EWMA (SchedulerStats.step_time_prediction_error).
 
 The fit predicts a step's mean time; a step varies around it (log-normal, 16-33% on a
 2-core CPU server), and steps that carry prompt chunks ran longer than predicted there. So
-the model also keeps the ratio measured / predicted of the latest steps with prompt tokens
-(the steps the latency targets size) and its running `ratio_level` quantile
-(`ratio_quantile`, P90 by default; 1.0 until `_MIN_RATIOS` such steps): a prediction times
-it is a time the step stays within that often (latency_targets.py plans with it).
+the model also keeps the latest steps with prompt tokens (the steps the latency targets
+size), and at each refit the `ratio_level` quantile of their measured / predicted times
+under the new coefficients (`ratio_quantile`, P90 by default; 1.0 until `_MIN_RATIOS` such
+steps): a prediction times it is a time the step stays within that often
+(latency_targets.py plans with it). The ratios are taken against the current fit, not the
+one each step was planned with: a step planned before the fit knew its cost (the prior's
+first steps; the first document after decode-only steps, whose prompt coefficient was
+still the prior's) ran many times its prediction, and kept as such it held the P90 up for
+the next ~100 steps with prompts (part (c) simulated with eight whole-budget steps before
+the first refit: a P90 of 10 to 16 for 30 s, and no prompt token beside the decodes).
 Plain Python: 5 features, a few microseconds a step.
 """
 
@@ -143,7 +155,8 @@ class StepTimeModel:
         self.relative_error = 0.0  # EWMA of |predicted - measured| / measured
         self.ratio_level = RATIO_LEVEL
         self.ratio_quantile = 1.0  # of measured / predicted, steps with prompt tokens
-        self._ratios: deque[float] = deque(maxlen=_RATIO_WINDOW)
+        # The latest steps with prompt tokens: (features, measured seconds).
+        self._prompt_steps: deque[tuple[list[float], float]] = deque(maxlen=_RATIO_WINDOW)
 
     def predict(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients, shape.features()))
@@ -155,8 +168,8 @@ class StepTimeModel:
         x = shape.features()
         predicted = sum(c * xi for c, xi in zip(self.coefficients, x))
         error = abs(predicted - seconds) / seconds
-        if shape.num_prefill_tokens and predicted > 0:
-            self._ratios.append(seconds / predicted)
+        if shape.num_prefill_tokens:
+            self._prompt_steps.append((x, seconds))
         if self.num_steps == 0:
             self.relative_error = error
         else:
@@ -167,16 +180,14 @@ class StepTimeModel:
             [_DECAY * g + xi * xj for g, xj in zip(row, x)] for row, xi in zip(self._gram, x)
         ]
         self._num_since_refit += 1
-        if self._num_since_refit >= _REFIT_INTERVAL:
+        if self._num_since_refit >= _REFIT_INTERVAL or self.num_steps <= _REFIT_INTERVAL:
             self.refit()
 
     def refit(self) -> None:
         """Non-negative least squares on the decayed normal equations, with a ridge towards
-        the prior (projected Gauss-Seidel, warm-started from the current coefficients)."""
+        the prior (projected Gauss-Seidel, warm-started from the current coefficients); then
+        the ratio quantile under the new coefficients."""
         self._num_since_refit = 0
-        if len(self._ratios) >= _MIN_RATIOS:
-            ratios = sorted(self._ratios)
-            self.ratio_quantile = ratios[min(int(self.ratio_level * len(ratios)), len(ratios) - 1)]
         gram, coefficients = self._gram, self.coefficients
         targets = [m + _PRIOR_WEIGHT * p for m, p in zip(self._moment, self.prior)]
         diagonals = [gram[i][i] + _PRIOR_WEIGHT for i in range(_NUM_FEATURES)]
@@ -185,6 +196,15 @@ class StepTimeModel:
                 # Row i of the normal equations, solved for coefficient i (the others held).
                 rest = sum([a * c for a, c in zip(row, coefficients)]) - row[i] * coefficients[i]
                 coefficients[i] = max((targets[i] - rest) / diagonals[i], 0.0)
+        if len(self._prompt_steps) >= _MIN_RATIOS:
+            ratios = sorted(
+                seconds / predicted
+                for x, seconds in self._prompt_steps
+                if (predicted := sum(c * xi for c, xi in zip(coefficients, x))) > 0
+            )
+            if ratios:
+                index = min(int(self.ratio_level * len(ratios)), len(ratios) - 1)
+                self.ratio_quantile = ratios[index]
 
 
 class UnseenTime:

@@ -121,3 +121,33 @@ def test_the_shape_of_a_step_counts_prompt_tokens_decode_rows_and_attended_keys(
     # The decode's token attends its 10 computed tokens and itself; the chunk is causal.
     assert shape.num_context_tokens == 11 + 63 * 64 // 2
     assert shape.num_verify_rows == 0
+
+
+def test_the_model_knows_the_machine_after_its_first_measured_step():
+    # The default prior is far from this machine (a GPU's guess, 10x too fast): the first
+    # measured step refits at once, not after the regular interval's eight.
+    model = StepTimeModel()
+    shape = StepShape(num_prefill_tokens=2048, num_context_tokens=attended(2048, 0))
+    measured = 10 * model.predict(shape)
+    model.record(shape, measured)
+    assert model.predict(shape) == pytest.approx(measured, rel=0.05)
+
+
+def test_the_ratio_quantile_is_taken_under_the_current_fit():
+    # Decode-only steps first: the fit learns them, and the prompt coefficient stays at the
+    # prior (10x too fast here). Then steps with prompt chunks: those planned before the
+    # next refit ran 10x their prediction, but the refit learns their cost, and the ratio
+    # quantile is measured against it, not against the predictions those steps had.
+    truth = [0.004, 1.0, 0.012, 0.020, 0.006]
+    model, rng = StepTimeModel(), random.Random(3)
+
+    def measured(shape: StepShape) -> float:
+        return sum(c * x for c, x in zip(truth, shape.features())) * rng.uniform(0.98, 1.02)
+
+    for _ in range(8):
+        decode = StepShape(0, rng.randint(1, 64), rng.randint(0, 10**5))
+        model.record(decode, measured(decode))
+    for _ in range(16):
+        chunk = StepShape(rng.randint(64, 2048), rng.randint(1, 64), rng.randint(0, 10**6))
+        model.record(chunk, measured(chunk))
+    assert model.ratio_quantile < 1.2
