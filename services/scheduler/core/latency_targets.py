@@ -17,7 +17,9 @@ requests is slo_pace.py):
    step holding the decodes and that prompt can still end before it; and, while any live
    request has a TTFT target or one left in the last TARGET_MEMORY_S, a quarter of the
    tightest such target (a request arriving now waits for the step in flight: no
-   2,048-token step beside short chats, nor in a lull between them).
+   2,048-token step beside short chats, nor in a lull between them), or twice the
+   decodes' own step where they alone take longer than that quarter (out of reach: the
+   prompts would otherwise get nothing, step after step).
    A step's time is planned at a high quantile, not the mean (_predict): the model's
    prediction times the P90 of measured / predicted over the latest steps with prompt
    tokens (StepTimeModel.ratio_quantile), plus the P90 of the time between one step's end
@@ -85,6 +87,9 @@ _MIN_PREFILL_TOKENS = 16
 _ARRIVAL_STEPS = 4
 # ... and for this long after the last of them left.
 TARGET_MEMORY_S = 30.0
+# Where the decodes alone run past that share, a step may be this many times their own time
+# (prompts then get about half the machine instead of nothing).
+ARRIVAL_OUT_OF_REACH = 2.0
 # The pace floor aims to clear the prompts with a TTFT deadline ahead by this share of the
 # earliest one's target after its arrival (not just in time: the last step's time varies).
 TTFT_PACE_SHARE = 0.5
@@ -196,7 +201,7 @@ class LatencyTargets:
         room = max(self.max_num_batched_tokens - num_decode_tokens, 0)
         seats = self.config.max_num_seqs - len(running)
         urgent = urgent_prompts(running, waiting, seats, room, now, TTFT_PACE_SHARE)
-        cap_s = min(self._ttft_limit(urgent, decodes), self._arrival_limit())
+        cap_s = min(self._ttft_limit(urgent, decodes), self._arrival_limit(decodes))
         num_prefill = self._max_prefill_tokens(decodes, min(decodes.tightest_tpot_s, cap_s))
         if self._has_aged_prompt(running, waiting, seats, now):
             # Catch-up: what the decodes banked under the per-step pace (module doc, 5).
@@ -243,17 +248,22 @@ class LatencyTargets:
             return float("inf")
         return urgent.head_slack_s
 
-    def _arrival_limit(self) -> float:
+    def _arrival_limit(self, decodes: _Decodes) -> float:
         """While requests with a TTFT target are live, or one left in the last
         TARGET_MEMORY_S, no step longer than a share of the tightest such target: one
         arriving now waits for the step in flight (lever against 2,048-token steps beside
-        short chats)."""
+        short chats). Where the decodes alone take longer than that share (a slow machine,
+        a large batch), the share is out of reach and would leave every prompt 0 tokens
+        step after step: the limit is then ARRIVAL_OUT_OF_REACH times the decodes' own."""
         targets_ms = list(self._ttft_targets_ms)
         if self._recent_ttft is not None:
             targets_ms.append(self._recent_ttft[0])
         if not targets_ms:
             return float("inf")
-        return min(targets_ms) / 1000 / _ARRIVAL_STEPS
+        limit_s = min(targets_ms) / 1000 / _ARRIVAL_STEPS
+        if not decodes.num_rows:
+            return limit_s
+        return max(limit_s, ARRIVAL_OUT_OF_REACH * self._predict(decodes, 0))
 
     def _urgent_floor(self, decodes: _Decodes, urgent: UrgentPrompts, num_prefill: int) -> int:
         """The prompt tokens this step needs so the prompts with TTFT targets keep pace:

@@ -81,3 +81,32 @@ def test_after_one_measured_step_no_step_beside_a_ttft_target_runs_long():
         list(engine.scheduler.requests), RequestStatus.FINISHED_ABORTED
     )
     assert_no_leaked_blocks(engine.scheduler)
+
+
+def test_on_a_machine_too_slow_for_the_arrival_limit_prompts_still_progress():
+    # Ten times the CPU above: the decodes alone take longer than a quarter of the light
+    # tenant's TTFT target, so that cap is out of reach. Shrinking the steps to the decodes
+    # would leave the heavy tenant's waiting prompts 0 tokens for as long as a target is live
+    # (and TARGET_MEMORY_S after): the cap becomes twice the decodes' own step instead.
+    engine = _Engine()
+    engine.cpu.coefficients = [10 * c for c in CPU]
+    for i in range(16):
+        engine.add(f"heavy{i}", 1024, "heavy")
+    engine.step()  # the whole budget: two heavy prompts, which then decode
+    engine.add("light", 128, "light", ttft_ms=LIGHT_TTFT_MS)
+    for _ in range(8):  # the model learns the machine
+        engine.step()
+    prompt_tokens = []  # of each step that holds decodes
+    for _ in range(200):
+        if "light" not in engine.scheduler.requests:
+            break
+        scheduler_output, _ = engine.step()
+        shape = shape_of(scheduler_output)
+        if shape.num_decode_rows:
+            prompt_tokens.append(shape.num_prefill_tokens)
+    assert "light" not in engine.scheduler.requests
+    assert prompt_tokens and min(prompt_tokens) > 0, prompt_tokens
+    engine.scheduler.finish_requests(
+        list(engine.scheduler.requests), RequestStatus.FINISHED_ABORTED
+    )
+    assert_no_leaked_blocks(engine.scheduler)
