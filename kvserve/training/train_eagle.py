@@ -394,6 +394,13 @@ def score_eagle(
         drafts = draft_chains(model, seq, starts, depth, target_logits)
         truth = seq.token_ids[starts[:, None] + 2 + torch.arange(depth)[None, :]]
         chains.append((drafts == truth).int().cumprod(dim=1))
+    return score_chains(chains, depth)
+
+
+def score_chains(chains: list[torch.Tensor], depth: int) -> DraftScore:
+    """The score of accepted-prefix chains ([positions, depth] of 0/1, each row a cumprod
+    of draft == truth): per-depth top-1 given the chain so far, the chain, and the mean
+    accepted length per verify step."""
     if not chains:
         return DraftScore([0.0] * depth, [0.0] * depth, 1.0, 0)
     accepted = torch.cat(chains).float()

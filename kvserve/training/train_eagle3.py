@@ -56,6 +56,7 @@ from kvserve.training.train_eagle import (
     _rotate,
     _SelfAttention,
     eagle_config_of,
+    score_chains,
 )
 
 # Each further unrolled step's loss weighs 0.8 times the one before (the paper's weights).
@@ -442,18 +443,7 @@ def score_eagle3(model: Eagle3TrainModel, data: list[Eagle3Sequence], depth: int
         guesses = torch.stack([model.draft_ids[model.logits(h[0]).argmax(-1)] for h in outs], 1)
         truth = seq.token_ids[starts[:, None] + 2 + torch.arange(depth)[None, :]]
         chains.append((guesses[starts] == truth).int().cumprod(dim=1))
-    if not chains:
-        return DraftScore([0.0] * depth, [0.0] * depth, 1.0, 0)
-    accepted = torch.cat(chains).float()
-    chain = accepted.mean(0)
-    reached = torch.cat([torch.ones(1), chain[:-1]])
-    top1 = chain / reached.clamp(min=1e-9)
-    return DraftScore(
-        top1=[round(v, 4) for v in top1.tolist()],
-        chain=[round(v, 4) for v in chain.tolist()],
-        mean_acceptance_length=round(1.0 + chain.sum().item(), 4),
-        num_positions=accepted.shape[0],
-    )
+    return score_chains(chains, depth)
 
 
 # ---------------------------------------------------------------------- the command

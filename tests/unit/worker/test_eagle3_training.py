@@ -59,8 +59,8 @@ def _setup(model_dir: str, num: int, seed: int):
 
 
 def test_a_few_steps_lower_the_loss_and_the_folder_loads(successor_dir, tmp_path):
+    torch.manual_seed(0)  # the head's initial weights (torch's default init)
     target, train, model = _setup(successor_dir, 8, seed=0)
-    held_out = collect_eagle3_sequences(target, _sequences(4, 1), (2, 1, 0), "held out")
     options = TrainDraftOptions(
         model=successor_dir,
         output=str(tmp_path / "head"),
@@ -74,12 +74,15 @@ def test_a_few_steps_lower_the_loss_and_the_folder_loads(successor_dir, tmp_path
     logits = draft_target_logits(target, model.draft_ids)
     with torch.no_grad():
         before = eagle3_loss(model, train, logits, DEPTH)[0].item()
-    untrained = score_eagle3(model, held_out, DEPTH)
+    # Scored on the training sequences: the tiny successor model's continuations of other
+    # prompts hold tokens the training data never had (a head learns each token's successor
+    # one by one), so a held-out score is 0 or 1 draft by chance, trained or not.
+    untrained = score_eagle3(model, train, DEPTH)
     train_eagle3_model(model, train, logits, options)  # 16 steps
     with torch.no_grad():
         after = eagle3_loss(model, train, logits, DEPTH)[0].item()
     assert after < 0.7 * before, (before, after)
-    trained = score_eagle3(model, held_out, DEPTH)
+    trained = score_eagle3(model, train, DEPTH)
     assert trained.num_positions > 0
     assert trained.mean_acceptance_length > untrained.mean_acceptance_length
     # The draft vocabulary: the data's most frequent ids.
