@@ -24,9 +24,10 @@ from tests.support.kv import assert_no_leaked_blocks
 from tests.support.scheduler import create_request, run_to_completion, step, submit
 
 # The engine's clock in these tests (the arrival_time clock), and a step-time model of
-# 10 ms a step, 0.1 ms per prompt token or decode row, 10 ms per 1M attended keys.
+# 10 ms a step, 0.1 ms per prompt token or decode row, 10 ms per 1M attended keys (and
+# nothing per prompt chunk, unless a test sets it).
 NOW = 1000.0
-COEFFICIENTS = [0.010, 0.100, 0.010, 0.010, 0.010]
+COEFFICIENTS = [0.010, 0.100, 0.010, 0.010, 0.010, 0.0]
 
 
 def _scheduler(
