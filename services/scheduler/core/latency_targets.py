@@ -274,6 +274,8 @@ class LatencyTargets:
                 num_context_tokens=decodes.num_context
                 + attended(num_prefill, decodes.prefill_context),
                 num_verify_rows=decodes.num_drafts,
+                # Any prompt chunk takes the step off the decode-only fast path.
+                num_prefill_chunks=int(num_prefill > 0),
             )
         )
 
