@@ -18,8 +18,8 @@ requests is slo_pace.py):
    request has a TTFT target or one left in the last TARGET_MEMORY_S, a quarter of the
    tightest such target (a request arriving now waits for the step in flight: no
    2,048-token step beside short chats, nor in a lull between them), or twice the
-   decodes' own step where they alone take longer than that quarter (out of reach: the
-   prompts would otherwise get nothing, step after step).
+   decodes' step with a minimal prompt chunk where that step alone takes longer than the
+   quarter (out of reach: the prompts would otherwise get nothing, step after step).
    A step's time is planned at a high quantile, not the mean (_predict): the model's
    prediction times the P90 of measured / predicted over the latest steps with prompt
    tokens (StepTimeModel.ratio_quantile), plus the P90 of the time between one step's end
@@ -87,8 +87,8 @@ _MIN_PREFILL_TOKENS = 16
 _ARRIVAL_STEPS = 4
 # ... and for this long after the last of them left.
 TARGET_MEMORY_S = 30.0
-# Where the decodes alone run past that share, a step may be this many times their own time
-# (prompts then get about half the machine instead of nothing).
+# Where the decodes with a minimal prompt chunk run past that share, a step may be this many
+# times that step's time (prompts then get about half the machine instead of nothing).
 ARRIVAL_OUT_OF_REACH = 2.0
 # The pace floor aims to clear the prompts with a TTFT deadline ahead by this share of the
 # earliest one's target after its arrival (not just in time: the last step's time varies).
@@ -252,9 +252,10 @@ class LatencyTargets:
         """While requests with a TTFT target are live, or one left in the last
         TARGET_MEMORY_S, no step longer than a share of the tightest such target: one
         arriving now waits for the step in flight (lever against 2,048-token steps beside
-        short chats). Where the decodes alone take longer than that share (a slow machine,
-        a large batch), the share is out of reach and would leave every prompt 0 tokens
-        step after step: the limit is then ARRIVAL_OUT_OF_REACH times the decodes' own."""
+        short chats). Where the decodes with the fewest prompt tokens a step takes
+        (_MIN_PREFILL_TOKENS) run longer than that share (a slow machine, a large batch),
+        it is out of reach and would leave every prompt 0 tokens step after step: the
+        limit is then ARRIVAL_OUT_OF_REACH times that smallest prompt-carrying step."""
         targets_ms = list(self._ttft_targets_ms)
         if self._recent_ttft is not None:
             targets_ms.append(self._recent_ttft[0])
@@ -263,7 +264,8 @@ class LatencyTargets:
         limit_s = min(targets_ms) / 1000 / _ARRIVAL_STEPS
         if not decodes.num_rows:
             return limit_s
-        return max(limit_s, ARRIVAL_OUT_OF_REACH * self._predict(decodes, 0))
+        smallest_s = self._predict(decodes, _MIN_PREFILL_TOKENS)
+        return limit_s if smallest_s <= limit_s else ARRIVAL_OUT_OF_REACH * smallest_s
 
     def _urgent_floor(self, decodes: _Decodes, urgent: UrgentPrompts, num_prefill: int) -> int:
         """The prompt tokens this step needs so the prompts with TTFT targets keep pace:
@@ -321,6 +323,8 @@ class LatencyTargets:
                 num_context_tokens=decodes.num_context
                 + attended(num_prefill, decodes.prefill_context),
                 num_verify_rows=decodes.num_drafts,
+                # Any prompt chunk takes the step off the decode-only fast path.
+                num_prefill_chunks=int(num_prefill > 0),
             )
         )
 

@@ -3,12 +3,17 @@
 A step's time is modelled as linear in its shape, with non-negative coefficients:
 
     seconds = c0 + c1 * prefill tokens / 1e3 + c2 * decode rows / 1e2
-                 + c3 * context attended / 1e6 + c4 * verify rows / 1e2
+                 + c3 * context attended / 1e6 + c4 * verify rows / 1e2 + c5 * prompt chunks
 
 where "context attended" sums, over the step's query tokens, the keys each attends to (a
 chunk of p tokens after c computed ones attends p * c + p (p + 1) / 2: attention's work),
-and verify rows are the drafts verified under speculation. The scales keep the features
-near 1, so the fit is well conditioned.
+verify rows are the drafts verified under speculation, and prompt chunks count the
+requests computing more than one known token: a step that holds one leaves the decode-only
+fast paths (the CPU's native decode stack, CUDA graphs) for the module path, a cost of its
+own whatever the chunk's size (SmolLM2-135M, float32, 4 decodes: 55 ms alone, 160-190 ms
+beside a 20-token chunk, in CPU time; without this term the fit spread that jump over the
+intercept and the prompt tokens, and planned such steps at 114 ms). The scales keep the
+features near 1, so the fit is well conditioned.
 
 The coefficients start at a prior: from the workers' start-up measurement where there is
 one (`SchedulerFeatures.step_costs`: seconds of steps of 1, 2, 4 ... query tokens, measured
@@ -37,7 +42,7 @@ first steps; the first document after decode-only steps, whose prompt coefficien
 still the prior's) ran many times its prediction, and kept as such it held the P90 up for
 the next ~100 steps with prompts (part (c) simulated with eight whole-budget steps before
 the first refit: a P90 of 10 to 16 for 30 s, and no prompt token beside the decodes).
-Plain Python: 5 features, a few microseconds a step.
+Plain Python: 6 features, a few microseconds a step.
 """
 
 from __future__ import annotations
@@ -47,11 +52,11 @@ from dataclasses import dataclass
 
 from kvserve.shared.messages import SchedulerOutput
 
-_SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-2)  # feature i is raw value i * _SCALES[i]
+_SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-2, 1.0)  # feature i is raw value i * _SCALES[i]
 _NUM_FEATURES = len(_SCALES)
 # Without a start-up measurement: 10 ms a step, 0.1 s per 1k prompt tokens, 5 ms per 100
-# decode or verify rows, 10 ms per 1M attended keys.
-_DEFAULT_PRIOR = (0.010, 0.100, 0.005, 0.010, 0.005)
+# decode or verify rows, 10 ms per 1M attended keys, 5 ms per prompt chunk.
+_DEFAULT_PRIOR = (0.010, 0.100, 0.005, 0.010, 0.005, 0.005)
 _DECAY = 0.99  # weight of the past at each new step
 _PRIOR_WEIGHT = 0.05  # ridge towards the prior, in steps' worth of evidence
 _REFIT_INTERVAL = 8
@@ -72,12 +77,14 @@ class StepShape:
         num_decode_rows: requests computing one known token (plus drafts, if any).
         num_context_tokens: keys attended, summed over the step's query tokens.
         num_verify_rows: drafts verified (speculative decoding).
+        num_prefill_chunks: requests computing more than one known token (prompt chunks).
     """
 
     num_prefill_tokens: int = 0
     num_decode_rows: int = 0
     num_context_tokens: int = 0
     num_verify_rows: int = 0
+    num_prefill_chunks: int = 0
 
     def features(self) -> list[float]:
         raw = (
@@ -86,6 +93,7 @@ class StepShape:
             self.num_decode_rows,
             self.num_context_tokens,
             self.num_verify_rows,
+            self.num_prefill_chunks,
         )
         return [value * scale for value, scale in zip(raw, _SCALES)]
 
@@ -102,7 +110,7 @@ def shape_of(scheduler_output: SchedulerOutput) -> StepShape:
     cached = scheduler_output.scheduled_cached_reqs
     computed.update(zip(cached.req_ids, cached.num_computed_tokens))
     drafts = scheduler_output.spec_decode.draft_token_ids
-    num_prefill = num_decode = num_context = num_verify = 0
+    num_prefill = num_decode = num_context = num_verify = num_chunks = 0
     for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
         num_drafts = len(drafts[req_id]) if req_id in drafts else 0
         num_known = num_tokens - num_drafts
@@ -110,15 +118,17 @@ def shape_of(scheduler_output: SchedulerOutput) -> StepShape:
             num_decode += 1
         else:
             num_prefill += num_known
+            num_chunks += 1
         num_verify += num_drafts
         num_context += attended(num_tokens, computed.get(req_id, 0))
-    return StepShape(num_prefill, num_decode, num_context, num_verify)
+    return StepShape(num_prefill, num_decode, num_context, num_verify, num_chunks)
 
 
 def prior_from_step_costs(step_costs: list[tuple[int, float]]) -> tuple[float, ...]:
     """The coefficients a start-up measurement implies: its least-squares line (seconds =
     a + s * query tokens) as the intercept, and s per token for prompt, decode and verify
-    rows; the context term keeps the default guess (those steps attend almost nothing)."""
+    rows; the context and prompt-chunk terms keep the default guesses (those steps attend
+    almost nothing, and run no prompt chunk beside decodes)."""
     points = [(n, t) for n, t in step_costs if n > 0 and t > 0]
     if len(points) < 2:
         return _DEFAULT_PRIOR
@@ -133,6 +143,7 @@ def prior_from_step_costs(step_costs: list[tuple[int, float]]) -> tuple[float, .
         slope / _SCALES[2],
         _DEFAULT_PRIOR[3],
         slope / _SCALES[4],
+        _DEFAULT_PRIOR[5],
     )
 
 

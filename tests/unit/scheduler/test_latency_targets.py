@@ -5,6 +5,8 @@ target's prompt admitted beside another request's long prompt; driven by a fake 
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -26,9 +28,10 @@ from tests.support.kv import assert_no_leaked_blocks
 from tests.support.scheduler import create_request, run_to_completion, step, submit
 
 # The engine's clock in these tests (the arrival_time clock), and a step-time model of
-# 10 ms a step, 0.1 ms per prompt token or decode row, 10 ms per 1M attended keys.
+# 10 ms a step, 0.1 ms per prompt token or decode row, 10 ms per 1M attended keys (and
+# nothing per prompt chunk, unless a test sets it).
 NOW = 1000.0
-COEFFICIENTS = [0.010, 0.100, 0.010, 0.010, 0.010]
+COEFFICIENTS = [0.010, 0.100, 0.010, 0.010, 0.010, 0.0]
 
 
 def _scheduler(
@@ -158,6 +161,52 @@ def test_the_time_between_steps_is_learned_and_an_idle_wait_is_not():
             clock[0] += 0.007  # the busy loop around it: outputs out, inputs in
         clock[0] += 0.300
     assert scheduler.latency.unseen.quantile_s == pytest.approx(0.007)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_a_step_with_a_prompt_chunk_is_planned_with_the_cost_of_leaving_the_fast_path():
+    # Any prompt chunk takes a step off the decode-only fast path (the CPU's native decode
+    # stack, CUDA graphs): 20 ms more here, whatever its size. The document's chunks are
+    # the largest whose step, that cost included, keeps the target (a plan without it
+    # took chunks 200 tokens longer: steps 20 ms over).
+    target_s = 0.050
+    scheduler = _scheduler()
+    scheduler.latency.model.coefficients = COEFFICIENTS[:5] + [0.020]
+    _with_decodes(scheduler, tpot=target_s * 1000)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW))
+    num_before = num_chunks = 0
+    while scheduler.requests.get("chat0") is not None:
+        scheduler_output, _ = step(scheduler)
+        chunk = scheduler_output.num_scheduled_tokens.get("document", 0)
+        assert shape_of(scheduler_output).num_prefill_chunks == int(chunk > 0)
+        assert _predict(scheduler, scheduler_output) <= target_s * TPOT_HEADROOM
+        if chunk and num_before + chunk < 6000:
+            num_chunks += 1
+            shape = shape_of(scheduler_output)
+            one_more = dataclasses.replace(
+                shape,
+                num_prefill_tokens=shape.num_prefill_tokens + 1,
+                num_context_tokens=shape.num_context_tokens + num_before + chunk + 1,
+            )
+            assert scheduler.latency.model.predict(one_more) > target_s * TPOT_HEADROOM
+        num_before += chunk
+    assert num_chunks > 3
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_no_prompt_chunk_joins_the_decodes_when_leaving_the_fast_path_alone_misses():
+    # Leaving the fast path costs 40 ms: with the decodes, over the 45 ms a step may take.
+    # The decodes keep their fast steps; the document (no target) waits for them.
+    target_s = 0.050
+    scheduler = _scheduler()
+    scheduler.latency.model.coefficients = COEFFICIENTS[:5] + [0.040]
+    _with_decodes(scheduler, tpot=target_s * 1000)
+    scheduler.add_request(create_request("document", 6000, max_tokens=1, arrival_time=NOW))
+    while scheduler.requests.get("chat0") is not None:
+        scheduler_output, _ = step(scheduler)
+        assert "document" not in scheduler_output.num_scheduled_tokens
+    run_to_completion(scheduler)
     assert_no_leaked_blocks(scheduler)
 
 

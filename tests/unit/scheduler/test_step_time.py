@@ -16,8 +16,9 @@ from kvserve.services.scheduler.core.step_time import (
 )
 from tests.support.scheduler import create_request, create_scheduler, step
 
-# Seconds: a step, per 1k prompt tokens, per 100 decode rows, per 1M keys, per 100 drafts.
-TRUE_COEFFICIENTS = [0.004, 0.080, 0.012, 0.020, 0.006]
+# Seconds: a step, per 1k prompt tokens, per 100 decode rows, per 1M keys, per 100 drafts,
+# per prompt chunk.
+TRUE_COEFFICIENTS = [0.004, 0.080, 0.012, 0.020, 0.006, 0.010]
 
 
 def _random_shape(rng: random.Random) -> StepShape:
@@ -25,7 +26,8 @@ def _random_shape(rng: random.Random) -> StepShape:
     num_prefill = rng.choice([0, 0, rng.randint(1, 2048)])
     num_decode = rng.randint(0, 64)
     num_context = num_decode * rng.randint(1, 4096) + attended(num_prefill, rng.randint(0, 4000))
-    return StepShape(num_prefill, num_decode, num_context, rng.randint(0, num_decode))
+    num_verify = rng.randint(0, num_decode)
+    return StepShape(num_prefill, num_decode, num_context, num_verify, int(num_prefill > 0))
 
 
 def _seconds(shape: StepShape, slowdown: float = 1.0) -> float:
@@ -100,7 +102,7 @@ def test_the_ratio_quantile_follows_the_steps_with_prompt_tokens():
 
 def test_the_prior_comes_from_the_start_up_measurement():
     costs = [(n, 0.010 + n * 1e-4) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
-    intercept, per_prefill, per_decode, _, per_verify = prior_from_step_costs(costs)
+    intercept, per_prefill, per_decode, _, per_verify, _ = prior_from_step_costs(costs)
     assert intercept == pytest.approx(0.010, rel=1e-6)
     assert per_prefill == pytest.approx(0.1)  # 1e-4 s a token, per 1k tokens
     assert per_decode == per_verify == pytest.approx(0.01)  # per 100 rows
@@ -121,6 +123,7 @@ def test_the_shape_of_a_step_counts_prompt_tokens_decode_rows_and_attended_keys(
     # The decode's token attends its 10 computed tokens and itself; the chunk is causal.
     assert shape.num_context_tokens == 11 + 63 * 64 // 2
     assert shape.num_verify_rows == 0
+    assert shape.num_prefill_chunks == 1
 
 
 def test_the_model_knows_the_machine_after_its_first_measured_step():
@@ -138,7 +141,7 @@ def test_the_ratio_quantile_is_taken_under_the_current_fit():
     # prior (10x too fast here). Then steps with prompt chunks: those planned before the
     # next refit ran 10x their prediction, but the refit learns their cost, and the ratio
     # quantile is measured against it, not against the predictions those steps had.
-    truth = [0.004, 1.0, 0.012, 0.020, 0.006]
+    truth = [0.004, 1.0, 0.012, 0.020, 0.006, 0.0]
     model, rng = StepTimeModel(), random.Random(3)
 
     def measured(shape: StepShape) -> float:
@@ -151,3 +154,21 @@ def test_the_ratio_quantile_is_taken_under_the_current_fit():
         chunk = StepShape(rng.randint(64, 2048), rng.randint(1, 64), rng.randint(0, 10**6))
         model.record(chunk, measured(chunk))
     assert model.ratio_quantile < 1.2
+
+
+def test_a_step_with_a_prompt_chunk_pays_for_leaving_the_decode_fast_path():
+    # As on the CPU: 4 decodes take 55 ms on the native decode stack; a prompt chunk
+    # sends the step to the module path, 100 ms more whatever its size, plus its tokens.
+    def seconds(num_prefill: int) -> float:
+        return 0.055 + (0.100 + 2e-4 * num_prefill if num_prefill else 0.0)
+
+    def shape(num_prefill: int) -> StepShape:
+        num_context = attended(num_prefill, 0) + 4 * 200
+        return StepShape(num_prefill, 4, num_context, 0, int(num_prefill > 0))
+
+    model, rng = StepTimeModel(), random.Random(4)
+    for _ in range(300):
+        num_prefill = rng.choice([0, 0, rng.randint(2, 512)])
+        model.record(shape(num_prefill), seconds(num_prefill))
+    for num_prefill in (0, 8, 64, 512):
+        assert model.predict(shape(num_prefill)) == pytest.approx(seconds(num_prefill), rel=0.05)
