@@ -311,6 +311,26 @@ def train_eagle_model(
     options: TrainDraftOptions,
 ) -> None:
     """AdamW over batches of whole sequences, cosine-decayed learning rate."""
+
+    def batch_loss(batch: list, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        loss, reg, cls = eagle_loss(
+            model, batch, target_logits, own_feature_rate=OWN_FEATURE_RATE, generator=generator
+        )
+        return loss, {"reg": f"{reg:.3f}", "cls": f"{cls:.3f}"}
+
+    train_head(model, data, options, batch_loss, "Training EAGLE")
+
+
+def train_head(
+    model: torch.nn.Module,
+    data: list,
+    options: TrainDraftOptions,
+    batch_loss: Callable[[list, torch.Generator], tuple[torch.Tensor, dict]],
+    desc: str,
+) -> None:
+    """The draft heads' training loop (EAGLE-1's and EAGLE-3's): AdamW over shuffled batches
+    of whole sequences, a cosine-decayed learning rate, gradients clipped at 0.5;
+    `batch_loss(batch, generator)` gives the loss and what the progress bar shows."""
     generator = torch.Generator().manual_seed(options.seed)
     batch_size = options.train_batch_size
     num_batches = math.ceil(len(data) / batch_size)
@@ -320,21 +340,19 @@ def train_eagle_model(
         optimizer, T_max=num_batches * options.train_epochs
     )
     model.train()
-    bar = tqdm(total=num_batches * options.train_epochs, desc="Training EAGLE", dynamic_ncols=True)
+    bar = tqdm(total=num_batches * options.train_epochs, desc=desc, dynamic_ncols=True)
     for _ in range(options.train_epochs):
         order = torch.randperm(len(data), generator=generator).tolist()
         for start in range(0, len(order), batch_size):
             batch = [data[i] for i in order[start : start + batch_size]]
-            loss, reg, cls = eagle_loss(
-                model, batch, target_logits, own_feature_rate=OWN_FEATURE_RATE, generator=generator
-            )
+            loss, shown = batch_loss(batch, generator)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             optimizer.step()
             schedule.step()
             bar.update(1)
-            bar.set_postfix(reg=f"{reg:.3f}", cls=f"{cls:.3f}")
+            bar.set_postfix(**shown)
     bar.close()
     model.eval()
 

@@ -30,7 +30,6 @@ published names: its state_dict is what `save_eagle3_tensors` writes and `load_e
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -57,6 +56,7 @@ from kvserve.training.train_eagle import (
     _SelfAttention,
     eagle_config_of,
     score_chains,
+    train_head,
 )
 
 # Each further unrolled step's loss weighs 0.8 times the one before (the paper's weights).
@@ -400,33 +400,14 @@ def train_eagle3_model(
     target_logits: Callable[[torch.Tensor], torch.Tensor],
     options: TrainDraftOptions,
 ) -> None:
-    """AdamW over batches of whole sequences, cosine-decayed learning rate (train_eagle's)."""
-    generator = torch.Generator().manual_seed(options.seed)
-    batch_size = options.train_batch_size
-    num_batches = math.ceil(len(data) / batch_size)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, T_max=num_batches * options.train_epochs
-    )
-    model.train()
-    bar = tqdm(
-        total=num_batches * options.train_epochs, desc="Training EAGLE-3", dynamic_ncols=True
-    )
-    for _ in range(options.train_epochs):
-        order = torch.randperm(len(data), generator=generator).tolist()
-        for start in range(0, len(order), batch_size):
-            batch = [data[i] for i in order[start : start + batch_size]]
-            loss, agreement = eagle3_loss(model, batch, target_logits, options.num_spec_tokens)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            optimizer.step()
-            schedule.step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agreement[0]:.2f}")
-    bar.close()
-    model.eval()
+    """AdamW over batches of whole sequences, cosine-decayed learning rate (train_head)."""
+
+    def batch_loss(batch: list, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        del generator  # the unrolled steps draw nothing
+        loss, agreement = eagle3_loss(model, batch, target_logits, options.num_spec_tokens)
+        return loss, {"loss": f"{loss.item():.3f}", "top1": f"{agreement[0]:.2f}"}
+
+    train_head(model, data, options, batch_loss, "Training EAGLE-3")
 
 
 @torch.no_grad()
