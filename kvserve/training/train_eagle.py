@@ -498,7 +498,12 @@ def run_train_eagle(options: TrainDraftOptions) -> int:
         json.dump(report, f, indent=1)
     score = run.score
     print(f"wrote an EAGLE-1 head to {options.output} in {elapsed:.0f} s ({run.seconds})")
-    depth = options.num_spec_tokens
+    print_score(score, run.untrained_score, options.num_spec_tokens)
+    return 0
+
+
+def print_score(score: DraftScore, untrained: DraftScore, depth: int) -> None:
+    """The held-out score of a trained head, as `kvserve train-draft` prints it."""
     print(f"held-out chains (all {depth} next tokens known): {score.num_positions}")
     for i, (top1, chain) in enumerate(zip(score.top1, score.chain)):
         print(
@@ -508,6 +513,5 @@ def run_train_eagle(options: TrainDraftOptions) -> int:
     print(
         f"expected mean acceptance length (greedy chain, 1 + accepted drafts): "
         f"{score.mean_acceptance_length:.3f} (untrained head: "
-        f"{run.untrained_score.mean_acceptance_length:.3f})"
+        f"{untrained.mean_acceptance_length:.3f})"
     )
-    return 0

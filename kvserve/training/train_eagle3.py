@@ -55,6 +55,7 @@ from kvserve.training.train_eagle import (
     _rotate,
     _SelfAttention,
     eagle_config_of,
+    print_score,
     score_chains,
     train_head,
 )
@@ -506,17 +507,5 @@ def run_train_eagle3(options: TrainDraftOptions) -> int:
         json.dump(report, f, indent=1)
     score = run.score
     print(f"wrote an EAGLE-3 head to {options.output} in {elapsed:.0f} s ({run.seconds})")
-    print(
-        f"held-out chains (all {options.num_spec_tokens} next tokens known): {score.num_positions}"
-    )
-    for i, (top1, chain) in enumerate(zip(score.top1, score.chain)):
-        print(
-            f"  draft {i + 1} (token t+{i + 2}): right when reached {top1:.3f}, "
-            f"chain accepted {chain:.3f}"
-        )
-    print(
-        f"expected mean acceptance length (greedy chain, 1 + accepted drafts): "
-        f"{score.mean_acceptance_length:.3f} (untrained head: "
-        f"{run.untrained_score.mean_acceptance_length:.3f})"
-    )
+    print_score(score, run.untrained_score, options.num_spec_tokens)
     return 0
