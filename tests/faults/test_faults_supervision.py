@@ -23,6 +23,7 @@ from tests.support.processes import wait_gone
 from tests.support.server import (
     DP_MODEL_NAME,
     NUM_DP_ENGINES,
+    Generating,
     ServeProcess,
     start_dp_front_end,
     start_tiny_server,
@@ -54,15 +55,17 @@ def _single_engine_server(model_dir: str, tmp_path, *extra: str) -> ServeProcess
 
 
 def _stream_hit_by(server: ServeProcess, fault, **body) -> tuple[list, float]:
-    """Stream LONG_STREAM (| body), run fault() at its first token; (events, seconds from
-    the fault to the stream's end)."""
+    """Stream LONG_STREAM (| body), run fault() once the server is mid-stream by its own
+    counts (Generating: the client reads behind the server, and the tiny model can finish
+    400 tokens before a loaded client sees its first); (events, seconds from the fault to
+    the stream's end)."""
     events: list = []
-    first = threading.Event()
+    generating = Generating(server)
     thread = threading.Thread(
-        target=stream_completion, args=(server.url, LONG_STREAM | body, events, first)
+        target=stream_completion, args=(server.url, LONG_STREAM | body, events)
     )
     thread.start()
-    assert first.wait(60), events
+    generating.busiest()
     fault()
     start = time.monotonic()
     thread.join(120)  # a stream that moves waits for its engine core's restart

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import httpx
 import openai
@@ -30,6 +30,7 @@ from tests.support.metrics import metrics_text, read_metric
 from tests.support.models import TINY_KV_CACHE_MEMORY
 from tests.support.ports import free_port
 from tests.support.processes import wait_gone
+from tests.support.waiting import wait_until
 
 # The tiny model's engines answer in milliseconds: take a silent one for suspect after 3 s
 # (dead only once hung: KVSERVE_ENGINE_HUNG_TIMEOUT_S, 30 s by default).
@@ -317,3 +318,49 @@ def stream_completion(
     finally:
         if first_data is not None:
             first_data.set()
+
+
+class Generating:
+    """Which engine core is mid-stream now, by the api's own counts (/health): the tokens
+    each engine sent back since this object was made, and the requests it holds. A kill
+    point taken from these is the server's state; the client's chunks are not (a loaded
+    client reads far behind the server, and the tiny model streams 300 tokens in about a
+    second).
+
+    Args:
+        server: the server under test (make this before its streams start).
+        engines: the candidate engine indices (None: every engine).
+    """
+
+    MID_STREAM_TOKENS = 8  # a few tokens per stream: each on it has started, none ended
+
+    def __init__(self, server: ServeProcess, engines: Collection[int] | None = None):
+        self.server = server
+        _, body = server.health()
+        self.before = {
+            e["engine"]: e["num_generated_tokens"]
+            for e in body["engines"]
+            if engines is None or e["engine"] in engines
+        }
+
+    def busiest(self, min_tokens: int = MID_STREAM_TOKENS) -> dict:
+        """The /health entry of the candidate engine holding the most requests (ties: the
+        highest index) once it holds some and sent `min_tokens` since the start (60 s at
+        most)."""
+        found: dict = {}
+
+        def generating() -> bool:
+            _, body = self.server.health()
+            for entry in sorted(
+                (e for e in body["engines"] if e["engine"] in self.before),
+                key=lambda e: (e["num_in_flight"], e["engine"]),
+                reverse=True,
+            ):
+                generated = entry["num_generated_tokens"] - self.before[entry["engine"]]
+                if entry["num_in_flight"] and generated >= min_tokens:
+                    found.update(entry)
+                    return True
+            return False
+
+        assert wait_until(generating, timeout_s=60, interval_s=0.005), self.server.health()
+        return found
