@@ -167,9 +167,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[11, 12, 13, 14, 15])
     parser.add_argument("--noise", type=float, default=0.30)
     parser.add_argument("--overhead-ms", type=float, nargs=2, default=[15.0, 25.0])
+    parser.add_argument("--chunk-ms", type=float, default=0.0)
     parser.add_argument("--duration", type=float, default=120.0)
     args = parser.parse_args()
-    machine = Machine(args.noise, (args.overhead_ms[0] / 1000, args.overhead_ms[1] / 1000))
+    machine = Machine(
+        args.noise, (args.overhead_ms[0] / 1000, args.overhead_ms[1] / 1000), args.chunk_ms / 1000
+    )
     for rate in args.rates:
         for seed in args.seeds:
             profile = Profile()

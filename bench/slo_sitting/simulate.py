@@ -53,10 +53,12 @@ class _Tokens:
 
 @dataclass(frozen=True)
 class Machine:
-    """The simulated machine: log-normal sigma of a step's time, unseen seconds per step."""
+    """The simulated machine: log-normal sigma of a step's time, unseen seconds per step, and
+    what a step holding any prompt chunk costs on top (leaving the decode-only fast path)."""
 
     noise: float = 0.30
     overhead_s: tuple[float, float] = (0.015, 0.025)
+    chunk_s: float = 0.0
 
 
 def _arrivals(rate: float, seed: int, duration_s: float) -> list[tuple[float, str, int]]:
@@ -111,7 +113,7 @@ def simulate(
         features=SchedulerFeatures(),
     )
     truth = StepTimeModel()
-    truth.coefficients = list(TRUTH)
+    truth.coefficients = [*TRUTH, machine.chunk_s]
     start_up = [(n, TRUTH[0] + n * TRUTH[1] / 1000) for n in (1, 2, 4, 8, 16, 32, 64)]
     scheduler.latency.model = StepTimeModel(start_up)
     rng, clock, tokens = random.Random(seed), [0.0], _Tokens()
@@ -220,12 +222,17 @@ def main() -> None:
     parser.add_argument(
         "--overhead-ms", type=float, nargs=2, default=[15.0, 25.0], help="unseen ms per step"
     )
+    parser.add_argument(
+        "--chunk-ms", type=float, default=0.0, help="extra ms of a step with a prompt chunk"
+    )
     parser.add_argument("--duration", type=float, default=DURATION_S, help="arrivals' window, s")
     parser.add_argument(
         "--modes", nargs="+", choices=["fcfs", "targets"], default=["fcfs", "targets"]
     )
     args = parser.parse_args()
-    machine = Machine(args.noise, (args.overhead_ms[0] / 1000, args.overhead_ms[1] / 1000))
+    machine = Machine(
+        args.noise, (args.overhead_ms[0] / 1000, args.overhead_ms[1] / 1000), args.chunk_ms / 1000
+    )
     rows = []
     for rate in args.rates:
         runs: dict[str, list[Figures]] = {mode: [] for mode in args.modes}
