@@ -17,9 +17,11 @@ requests is slo_pace.py):
    step holding the decodes and that prompt can still end before it; and, while any live
    request has a TTFT target or one left in the last TARGET_MEMORY_S, a quarter of the
    tightest such target (a request arriving now waits for the step in flight: no
-   2,048-token step beside short chats, nor in a lull between them), or twice the
-   decodes' step with a minimal prompt chunk where that step alone takes longer than the
-   quarter (out of reach: the prompts would otherwise get nothing, step after step).
+   2,048-token step beside short chats, nor in a lull between them; a half once none has
+   been live for MEMORY_GAPS of their mean gap between arrivals: their arrivals stopped,
+   and the documents left get longer steps), or twice the decodes' step with a minimal
+   prompt chunk where that step alone takes longer than the quarter (out of reach: the
+   prompts would otherwise get nothing, step after step).
    A step's time is planned at a high quantile, not the mean (_predict): the model's
    prediction times the P90 of measured / predicted over the latest steps with prompt
    tokens (StepTimeModel.ratio_quantile), plus the P90 of the time between one step's end
@@ -59,7 +61,7 @@ target is not refused: the request is served, late.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,6 +89,18 @@ _MIN_PREFILL_TOKENS = 16
 _ARRIVAL_STEPS = 4
 # ... and for this long after the last of them left.
 TARGET_MEMORY_S = 30.0
+# Once no request with a TTFT target has been live for MEMORY_GAPS times the mean gap
+# between their latest arrivals (a lull no longer between two of them: their arrivals have
+# stopped, or paused), the limit is a half of that target instead of a quarter, for the rest
+# of TARGET_MEMORY_S: one arriving then still waits at most half its target for the step in
+# flight, and the documents left behind get steps twice as long (bench/RESULTS.md: the
+# quarter held the run's tail of documents to short steps for 30 s after the last chat).
+MEMORY_GAPS = 5.0
+_LULL_ARRIVAL_STEPS = 2
+# The latest arrivals with a TTFT target whose mean gap measures the lull (fewer than
+# _MIN_ARRIVALS: none is a lull before TARGET_MEMORY_S passed).
+_ARRIVAL_WINDOW = 16
+_MIN_ARRIVALS = 4
 # Where the decodes with a minimal prompt chunk run past that share, a step may be this many
 # times that step's time (prompts then get about half the machine instead of nothing).
 ARRIVAL_OUT_OF_REACH = 2.0
@@ -153,8 +167,11 @@ class LatencyTargets:
         self._ttft_targets_ms: Counter[float] = Counter()  # of the live requests
         # The TTFT target of the latest request with one to leave, and until when it
         # still sets the arrival limit (a lull between short chats is no licence for a
-        # 2,048-token step that the next one would wait behind).
+        # 2,048-token step that the next one would wait behind); the latest arrivals with
+        # one, and from when the limit is a half of it (MEMORY_GAPS).
         self._recent_ttft: tuple[float, float] | None = None
+        self._ttft_arrivals: deque[float] = deque(maxlen=_ARRIVAL_WINDOW)
+        self._lull_from = float("inf")
         self._paces = TpotPaces()
         self.unseen = UnseenTime(self.model.ratio_level)
 
@@ -168,6 +185,7 @@ class LatencyTargets:
             self.num_targeted += 1
         if request.slo_ttft_ms is not None:
             self._ttft_targets_ms[request.slo_ttft_ms] += 1
+            self._ttft_arrivals.append(request.arrival_time)
 
     def remove(self, request: Request) -> None:
         if request.slo_ttft_ms is not None or request.slo_tpot_ms is not None:
@@ -176,8 +194,21 @@ class LatencyTargets:
             self._ttft_targets_ms[request.slo_ttft_ms] -= 1
             if not self._ttft_targets_ms[request.slo_ttft_ms]:
                 del self._ttft_targets_ms[request.slo_ttft_ms]
-            self._recent_ttft = (request.slo_ttft_ms, self.clock() + TARGET_MEMORY_S)
+            now = self.clock()
+            self._recent_ttft = (request.slo_ttft_ms, now + TARGET_MEMORY_S)
+            self._lull_from = now + self.lull_after_s()
         self._paces.forget(request)
+
+    def lull_after_s(self) -> float:
+        """How long after the last request with a TTFT target left the arrival limit
+        relaxes to a half of that target: MEMORY_GAPS times the mean gap between the
+        latest such arrivals, at most TARGET_MEMORY_S (also until _MIN_ARRIVALS of them
+        arrived: their rate unknown)."""
+        arrivals = sorted(self._ttft_arrivals)
+        if len(arrivals) < _MIN_ARRIVALS:
+            return TARGET_MEMORY_S
+        mean_gap_s = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+        return min(TARGET_MEMORY_S, MEMORY_GAPS * mean_gap_s)
 
     def record_step(
         self, scheduler_output: SchedulerOutput, seconds: float, next_step_follows: bool = True
@@ -252,16 +283,20 @@ class LatencyTargets:
         """While requests with a TTFT target are live, or one left in the last
         TARGET_MEMORY_S, no step longer than a share of the tightest such target: one
         arriving now waits for the step in flight (lever against 2,048-token steps beside
-        short chats). Where the decodes with the fewest prompt tokens a step takes
+        short chats); a quarter, or a half once none has been live for the lull
+        (lull_after_s). Where the decodes with the fewest prompt tokens a step takes
         (_MIN_PREFILL_TOKENS) run longer than that share (a slow machine, a large batch),
         it is out of reach and would leave every prompt 0 tokens step after step: the
         limit is then ARRIVAL_OUT_OF_REACH times that smallest prompt-carrying step."""
         targets_ms = list(self._ttft_targets_ms)
+        steps = _ARRIVAL_STEPS
         if self._recent_ttft is not None:
             targets_ms.append(self._recent_ttft[0])
+            if not self._ttft_targets_ms and self.clock() >= self._lull_from:
+                steps = _LULL_ARRIVAL_STEPS
         if not targets_ms:
             return float("inf")
-        limit_s = min(targets_ms) / 1000 / _ARRIVAL_STEPS
+        limit_s = min(targets_ms) / 1000 / steps
         if not decodes.num_rows:
             return limit_s
         smallest_s = self._predict(decodes, _MIN_PREFILL_TOKENS)

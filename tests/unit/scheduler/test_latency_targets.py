@@ -14,6 +14,7 @@ from kvserve.services.scheduler.core.features import SchedulerFeatures
 from kvserve.services.scheduler.core.latency_targets import (
     CATCH_UP_PACE,
     CATCH_UP_RESERVE_S,
+    MEMORY_GAPS,
     TARGET_MEMORY_S,
     TPOT_HEADROOM,
     TTFT_PACE_SHARE,
@@ -308,6 +309,45 @@ def test_a_lull_between_ttft_targets_still_cuts_the_step():
     assert 0 < scheduler_output.num_scheduled_tokens["document"] < 2048
     assert _predict(scheduler, scheduler_output) <= 0.500 / 4
     clock[0] += 1
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens == {"document": 2048}
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_once_the_ttft_targets_stop_arriving_the_step_may_take_half_the_target():
+    # Six chats with a 500 ms TTFT target arrive 1 s apart, each served at once. After the
+    # last left, a document's steps stay within a quarter of that target for MEMORY_GAPS
+    # of their 1 s gap (a lull between chats), then within a half (their arrivals stopped:
+    # one arriving now still waits at most half its target; a quarter again while one is
+    # live), and after TARGET_MEMORY_S they have the whole budget.
+    ttft_s, gap_s = 0.500, 1.0
+    scheduler = _scheduler()
+    scheduler.latency.model.coefficients[1] = 0.2  # 0.2 ms a prompt token
+    clock = [NOW]
+    scheduler.latency.clock = lambda: clock[0]
+    for i in range(6):
+        clock[0] = NOW + i * gap_s
+        chat = _targeted(f"chat{i}", 10, ttft=ttft_s * 1000, max_tokens=1, arrival_time=clock[0])
+        scheduler.add_request(chat)
+        step(scheduler)  # its prompt and its only token: it left
+    left = clock[0]
+    scheduler.add_request(create_request("document", 8000, max_tokens=1, arrival_time=left))
+    quarter, half = [], []
+    for elapsed_s in (0.5, MEMORY_GAPS * gap_s - 0.5, MEMORY_GAPS * gap_s + 0.5):
+        clock[0] = left + elapsed_s
+        scheduler_output, _ = step(scheduler)
+        planned_s = _predict(scheduler, scheduler_output)
+        (quarter if elapsed_s < MEMORY_GAPS * gap_s else half).append(planned_s)
+    assert max(quarter) <= ttft_s / 4
+    assert ttft_s / 4 < half[0] <= ttft_s / 2
+    # A chat arriving now is live again: back to a quarter while it is.
+    scheduler.add_request(_targeted("chat6", 10, ttft=ttft_s * 1000, arrival_time=clock[0]))
+    scheduler_output, _ = step(scheduler)
+    assert scheduler_output.num_scheduled_tokens["chat6"] == 10
+    assert _predict(scheduler, scheduler_output) <= ttft_s / 4
+    scheduler.finish_requests("chat6", RequestStatus.FINISHED_ABORTED)
+    clock[0] += TARGET_MEMORY_S
     scheduler_output, _ = step(scheduler)
     assert scheduler_output.num_scheduled_tokens == {"document": 2048}
     run_to_completion(scheduler)
