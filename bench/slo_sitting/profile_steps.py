@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from simulate import Machine, figures, simulate
+from simulate import TRUTH, Machine, figures, simulate
 
 from kvserve.services.scheduler.core.request import RequestStatus
 from kvserve.services.scheduler.core.scheduler import Scheduler
@@ -48,6 +48,29 @@ class Profile:
     alone: list[float] = field(default_factory=lambda: [0.0, 0.0])
     record: dict[str, Any] = field(default_factory=dict)
     wrapped: bool = False
+    machine: Machine = field(default_factory=Machine)
+    # Seconds of pending time by what they computed (the truth's terms, scaled by the step's
+    # noise; the unseen time between steps counts as per-step fixed cost).
+    spent: Counter[str] = field(default_factory=Counter)
+
+
+def _spend(profile: Profile, out: SchedulerOutput, seconds: float, num_doc: int) -> None:
+    """Split a pending step's seconds (and the mean unseen time after it) by the truth's
+    terms: per-step fixed, decode rows, attention, the prompt-chunk jump, prompt tokens."""
+    shape = shape_of(out)
+    c0, c1, c2, c3, _ = TRUTH
+    terms = {
+        "per-step fixed": c0,
+        "decode rows": c2 * shape.num_decode_rows / 1e2,
+        "attention": c3 * shape.num_context_tokens / 1e6,
+        "prompt-chunk jump": profile.machine.chunk_s * shape.num_prefill_chunks,
+        "document prompt": c1 * num_doc / 1e3,
+        "chats' prompts": c1 * (shape.num_prefill_tokens - num_doc) / 1e3,
+    }
+    scale = seconds / sum(terms.values())
+    for name, value in terms.items():
+        profile.spent[name] += value * scale
+    profile.spent["per-step fixed"] += sum(profile.machine.overhead_s) / 2
 
 
 def _wrap(scheduler: Scheduler, record: dict[str, Any]) -> None:
@@ -105,6 +128,7 @@ def _on_step(profile: Profile, scheduler: Scheduler, out: SchedulerOutput, secon
     profile.step_s.append(seconds)
     num_doc = sum(chunks.values())
     profile.doc_tokens += num_doc
+    _spend(profile, out, seconds, num_doc)
     record = profile.record
     budget = record.get("budget")
     num_rows = shape_of(out).num_decode_rows
@@ -157,6 +181,9 @@ def _report(rate: float, seed: int, profile: Profile, line: str) -> None:
         f"  doc tokens / s of step: beside decodes {beside[0] / max(beside[1], 1e-9):.0f} "
         f"({beside[1]:.0f} s), without {alone[0] / max(alone[1], 1e-9):.0f} ({alone[1]:.0f} s)"
     )
+    total = sum(profile.spent.values())
+    spent = ", ".join(f"{k} {_pct(v, total)}" for k, v in profile.spent.most_common())
+    print(f"  pending time ({total:.0f} s with the unseen time) spent on: {spent}")
     binding = ", ".join(f"{k} {_pct(v, n)}" for k, v in profile.binding.most_common())
     print(f"  tightest limit: {binding}; pace floor raised {_pct(profile.num_floor, n)}")
 
@@ -174,8 +201,10 @@ def main() -> None:
         args.noise, (args.overhead_ms[0] / 1000, args.overhead_ms[1] / 1000), args.chunk_ms / 1000
     )
     for rate in args.rates:
+        spent: Counter[str] = Counter()
+        num_steps = 0
         for seed in args.seeds:
-            profile = Profile()
+            profile = Profile(machine=machine)
             tokens = simulate(
                 rate,
                 seed,
@@ -190,6 +219,14 @@ def main() -> None:
                 f"long P50 TTFT {f.long_ttft_p50:.1f} s"
             )
             _report(rate, seed, profile, line)
+            spent.update(profile.spent)
+            num_steps += profile.num_pending
+        total = sum(spent.values())
+        shares = ", ".join(f"{k} {_pct(v, total)}" for k, v in spent.most_common())
+        print(
+            f"rate {rate}, all seeds: {total:.0f} s pending in {num_steps} steps "
+            f"({1000 * total / max(num_steps, 1):.0f} ms a step with the unseen time): {shares}"
+        )
 
 
 if __name__ == "__main__":

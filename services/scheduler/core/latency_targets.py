@@ -119,6 +119,10 @@ TPOT_HEADROOM = 0.9
 # chats missed a target at rate 0.5, against 4 without catch-up; 0.85 and 0.3 s: 4-5).
 CATCH_UP_PACE = 0.85
 CATCH_UP_RESERVE_S = 0.3
+# Beside decodes, a prompt chunk without a TTFT target goes only if its prompt tokens take at
+# least this many times the jump off the decode-only fast path (the model's prompt-chunk
+# term): a smaller one spends the decodes' slack mostly on the jump.
+MIN_CHUNK_OVER_JUMP = 1.0
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,10 @@ class LatencyTargets:
             # Catch-up: what the decodes banked under the per-step pace (module doc, 5).
             catch_up = self._max_prefill_tokens(decodes, min(decodes.paced_s, cap_s))
             num_prefill = max(num_prefill, catch_up)
+            if not urgent.num_tokens + urgent.num_late_tokens and not self._worth_the_jump(
+                decodes, num_prefill
+            ):
+                num_prefill = 0  # the decodes bank it for a larger chunk (module doc, 5)
         num_prefill = max(num_prefill, self._urgent_floor(decodes, urgent, num_prefill))
         num_reserved = min(urgent.num_tokens + urgent.num_late_tokens, num_prefill)
         return StepBudget(
@@ -245,6 +253,18 @@ class LatencyTargets:
             num_prefill,
             num_prefill - num_reserved if num_reserved else None,
         )
+
+    def _worth_the_jump(self, decodes: _Decodes, num_prefill: int) -> bool:
+        """Whether `num_prefill` prompt tokens beside the decodes are worth the step's jump
+        off the decode-only fast path: their own time (the model's prompt-token term) at
+        least MIN_CHUNK_OVER_JUMP times the jump (its prompt-chunk term). Without decodes
+        there is no fast path to leave."""
+        if not decodes.num_rows or not num_prefill:
+            return True
+        base_s = self.model.predict(StepShape())
+        prompt_s = self.model.predict(StepShape(num_prefill_tokens=num_prefill)) - base_s
+        jump_s = self.model.predict(StepShape(num_prefill_chunks=1)) - base_s
+        return prompt_s >= MIN_CHUNK_OVER_JUMP * jump_s
 
     def _running_decodes(self, running: list[Request], now: float) -> _Decodes:
         """The running decodes (_running_decodes), with the TPOT slack they banked."""

@@ -15,6 +15,7 @@ from kvserve.services.scheduler.core.latency_targets import (
     CATCH_UP_PACE,
     CATCH_UP_RESERVE_S,
     MEMORY_GAPS,
+    MIN_CHUNK_OVER_JUMP,
     TARGET_MEMORY_S,
     TPOT_HEADROOM,
     TTFT_PACE_SHARE,
@@ -209,6 +210,31 @@ def test_no_prompt_chunk_joins_the_decodes_when_leaving_the_fast_path_alone_miss
         assert "document" not in scheduler_output.num_scheduled_tokens
     run_to_completion(scheduler)
     assert_no_leaked_blocks(scheduler)
+
+
+def test_a_prompt_chunk_without_a_target_joins_the_decodes_only_if_worth_the_jump():
+    # 1 ms a prompt token, 50 ms to leave the decode-only fast path. Beside four decodes
+    # with an 80 ms TPOT target (72 ms a step), a document past its aging bound (catch-up)
+    # would get ~10 tokens, 10 ms of prompt for a 50 ms jump: the decodes bank the step
+    # for a larger chunk instead. With a 200 ms target its chunk is worth the jump and
+    # goes.
+    jump_s = 0.050
+    for tpot_ms, document_joins in ((80.0, False), (200.0, True)):
+        scheduler = _scheduler(slo_aging_ms=100.0)
+        scheduler.latency.model.coefficients[1] = 1.0
+        scheduler.latency.model.coefficients[5] = jump_s
+        _with_decodes(scheduler, tpot_ms)
+        document = create_request("document", 4000, max_tokens=1, arrival_time=NOW - 1)
+        scheduler.add_request(document)
+        scheduler_output, _ = step(scheduler)
+        num_document = scheduler_output.num_scheduled_tokens.get("document", 0)
+        assert _predict(scheduler, scheduler_output) <= tpot_ms / 1000 * TPOT_HEADROOM
+        if document_joins:
+            assert num_document / 1000 >= MIN_CHUNK_OVER_JUMP * jump_s
+        else:
+            assert num_document == 0
+        run_to_completion(scheduler)
+        assert_no_leaked_blocks(scheduler)
 
 
 def test_the_decodes_fit_even_when_they_alone_miss_the_target():
