@@ -9,7 +9,10 @@ with no document token and its cause (targeted prompts took the prompt share, th
 waited for admission, no prompt room at all); the document's median chunk beside 0, 1-2 and
 3+ decodes; which limit was the tightest (TPOT per step, TTFT deadline, the arrival cap) and
 how often the pace floor raised the step; the document tokens per second of pending time
-against their arrival rate. The rule's internals are read by wrapping LatencyTargets'
+against their arrival rate; and what the pending time was spent on (per-step fixed cost:
+the step's intercept and the unseen time after it; decode rows; attention; the prompt-chunk
+jump, --chunk-ms; the documents' and the chats' prompt tokens), per run and over all seeds.
+The rule's internals are read by wrapping LatencyTargets'
 methods on the scheduler the simulation drives (bench only).
 """
 

@@ -11,14 +11,16 @@ model's time (coefficients near the 2-core machine's: 40 ms a step, ~0.95 s per 
 tokens, ~4 ms per decode row) times log-normal noise (sigma --noise, 0.30: the real
 server's relative error is 0.16-0.33), and then 15-25 ms (--overhead-ms, uniform) pass that
 the step's measurement does not hold (the busy loop around the step, output processing, the api), as
-on the server, where they are in the client's TPOT. The scheduler's own step-time model
-starts from a start-up-like measurement and refits from the measured steps, as in the
-engine (Scheduler.record_step_time after each step). "fcfs" sends no targets; "targets"
-gives the short chats theirs. Goodput is as `vllm bench serve` counts it: the short requests
-that met both targets (vLLM's TPOT: (last token - first token) / (tokens - 1)) over the
-run's duration, from its start to the last request's last token (documents held back
-stretch it). A check of the rule's dynamics, not a measurement of the server. The table at
-the end: median [range] over seeds.
+on the server, where they are in the client's TPOT; --chunk-ms adds the cost of a step
+holding any prompt chunk (the real server's jump off the decode-only fast path, ~100 ms
+in a one-thread CPU-time replay; 0 by default, as the figures before it). The scheduler's
+own step-time model starts from a start-up-like measurement and refits from the measured
+steps, as in the engine (Scheduler.record_step_time after each step). "fcfs" sends no
+targets; "targets" gives the short chats theirs. Goodput is as `vllm bench serve` counts
+it: the short requests that met both targets (vLLM's TPOT: (last token - first token) /
+(tokens - 1)) over the run's duration, from its start to the last request's last token
+(documents held back stretch it). A check of the rule's dynamics, not a measurement of the
+server. The table at the end: median [range] over seeds.
 """
 
 from __future__ import annotations

@@ -47,7 +47,10 @@ requests is slo_pace.py):
    borrowed from later tokens, so this is spent step after step and each decode still
    averages within that pace; the reserve is what a burst of chats' prompts spends at
    once (rule 4). Without it, a document falls behind its arrivals while chats decode:
-   each step's fixed cost leaves prompt chunks of ~10 tokens beside them.
+   each step's fixed cost leaves prompt chunks of ~10 tokens beside them. A chunk
+   whose prompt time is under MIN_CHUNK_OVER_JUMP times the model's jump off the
+   decode-only fast path (its prompt-chunk term) does not go then, unless prompts with
+   a TTFT target wait: the decodes bank the step, and a later chunk is larger.
 6. Prompts with a TTFT target get their tokens first, within those prompt tokens: running
    prompt chunks without one take only the rest (StepPlan.running_prefill_budget), so a
    short request is admitted now instead of behind another request's long prompt (if a
