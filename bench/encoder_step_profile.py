@@ -10,12 +10,16 @@ step's parts are timed apart, interleaved plan by plan, median of --repeats:
 
     embeddings   word + position + token type embeddings and their LayerNorm
     linears      every linear layer of the encoder
-    (a per-layer part is timed on layer 0's modules at the step's rows, times the layers)
     attention    bidirectional_attention (torch SDPA) over the step's requests
     norm/act     the LayerNorms with their residual adds, and the activation
     padding      the pad / unpad copies around SDPA (a share of attention's time)
     pooling      pool_step: mean pooling and normalisation of every request
     forward      the whole forward, timed as one call (the parts should add up to it)
+
+A per-layer part is timed on layer 0's modules at the step's rows, times the layers. Then
+the levers tried, per step, each beside what the model runs: one fused QKV GEMM against
+three, GELU in place against a new tensor, SDPA per request (no padding) against the
+padded batch.
 
 Wall seconds (time.perf_counter) and process CPU seconds (time.process_time: every torch
 thread). --ragged gives the requests lengths drawn from [len / 2, len] (padding appears).
