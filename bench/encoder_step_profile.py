@@ -18,8 +18,9 @@ step's parts are timed apart, interleaved plan by plan, median of --repeats:
 
 A per-layer part is timed on layer 0's modules at the step's rows, times the layers. Then
 the levers tried, per step, each beside what the model runs: one fused QKV GEMM against
-three, GELU in place against a new tensor, SDPA per request (no padding) against the
-padded batch.
+three, GELU in place against a new tensor, padding into reused buffers against new zeroed
+ones (ragged batches only: equal lengths are not padded), SDPA per request (no padding)
+against the padded batch.
 
 Wall seconds (time.perf_counter) and process CPU seconds (time.process_time: every torch
 thread). --ragged gives the requests lengths drawn from [len / 2, len] (padding appears).
@@ -215,6 +216,13 @@ def _attention_per_request(q, k, v, lens: list[int], scale: float) -> torch.Tens
     return out
 
 
+def _pad_anew(batch: EncoderBatch, rows: torch.Tensor) -> torch.Tensor:
+    """EncoderBatch.pad as it was before issue 50: a new zeroed buffer per call."""
+    padded = rows.new_zeros(batch.num_reqs * batch.max_len, *rows.shape[1:])
+    padded[batch.slots] = rows
+    return padded
+
+
 def lever_calls(model: BertModel, lens: list[int], plan_name: str) -> dict[str, Callable]:
     """The levers tried, per layer, each beside what the model runs today."""
     config, num_tokens = model.config, sum(lens)
@@ -232,6 +240,8 @@ def lever_calls(model: BertModel, lens: list[int], plan_name: str) -> dict[str, 
         "qkv: fused": lambda: fused(x),
         "gelu": lambda: F.gelu(inter),
         "gelu in place": lambda: torch.ops.aten.gelu_(scratch),
+        "pad q k v: new zeroed buffers": lambda: [_pad_anew(batch, x) for x in (q, k, v)],
+        "pad q k v: reused buffers": lambda: [batch.pad(x, i) for i, x in enumerate((q, k, v))],
         "attention: padded SDPA": lambda: bidirectional_attention(q, k, v, batch, head_dim**-0.5),
         "attention: per request": lambda: _attention_per_request(q, k, v, lens, head_dim**-0.5),
     }

@@ -185,3 +185,13 @@ def test_encoder_batch_pads_unequal_requests_and_masks_their_keys():
         [False, True, True],
     ]
     assert EncoderBatch(torch.tensor([0, 2, 4])).mask(None) is None  # equal: no mask at all
+
+
+def test_encoder_batch_reuses_its_padded_buffers_and_keeps_the_padding_zero():
+    batch = EncoderBatch(torch.tensor([0, 3, 5]))
+    first = batch.pad(torch.ones(5, 2), buffer=0)
+    other = batch.pad(torch.full((5, 2), 7.0), buffer=1)
+    again = batch.pad(torch.full((5, 2), 3.0), buffer=0)
+    assert again.data_ptr() == first.data_ptr() != other.data_ptr()
+    assert again[:, :, 0].tolist() == [[3, 3, 3], [3, 3, 0]]
+    assert other[:, :, 0].tolist() == [[7, 7, 7], [7, 7, 0]]
