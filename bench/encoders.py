@@ -73,10 +73,13 @@ def build_folders(workdir: str) -> tuple[str, str]:
     return embed_dir, rerank_dir
 
 
-def serve(model_dir: str, port: int, log_path: str) -> subprocess.Popen:
+def serve(
+    model_dir: str, port: int, log_path: str, extra_args: list[str] | None = None
+) -> subprocess.Popen:
     kvserve = os.path.join(os.path.dirname(sys.executable), "kvserve")
     args = [kvserve, "serve", model_dir, "--runner", "pooling", "--port", str(port)]
     args += ["--served-model-name", "bench", "--uvicorn-log-level", "warning"]
+    args += extra_args or []
     with open(log_path, "w") as log:
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
@@ -160,12 +163,15 @@ async def bench_rerank(url: str, args) -> None:
     )
 
 
-def run_phase(url: str | None, model_dir: str, port: int, workdir: str, bench) -> None:
-    """Bench `url`, or a kvserve started on model_dir for the phase."""
+def run_phase(
+    url: str | None, model_dir: str, port: int, workdir: str, bench, extra_args: list[str]
+) -> None:
+    """Bench `url`, or a kvserve started on model_dir (with extra_args) for the phase."""
     process = None
     if url is None:
         url = f"http://127.0.0.1:{port}"
-        process = serve(model_dir, port, os.path.join(workdir, f"serve-{port}.log"))
+        log_path = os.path.join(workdir, f"serve-{port}.log")
+        process = serve(model_dir, port, log_path, extra_args)
     try:
         wait_healthy(url)
         asyncio.run(bench(url))
@@ -189,18 +195,22 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=8)
     parser.add_argument("--rerank-concurrency", type=int, default=2)
     parser.add_argument("--skip", choices=["embed", "rerank"])
+    parser.add_argument(
+        "--serve-args", default="", help="more `kvserve serve` flags, e.g. '--cpu-gemm onednn'"
+    )
     args = parser.parse_args()
+    extra_args = args.serve_args.split()
     os.makedirs(args.workdir, exist_ok=True)
     embed_dir, rerank_dir = build_folders(args.workdir)
     if args.skip != "embed":
         run_phase(
             args.embed_url, embed_dir, args.port, args.workdir,
-            lambda url: bench_embeddings(url, args),
+            lambda url: bench_embeddings(url, args), extra_args,
         )  # fmt: skip
     if args.skip != "rerank":
         run_phase(
             args.rerank_url, rerank_dir, args.port + 1, args.workdir,
-            lambda url: bench_rerank(url, args),
+            lambda url: bench_rerank(url, args), extra_args,
         )  # fmt: skip
 
 

@@ -3,8 +3,8 @@
 An encoder request is computed whole in one step (the engine turns chunked prefill and prefix
 caching off for an encoder: engine/engine_core.py), so its keys are exactly the step's rows of
 that request and nothing is read from or written to a KV cache. The step's flattened tokens
-are padded once per forward into [num_reqs, max_len] (every layer reuses the indices), and
-torch's scaled_dot_product_attention runs over the padded batch with a key mask:
+are padded into [num_reqs, max_len] (every layer reuses the indices and the padded buffers),
+and torch's scaled_dot_product_attention runs over the padded batch with a key mask:
 
     tokens   a0 a1 a2 b0 b1          query_start_loc [0, 3, 5]
     padded   a0 a1 a2                key mask  1 1 1
@@ -41,12 +41,26 @@ class EncoderBatch:
         valid = torch.arange(self.max_len)[None, :] < lens[:, None]  # [B, L]
         self.key_mask = valid[:, None, None, :].to(device)  # [B, 1, 1, L]
         self._window_masks: dict[int, torch.Tensor] = {}
+        # Padded buffers, zeroed once per forward and reused by every layer: only the
+        # requests' slots are ever written, so the padding stays zero (a new zeroed buffer
+        # per call cost as much as the copy into it: bench/RESULTS.md, issue 50).
+        self._buffers: dict[tuple, torch.Tensor] = {}
 
-    def pad(self, rows: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [B, L, ...] (zeros where a request is shorter than the longest)."""
+    def pad(self, rows: torch.Tensor, buffer: int = 0) -> torch.Tensor:
+        """[T, ...] -> [B, L, ...] (zeros where a request is shorter than the longest).
+
+        Args:
+            rows: the step's rows.
+            buffer: which of this batch's padded buffers to fill: a result stays valid until
+                the next pad into the same buffer (q, k and v of a layer take 0, 1 and 2).
+        """
         if self.all_equal:
             return rows.view(self.num_reqs, self.max_len, *rows.shape[1:])
-        padded = rows.new_zeros(self.num_reqs * self.max_len, *rows.shape[1:])
+        key = (buffer, rows.shape[1:], rows.dtype, rows.device)
+        padded = self._buffers.get(key)
+        if padded is None:
+            padded = rows.new_zeros(self.num_reqs * self.max_len, *rows.shape[1:])
+            self._buffers[key] = padded
         padded[self.slots] = rows
         return padded.view(self.num_reqs, self.max_len, *rows.shape[1:])
 
@@ -87,6 +101,6 @@ def bidirectional_attention(
     Returns:
         [T, num_heads * head_dim].
     """
-    qp, kp, vp = (batch.pad(x).transpose(1, 2) for x in (q, k, v))  # [B, H, L, D]
+    qp, kp, vp = (batch.pad(x, i).transpose(1, 2) for i, x in enumerate((q, k, v)))  # [B,H,L,D]
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.mask(window), scale=scale)
     return batch.unpad(out.transpose(1, 2)).reshape(batch.num_tokens, -1)

@@ -22,21 +22,43 @@ from torch import nn
 
 from kvserve.services.worker.layers.attention import AttentionMetadata
 from kvserve.services.worker.layers.bidirectional import EncoderBatch, bidirectional_attention
+from kvserve.services.worker.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 
-# HF's hidden_act names of the activations these checkpoints use.
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
+# HF's hidden_act names of the activations these checkpoints use, each applied in place:
+# every caller hands it a GEMM's fresh output (a new [T, intermediate] tensor per call costs
+# page faults: bench/RESULTS.md, issue 50).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": lambda x: torch.ops.aten.gelu_(x),
+    "gelu_new": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "relu": torch.relu_,
+    "silu": lambda x: F.silu(x, inplace=True),
 }
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """HF's activation `name`, applied in place (x is overwritten and returned)."""
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported: {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+class EncoderLinear(ReplicatedLinear):
+    """An encoder's linear layer: a float weight on every rank (never quantized: the
+    checkpoint's names load into it as they are), multiplied on the path of the CPU GEMM
+    plan that worker/cpu_tuning.prepare_gemm measures for every linear layer, as a
+    decoder's are; `add` ([T, N]) is summed inside the GEMM where that path can.
+
+    Args:
+        input_size, output_size: the weight's [output_size, input_size].
+        bias: whether the layer has a bias.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
+        super().__init__(input_size, output_size, bias, UnquantizedLinearMethod())
+
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias, add)
 
 
 class BertEmbeddings(nn.Module):
@@ -76,9 +98,9 @@ class _SelfAttention(nn.Module):
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.head_dim = hidden // self.num_heads
-        self.query = nn.Linear(hidden, hidden)
-        self.key = nn.Linear(hidden, hidden)
-        self.value = nn.Linear(hidden, hidden)
+        self.query = EncoderLinear(hidden, hidden)
+        self.key = EncoderLinear(hidden, hidden)
+        self.value = EncoderLinear(hidden, hidden)
 
 
 class _DenseNorm(nn.Module):
@@ -86,11 +108,11 @@ class _DenseNorm(nn.Module):
 
     def __init__(self, config: Any, in_features: int) -> None:
         super().__init__()
-        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.dense = EncoderLinear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense(x, add=residual))
 
 
 class _Attention(nn.Module):
@@ -110,7 +132,7 @@ class _Attention(nn.Module):
 class _Intermediate(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense = EncoderLinear(config.hidden_size, config.intermediate_size)
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,7 +218,7 @@ class BertForSequenceClassification(nn.Module):
 
     def make_head(self, config: Any) -> None:
         self.pooler = _Pooler(config)
-        self.classifier: nn.Module = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier: nn.Module = EncoderLinear(config.hidden_size, config.num_labels)
 
     @property
     def encoder_model(self) -> BertModel:
@@ -224,7 +246,7 @@ class _Pooler(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = EncoderLinear(config.hidden_size, config.hidden_size)
 
 
 class _RobertaHead(nn.Module):
@@ -232,8 +254,8 @@ class _RobertaHead(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+        self.dense = EncoderLinear(config.hidden_size, config.hidden_size)
+        self.out_proj = EncoderLinear(config.hidden_size, config.num_labels)
 
 
 class XLMRobertaForSequenceClassification(BertForSequenceClassification):

@@ -19,7 +19,7 @@ from torch import nn
 
 from kvserve.services.worker.layers.attention import AttentionMetadata
 from kvserve.services.worker.layers.bidirectional import EncoderBatch, bidirectional_attention
-from kvserve.services.worker.models.bert import activation, load_named
+from kvserve.services.worker.models.bert import EncoderLinear, activation, load_named
 
 
 def _layer_norm(config: Any) -> nn.LayerNorm:
@@ -58,30 +58,38 @@ class ModernBertAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
         hidden = config.hidden_size
-        self.Wqkv = nn.Linear(hidden, 3 * hidden, bias=config.attention_bias)
-        self.Wo = nn.Linear(hidden, hidden, bias=config.attention_bias)
+        self.Wqkv = EncoderLinear(hidden, 3 * hidden, bias=config.attention_bias)
+        self.Wo = EncoderLinear(hidden, hidden, bias=config.attention_bias)
         self.window = window
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: EncoderBatch
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: EncoderBatch,
+        residual: torch.Tensor,
     ) -> torch.Tensor:
+        """residual + attention(x)."""
         qkv = self.Wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
         out = bidirectional_attention(q, k, v, batch, self.head_dim**-0.5, self.window)
-        return self.Wo(out)
+        return self.Wo(out, add=residual)
 
 
 class ModernBertMLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.Wi = EncoderLinear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.Wo = EncoderLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = activation(config.hidden_activation)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + MLP(x)."""
         up, gate = self.Wi(x).chunk(2, dim=-1)
-        return self.Wo(self.act(up) * gate)
+        return self.Wo(self.act(up) * gate, add=residual)
 
 
 class ModernBertLayer(nn.Module):
@@ -97,8 +105,8 @@ class ModernBertLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: EncoderBatch
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, batch)
-        return x + self.mlp(self.mlp_norm(x))
+        x = self.attn(self.attn_norm(x), rope, batch, residual=x)
+        return self.mlp(self.mlp_norm(x), residual=x)
 
 
 class _Embeddings(nn.Module):
@@ -162,7 +170,7 @@ class _PredictionHead(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size, config.classifier_bias)
+        self.dense = EncoderLinear(config.hidden_size, config.hidden_size, config.classifier_bias)
         self.act = activation(config.classifier_activation)
         self.norm = _layer_norm(config)
 
@@ -179,7 +187,7 @@ class ModernBertForSequenceClassification(nn.Module):
         self.num_labels = config.num_labels
         self.model = ModernBertModel(config)
         self.head = _PredictionHead(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = EncoderLinear(config.hidden_size, config.num_labels)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.model(*args, **kwargs)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from kvserve.kernels import gemm
 from kvserve.services.scheduler.engine.engine_core import EngineCore
 from kvserve.services.worker.layers.bidirectional import EncoderBatch
 from kvserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -41,9 +42,9 @@ ENCODERS = {
 _POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
 
 
-def _engine(model_dir: str) -> EngineCore:
+def _engine(model_dir: str, cpu_gemm: str = "auto") -> EngineCore:
     config = EngineConfig(
-        model=ModelConfig(model=model_dir, dtype="float32"),
+        model=ModelConfig(model=model_dir, dtype="float32", cpu_gemm=cpu_gemm),
         cache=CacheConfig(block_size=16),
         # A budget below the longest input: the encoder config raises it to max_model_len.
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
@@ -121,6 +122,46 @@ def test_cross_encoder_logits_equal_hf_with_pair_token_types(engines, name):
     np.testing.assert_allclose(logits, hf_pair_scores(folder, query, documents), atol=1e-4)
 
 
+@pytest.mark.skipif(not gemm.onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("name", ["bert-mean", "modernbert-mean", "bert-ce-1"])
+def test_encoder_linears_take_the_cpu_gemm_plan_and_still_match(tmp_path, name):
+    """--cpu-gemm onednn: every linear layer of the encoder (and of a cross-encoder's head)
+    holds oneDNN's packed weight, as a decoder's do, with the same outputs."""
+    folder = str(tmp_path)
+    if name in ENCODERS:
+        kind, pooling, normalize = ENCODERS[name]
+        build_encoder(folder, kind, pooling, normalize)
+    else:
+        kind, pooling, normalize = "bert", "cls", False
+        build_cross_encoder(folder, kind, 1)
+    core = _engine(folder, cpu_gemm="onednn")
+    try:
+        model = core.executor.worker.runner.model
+        linears = [m for m in model.modules() if hasattr(m, "gemm")]
+        assert linears and all(m.gemm is not None and m.gemm.packed is not None for m in linears)
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if name in ENCODERS:
+            prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+            params = SamplingParams(max_tokens=1, pooling=_POOLING[pooling], normalize=normalize)
+            got = np.stack(_pool(core, prompts, [params] * len(prompts)))
+            np.testing.assert_allclose(got, st_embeddings(folder, TEXTS).numpy(), atol=1e-5)
+        else:
+            query, documents = "what is a fox", ["a fox is an animal", "paris is in france"]
+            encoded = [tokenizer(query, d, return_token_type_ids=True) for d in documents]
+            params = [
+                SamplingParams(
+                    max_tokens=1, pooling="cls", token_type_start=e["token_type_ids"].index(1)
+                )
+                for e in encoded
+            ]
+            logits = np.stack(_pool(core, [e["input_ids"] for e in encoded], params))
+            want = hf_pair_scores(folder, query, documents)
+            np.testing.assert_allclose(logits, want, atol=1e-4)
+    finally:
+        core.shutdown()
+
+
 def test_an_encoder_refuses_generation_and_frees_everything(engines):
     core, _ = engines("bert-mean")
     core.add_request(EngineCoreRequest("gen", [2, 10, 3], SamplingParams(max_tokens=4)))
@@ -144,3 +185,13 @@ def test_encoder_batch_pads_unequal_requests_and_masks_their_keys():
         [False, True, True],
     ]
     assert EncoderBatch(torch.tensor([0, 2, 4])).mask(None) is None  # equal: no mask at all
+
+
+def test_encoder_batch_reuses_its_padded_buffers_and_keeps_the_padding_zero():
+    batch = EncoderBatch(torch.tensor([0, 3, 5]))
+    first = batch.pad(torch.ones(5, 2), buffer=0)
+    other = batch.pad(torch.full((5, 2), 7.0), buffer=1)
+    again = batch.pad(torch.full((5, 2), 3.0), buffer=0)
+    assert again.data_ptr() == first.data_ptr() != other.data_ptr()
+    assert again[:, :, 0].tolist() == [[3, 3, 3], [3, 3, 0]]
+    assert other[:, :, 0].tolist() == [[7, 7, 7], [7, 7, 0]]
