@@ -57,11 +57,18 @@ if not os.environ.get("KVSERVE_TRANSPORT_KEYS"):
 
 # The session's cache folder (tests/support/cache_dir.py): the user's models and kernels, a
 # private copy of their GEMM plans. Set once, inherited by every process the tests start
-# (and by pytest-xdist's workers, which see the marker and keep it).
+# (and by pytest-xdist's workers, which see the marker and keep it), and whether the user's
+# cache held the default model's conversion then.
 if not os.environ.get("KVSERVE_TEST_SESSION_CACHE"):
     from kvserve.shared.env import CACHE_DIR  # noqa: E402
-    from tests.support.cache_dir import make_session_cache_dir  # noqa: E402
+    from tests.support.cache_dir import (  # noqa: E402
+        DEFAULT_MODEL_CONVERTED_HERE,
+        default_model_converted,
+        make_session_cache_dir,
+    )
 
+    _converted = default_model_converted(CACHE_DIR.get())
+    os.environ[DEFAULT_MODEL_CONVERTED_HERE] = "0" if _converted else "1"
     os.environ["KVSERVE_CACHE_DIR"] = make_session_cache_dir(CACHE_DIR.get())
     os.environ["KVSERVE_TEST_SESSION_CACHE"] = os.environ["KVSERVE_CACHE_DIR"]
 

@@ -1,11 +1,14 @@
 """Speculative decoding through the whole engine on the real default model (float32): greedy
 output equals greedy without speculation, token for token, with each method, over prompts
-whose drafts are both accepted and rejected; and under chunked prefill, preemption, n > 1,
-logprobs, seeds and TP = 2. Every run ends with zero leaked KV blocks.
+whose drafts are both accepted and rejected; and with n > 1, logprobs and seeds. A tiny
+random Llama does the same with a separate draft model (its own KV cache), under chunked
+prefill with preemption, and with TP = 2 and PP = 2: what they test needs no real text.
+Every run ends with zero leaked KV blocks.
 
 The default model's engines cost seconds each to start, so tests of one config share one
 engine (`engines`, one alive at a time: they sit next to each other in this file), and the
-reference outputs without speculation are computed once (`reference`)."""
+reference outputs without speculation are computed once (`reference`; the tiny model's in
+`tiny`)."""
 
 from __future__ import annotations
 
@@ -49,6 +52,17 @@ STEP_COSTS = "1:0.020,2:0.0205,4:0.021,8:0.023,16:0.036,32:0.066,64:0.13,128:0.2
 TRAIN_CORPUS = {"num_prompts": 12, "max_tokens": 48}
 # The n > 1 and logprobs request of test_logprobs_n_and_max_tokens, on the last 3 prompts.
 LOGPROBS_N = SamplingParams(temperature=0.0, max_tokens=17, logprobs=2, n=2)
+# The tiny random Llama's prompts (ids of its 128-token vocabulary). TP_PROMPTS run over
+# 2 ranks; TINY_PROMPTS are longer than a 32-token budget (chunked prefill), share a
+# 24-token prefix (prefix-cache hits) and repeat n-grams the model may or may not continue.
+TP_PROMPTS = ([5, 17, 99, 3, 42], [7] * 11, [20, 21, 22])
+TINY_PREFIX = list(range(60, 84))
+TINY_PROMPTS = [
+    TINY_PREFIX + [5, 17, 99, 3, 42] * 3,
+    TINY_PREFIX + [7] * 11,
+    TINY_PREFIX + [20, 21, 22, 23] * 5,
+    TINY_PREFIX + list(range(100, 128)),
+]
 
 
 class OneEngine:
@@ -112,11 +126,11 @@ def _greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _assert_equal(ours, reference, max_tokens: int = MAX_TOKENS) -> None:
+def _assert_equal(ours, reference, max_tokens: int = MAX_TOKENS, labels=QUESTIONS) -> None:
     """ours equals reference token for token; ours ran max_tokens, reference MAX_TOKENS."""
     for i, (a, b) in enumerate(zip(ours, reference)):
         b = b[:max_tokens]
-        assert a == b, f"prompt {i} ({QUESTIONS[i]!r}) diverges:\nspec {a}\nref  {b}"
+        assert a == b, f"prompt {i} ({labels[i]!r}) diverges:\nspec {a}\nref  {b}"
 
 
 def _assert_accepted_and_rejected(llm: LLM) -> None:
@@ -232,70 +246,98 @@ def test_aborts_mid_speculation_free_every_block(engines, prompts):
     assert_no_leaked_blocks(core.scheduler)
 
 
-def test_a_separate_draft_model_with_its_own_kv_cache(
-    engines, default_model_dir, prompts, reference
-):
-    # The default model loaded again as the draft, truncated: its own weights and KV cache,
-    # caught up on every step (prefix-cache hits included: the prompts share the template).
-    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": default_model_dir,
-            "num_draft_layers": 6, "adaptive": False}  # fmt: skip
-    llm = engines.get(speculative_config=spec)
-    assert llm.engine_core.executor.worker.runner.proposer.draft.owns_cache
-    _assert_equal(_greedy(llm, prompts), reference.greedy)
-    # A second round from the cache: the prompts hit, the draft catches up on them.
-    n = SHORT_MAX_TOKENS
-    _assert_equal(_greedy(llm, prompts, n), reference.greedy, n)
-    _assert_accepted_and_rejected(llm)
-    assert_no_leaked_blocks(llm.engine_core.scheduler)
+def test_a_separate_draft_model_with_its_own_kv_cache(tiny):
+    # The tiny model loaded again as the draft, truncated: its own weights and KV cache,
+    # caught up on every step (prefix-cache hits included: the prompts share a prefix).
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny.model,
+            "num_draft_layers": 2, "adaptive": False}  # fmt: skip
+    llm = LLM(tiny.model, speculative_config=spec, **tiny.engine_kwargs)
+    try:
+        assert llm.engine_core.executor.worker.runner.proposer.draft.owns_cache
+        _assert_equal(_greedy(llm, TINY_PROMPTS), tiny.reference, labels=TINY_PROMPTS)
+        # A second round from the cache: the prompts hit, the draft catches up on them.
+        n = SHORT_MAX_TOKENS
+        _assert_equal(_greedy(llm, TINY_PROMPTS, n), tiny.reference, n, labels=TINY_PROMPTS)
+        _assert_accepted_and_rejected(llm)
+        assert_no_leaked_blocks(llm.engine_core.scheduler)
+    finally:
+        llm.engine_core.shutdown()
 
 
-def test_chunked_prefill_and_preemption(engines, prompts, reference):
-    longest = max(len(p) for p in prompts) + MAX_TOKENS + 8
+def test_chunked_prefill_and_preemption(tiny):
+    longest = max(len(p) for p in TINY_PROMPTS) + MAX_TOKENS + 8
     num_blocks = -(-longest // 16) + 4  # one request always fits, two do not
-    for spec in (_fixed(NGRAM), _fixed(SELF_DRAFT)):
-        llm = engines.get(
+    kwargs = {**tiny.engine_kwargs, "kv_cache_memory": None}
+    for spec in (_fixed(NGRAM), {**_fixed(SELF_DRAFT), "num_draft_layers": 2}):
+        llm = LLM(
+            tiny.model,
             speculative_config=spec,
             max_num_batched_tokens=32,
             num_gpu_blocks_override=num_blocks,
-            kv_cache_memory=None,
+            **kwargs,
         )
-        _assert_equal(_greedy(llm, prompts), reference.greedy)
-        assert llm.engine_core.scheduler.num_preemptions_total > 0
-        _assert_accepted_and_rejected(llm)
-        assert_no_leaked_blocks(llm.engine_core.scheduler)
+        try:
+            _assert_equal(_greedy(llm, TINY_PROMPTS), tiny.reference, labels=TINY_PROMPTS)
+            assert llm.engine_core.scheduler.num_preemptions_total > 0
+            _assert_accepted_and_rejected(llm)
+            assert_no_leaked_blocks(llm.engine_core.scheduler)
+        finally:
+            llm.engine_core.shutdown()
 
 
-def test_tensor_and_pipeline_parallel(engines, tiny_llama_for_tp, default_model_dir):
+def test_tensor_and_pipeline_parallel(tiny):
     # The default model's 9 heads do not split over 2 ranks: a tiny random Llama does
     # (its greedy text loops, so n-gram drafts are accepted too).
-    engines.close()  # the last default-model engine's memory is not needed here
-    inputs = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 42], [7] * 11, [20, 21, 22])]
+    inputs = [{"prompt_token_ids": p} for p in TP_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    tiny = {"tokenizer": default_model_dir, "dtype": "float32", "max_model_len": 256,
-            "kv_cache_memory": 64 << 20}  # fmt: skip
-    reference = [o.outputs[0].token_ids for o in LLM(tiny_llama_for_tp, **tiny).generate(
-        inputs, params, use_tqdm=False)]  # fmt: skip
     runs = [
         (_fixed(NGRAM), {"tensor_parallel_size": 2}),
         ({**_fixed(SELF_DRAFT), "num_draft_layers": 2}, {"tensor_parallel_size": 2}),
         (_fixed(NGRAM), {"pipeline_parallel_size": 2}),
     ]
     for spec, parallel in runs:
-        llm = LLM(tiny_llama_for_tp, speculative_config=spec, **parallel, **tiny)
+        llm = LLM(tiny.model, speculative_config=spec, **parallel, **tiny.engine_kwargs)
         try:
             outs = llm.generate(inputs, params, use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in outs] == reference
+            assert [o.outputs[0].token_ids for o in outs] == tiny.tp_reference
             assert llm.stats_totals.spec_num_accepted_tokens > 0
             assert_no_leaked_blocks(llm.engine_core.scheduler)
         finally:
             llm.engine_core.shutdown()
 
 
+@dataclass
+class Tiny:
+    """The tiny random Llama of the tests that need no real text, its engine arguments, and
+    its greedy outputs without speculation: TP_PROMPTS' (24 tokens) and TINY_PROMPTS'
+    (MAX_TOKENS)."""
+
+    model: str
+    engine_kwargs: dict
+    tp_reference: list[list[int]]
+    reference: list[list[int]]
+
+
 @pytest.fixture(scope="module")
-def tiny_llama_for_tp(tmp_path_factory) -> str:
+def tiny(tmp_path_factory, default_model_dir, engines) -> Tiny:
+    """A tiny random Llama that splits over 2 TP ranks and 2 PP stages, and what it
+    generates without speculation (one engine, each prompt set in its own batch)."""
     from tests.support.models import save_tiny_parallel_llama
 
-    return save_tiny_parallel_llama(str(tmp_path_factory.mktemp("tiny-spec-llama")))
+    engines.close()  # no default-model engine is needed beside the tiny ones
+    model = save_tiny_parallel_llama(str(tmp_path_factory.mktemp("tiny-spec-llama")))
+    kwargs = {"tokenizer": default_model_dir, "dtype": "float32", "max_model_len": 256,
+              "kv_cache_memory": 64 << 20}  # fmt: skip
+    llm = LLM(model, **kwargs)
+    try:
+        inputs = [{"prompt_token_ids": p} for p in TP_PROMPTS]
+        params = SamplingParams(temperature=0.0, max_tokens=24)
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        return Tiny(
+            model, kwargs, [o.outputs[0].token_ids for o in outs], _greedy(llm, TINY_PROMPTS)
+        )
+    finally:
+        llm.engine_core.shutdown()
 
 
 @pytest.fixture(scope="module")

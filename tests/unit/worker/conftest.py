@@ -37,9 +37,16 @@ def tiny_gguf(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
-    """The default model converted from its GGUF, in a cache folder of this test session
-    (test_model_loader.py tests the conversion; other tests read default_model_dir)."""
+def smollm2_dir(tmp_path_factory, default_model_dir):
+    """The default model converted from its GGUF by this checkout's code (test_model_loader.py
+    tests the conversion; other tests read default_model_dir). That is default_model_dir's
+    folder where this session converted it (the user's cache held none at its start, as on a
+    clean CI machine: the ~16 CPU s conversion runs once a run), else a fresh conversion in a
+    cache folder of this test session, so a conversion an older checkout left in the user's
+    cache is never what is tested."""
     from kvserve.services.worker.model_loader import resolve_model
+    from tests.support.cache_dir import DEFAULT_MODEL_CONVERTED_HERE
 
+    if os.environ.get(DEFAULT_MODEL_CONVERTED_HERE) == "1":
+        return default_model_dir
     return resolve_model(None, cache_dir=str(tmp_path_factory.mktemp("kvserve-cache")))
