@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kvserve import kernels
+from kvserve.kernels import host_memory
 from kvserve.services.worker.layers.linear import set_weight_loader
 from kvserve.services.worker.parallel_state import get_tp_rank
 
@@ -46,8 +47,10 @@ class KVCacheSpec:
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
+        """The zeroed cache; on the CPU on huge pages where the OS grants them (its blocks are
+        read in scattered 12 KB pieces: kernels/host_memory.py)."""
         shape = (self.num_planes, num_blocks, block_size, self.num_kv_heads, self.head_size)
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return host_memory.zeros(shape, dtype, device)
 
 
 @dataclass(slots=True)
