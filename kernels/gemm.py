@@ -24,13 +24,16 @@ MKL may win small row counts). So nothing is assumed: `tune` times both paths fo
 (dtype, N, K) of the model over a ladder of row counts, interleaved, and keeps per rung the
 faster one by its fastest call (torch unless oneDNN wins by a margin). The plan is cached
 per machine (CPU model and flags, torch version, threads) in $KVSERVE_CACHE_DIR/gemm/, so
-a second start reuses it, unless other work held the cores while it was measured: a plan
+a second start reuses it, unless other work held the cores while it was measured: a shape
 measured while tasks waited for a core more than CONTENDED_SHARE of the time (Linux's
-/proc/pressure/cpu) serves that start only, and the next start measures again. Measuring
-stops at the first shape that finds the cores contended (the shapes left run torch), so a
-start beside other busy engines is not minutes long. (A plan measured under load once picked
-MKL for half the bfloat16 shapes that oneDNN runs 1.3x faster on a quiet machine, and kept
-it.)
+/proc/pressure/cpu) is measured again after SETTLE_S, up to SETTLE_BUDGET_S of waiting in
+all (the engine's own processes start beside the worker's tuning: on two cores the api's
+imports alone made every start contended, so no plan was ever cached and every start ran
+torch's slower path); a shape still contended then serves that start only, uncached, and
+measuring stops, so a start beside other busy engines is not minutes long. The shapes left
+take the plan of a same-dtype shape measured on quiet cores (this start or cached), else
+torch's path. (A plan measured under load once picked MKL for half the bfloat16 shapes that
+oneDNN runs 1.3x faster on a quiet machine, and kept it.)
 
 A layer holds a `LinearWeights` (its packed copy and the plan for its shape); `linear`
 picks the rung of the call's row count.
@@ -69,6 +72,10 @@ DROP_FACTOR = 3.0
 # A measurement during which some task waited for a CPU more than this share of the time
 # was contended: it is used, not cached.
 CONTENDED_SHARE = 0.05
+# A contended shape is measured again after this wait, while the waits add up to at most
+# SETTLE_BUDGET_S over the whole plan.
+SETTLE_S = 0.5
+SETTLE_BUDGET_S = 4.0
 # The cache file's format and measuring method; a new one re-measures every machine.
 CACHE_VERSION = 4
 _PSI_CPU = "/proc/pressure/cpu"
@@ -256,8 +263,10 @@ class GemmPlan:
     source: str = "measured"  # measured | cached | forced
     seconds: float = 0.0
     stalled_share: float | None = None  # of the measuring time some task waited for a CPU
-    # Shapes left unmeasured (unmeasured_plan): measuring stopped once the cores proved contended.
+    # Shapes left unmeasured (_fallback_plan): measuring stopped once the cores stayed
+    # contended past SETTLE_BUDGET_S.
     unmeasured: int = 0
+    contended: int = 0  # shapes measured on contended cores: serving this start, uncached
 
     @staticmethod
     def key(dtype: torch.dtype, n: int, k: int) -> str:
@@ -376,39 +385,104 @@ def tune(
     path = _cache_path(torch.get_num_threads())
     cached = _read_cache(path) if use_cache else {}
     plan = GemmPlan(source="cached")
-    measured: dict[str, ShapePlan] = {}
-    start, stall_start = time.perf_counter(), cpu_stall_us()
-
-    def stalled_share() -> float | None:
-        stall_now, seconds = cpu_stall_us(), time.perf_counter() - start
-        if stall_start is None or stall_now is None or seconds <= 0:
-            return None
-        return min(1.0, (stall_now - stall_start) / 1e6 / seconds)
-
+    quiet: dict[str, ShapePlan] = {}  # measured on quiet cores: cached
+    clock = _MeasuringClock()
+    left = []
     for dtype, n, k, max_rows in shapes:
         key = GemmPlan.key(dtype, n, k)
         cache_key = f"{key}:{max_rows}"
         if cache_key in cached:
             plan.shapes[key] = cached[cache_key]
-            continue
-        if not _measurable(dtype):
+        elif not _measurable(dtype):
             plan.shapes[key] = torch_only
-            continue
-        if measured and (stalled_share() or 0.0) > CONTENDED_SHARE:
-            # Once the cores prove contended (other engines of this machine measuring at
-            # start-up, say), further timings would time that work: stop; the shapes
-            # left take the unmeasured plan (torch, or widened for an emulated bfloat16).
-            plan.unmeasured += 1
-            plan.shapes[key] = unmeasured_plan(dtype)
-            continue
-        plan.shapes[key] = measured[cache_key] = measure(dtype, n, k, max_rows)
-        plan.source = "measured"
-    plan.seconds = time.perf_counter() - start
-    if measured:
-        plan.stalled_share = stalled_share()
-    if use_cache and measured:
-        _cache_measured(path, plan, {**cached, **measured})
+        elif plan.contended:  # the cores stayed contended: measuring stopped
+            left.append((dtype, key))
+        else:
+            plan.source = "measured"
+            plan.shapes[key], was_quiet = clock.measure(measure, dtype, n, k, max_rows)
+            if was_quiet:
+                quiet[cache_key] = plan.shapes[key]
+            else:
+                plan.contended += 1
+    for dtype, key in left:
+        plan.unmeasured += 1
+        plan.shapes[key] = _fallback_plan(dtype, key, {**cached, **quiet})
+    plan.seconds = clock.seconds()
+    if plan.source == "measured":
+        plan.stalled_share = clock.stalled_share()
+    if use_cache and quiet:
+        _write_cache(path, {**cached, **quiet})
+    if plan.contended:
+        logger.warning(
+            "CPU GEMM plan: %d shapes measured while other work held the cores (a task waited "
+            "for a CPU %.0f%% of the time, after %.1f s of waiting for them to settle): used "
+            "for this start, not cached; %d shapes left unmeasured take a quiet same-dtype "
+            "shape's plan, else torch's (widened where the CPU emulates bfloat16)",
+            plan.contended,
+            100 * (clock.last_share or 0.0),
+            clock.waited_s,
+            plan.unmeasured,
+        )
     return plan
+
+
+class _MeasuringClock:
+    """Times the measuring and the cores' contention (Linux's pressure stall information)
+    during each shape's measurement; re-measures a contended shape after SETTLE_S while the
+    waits stay within SETTLE_BUDGET_S."""
+
+    def __init__(self) -> None:
+        self.start, self.stall_start = time.perf_counter(), cpu_stall_us()
+        self.waited_s = 0.0
+        self.last_share: float | None = None
+
+    def measure(
+        self,
+        measure: Callable[[torch.dtype, int, int, int], ShapePlan],
+        dtype: torch.dtype,
+        n: int,
+        k: int,
+        max_rows: int,
+    ) -> tuple[ShapePlan, bool]:
+        """The shape's plan, and whether it was measured on quiet cores."""
+        while True:
+            start, stall = time.perf_counter(), cpu_stall_us()
+            result = measure(dtype, n, k, max_rows)
+            self.last_share = _share(stall, start)
+            if self.last_share is None or self.last_share <= CONTENDED_SHARE:
+                return result, True
+            if self.waited_s + SETTLE_S > SETTLE_BUDGET_S:
+                return result, False
+            time.sleep(SETTLE_S)
+            self.waited_s += SETTLE_S
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+    def stalled_share(self) -> float | None:
+        """Of the whole measuring time (waits included), the share some task waited for a CPU."""
+        return _share(self.stall_start, self.start)
+
+
+def _share(stall_start: int | None, start: float) -> float | None:
+    stall_now, seconds = cpu_stall_us(), time.perf_counter() - start
+    if stall_start is None or stall_now is None or seconds <= 0:
+        return None
+    return min(1.0, (stall_now - stall_start) / 1e6 / seconds)
+
+
+def _fallback_plan(dtype: torch.dtype, key: str, quiet: dict[str, ShapePlan]) -> ShapePlan:
+    """The plan of a shape left unmeasured: that of the same-dtype shape measured on quiet
+    cores nearest in size (N x K), else unmeasured_plan."""
+    name, size = key.split(":")
+    n, k = map(int, size.split("x"))
+    same = []
+    for other, shape_plan in quiet.items():
+        other_name, other_size = other.split(":")[:2]
+        if other_name == name:
+            on, ok = map(int, other_size.split("x"))
+            same.append((abs(on * ok - n * k), other, shape_plan))
+    return min(same, key=lambda item: (item[0], item[1]))[2] if same else unmeasured_plan(dtype)
 
 
 def _forced_plan(shapes: list[tuple[torch.dtype, int, int, int]], mode: str) -> GemmPlan:
@@ -428,21 +502,6 @@ def _forced_plan(shapes: list[tuple[torch.dtype, int, int, int]], mode: str) -> 
 def _measurable(dtype: torch.dtype) -> bool:
     """Whether some path besides torch runs this dtype here."""
     return any(path_available(path, dtype) for path in PATHS if path != "torch")
-
-
-def _cache_measured(path: str, plan: GemmPlan, plans: dict[str, ShapePlan]) -> None:
-    """Write the cache file's plans (the cached ones and the new measurements), unless the
-    measurements timed other work too (the cores were contended): then only warn."""
-    if plan.stalled_share is not None and plan.stalled_share > CONTENDED_SHARE:
-        logger.warning(
-            "CPU GEMM plan measured while other work held the cores (a task waited for a CPU "
-            "%.0f%% of the time): used for this start, not cached; %d shapes left unmeasured "
-            "run torch (bfloat16 ones widened where the CPU emulates bfloat16)",
-            100 * plan.stalled_share,
-            plan.unmeasured,
-        )
-        return
-    _write_cache(path, plans)
 
 
 def _read_cache(path: str) -> dict[str, ShapePlan]:

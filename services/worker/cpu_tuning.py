@@ -52,6 +52,8 @@ def prepare_gemm(model: torch.nn.Module, config: EngineConfig) -> gemm.GemmPlan:
         how = f"measured in {plan.seconds:.1f} s"
         if plan.stalled_share is not None:
             how += f", tasks waited for a CPU {100 * plan.stalled_share:.0f}% of it"
+        if plan.contended:
+            how += f", {plan.contended} shapes measured on contended cores (not cached)"
         if plan.unmeasured:
             how += f", {plan.unmeasured} shapes left unmeasured"
     logger.info(
