@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -40,13 +42,14 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvserve import kernels
-from kvserve.kernels import dispatch
 from kvserve.kernels.decode_stack import DecodeStack
 from kvserve.llm import LLM
 from kvserve.services.worker import model_runner, step_sampler
 from kvserve.services.worker.layers.attention import KVCacheSpec
 from kvserve.shared.sampling_params import SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.mixed_step_profile import label_kernel_ops  # noqa: E402
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40000  # plain (non-special) token ids of SmolLM2
 # phase -> its parent (the step is the root); a parent's own time is what its children leave
@@ -69,17 +72,6 @@ OP_CLASSES = {
     "norm_rope_act": ("rms_norm", "rotary", "silu_and_mul"),
     "decode_stack": ("decode_stack",),
 }
-LABELLED_OPS = (
-    "rms_norm",
-    "fused_add_rms_norm",
-    "rotary_embedding",
-    "rotary_write_kv_cache",
-    "silu_and_mul",
-    "linear",
-    "write_kv_cache",
-    "paged_attention",
-    "argmax",
-)
 
 
 class Clock:
@@ -118,16 +110,8 @@ class Clock:
 
 
 def _label_kernel_ops() -> None:
-    def labelled(name, fn):
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            with record_function(f"kvserve::{name}"):
-                return fn(*args, **kwargs)
-
-        return call
-
-    for name in LABELLED_OPS:
-        setattr(kernels, name, labelled(name, getattr(dispatch, name)))
+    """mixed_step_profile's kvserve::<op> ranges, and one around the native decode stack."""
+    label_kernel_ops()
     run = DecodeStack.run
 
     def stack_run(self, *args, **kwargs):

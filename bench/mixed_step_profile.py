@@ -62,7 +62,7 @@ def _category(name: str) -> str:
     return "other"
 
 
-def _label_kernel_ops() -> None:
+def label_kernel_ops() -> None:
     """Wrap each dispatch point (where the model layers call it: `kvserve.kernels.<op>`) in a
     profiler range named kvserve::<op>."""
 
@@ -86,7 +86,7 @@ def _add(llm: LLM, rng: np.random.Generator, prefix: str, count: int, args) -> N
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
-    _label_kernel_ops()
+    label_kernel_ops()
     llm = LLM(
         dtype=args.dtype,
         max_num_seqs=64,
