@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from kvserve.shared.progress import ProcessProgress, SilenceWatch
+from kvserve.shared.progress import ProcessProgress, SilenceWatch, _sign_of_life, _throttled_along
 from tests.support.cgroups import cpu_quota, quota_unavailable
 
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -167,3 +167,36 @@ def test_a_process_throttled_by_a_cgroup_quota_is_starved_not_hung():
             findings.append(watch.finding)
             assert not watch.is_hung(time.monotonic(), HUNG_TIMEOUT_S), findings
     assert any(finding.startswith("it is starved of CPU") for finding in findings), findings
+
+
+def test_throttled_time_is_read_from_the_group_and_its_ancestors(tmp_path):
+    # v2 counts microseconds (throttled_usec), v1 nanoseconds (throttled_time); a limit set
+    # on a parent (a pod) holds back the children under it, so every level counts.
+    (tmp_path / "pod" / "container").mkdir(parents=True)
+    (tmp_path / "cpu.stat").write_text("usage_usec 99\n")  # the root has no quota
+    (tmp_path / "pod" / "cpu.stat").write_text("nr_throttled 3\nthrottled_usec 250\n")
+    (tmp_path / "pod" / "container" / "cpu.stat").write_text("throttled_usec 1000\n")
+    assert _throttled_along(str(tmp_path), "/pod/container") == 1_250_000
+    assert _throttled_along(str(tmp_path), "/pod") == 250_000
+    assert _throttled_along(str(tmp_path), "/elsewhere") == 0  # no cpu.stat there: only root
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "cpu.stat").write_text("nr_periods 9\nthrottled_time 4200\n")
+    assert _throttled_along(str(tmp_path), "/v1") == 4200
+
+
+def test_a_sliver_of_cpu_with_a_thread_waiting_is_starved_not_slow():
+    # One look's growth (cpu ms, wait ms, throttled ms, runnable threads, interval s).
+    # What CI saw of an engine core under a 1 ms-a-second quota: 2 ms in 0.5 s, threads in R.
+    assert _sign_of_life(2, 0, 0, 2, 0.5).startswith("it is starved of CPU (2 runnable")
+    # The same sliver with no thread wanting a CPU: it ran what it had to (slow, not starved).
+    assert _sign_of_life(2, 0, 0, 0, 0.5).startswith("it runs, slowly (2 ms")
+    # A fair share of a contended CPU is slow, and so is 2% of one (a busy process's tenth
+    # of a second on a loaded machine).
+    assert _sign_of_life(2, 0, 0, 1, 0.1).startswith("it runs, slowly (2 ms")
+    assert _sign_of_life(200, 300, 0, 1, 0.5).startswith("it runs, slowly (200 ms")
+    # A quota's throttling is named as such, whatever else grew.
+    assert "CPU quota held it back for 900 ms" in _sign_of_life(3, 0, 900, 1, 1.0)
+    # No CPU time, but waiting for one; then nothing at all.
+    assert _sign_of_life(0, 0, 0, 1, 0.5).startswith("it is starved of CPU (1 runnable")
+    assert _sign_of_life(0, 5, 0, 0, 0.5).startswith("it is starved of CPU (0 runnable")
+    assert _sign_of_life(0, 0, 0, 0, 0.5) is None
