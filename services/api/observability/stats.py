@@ -155,7 +155,9 @@ class IterationStats:
         if output.num_cached_tokens:  # the request's first output only
             times.num_cached_tokens = output.num_cached_tokens
         num_new_tokens = len(output.new_token_ids)
-        if num_new_tokens == 0:
+        # A pooling request's one output (an embedding, a score) ends its prompt as a first
+        # token would: its prompt counts, and its time to that output (as vLLM counts them).
+        if num_new_tokens == 0 and (output.pooled is None or times.first_token_ts is not None):
             return
         if times.first_token_ts is None:
             self.num_prompt_tokens += num_prompt_tokens

@@ -100,6 +100,20 @@ def test_a_request_without_tokens_has_no_phase_times():
     assert iteration.time_to_first_tokens == [] and iteration.num_prompt_tokens == 0
 
 
+def test_a_pooling_requests_prompt_counts_when_its_embedding_comes():
+    # Embeddings and scores have no tokens out: their prompts are the whole throughput
+    # (the stats line read "Avg prompt throughput: 0.0" while it embedded 1,100 tokens/s).
+    times = RequestTimes(arrival_time=2.0)
+    iteration = IterationStats(now=2.5, engine_timestamp=T0 + 0.4)
+    pooled = EngineCoreOutput(
+        "r", [], finish_reason=FinishReason.STOP, pooled=b"\0" * 16, num_cached_tokens=4
+    )
+    iteration.observe_output(times, pooled, num_prompt_tokens=115)
+    assert iteration.num_prompt_tokens == 115 and iteration.num_cached_prompt_tokens == 4
+    assert iteration.time_to_first_tokens == [pytest.approx(0.5)]
+    assert iteration.num_generation_tokens == 0
+
+
 def test_one_token_has_no_time_per_output_token():
     times = RequestTimes(arrival_time=0.0)
     iteration = IterationStats(now=0.1, engine_timestamp=T0 + 0.05)
