@@ -1,4 +1,4 @@
-"""Three minutes of chaos, at CI size: bench/soak.py against the tiny model.
+"""Two minutes of chaos, at CI size: bench/soak.py against the tiny model.
 
 DP=2 beside a KV store, API keys with tenants; a few `openai` clients send a constant mix
 (short and long, streams and not, a required tool, a JSON schema, cancellations, a slow
@@ -18,13 +18,16 @@ from bench.soak import build_parser, run_soak
 
 pytestmark = pytest.mark.slow
 
-DURATION_S = 180
+# Two minutes (the first 30 s warm-up, 90 s of chaos; it was three minutes, cut to keep the
+# suite in its 15 minutes: the bench's 30-minute soaks reach every target many times).
+DURATION_S = 120
 # Seed 1's shuffled cycle starts engine core, KV store, key file, worker, api helper,
-# coordinator: the first three are hit in any three minutes.
+# coordinator: the first three are hit within 90 s of chaos (pauses of 4.5-13.5 s at this
+# size, each after the deployment recovered).
 SEED = 1
 
 
-def test_three_minutes_of_chaos_lose_and_leak_nothing(tmp_path):
+def test_two_minutes_of_chaos_lose_and_leak_nothing(tmp_path):
     args = build_parser().parse_args(
         [
             "--model", "tiny",
