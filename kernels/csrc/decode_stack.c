@@ -188,19 +188,23 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 // the lanes' order within a level does not matter).
 static inline __m128 reduce4_16(__m512 a, __m512 b, __m512 c, __m512 d) {
     // (j, j + 8): [a | b] and [c | d], 8 lanes each
-    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    const __m512 ab =
+        _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd =
+        _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
     // (i, i + 4): [a b c d], 4 lanes each
-    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-    // (i, i + 2), then (0, 1): lane 0 of each 128-bit lane
+    const __m512 q =
+        _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    // (i, i + 2), then (0, 1): the sums in lane 0 of each 128-bit lane
     const __m512 h = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4E));
     const __m512 s = _mm512_add_ps(h, _mm512_permute_ps(h, 0xB1));
-    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12), s));
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, s));
 }
 
-// The value is loaded into a register once: without this GCC folds a load reused by several
-// FMAs into each of them as a memory operand (seven loads per six FMAs in the 6 x 4 tile,
-// bound by the load ports: 0.6x the FMA rate).
+// The value is loaded into a register once: without this GCC folds a load that several FMAs
+// use into each of them as a memory operand (28 loads per 24 FMAs in the 6 x 4 tile, bound
+// by the load ports: 74 GFLOP/s at 32 rows, 91 with it, one thread of a Zen 4).
 #define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
 
 // (AVX-512) R W rows against C inputs: each 16-wide W load (bfloat16 widened in the register)
@@ -209,8 +213,11 @@ static inline __m128 reduce4_16(__m512 a, __m512 b, __m512 c, __m512 d) {
 // accumulator holds GEMV_TILE's two 8-wide ones (lane j = acc[j / 8][j % 8]), the last
 // 8-chunk goes into the low half, reduce4_16 adds them up as low + high and hsum8 do, then
 // the scalar tail. 6 x 4 (24 accumulators; the default model's N are multiples of 6, its
-// M of 32 of 4) reads the inputs N / 6 times where 4 x 4 read them N / 4 times: 1.xx the
-// rate at 32 rows (bench/RESULTS.md). R * C must be a multiple of 4.
+// M of 32 of 4) reads the inputs N / 6 times where 4 x 4 read them N / 4 times. Each step
+// also prefetches pf_per_step of the pf_lines lines from pf toward L2 (the caller's next
+// block of W rows, which comes from memory: the LM head's 113 MB ran at half the layers'
+// rate without it). 1.3-1.5x the 4 x 4 tile's rate at 8-32 rows, 1.6x on the LM head
+// (bench/RESULTS.md, issue 51). R * C must be a multiple of 4.
 #define GEMV_TILE_RXC(NAME, T, LOAD, LOAD8, LOAD16, R, C)                                     \
 static inline void NAME(float *y, int64_t ldy, const float *x, const T *w, int n, int m,      \
                         int K, const char *pf, int pf_lines, int pf_per_step) {               \
@@ -267,10 +274,11 @@ static void NAME(float *y, int64_t ldy, const float *x, const T *w, int M, int N
     _Pragma("omp parallel for schedule(static)")                                              \
     for (int nb = 0; nb < (N + 5) / 6; nb++) {                                                \
         const int n0 = 6 * nb, rows = N - n0 < 6 ? N - n0 : 6;                               \
-        int m = 0, n = n0;                                                                    \
+        int m = 0, tiled = 0; /* rows n0..n0 + tiled: inputs 0..m done by a tile */           \
         if (rows == 6) {                                                                      \
-            /* the next block's W lines, shared out over this block's tiles */               \
-            const char *next = (const char *)(w + (int64_t)(n0 + 6) * K);                     \
+            /* the next block's W lines, shared out over this block's tiles (with the T0    \
+               hint the LM head ran 0.7x as fast at 4-8 rows) */                              \
+            const char *next = (const char *)(w + (int64_t)(N - n0 >= 12 ? n0 + 6 : n0) * K);  \
             const int lines = N - n0 >= 12 ? (int)((6 * (int64_t)K * sizeof(T) + 63) / 64) : 0;  \
             const int tiles = M / 4, steps = K / 16 > 0 ? K / 16 : 1;                         \
             for (int t = 0; t < tiles; t++, m += 4) {                                         \
@@ -278,12 +286,14 @@ static void NAME(float *y, int64_t ldy, const float *x, const T *w, int M, int N
                 NAME##_6x4(y, ldy, x, w, n0, m, K, next + 64 * (int64_t)lo, hi - lo,          \
                            (hi - lo + steps - 1) / steps);                                    \
             }                                                                                 \
+            tiled = 6;                                                                        \
         } else if (rows >= 4) {                                                               \
             for (; m + 4 <= M; m += 4) NAME##_4x4(y, ldy, x, w, n0, m, K, NULL, 0, 0);        \
-            for (; n < n0 + 4; n++) NAME##_row(y, ldy, x, w, n, m, M, K);                     \
-            m = 0;                                                                            \
+            tiled = 4;                                                                        \
         }                                                                                     \
-        for (; n < n0 + rows; n++) NAME##_row(y, ldy, x, w, n, m, M, K);                     \
+        /* one call site: GCC inlines it (at one input, 1.05x the time called) */              \
+        for (int n = n0; n < n0 + rows; n++)                                                  \
+            NAME##_row(y, ldy, x, w, n, n < n0 + tiled ? m : 0, M, K);                        \
     }                                                                                         \
 }
 #else
