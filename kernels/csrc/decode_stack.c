@@ -216,8 +216,8 @@ static inline __m128 reduce4_16(__m512 a, __m512 b, __m512 c, __m512 d) {
 // M of 32 of 4) reads the inputs N / 6 times where 4 x 4 read them N / 4 times. Each step
 // also prefetches pf_per_step of the pf_lines lines from pf toward L2 (the caller's next
 // block of W rows, which comes from memory: the LM head's 113 MB ran at half the layers'
-// rate without it). 1.3-1.5x the 4 x 4 tile's rate at 8-32 rows, 1.6x on the LM head
-// (bench/RESULTS.md, issue 51). R * C must be a multiple of 4.
+// rate without it). 1.3-1.5x the 4 x 4 tile's rate at 4-32 rows in float32, 1.7x in
+// bfloat16, 1.6-1.9x on the LM head (bench/RESULTS.md, issue 51). R * C: a multiple of 4.
 #define GEMV_TILE_RXC(NAME, T, LOAD, LOAD8, LOAD16, R, C)                                     \
 static inline void NAME(float *y, int64_t ldy, const float *x, const T *w, int n, int m,      \
                         int K, const char *pf, int pf_lines, int pf_per_step) {               \
