@@ -7,7 +7,7 @@ Four paths compute y = x W^T (+ b) for a weight W [N, K]:
             (torch.ops.mkldnn._linear_pointwise over _reorder_linear_weight), the path
             vLLM-CPU and torch.compile's CPU backend use
     native  the decode stack's GEMV (csrc/decode_stack.c): W read once per call whatever
-            the row count, inputs four at a time (with AVX-512 against four W rows a tile);
+            the row count, inputs four at a time (with AVX-512 against six W rows a tile);
             bfloat16 widened in registers, so it runs
             where oneDNN's bfloat16 cannot (an AVX2-only CPU, where torch's bfloat16 GEMM
             is a slow generic loop)

@@ -181,56 +181,119 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// (AVX-512) Four W rows against four inputs: each 16-wide W load (bfloat16 widened in the
-// register) feeds four FMAs and each input load four, where GEMV_TILE's one-row tile is
-// bound by its input loads (one per FMA): 2.5-4x the rate at 32 rows. Every output is summed
-// in GEMV_TILE's order, bit for bit: lane j of the 16-wide accumulator is GEMV_TILE's
-// acc[j / 8][j % 8], the last 8-chunk goes into the low half, then low + high and hsum8.
-#define GEMV_TILE_4X4(NAME, T, LOAD, LOAD8, LOAD16)                                           \
+// (AVX-512) The four 16-lane accumulators' sums, each in GEMV_TILE's order bit for bit:
+// lane j of an accumulator is GEMV_TILE's acc[j / 8][j % 8], so its sum is the tree
+// ((j, j + 8) pairs, then (i, i + 4), (i, i + 2), (0, 1)) that low + high and hsum8 add.
+// Each level adds two of the accumulators' partial sums at once (an add is commutative, so
+// the lanes' order within a level does not matter).
+static inline __m128 reduce4_16(__m512 a, __m512 b, __m512 c, __m512 d) {
+    // (j, j + 8): [a | b] and [c | d], 8 lanes each
+    const __m512 ab =
+        _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd =
+        _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    // (i, i + 4): [a b c d], 4 lanes each
+    const __m512 q =
+        _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    // (i, i + 2), then (0, 1): the sums in lane 0 of each 128-bit lane
+    const __m512 h = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4E));
+    const __m512 s = _mm512_add_ps(h, _mm512_permute_ps(h, 0xB1));
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, s));
+}
+
+// The value is loaded into a register once: without this GCC folds a load that several FMAs
+// use into each of them as a memory operand (28 loads per 24 FMAs in the 6 x 4 tile, bound
+// by the load ports: 74 GFLOP/s at 32 rows, 91 with it, one thread of a Zen 4).
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
+
+// (AVX-512) R W rows against C inputs: each 16-wide W load (bfloat16 widened in the register)
+// feeds C FMAs and each input load R, where GEMV_TILE's one-row tile is bound by its input
+// loads (one per FMA). Every output is summed in GEMV_TILE's order, bit for bit: the 16-lane
+// accumulator holds GEMV_TILE's two 8-wide ones (lane j = acc[j / 8][j % 8]), the last
+// 8-chunk goes into the low half, reduce4_16 adds them up as low + high and hsum8 do, then
+// the scalar tail. 6 x 4 (24 accumulators; the default model's N are multiples of 6, its
+// M of 32 of 4) reads the inputs N / 6 times where 4 x 4 read them N / 4 times. Each step
+// also prefetches pf_per_step of the pf_lines lines from pf toward L2 (the caller's next
+// block of W rows, which comes from memory: the LM head's 113 MB ran at half the layers'
+// rate without it). 1.3-1.5x the 4 x 4 tile's rate at 4-32 rows in float32, 1.7x in
+// bfloat16, 1.6-1.9x on the LM head (bench/RESULTS.md, issue 51). R * C: a multiple of 4.
+#define GEMV_TILE_RXC(NAME, T, LOAD, LOAD8, LOAD16, R, C)                                     \
 static inline void NAME(float *y, int64_t ldy, const float *x, const T *w, int n, int m,      \
-                        int K) {                                                              \
-    __m512 acc[4][4];                                                                         \
-    const T *wr[4];                                                                           \
-    const float *xr[4];                                                                       \
-    for (int i = 0; i < 4; i++) {                                                             \
+                        int K, const char *pf, int pf_lines, int pf_per_step) {               \
+    __m512 acc[R][C];                                                                         \
+    const T *wr[R];                                                                           \
+    const float *xr[C];                                                                       \
+    for (int i = 0; i < R; i++) {                                                             \
         wr[i] = w + (int64_t)(n + i) * K;                                                     \
-        xr[i] = x + (int64_t)(m + i) * K;                                                     \
-        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();                          \
+        for (int c = 0; c < C; c++) acc[i][c] = _mm512_setzero_ps();                          \
     }                                                                                         \
+    for (int c = 0; c < C; c++) xr[c] = x + (int64_t)(m + c) * K;                             \
     int k = 0;                                                                                \
     for (; k + 16 <= K; k += 16) {                                                            \
-        __m512 xv[4];                                                                         \
-        for (int c = 0; c < 4; c++) xv[c] = _mm512_loadu_ps(xr[c] + k);                       \
-        for (int r = 0; r < 4; r++) {                                                         \
-            const __m512 wv = LOAD16(wr[r] + k);                                              \
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv[c], wv, acc[r][c]);    \
+        __m512 xv[C];                                                                         \
+        for (int c = 0; c < C; c++) xv[c] = _mm512_loadu_ps(xr[c] + k);                       \
+        for (int j = 0; j < pf_per_step && pf_lines > 0; j++, pf_lines--, pf += 64)           \
+            _mm_prefetch(pf, _MM_HINT_T1);                                                    \
+        for (int r = 0; r < R; r++) {                                                         \
+            __m512 wv = LOAD16(wr[r] + k);                                                    \
+            KEEP_IN_REGISTER(wv);                                                             \
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv[c], wv, acc[r][c]);    \
         }                                                                                     \
     }                                                                                         \
-    const int tail8 = k + 8 <= K;                                                             \
-    for (int r = 0; r < 4; r++)                                                               \
-        for (int c = 0; c < 4; c++) {                                                         \
-            __m256 lo = _mm512_castps512_ps256(acc[r][c]);                                    \
-            const __m256 hi = _mm512_extractf32x8_ps(acc[r][c], 1);                           \
-            if (tail8) lo = _mm256_fmadd_ps(_mm256_loadu_ps(xr[c] + k), LOAD8(wr[r] + k), lo); \
-            float sum = hsum8(_mm256_add_ps(lo, hi));                                         \
-            for (int kk = k + 8 * tail8; kk < K; kk++) sum += xr[c][kk] * LOAD(wr[r], kk);    \
+    if (k + 8 <= K) { /* the last 8-chunk: into the low half */                               \
+        for (int r = 0; r < R; r++) {                                                         \
+            const __m512 wv = _mm512_castps256_ps512(LOAD8(wr[r] + k));                       \
+            for (int c = 0; c < C; c++)                                                       \
+                acc[r][c] = _mm512_mask3_fmadd_ps(                                            \
+                    _mm512_castps256_ps512(_mm256_loadu_ps(xr[c] + k)), wv, acc[r][c], 0xFF);  \
+        }                                                                                     \
+        k += 8;                                                                               \
+    }                                                                                         \
+    float sums[R * C];                                                                        \
+    for (int i = 0; i < R * C; i += 4)                                                        \
+        _mm_storeu_ps(sums + i, reduce4_16(acc[i / C][i % C], acc[(i + 1) / C][(i + 1) % C],   \
+                                           acc[(i + 2) / C][(i + 2) % C],                     \
+                                           acc[(i + 3) / C][(i + 3) % C]));                   \
+    for (int r = 0; r < R; r++)                                                               \
+        for (int c = 0; c < C; c++) {                                                         \
+            float sum = sums[r * C + c];                                                      \
+            for (int kk = k; kk < K; kk++) sum += xr[c][kk] * LOAD(wr[r], kk);                \
             y[(int64_t)(m + c) * ldy + n + r] = sum;                                          \
         }                                                                                     \
 }
 
-// Blocks of four W rows, split over the threads; inputs four at a time through the 4x4 tile
-// (the block's W rows stay in L1 across them), the rest (and N's last rows) row by row.
+// Blocks of six W rows, split over the threads; inputs four at a time through the 6 x 4
+// tile (the block's W rows stay in L1 across them), the rest (and N's last rows: four
+// through the 4 x 4 tile, then one by one) row by row.
 #define DEFINE_GEMV(NAME, T, LOAD, LOAD8, LOAD16)                                             \
 GEMV_ROW_TILES(NAME, T, LOAD, LOAD8)                                                          \
-GEMV_TILE_4X4(NAME##_4x4, T, LOAD, LOAD8, LOAD16)                                             \
+GEMV_TILE_RXC(NAME##_6x4, T, LOAD, LOAD8, LOAD16, 6, 4)                                       \
+GEMV_TILE_RXC(NAME##_4x4, T, LOAD, LOAD8, LOAD16, 4, 4)                                       \
 static void NAME(float *y, int64_t ldy, const float *x, const T *w, int M, int N, int K) {    \
     _Pragma("omp parallel for schedule(static)")                                              \
-    for (int nb = 0; nb < (N + 3) / 4; nb++) {                                                \
-        const int n0 = 4 * nb, rows = N - n0 < 4 ? N - n0 : 4;                               \
-        int m = 0;                                                                            \
-        if (rows == 4)                                                                        \
-            for (; m + 4 <= M; m += 4) NAME##_4x4(y, ldy, x, w, n0, m, K);                    \
-        for (int n = n0; n < n0 + rows; n++) NAME##_row(y, ldy, x, w, n, m, M, K);           \
+    for (int nb = 0; nb < (N + 5) / 6; nb++) {                                                \
+        const int n0 = 6 * nb, rows = N - n0 < 6 ? N - n0 : 6;                               \
+        int m = 0, tiled = 0; /* rows n0..n0 + tiled: inputs 0..m done by a tile */           \
+        if (rows == 6) {                                                                      \
+            /* the next block's W lines, shared out over this block's tiles (with the T0    \
+               hint the LM head ran 0.7x as fast at 4-8 rows) */                              \
+            const char *next = (const char *)(w + (int64_t)(N - n0 >= 12 ? n0 + 6 : n0) * K);  \
+            const int lines = N - n0 >= 12 ? (int)((6 * (int64_t)K * sizeof(T) + 63) / 64) : 0;  \
+            const int tiles = M / 4, steps = K / 16 > 0 ? K / 16 : 1;                         \
+            for (int t = 0; t < tiles; t++, m += 4) {                                         \
+                const int lo = lines * t / tiles, hi = lines * (t + 1) / tiles;               \
+                NAME##_6x4(y, ldy, x, w, n0, m, K, next + 64 * (int64_t)lo, hi - lo,          \
+                           (hi - lo + steps - 1) / steps);                                    \
+            }                                                                                 \
+            tiled = 6;                                                                        \
+        } else if (rows >= 4) {                                                               \
+            for (; m + 4 <= M; m += 4) NAME##_4x4(y, ldy, x, w, n0, m, K, NULL, 0, 0);        \
+            tiled = 4;                                                                        \
+        }                                                                                     \
+        /* one call site: GCC inlines it (at one input, 1.05x the time called) */              \
+        for (int n = n0; n < n0 + rows; n++)                                                  \
+            NAME##_row(y, ldy, x, w, n, n < n0 + tiled ? m : 0, M, K);                        \
     }                                                                                         \
 }
 #else

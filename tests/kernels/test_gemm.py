@@ -307,12 +307,15 @@ def test_native_path_matches_f_linear(dtype, rows):
 
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_native_row_is_the_same_whatever_shares_its_call(dtype):
+@pytest.mark.parametrize("n", [37, 41])
+def test_each_native_row_is_the_same_whatever_shares_its_call(dtype, n):
     # The decode stack's promise (greedy with speculation equals greedy without) rests on
     # this: a row's output does not depend on M nor on the row's place among the others. N
-    # odd and K = 16 * 3 + 8 + 3 reach every tile, the last 8-chunk and the scalar tail.
+    # odd (with AVX-512, blocks of six W rows: 37 ends in one row, 41 in five, through the
+    # four-row tile) and K = 16 * 3 + 8 + 3 reach every tile, the last 8-chunk and the
+    # scalar tail.
     torch.manual_seed(5)
-    weight = torch.randn(37, 59, dtype=dtype)
+    weight = torch.randn(n, 59, dtype=dtype)
     x = torch.randn(7, 59, dtype=dtype)
     alone = [gemm.native_linear(x[i : i + 1], weight, None) for i in range(7)]
     for rows in range(2, 8):
