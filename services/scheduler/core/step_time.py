@@ -14,14 +14,14 @@ the module path once, a cost of its own whatever the chunks' number and size
 CPU time; without this term the fit spread that jump over the intercept and the prompt
 tokens, and planned such steps at 114 ms). It counted chunks until 2026-12-07: the chats'
 first step (4 prompts of 128 tokens, 1.34 s) put most of its time on that feature (4, the
-largest), and every later step with one chunk beside the chats was predicted ~0.3 s
+largest), and no later step of one chunk fitted beside the chats under their TPOT target
 (bench/slo_sitting/part_b_steps.py).
 
 "Prompt work" is the prompt tokens plus the keys the prompt chunks attend, in tokens'
 worth (`prompt_keys_per_token`: the keys whose attention costs what one prompt token's
 linear layers cost, from the model's shape, ModelRunner.prompt_keys_per_token; 0: the
 prompt's keys count in the context term as the decodes' do). Without it, a document's late
-chunks ran 10-20x their prediction (SmolLM2-135M, one thread: a 2,048-token chunk after
+chunks ran 10-23x their prediction (SmolLM2-135M, one thread: a 2,048-token chunk after
 6,000 computed tokens 17.4 s of CPU, predicted 0.8 s; the context term is never learned
 while short chats are all the engine sees, and the few long chunks that would teach it
 come in a burst); priced at the prompt tokens' learned rate and the model's ratio (3,072
