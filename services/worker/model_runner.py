@@ -63,7 +63,7 @@ from kvserve.services.worker.spec_decode.proposer import Proposer, ProposerConte
 from kvserve.services.worker.spec_decode.registry import make_proposer
 from kvserve.services.worker.step_inputs import StepBatch, prepare_inputs
 from kvserve.services.worker.step_sampler import StepSampler
-from kvserve.services.worker.step_timing import StepTimer
+from kvserve.services.worker.step_timing import StepTimer, prompt_keys_per_token
 from kvserve.shared import env
 from kvserve.shared.config import EngineConfig, SpeculativeConfig
 from kvserve.shared.kv_cache_groups import KVCacheGroupSpec, group_size_of
@@ -341,6 +341,12 @@ class ModelRunner:
             last_rows = torch.from_numpy(query_start_loc[1:] - 1).to(dev)
             logits = self.model.compute_logits(hidden[last_rows])
             torch.softmax(logits.float(), dim=-1)  # the sampler's largest temporary
+
+    def prompt_keys_per_token(self) -> float:
+        """Attended keys whose attention costs what one prompt token's linear layers cost
+        (step_timing.prompt_keys_per_token): the latency targets' step-time model prices
+        a prompt chunk's attention with it."""
+        return prompt_keys_per_token(self.model, self.attention_layers)
 
     @torch.inference_mode()
     def measure_step_costs(self) -> list[tuple[int, float]]:

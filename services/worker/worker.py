@@ -145,6 +145,10 @@ class Worker:
             return None
         return self.runner.kv_fingerprint()
 
+    def prompt_keys_per_token(self) -> float:
+        """Attended keys worth one prompt token's linear layers (ModelRunner's)."""
+        return self.runner.prompt_keys_per_token()
+
     def measure_step_costs(self) -> list[tuple[int, float]]:
         """Forward times by query tokens, for adaptive speculation (see ModelRunner); every
         rank must run it (its forwards run collectives), before the KV cache exists."""

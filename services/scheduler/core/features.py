@@ -26,6 +26,10 @@ class SchedulerFeatures:
             The rules are spec_scheduler.py's (`Scheduler.spec_decode`).
         step_costs: (query tokens, seconds) of a forward, measured by the workers; the
             adaptive speculation rule (spec_decode.py) weighs drafts against them.
+        prompt_keys_per_token: attended keys whose attention costs what one prompt token's
+            linear layers cost, from the model's shape (ModelRunner.prompt_keys_per_token):
+            the latency targets' step-time model prices a prompt chunk's attention with it
+            (step_time.py); 0: unknown.
         kv_connector: the KV connector's scheduler half (services/kv_store/connector.py):
             a waiting request with external prefix hits parks until they load; what else
             the connector moves (saves, evicted blocks) is its own business.
@@ -38,6 +42,7 @@ class SchedulerFeatures:
     lora_config: LoRAConfig | None = None
     speculative_config: SpeculativeConfig | None = None
     step_costs: list[tuple[int, float]] = field(default_factory=list)
+    prompt_keys_per_token: float = 0.0
     kv_connector: SchedulerConnector | None = None
     kv_cache_groups: list[KVCacheGroupSpec] | None = None
 

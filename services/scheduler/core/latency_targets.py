@@ -158,6 +158,8 @@ class LatencyTargets:
         config: the scheduler's config (defaults, max_num_batched_tokens).
         step_costs: the workers' start-up measurement (SchedulerFeatures.step_costs).
         clock: now, in the clock of EngineCoreRequest.arrival_time (the api's time.time()).
+        prompt_keys_per_token: the model's attended keys worth one prompt token
+            (SchedulerFeatures.prompt_keys_per_token; 0: unknown).
     """
 
     def __init__(
@@ -165,10 +167,11 @@ class LatencyTargets:
         config: SchedulerConfig,
         step_costs: list[tuple[int, float]] | None = None,
         clock: Callable[[], float] = time.time,
+        prompt_keys_per_token: float = 0.0,
     ) -> None:
         self.config = config
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.model = StepTimeModel(step_costs)
+        self.model = StepTimeModel(step_costs, prompt_keys_per_token)
         self.clock = clock
         self.num_targeted = 0  # live requests with a target
         self._ttft_targets_ms: Counter[float] = Counter()  # of the live requests
@@ -374,15 +377,16 @@ class LatencyTargets:
         """The time a step with `num_prefill` prompt tokens beside the decodes stays within
         most often (the model's ratio_level quantile, P90), with the time between steps
         that its measurement does not hold: what a client sees between two tokens."""
+        prefill_context = attended(num_prefill, decodes.prefill_context)
         return self.unseen.quantile_s + self.model.ratio_quantile * self.model.predict(
             StepShape(
                 num_prefill_tokens=num_prefill,
                 num_decode_rows=decodes.num_rows,
-                num_context_tokens=decodes.num_context
-                + attended(num_prefill, decodes.prefill_context),
+                num_context_tokens=decodes.num_context + prefill_context,
                 num_verify_rows=decodes.num_drafts,
                 # Any prompt chunk takes the step off the decode-only fast path.
                 num_prefill_chunks=int(num_prefill > 0),
+                num_prefill_context=prefill_context,
             )
         )
 

@@ -7,8 +7,9 @@ that is
     delay = sum over the steps that clear those prompt tokens (chunks of the step's token
             budget beside the running decodes) of their predicted time
 
-The model is linear, so the sum is the prediction of the summed shape plus one intercept per
-further step: O(requests) a call, no per-step loop. It is an estimate (prefix-cache hits,
+The model is linear, so the sum is the prediction of the summed shape plus one intercept (and
+one jump off the decode-only fast path, while prompts are left) per further step:
+O(requests) a call, no per-step loop. It is an estimate (prefix-cache hits,
 requests finishing and seats running out are not modelled); the api's DP router compares it
 with a request's TTFT target (services/api/engine_client/slo_routing.py).
 """
@@ -48,9 +49,14 @@ def predicted_queue_delay_s(
     num_steps = -(-num_prompt // room) if num_prompt else int(num_rows > 0)
     if num_steps == 0:
         return 0.0
+    # Each step with prompt tokens leaves the decode-only fast path (the prompt-chunk term);
+    # the prompts' keys are prompt work (step_time.py).
+    per_step = StepShape(num_prefill_chunks=int(num_prompt > 0))
     total = StepShape(
         num_prefill_tokens=num_prompt,
         num_decode_rows=num_rows * num_steps,
         num_context_tokens=num_prompt_context + num_decode_context * num_steps,
+        num_prefill_chunks=per_step.num_prefill_chunks,
+        num_prefill_context=num_prompt_context,
     )
-    return model.predict(total) + (num_steps - 1) * model.predict(StepShape())
+    return model.predict(total) + (num_steps - 1) * model.predict(per_step)

@@ -146,7 +146,11 @@ class Scheduler:
         # The waiting queue's order, the step's rounds and the preemption victim.
         self.policy = create_policy(self.scheduler_config)
         # TTFT / TPOT targets: each step's budget, and the step-time model it plans with.
-        self.latency = LatencyTargets(self.scheduler_config, features.step_costs)
+        self.latency = LatencyTargets(
+            self.scheduler_config,
+            features.step_costs,
+            prompt_keys_per_token=features.prompt_keys_per_token,
+        )
         self.live = LiveFeatureCounts()
 
     def _init_queues(self) -> None:

@@ -2,18 +2,33 @@
 
 A step's time is modelled as linear in its shape, with non-negative coefficients:
 
-    seconds = c0 + c1 * prefill tokens / 1e3 + c2 * decode rows / 1e2
-                 + c3 * context attended / 1e6 + c4 * verify rows / 1e2 + c5 * prompt chunks
+    seconds = c0 + c1 * prompt work / 1e3 + c2 * decode rows / 1e2
+                 + c3 * context attended / 1e6 + c4 * verify rows / 1e2 + c5 * prompt chunk
 
-where "context attended" sums, over the step's query tokens, the keys each attends to (a
-chunk of p tokens after c computed ones attends p * c + p (p + 1) / 2: attention's work),
-verify rows are the drafts verified under speculation, and prompt chunks count the
-requests computing more than one known token: a step that holds one leaves the decode-only
-fast paths (the CPU's native decode stack, CUDA graphs) for the module path, a cost of its
-own whatever the chunk's size (SmolLM2-135M, float32, 4 decodes: 55 ms alone, 160-190 ms
-beside a 20-token chunk, in CPU time; without this term the fit spread that jump over the
-intercept and the prompt tokens, and planned such steps at 114 ms). The scales keep the
-features near 1, so the fit is well conditioned.
+where a chunk of p prompt tokens after c computed ones attends p * c + p (p + 1) / 2 keys
+(attention's work), verify rows are the drafts verified under speculation, and "prompt
+chunk" is 1 when the step holds a request computing more than one known token: such a
+step leaves the decode-only fast paths (the CPU's native decode stack, CUDA graphs) for
+the module path once, a cost of its own whatever the chunks' number and size
+(SmolLM2-135M, float32, 4 decodes: 55 ms alone, 160-190 ms beside a 20-token chunk, in
+CPU time; without this term the fit spread that jump over the intercept and the prompt
+tokens, and planned such steps at 114 ms). It counted chunks until 2026-12-07: the chats'
+first step (4 prompts of 128 tokens, 1.34 s) put most of its time on that feature (4, the
+largest), and no later step of one chunk fitted beside the chats under their TPOT target
+(bench/slo_sitting/part_b_steps.py).
+
+"Prompt work" is the prompt tokens plus the keys the prompt chunks attend, in tokens'
+worth (`prompt_keys_per_token`: the keys whose attention costs what one prompt token's
+linear layers cost, from the model's shape, ModelRunner.prompt_keys_per_token; 0: the
+prompt's keys count in the context term as the decodes' do). Without it, a document's late
+chunks ran 10-23x their prediction (SmolLM2-135M, one thread: a 2,048-token chunk after
+6,000 computed tokens 17.4 s of CPU, predicted 0.8 s; the context term is never learned
+while short chats are all the engine sees, and the few long chunks that would teach it
+come in a burst); priced at the prompt tokens' learned rate and the model's ratio (3,072
+keys a token there), 2,048 tokens at 0, 952 at 2,048 and 2,048 at 6,000 computed come to
+7.2, 4.5 and 17.7 s against 7.6, 4.7 and 17.4 s measured. The context term then holds the
+decodes' keys (memory-bound reads, not the prompts' compute-bound ones). The scales keep
+the features near 1, so the fit is well conditioned.
 
 The coefficients start at a prior: from the workers' start-up measurement where there is
 one (`SchedulerFeatures.step_costs`: seconds of steps of 1, 2, 4 ... query tokens, measured
@@ -78,6 +93,7 @@ class StepShape:
         num_context_tokens: keys attended, summed over the step's query tokens.
         num_verify_rows: drafts verified (speculative decoding).
         num_prefill_chunks: requests computing more than one known token (prompt chunks).
+        num_prefill_context: the keys the prompt chunks attend (part of num_context_tokens).
     """
 
     num_prefill_tokens: int = 0
@@ -85,15 +101,23 @@ class StepShape:
     num_context_tokens: int = 0
     num_verify_rows: int = 0
     num_prefill_chunks: int = 0
+    num_prefill_context: int = 0
 
-    def features(self) -> list[float]:
+    def features(self, prompt_keys_per_token: float = 0.0) -> list[float]:
+        """The model's features (module docstring); `prompt_keys_per_token` > 0 prices the
+        prompt chunks' keys as prompt work, else they count in the context term."""
+        prompt_work: float = self.num_prefill_tokens
+        context: float = self.num_context_tokens
+        if prompt_keys_per_token > 0:
+            prompt_work += self.num_prefill_context / prompt_keys_per_token
+            context -= self.num_prefill_context
         raw = (
             1.0,
-            self.num_prefill_tokens,
+            prompt_work,
             self.num_decode_rows,
-            self.num_context_tokens,
+            context,
             self.num_verify_rows,
-            self.num_prefill_chunks,
+            min(self.num_prefill_chunks, 1),
         )
         return [value * scale for value, scale in zip(raw, _SCALES)]
 
@@ -110,18 +134,22 @@ def shape_of(scheduler_output: SchedulerOutput) -> StepShape:
     cached = scheduler_output.scheduled_cached_reqs
     computed.update(zip(cached.req_ids, cached.num_computed_tokens))
     drafts = scheduler_output.spec_decode.draft_token_ids
-    num_prefill = num_decode = num_context = num_verify = num_chunks = 0
+    num_prefill = num_decode = num_context = num_verify = num_chunks = num_prefill_context = 0
     for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
         num_drafts = len(drafts[req_id]) if req_id in drafts else 0
         num_known = num_tokens - num_drafts
+        keys = attended(num_tokens, computed.get(req_id, 0))
         if num_known == 1:
             num_decode += 1
         else:
             num_prefill += num_known
             num_chunks += 1
+            num_prefill_context += keys
         num_verify += num_drafts
-        num_context += attended(num_tokens, computed.get(req_id, 0))
-    return StepShape(num_prefill, num_decode, num_context, num_verify, num_chunks)
+        num_context += keys
+    return StepShape(
+        num_prefill, num_decode, num_context, num_verify, num_chunks, num_prefill_context
+    )
 
 
 def prior_from_step_costs(step_costs: list[tuple[int, float]]) -> tuple[float, ...]:
@@ -154,9 +182,16 @@ class StepTimeModel:
     Args:
         step_costs: (query tokens, seconds) the workers measured at start-up; empty: the
             default prior.
+        prompt_keys_per_token: attended keys worth one prompt token (module docstring; 0:
+            the prompt chunks' keys count in the context term).
     """
 
-    def __init__(self, step_costs: list[tuple[int, float]] | None = None) -> None:
+    def __init__(
+        self,
+        step_costs: list[tuple[int, float]] | None = None,
+        prompt_keys_per_token: float = 0.0,
+    ) -> None:
+        self.prompt_keys_per_token = prompt_keys_per_token
         self.prior = list(prior_from_step_costs(step_costs or []))
         self.coefficients = list(self.prior)
         self._gram = [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]  # sum w x x^T
@@ -170,13 +205,14 @@ class StepTimeModel:
         self._prompt_steps: deque[tuple[list[float], float]] = deque(maxlen=_RATIO_WINDOW)
 
     def predict(self, shape: StepShape) -> float:
-        return sum(c * x for c, x in zip(self.coefficients, shape.features()))
+        features = shape.features(self.prompt_keys_per_token)
+        return sum(c * x for c, x in zip(self.coefficients, features))
 
     def record(self, shape: StepShape, seconds: float) -> None:
         """One measured step: track the error of its prediction, then learn from it."""
         if seconds <= 0:
             return
-        x = shape.features()
+        x = shape.features(self.prompt_keys_per_token)
         predicted = sum(c * xi for c, xi in zip(self.coefficients, x))
         error = abs(predicted - seconds) / seconds
         if shape.num_prefill_tokens:

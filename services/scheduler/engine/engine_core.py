@@ -189,6 +189,9 @@ class EngineCore:
         step_costs = self.executor.collective_rpc(
             "measure_step_costs", result_type=list[tuple[int, float]]
         )[self.executor.driver_rank]
+        (prompt_keys_per_token,) = self.executor.collective_rpc(
+            "prompt_keys_per_token", ranks="driver", result_type=float
+        )
         self.structured_output_manager = StructuredOutputManager(
             model_dir,
             config.model.tokenizer or model_dir,
@@ -205,6 +208,7 @@ class EngineCore:
                 lora_config=config.lora,
                 speculative_config=config.speculative_config,
                 step_costs=step_costs,
+                prompt_keys_per_token=prompt_keys_per_token,
                 kv_connector=self._make_kv_connector(config),
                 kv_cache_groups=kv_cache_groups,
             ),
