@@ -449,16 +449,20 @@ def _percentile(values: list[float], q: float) -> float:
 
 def settle(url: str, root_pid: int, baseline: TreeSnapshot | None, args) -> TreeSnapshot:
     """Wait until the engine is idle and (given a baseline) the fds are back within
-    --fd-tolerance with no TCP connection open; the snapshot then (or at the timeout)."""
+    --fd-tolerance with no TCP connection open; the snapshot that saw it (or the last one, at
+    the timeout). Not a fresh one after: a process's heartbeat reads /proc and cgroup files
+    every second, and a snapshot taken while one is open counts it (CI failed on that +1)."""
     wait_until(lambda: engine_idle(url), timeout_s=args.settle_timeout, interval_s=0.25)
+    latest: list[TreeSnapshot] = []
 
-    def settled() -> TreeSnapshot | None:
-        snapshot = snapshot_tree(root_pid)
+    def settled() -> bool:
+        latest[:] = [snapshot_tree(root_pid)]
+        snapshot = latest[0]
         fds_back = baseline is None or snapshot.num_fds <= baseline.num_fds + args.fd_tolerance
-        return snapshot if fds_back and snapshot.num_tcp == 0 else None
+        return fds_back and snapshot.num_tcp == 0
 
     wait_until(settled, timeout_s=args.settle_timeout, interval_s=0.25)
-    return snapshot_tree(root_pid)
+    return latest[0]
 
 
 def warm_up(url: str, root_pid: int, args) -> tuple[TreeSnapshot, float]:
