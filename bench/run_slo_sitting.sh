@@ -19,7 +19,8 @@
 #            x-slo-ttft-ms / x-slo-tpot-ms headers on the targeted class's requests only
 #            (no server default --slo-ttft-ms / --slo-tpot-ms: those would give the long
 #            documents the short chats' targets);
-#   fairslo  kvserve --scheduling-policy fair, the light tenant's targets as headers (part c);
+#   fairslo  kvserve --scheduling-policy fair, the light tenant's TTFT target in the key file
+#            (and as a header), so the engine knows it before a light request arrives (part c);
 #   before / after (part d): BEFORE_KVSERVE (a kvserve built from the code before latency
 #            targets; default this checkout's, plain) vs this checkout with the targets' code
 #            path on and no target set (--slo-admission reject: every request is checked
@@ -172,14 +173,21 @@ part_b() {  # part_b SERVER ROUND: chat streams alone, then beside one long docu
 }
 
 part_c() {  # part_c SERVER ROUND
-  local light_target=""
+  local light_target="" heavy_key="" light_key=""
   [ "$1" = fcfs ] || light_target=",ttft=$LIGHT_TTFT_MS"
-  local mix="heavy:rate=inf,conc=32,input=1024,output=64,num=$HEAVY_NUM"
-  mix+=";light:rate=1,conc=4,input=128,output=32,num=$LIGHT_NUM$light_target"
+  # fairslo's key file gives the light tenant its target (tenants_key_file): the keys name
+  # the tenants there (the X-Tenant header names the same ones).
+  [ "$1" = fairslo ] && heavy_key=",key=sk-heavy" && light_key=",key=sk-light"
+  local mix="heavy:rate=inf,conc=32,input=1024,output=64,num=$HEAVY_NUM$heavy_key"
+  mix+=";light:rate=1,conc=4,input=128,output=32,num=$LIGHT_NUM$light_target$light_key"
   log "$1 r$2: (c) heavy and light tenants"
   bench "c_$1_r$2_mix" --tenants "$mix" --seed "$((50 + $2))"
   log "$1 r$2: (c) the light tenant alone"
   bench "c_$1_r$2_alone" --tenants "$mix" --tenants-only light --seed "$((50 + $2))"
+}
+
+tenants_key_file() {  # part c's tenants, the light one with its TTFT target
+  printf 'heavy:sk-heavy\nlight:sk-light slo_ttft_ms=%s\n' "$LIGHT_TTFT_MS"
 }
 
 part_d() {  # part_d SERVER ROUND
@@ -211,7 +219,9 @@ run_round() {  # run_round ROUND: every server in turn, the same order each roun
     cleanup
   fi
   if wants c; then
-    start_kvserve "fairslo_r$round" "$KVSERVE" --scheduling-policy fair
+    tenants_key_file >"$OUT_DIR/tenants.keys"
+    start_kvserve "fairslo_r$round" "$KVSERVE" --scheduling-policy fair \
+      --api-key-file "$OUT_DIR/tenants.keys"
     part_c fairslo "$round"
     cleanup
   fi

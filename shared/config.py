@@ -259,6 +259,21 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             "its prompt may use the time the decodes banked under their TPOT targets"
         ),
     ] = 5000.0
+    slo_step_timing: Annotated[
+        bool,
+        flag_doc(
+            "time a few prompt steps at start-up (about a second for a 135M model on a "
+            "CPU), so the latency targets size the first steps from this machine's "
+            "figures instead of a GPU's guess; on by itself with --slo-ttft-ms, "
+            "--slo-tpot-ms, or a key file whose lines set slo_ttft_ms= or slo_tpot_ms="
+        ),
+    ] = False
+
+    @property
+    def expects_targets(self) -> bool:
+        """Whether latency targets are configured for this engine (its defaults or a key
+        file's, slo_step_timing): the workers then time prompt steps at start-up."""
+        return self.slo_step_timing or self.slo_ttft_ms is not None or self.slo_tpot_ms is not None
 
     @property
     def encoder_token_budget(self) -> int:

@@ -96,6 +96,10 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     slo_tpot_ms: float | None = None
     # Prompt caching: prefixes to pin, shortest first (PromptPin); [] for none.
     pins: list[PromptPin] = []
+    # The tightest TTFT target any request may arrive with (a tenant's in the api's key
+    # file); None: none known. The steps this request is in leave room for one such request
+    # arriving, before any is live (scheduler.md "Latency targets").
+    standing_ttft_ms: float | None = None
 
 
 class Logprobs(msgspec.Struct, **_HOT):

@@ -5,6 +5,7 @@ beside the heavy tenant and alone, in seconds, no server.
     python bench/slo_sitting/simulate_tenants.py                    # seeds 51-55
     python bench/slo_sitting/simulate_tenants.py --seeds 51 --trace 30
     python bench/slo_sitting/simulate_tenants.py --light-ttft-ms 760 --start-up
+    python bench/slo_sitting/simulate_tenants.py --start-up --standing   # the key file's way
 
 The workload is part c's `kvserve bench serve --tenants` mix: heavy, 32 requests all at once
 (concurrency 32), 1,024 prompt tokens / 64 out, no target; light, 12 requests of 128 / 32 at
@@ -18,9 +19,13 @@ so the engine's first step starts with the first heavy request alone, as on the 
 times --prompt-scale (1.5: the sitting's 2,048-token steps took ~3.1 s, the truth's ~2.0 s),
 times log-normal noise, then unseen time (--noise, --overhead-ms, as simulate.py).
 
-The scheduler's step-time model starts as the engine's does without speculation: with no
-start-up measurement (the workers measure step costs only for adaptive speculation), so
-from the default prior; --start-up gives it simulate.py's start-up-like measurement instead.
+The scheduler's step-time model starts as the engine's does without speculation and without
+targets configured at start-up (a header's only): with no start-up measurement, so from the
+default prior; --start-up gives it simulate.py's start-up-like measurement instead
+(what the workers time where targets are expected: --slo-step-timing, which a key file
+with targets turns on). --standing: the light tenant's target is in the server's key file,
+so every request, the heavy tenant's too, carries it as its standing_ttft_ms (the api
+writes it on each), and the steps leave room for a light request before one is live.
 A check of the rule's dynamics beside the fair policy, not a measurement of the server.
 --trace S prints the scheduler's decisions, step by step, for the first S seconds of the
 first seed's mixed run.
@@ -69,6 +74,7 @@ class Setup:
 
     light_ttft_ms: float | None = 1343.0
     start_up: bool = False
+    standing: bool = False  # every request carries the light target as standing_ttft_ms
     prompt_scale: float = 1.5
     api_s: float = 0.002  # the api's time per request before the engine has it
     machine: Machine = Machine()
@@ -105,12 +111,13 @@ class _Client:
                 self.api_free_at = max(sent, self.api_free_at) + api_s
                 self.in_api.append((self.api_free_at, req_id))
 
-    def deliver(self, now: float, scheduler: Scheduler) -> None:
+    def deliver(self, now: float, scheduler: Scheduler, standing_ttft_ms: float | None) -> None:
         """Hand the engine the requests the api is done with."""
         for at, req_id in [entry for entry in self.in_api if entry[0] <= now]:
             self.in_api.remove((at, req_id))
             tenant = self.tenant_of[req_id]
-            scheduler.add_request(_engine_request(req_id, tenant, self.sent[req_id]))
+            sent = self.sent[req_id]
+            scheduler.add_request(_engine_request(req_id, tenant, sent, standing_ttft_ms))
 
     def finished(self, req_id: str, now: float) -> None:
         self.free_slots[self.tenant_of[req_id].name].append(now)
@@ -140,7 +147,9 @@ def _client(tenants: list[Tenant], seed: int) -> _Client:
     return client
 
 
-def _engine_request(req_id: str, tenant: Tenant, sent: float) -> EngineCoreRequest:
+def _engine_request(
+    req_id: str, tenant: Tenant, sent: float, standing_ttft_ms: float | None
+) -> EngineCoreRequest:
     number = int(req_id.removeprefix(tenant.name)) + (1000 if tenant.name == "light" else 0)
     first_id = 100 + 10_000 * number  # no two prompts share a block
     return EngineCoreRequest(
@@ -151,6 +160,7 @@ def _engine_request(req_id: str, tenant: Tenant, sent: float) -> EngineCoreReque
         arrival_time=sent,
         slo_ttft_ms=tenant.ttft_ms,
         tenant=tenant.name,
+        standing_ttft_ms=standing_ttft_ms,
     )
 
 
@@ -180,7 +190,7 @@ def simulate(setup: Setup, seed: int, alone: bool, trace_s: float = 0.0) -> _Cli
     rng = random.Random(seed)
     while True:
         client.send_due(clock[0], setup.api_s)
-        client.deliver(clock[0], scheduler)
+        client.deliver(clock[0], scheduler, setup.light_ttft_ms if setup.standing else None)
         if not scheduler.has_requests():
             next_event = client.next_event_time()
             if next_event is None:
@@ -277,6 +287,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[51, 52, 53, 54, 55])
     parser.add_argument("--light-ttft-ms", type=float, default=1343.0)
     parser.add_argument("--start-up", action="store_true", help="a start-up measurement")
+    parser.add_argument(
+        "--standing",
+        action="store_true",
+        help="every request carries the light target as standing_ttft_ms (the key file's)",
+    )
     parser.add_argument("--prompt-scale", type=float, default=1.5, help="x truth's prompt cost")
     parser.add_argument("--noise", type=float, default=0.30, help="log-normal sigma of a step")
     parser.add_argument(
@@ -286,7 +301,14 @@ def main() -> None:
     parser.add_argument("--trace", type=float, default=0.0, help="trace the first S seconds")
     args = parser.parse_args()
     machine = Machine(args.noise, (args.overhead_ms[0] / 1000, args.overhead_ms[1] / 1000))
-    setup = Setup(args.light_ttft_ms, args.start_up, args.prompt_scale, args.api_ms / 1000, machine)
+    setup = Setup(
+        args.light_ttft_ms,
+        args.start_up,
+        args.standing,
+        args.prompt_scale,
+        args.api_ms / 1000,
+        machine,
+    )
     runs: list[tuple[Figures, Figures]] = []
     for i, seed in enumerate(args.seeds):
         mix = figures(simulate(setup, seed, alone=False, trace_s=args.trace if not i else 0))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvserve.launch.engines import EngineCores, resolve_model_dir
-from kvserve.services.api.engine_client.client import EngineDeadError
+from kvserve.services.api.engine_client.client import EngineClient, EngineDeadError
 from kvserve.services.api.engine_client.mp_client import (
     ClientTopology,
     EngineChannel,
@@ -106,13 +106,15 @@ def install_stop_handlers() -> asyncio.Event:
     return stop
 
 
-def reload_key_file(tenants: TenantDirectory) -> None:
-    """SIGHUP's handler: read the key file again; on an error the old one stays in force."""
+def reload_key_file(tenants: TenantDirectory, engine_client: EngineClient) -> None:
+    """SIGHUP's handler: read the key file again; on an error the old one stays in force.
+    The engine requests carry its tightest TTFT target from then on."""
     try:
         tenants.reload()
     except (OSError, ValueError) as exc:
         logger.error("SIGHUP: the key file was not reloaded (the old one stays): %s", exc)
         return
+    engine_client.standing_ttft_ms = tenants.tightest_ttft_ms
     logger.info("reloaded the key file: %d keys", len(tenants.keys))
 
 
@@ -233,7 +235,7 @@ async def serve_http(client: MPEngineClient, api: APIServer, stop: asyncio.Event
     loop = asyncio.get_running_loop()
     ctx = getattr(app.state, "ctx", None)  # a custom build_app may have none
     if ctx is not None:
-        loop.add_signal_handler(signal.SIGHUP, reload_key_file, ctx.tenants)
+        loop.add_signal_handler(signal.SIGHUP, reload_key_file, ctx.tenants, ctx.engine_client)
     try:
         # uvicorn handles SIGTERM/SIGINT here: stop accepting, drain, return.
         await server.serve()

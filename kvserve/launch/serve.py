@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 from contextlib import AbstractAsyncContextManager
 
+import msgspec
+
 from kvserve.launch.api_server import (
     APIServer,
     AppFactory,
@@ -31,6 +33,7 @@ from kvserve.launch.engines import EngineCores, EngineLaunch, resolve_model_dir
 from kvserve.launch.headless import run_headless
 from kvserve.launch.supervisor import ChildStartError
 from kvserve.services.api.engine_client.mp_client import EngineChannel
+from kvserve.services.api.tenancy.tenants import parse_key_file
 from kvserve.services.coordinator.coordinator import run_coordinator
 from kvserve.shared.env import FRONTEND_TIMEOUT_S
 from kvserve.shared.launch_options import CoordinatorOptions, EngineOptions, ServeOptions
@@ -48,6 +51,7 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
     Args:
         build_app: the app factory (default: kvserve.services.api.server.build_app).
     """
+    options = expect_key_file_targets(options)
     config, dp = options.engine, options.data_parallel
     layout = dp.layout(config.parallel.data_parallel_size)
     model_dir = resolve_model_dir(config.model.model)
@@ -63,6 +67,25 @@ def run_serve(options: ServeOptions, build_app: AppFactory | None = None) -> int
         build_app=build_app,
     )
     return asyncio.run(_serve(options, api, model_dir))
+
+
+def expect_key_file_targets(options: ServeOptions) -> ServeOptions:
+    """`options` with SchedulerConfig.slo_step_timing on where the key file gives a tenant a
+    latency target (slo_ttft_ms= or slo_tpot_ms=): the engines then time prompt steps at
+    start-up, so the targets size the first steps from this machine's figures. A key file
+    that does not parse is left to the api, which names the error."""
+    path = options.http.api_key_file
+    if not path or options.engine.scheduler.slo_step_timing:
+        return options
+    try:
+        lines = parse_key_file(path)
+    except (OSError, ValueError):
+        return options
+    if not any("slo_ttft_ms" in line.options or "slo_tpot_ms" in line.options for line in lines):
+        return options
+    scheduler = msgspec.structs.replace(options.engine.scheduler, slo_step_timing=True)
+    engine = msgspec.structs.replace(options.engine, scheduler=scheduler)
+    return msgspec.structs.replace(options, engine=engine)
 
 
 async def _serve(options: ServeOptions, api: APIServer, model_dir: str) -> int:

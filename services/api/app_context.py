@@ -124,6 +124,7 @@ def make_context(
     # After ApiMetrics among the stat loggers: a step's reading sees the step counted.
     dashboard = DashboardSampler(engine_client, metrics)
     engine_client.stat_loggers.append(dashboard)
+    engine_client.standing_ttft_ms = tenants.tightest_ttft_ms
     return AppContext(
         engine_client,
         served_model_name,

@@ -355,10 +355,15 @@ class ModelRunner:
         (services/scheduler/core/spec_decode.py). The tokens are split into requests of up to
         1 + k each, as a verify step carries them, and the step runs against the bound KV
         cache (writing nothing), so it takes the path real steps take: the native decode
-        stack while it holds them, the modules after. Empty unless adaptive speculation is
-        on; every rank runs it (collectives), the driver's figures are used. A table in
-        KVSERVE_SPEC_STEP_COSTS replaces the timing (shared/env.py)."""
+        stack while it holds them, the modules after. Without speculation, where latency
+        targets are expected (SchedulerConfig.expects_targets), prompt steps instead
+        (StepTimer.measure_prompt_costs); else empty. Every rank runs it (collectives),
+        the driver's figures are used. A table in KVSERVE_SPEC_STEP_COSTS replaces the
+        speculation's timing (shared/env.py)."""
         spec = self.spec_config
+        if spec is None and self.config.scheduler.expects_targets:
+            assert self.kv_caches, "the step costs are measured once the KV cache is bound"
+            return self.step_timer.measure_prompt_costs(self.config.scheduler)
         if spec is None or not spec.adaptive:
             return []
         fixed = env.SPEC_STEP_COSTS.get()

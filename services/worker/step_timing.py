@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from kvserve.services.worker.models.llama import LlamaForCausalLM
 
 logger = init_logger(__name__)
+# The prompt chunks measure_prompt_costs times (a line through them sets the prior).
+PROMPT_TIMING_TOKENS = (16, 64, 256)
 
 
 class StepTimer:
@@ -152,7 +154,6 @@ class StepTimer:
         """
         limit = min(sched.max_num_batched_tokens, 4 * sched.max_num_seqs, 256)
         per_request = 1 + num_speculative_tokens
-        dev = self.device
         steps = []
         num_tokens = 1
         while num_tokens <= limit:
@@ -161,26 +162,50 @@ class StepTimer:
             query_lens[: num_tokens % num_reqs] += 1
             steps.append(self.timing_step(query_lens))
             num_tokens *= 2
-        # Rounds over every size, the fastest of each kept: a burst of noise costs one
-        # round of one size, not a size's every try (which would bend the curve the rule
-        # reads its slopes from).
-        best = [float("inf")] * len(steps)
-        for _ in range(3):
-            for i, (input_ids, positions_t, metadata) in enumerate(steps):
-                start = time.perf_counter()
-                hidden = self.run_stage(input_ids, positions_t, metadata)
-                if self.is_last_stage:
-                    assert hidden is not None  # the last stage returns its hidden states
-                    self.model.compute_logits(hidden)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                best[i] = min(best[i], time.perf_counter() - start)
-        costs = [(len(input_ids), t) for (input_ids, _, _), t in zip(steps, best)]
+        costs = self._fastest(steps, rounds=3, every_logit=True)
         logger.info(
             "step costs for speculation: %s",
             ", ".join(f"{n} tokens {t * 1e3:.1f} ms" for n, t in costs),
         )
         return costs
+
+    @torch.inference_mode()
+    def measure_prompt_costs(self, sched: SchedulerConfig) -> list[tuple[int, float]]:
+        """Seconds of a step computing one prompt chunk of PROMPT_TIMING_TOKENS (those up to
+        max_num_batched_tokens; logits for its last token only): the prior of the step-time
+        model the latency targets plan with (services/scheduler/core/step_time.py), so the
+        first steps are sized from this machine's figures. Every rank runs it, the driver's
+        figures are used."""
+        sizes = [n for n in PROMPT_TIMING_TOKENS if n <= sched.max_num_batched_tokens]
+        steps = [self.timing_step(np.array([n], dtype=np.int32)) for n in sizes]
+        costs = self._fastest(steps, rounds=2, every_logit=False)
+        logger.info(
+            "prompt step costs for the latency targets: %s",
+            ", ".join(f"{n} tokens {t * 1e3:.1f} ms" for n, t in costs),
+        )
+        return costs
+
+    def _fastest(
+        self,
+        steps: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]],
+        rounds: int,
+        every_logit: bool,
+    ) -> list[tuple[int, float]]:
+        """(tokens, seconds) of each step, the fastest of `rounds` rounds over every step (a
+        burst of noise costs one round of one size, not a size's every try, which would bend
+        the curve read off them); logits for every token, or for the last one."""
+        best = [float("inf")] * len(steps)
+        for _ in range(rounds):
+            for i, (input_ids, positions_t, metadata) in enumerate(steps):
+                start = time.perf_counter()
+                hidden = self.run_stage(input_ids, positions_t, metadata)
+                if self.is_last_stage:
+                    assert hidden is not None  # the last stage returns its hidden states
+                    self.model.compute_logits(hidden if every_logit else hidden[-1:])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                best[i] = min(best[i], time.perf_counter() - start)
+        return [(len(input_ids), t) for (input_ids, _, _), t in zip(steps, best)]
 
 
 def prompt_keys_per_token(model: torch.nn.Module, attention_layers: list[Attention]) -> float:

@@ -114,6 +114,29 @@ def test_header_body_and_key_file_targets_are_counted_as_clients_saw_them(server
     assert read_metric(text, "kvserve:step_time_prediction_error") >= 0
 
 
+def _step_sizes(server: ServeProcess) -> tuple[float, float]:
+    """kvserve:iteration_tokens_total: (steps of at most 16 tokens, all steps)."""
+    text = metrics_text(server.url)
+    small = read_metric(text, "kvserve:iteration_tokens_total_bucket", le="16.0")
+    return small, read_metric(text, "kvserve:iteration_tokens_total_count")
+
+
+def test_a_key_file_target_stands_for_every_request_from_the_first_step(server):
+    # The key file gives `fast` a TTFT target: the launcher turned on the engine's start-up
+    # timing of prompt steps, and every request carries that target as its standing one, so
+    # a request of a tenant without one (plain), alone on the engine, is prefilled in steps
+    # that leave room for a `fast` request arriving: here the fewest prompt tokens a step
+    # holds, 16 (0.01 ms is out of reach), where one step would otherwise take all 200.
+    assert "prompt step costs for the latency targets" in server.log()
+    small_before, all_before = _step_sizes(server)
+    client(server).completions.create(
+        model=DP_MODEL_NAME, prompt=[5] * 200, max_tokens=1, temperature=0
+    )
+    small_after, all_after = _step_sizes(server)
+    assert all_after - all_before >= 200 / 16
+    assert small_after - small_before == all_after - all_before
+
+
 def test_every_surface_takes_the_body_field(server):
     slo = {"slo": {"ttft_ms": EASY, "tpot_ms": EASY}}
     messages = [{"role": "user", "content": "hello"}]

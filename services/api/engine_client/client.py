@@ -220,6 +220,9 @@ class EngineClient:
         self.stats_totals = StatsTotals()
         self.stat_loggers: list[StatLogger] = []
         self.dead_reason: str | None = None
+        # The key file's tightest TTFT target (TenantDirectory.tightest_ttft_ms), written on
+        # every engine request: set by the app context, again on SIGHUP.
+        self.standing_ttft_ms: float | None = None
 
     # ------------------------------------------------------------------ transport (subclass)
 
@@ -343,6 +346,7 @@ class EngineClient:
                 trace.carrier(),
                 targets,
                 pins,
+                self.standing_ttft_ms,
             )
             await trace.send(self._submit(requests))
             while not finished:

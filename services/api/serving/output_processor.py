@@ -47,11 +47,13 @@ def make_engine_requests(
     trace_context: dict[str, str] | None = None,
     targets: LatencyTargets | None = None,
     pins: list[PromptPin] | None = None,
+    standing_ttft_ms: float | None = None,
 ) -> list[EngineCoreRequest]:
     """One EngineCoreRequest per child; child i of a seeded request gets seed + i; all
     run with `lora_request`'s adapter (None: the base model), for `tenant` (None:
     "default", weight 1), traced under `trace_context` (None: not traced), with `targets`
-    (None: the engine's --slo-*-ms) and `pins` (prompt prefixes to pin; None: none)."""
+    (None: the engine's --slo-*-ms), `pins` (prompt prefixes to pin; None: none) and
+    `standing_ttft_ms` (the key file's tightest TTFT target; None: none)."""
     tenant = tenant or TenantSpec(name=DEFAULT_TENANT)
     targets = targets or NO_TARGETS
     if tokenizer_info.extra_stop_token_ids and not params.ignore_eos:
@@ -81,6 +83,7 @@ def make_engine_requests(
                 slo_ttft_ms=targets.ttft_ms,
                 slo_tpot_ms=targets.tpot_ms,
                 pins=list(pins or ()),
+                standing_ttft_ms=standing_ttft_ms,
             )
         )
     return requests

@@ -158,6 +158,14 @@ class TenantDirectory:
             specs[line.name] = self._spec(line.name, line.options)
         self.keys, self._specs = keys, specs
 
+    @property
+    def tightest_ttft_ms(self) -> float | None:
+        """The tightest TTFT target the key file gives a tenant (None: none gives one): a
+        request of that tenant may arrive at any time, so every engine request carries it
+        (EngineCoreRequest.standing_ttft_ms) and a step leaves room for one arriving."""
+        targets = [s.slo_ttft_ms for s in self._specs.values() if s.slo_ttft_ms is not None]
+        return min(targets, default=None)
+
     def _spec(self, name: str, options: dict[str, float | int]) -> TenantSpec:
         defaults: dict[str, float | int | None] = {
             "max_concurrent": self.config.tenant_max_concurrent,

@@ -21,7 +21,10 @@ requests is slo_pace.py):
    been live for MEMORY_GAPS of their mean gap between arrivals: their arrivals stopped,
    and the documents left get longer steps), or twice the decodes' step with a minimal
    prompt chunk where that step alone takes longer than the quarter (out of reach: the
-   prompts would otherwise get nothing, step after step).
+   prompts would otherwise get nothing, step after step). A live request's standing TTFT
+   target (Request.standing_ttft_ms: a key file's, which any request may arrive with)
+   counts as a live target here, so the steps leave room for such a request before one
+   is live.
    A step's time is planned at a high quantile, not the mean (_predict): the model's
    prediction times the P90 of measured / predicted over the latest steps with prompt
    tokens (StepTimeModel.ratio_quantile), plus the P90 of the time between one step's end
@@ -56,8 +59,8 @@ requests is slo_pace.py):
    short request is admitted now instead of behind another request's long prompt (if a
    seat is free). Those whose deadline passed still go first, but set no pace.
 
-With no live request carrying a target (and none with a TTFT target in the last
-TARGET_MEMORY_S), the budget is max_num_batched_tokens, as without this module. A missed
+With no live request carrying a target or a standing one (and none with a TTFT target in
+the last TARGET_MEMORY_S), the budget is max_num_batched_tokens, as without this module. A missed
 target is not refused: the request is served, late.
 """
 
@@ -175,6 +178,7 @@ class LatencyTargets:
         self.clock = clock
         self.num_targeted = 0  # live requests with a target
         self._ttft_targets_ms: Counter[float] = Counter()  # of the live requests
+        self._standing_ms: Counter[float] = Counter()  # the live requests' standing_ttft_ms
         # The TTFT target of the latest request with one to leave, and until when it
         # still sets the arrival limit (a lull between short chats is no licence for a
         # 2,048-token step that the next one would wait behind); the latest arrivals with
@@ -196,6 +200,8 @@ class LatencyTargets:
         if request.slo_ttft_ms is not None:
             self._ttft_targets_ms[request.slo_ttft_ms] += 1
             self._ttft_arrivals.append(request.arrival_time)
+        if request.standing_ttft_ms is not None:
+            self._standing_ms[request.standing_ttft_ms] += 1
 
     def remove(self, request: Request) -> None:
         if request.slo_ttft_ms is not None or request.slo_tpot_ms is not None:
@@ -207,6 +213,10 @@ class LatencyTargets:
             now = self.clock()
             self._recent_ttft = (request.slo_ttft_ms, now + TARGET_MEMORY_S)
             self._lull_from = now + self.lull_after_s()
+        if request.standing_ttft_ms is not None:
+            self._standing_ms[request.standing_ttft_ms] -= 1
+            if not self._standing_ms[request.standing_ttft_ms]:
+                del self._standing_ms[request.standing_ttft_ms]
         self._paces.forget(request)
 
     def lull_after_s(self) -> float:
@@ -235,7 +245,7 @@ class LatencyTargets:
         self.unseen.step_started(now)
         if self._recent_ttft is not None and self._recent_ttft[1] <= now:
             self._recent_ttft = None
-        if not self.num_targeted and self._recent_ttft is None:
+        if not self.num_targeted and self._recent_ttft is None and not self._standing_ms:
             return StepBudget(self.max_num_batched_tokens)
         decodes = self._running_decodes(running, now)
         num_decode_tokens = decodes.num_rows + decodes.num_drafts
@@ -310,7 +320,9 @@ class LatencyTargets:
         TARGET_MEMORY_S, no step longer than a share of the tightest such target: one
         arriving now waits for the step in flight (lever against 2,048-token steps beside
         short chats); a quarter, or a half once none has been live for the lull
-        (lull_after_s). Where the decodes with the fewest prompt tokens a step takes
+        (lull_after_s); or a quarter of the tightest standing target of the live requests
+        (a key file's: one may arrive at any time). Where the decodes with the fewest prompt
+        tokens a step takes
         (_MIN_PREFILL_TOKENS) run longer than that share (a slow machine, a large batch),
         it is out of reach and would leave every prompt 0 tokens step after step: the
         limit is then ARRIVAL_OUT_OF_REACH times that smallest prompt-carrying step."""
@@ -320,9 +332,12 @@ class LatencyTargets:
             targets_ms.append(self._recent_ttft[0])
             if not self._ttft_targets_ms and self.clock() >= self._lull_from:
                 steps = _LULL_ARRIVAL_STEPS
-        if not targets_ms:
+        limits_s = [min(targets_ms) / 1000 / steps] if targets_ms else []
+        if self._standing_ms:
+            limits_s.append(min(self._standing_ms) / 1000 / _ARRIVAL_STEPS)
+        if not limits_s:
             return float("inf")
-        limit_s = min(targets_ms) / 1000 / steps
+        limit_s = min(limits_s)
         if not decodes.num_rows:
             return limit_s
         smallest_s = self._predict(decodes, _MIN_PREFILL_TOKENS)

@@ -110,6 +110,9 @@ class Request:
         slo_ttft_ms: its time-to-first-token target (None: none); its deadline is
             arrival_time + the target (latency_targets.py).
         slo_tpot_ms: its time-per-output-token target (None: none).
+        standing_ttft_ms: the tightest TTFT target a request may arrive with while this one
+            is live (its tenants' in the key file; None: none): a step it is in leaves
+            room for one arriving (latency_targets.py).
     """
 
     def __init__(
@@ -128,10 +131,12 @@ class Request:
         mm_inputs: list[ImageInput] | None = None,
         slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None,
+        standing_ttft_ms: float | None = None,
     ) -> None:
         self.req_id = req_id
         self.slo_ttft_ms = slo_ttft_ms
         self.slo_tpot_ms = slo_tpot_ms
+        self.standing_ttft_ms = standing_ttft_ms
         # Images in the prompt: their hashes key the blocks holding their tokens.
         self.mm_inputs: list[ImageInput] = list(mm_inputs or ())
         self.tenant = tenant
@@ -212,6 +217,7 @@ class Request:
             mm_inputs=req.mm_inputs,
             slo_ttft_ms=req.slo_ttft_ms,
             slo_tpot_ms=req.slo_tpot_ms,
+            standing_ttft_ms=req.standing_ttft_ms,
         )
         request.pins = list(req.pins)
         if req.resumed_output_token_ids:

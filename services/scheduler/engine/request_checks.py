@@ -72,7 +72,7 @@ def check_engine_request(
             return f"{name} must be token ids in [0, {vocab_size})"
     if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab_size:
         return f"eos_token_id must be in [0, {vocab_size})"
-    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+    for name in ("slo_ttft_ms", "slo_tpot_ms", "standing_ttft_ms"):
         target = getattr(request, name)
         if target is not None and not (0 < target < math.inf):
             return f"{name} must be a positive number of ms, got {target}"

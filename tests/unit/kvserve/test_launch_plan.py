@@ -7,7 +7,7 @@ import pytest
 
 from kvserve.cli import parse_options
 from kvserve.launch.engines import EngineLaunch
-from kvserve.launch.serve import FrontEnd
+from kvserve.launch.serve import FrontEnd, expect_key_file_targets
 from kvserve.shared.transport import CoordinatorAddresses, EngineAddresses
 
 
@@ -101,3 +101,25 @@ def test_multi_node_binds_tcp_and_answers_headless_nodes():
     assert plan.registration(EngineAddresses("tcp://h:1", "tcp://h:2"), None) is not None
     assert list(plan.engine_cores(_launch(plan), None).configs) == [0]
     assert plan.engine_topology(None, None).wait_for_restarts  # the remote node may rejoin
+
+
+@pytest.mark.parametrize(
+    ("key_file", "timed"),
+    [
+        ("a:sk-1 slo_ttft_ms=500\nb:sk-2\n", True),
+        ("a:sk-1 slo_tpot_ms=80\n", True),
+        ("a:sk-1 weight=2\n", False),
+        ("a:sk-1 slo_ttft_ms=-1\n", False),  # the api names the bad line
+    ],
+)
+def test_a_key_file_with_latency_targets_turns_on_the_start_up_step_timing(
+    tmp_path, key_file, timed
+):
+    path = tmp_path / "keys.txt"
+    path.write_text(key_file)
+    _, options = parse_options(["serve", "--api-key-file", str(path)])
+    assert not options.engine.scheduler.slo_step_timing
+    timing = expect_key_file_targets(options).engine.scheduler.slo_step_timing
+    assert timing is timed
+    _, options = parse_options(["serve", "--api-key-file", str(path), "--slo-step-timing"])
+    assert expect_key_file_targets(options).engine.scheduler.slo_step_timing

@@ -445,7 +445,7 @@ def test_the_engine_defaults_apply_to_requests_without_targets():
     assert_no_leaked_blocks(scheduler)
 
 
-@pytest.mark.parametrize("field", ["slo_ttft_ms", "slo_tpot_ms"])
+@pytest.mark.parametrize("field", ["slo_ttft_ms", "slo_tpot_ms", "standing_ttft_ms"])
 @pytest.mark.parametrize("value", [0.0, -5.0, float("nan"), float("inf")])
 def test_a_bad_request_target_is_an_error_output(field, value):
     scheduler = _scheduler()

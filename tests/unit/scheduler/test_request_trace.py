@@ -63,8 +63,9 @@ def test_a_preempted_request_waits_again_and_prefills_again():
     assert_no_leaked_blocks(scheduler)
 
 
-# The fields appended after trace_context: the latency targets, then the prompt pins.
-LATER_FIELDS = ("slo_ttft_ms", "slo_tpot_ms", "pins")
+# The fields appended after trace_context: the latency targets, the prompt pins, the
+# standing TTFT target.
+LATER_FIELDS = ("slo_ttft_ms", "slo_tpot_ms", "pins", "standing_ttft_ms")
 
 
 def test_trace_context_is_the_last_field_and_optional_on_the_wire():

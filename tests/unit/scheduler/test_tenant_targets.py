@@ -39,11 +39,21 @@ class _Engine:
         self.cpu.coefficients = list(CPU)
         self.first_token_at: dict[str, float] = {}
 
-    def add(self, req_id: str, num_tokens: int, tenant: str, ttft_ms: float | None = None):
+    def add(
+        self,
+        req_id: str,
+        num_tokens: int,
+        tenant: str,
+        ttft_ms: float | None = None,
+        standing_ttft_ms: float | None = None,
+    ):
         request = create_request(
             req_id, num_tokens, max_tokens=32, tenant=tenant, arrival_time=self.now
         )
-        self.scheduler.add_request(msgspec.structs.replace(request, slo_ttft_ms=ttft_ms))
+        request = msgspec.structs.replace(
+            request, slo_ttft_ms=ttft_ms, standing_ttft_ms=standing_ttft_ms
+        )
+        self.scheduler.add_request(request)
 
     def step(self) -> tuple[SchedulerOutput, float]:
         """One step; its output and its seconds on the simulated CPU."""
@@ -80,6 +90,39 @@ def test_after_one_measured_step_no_step_beside_a_ttft_target_runs_long():
     engine.scheduler.finish_requests(
         list(engine.scheduler.requests), RequestStatus.FINISHED_ABORTED
     )
+    assert_no_leaked_blocks(engine.scheduler)
+
+
+def test_a_key_file_target_cuts_the_first_step_before_any_targeted_request_arrives():
+    # The key file gives the light tenant a TTFT target, so the api writes it on every
+    # request as standing_ttft_ms, the heavy tenant's too; the workers timed prompt steps at
+    # start-up (--slo-step-timing, on by itself with such a key file). The first step, with
+    # only the heavy tenant's requests, already leaves room for a chat arriving: it holds a
+    # quarter of that target, not the whole budget; the chat that arrives during it meets
+    # its target.
+    engine = _Engine()
+    start_up = [(n, CPU[0] + n * CPU[1] / 1000) for n in (16, 64, 256)]
+    engine.scheduler.latency.model = StepTimeModel(start_up)
+    for i in range(16):
+        engine.add(f"heavy{i}", 1024, "heavy", standing_ttft_ms=LIGHT_TTFT_MS)
+    first, first_s = engine.step()
+    assert 0 < first.total_num_scheduled_tokens < 1024, first.num_scheduled_tokens
+    assert first_s <= LIGHT_TTFT_MS / 1000 / 4 * 1.01
+    engine.add("light", 128, "light", ttft_ms=LIGHT_TTFT_MS, standing_ttft_ms=LIGHT_TTFT_MS)
+    while "light" not in engine.first_token_at:
+        engine.step()
+    assert engine.first_token_at["light"] - first_s <= LIGHT_TTFT_MS / 1000
+    # Without the standing target (the same start-up timing) the first step is the budget.
+    engine = _Engine()
+    engine.scheduler.latency.model = StepTimeModel(start_up)
+    for i in range(16):
+        engine.add(f"heavy{i}", 1024, "heavy")
+    first, _ = engine.step()
+    assert first.total_num_scheduled_tokens == 2048
+    engine.scheduler.finish_requests(
+        list(engine.scheduler.requests), RequestStatus.FINISHED_ABORTED
+    )
+    assert not engine.scheduler.latency._standing_ms
     assert_no_leaked_blocks(engine.scheduler)
 
 

@@ -147,3 +147,12 @@ async def test_a_trusted_header_names_the_tenant(tmp_path):
     bad = await _tenant_of(app, {"X-Tenant": "no spaces allowed"})
     assert bad.status_code == 400
     assert "X-Tenant" in bad.json()["error"]["message"]
+
+
+def test_the_tightest_ttft_target_of_the_key_file_follows_a_reload(tmp_path):
+    path = _key_file(tmp_path, "a:sk-1 slo_ttft_ms=800\nb:sk-2 slo_ttft_ms=500 slo_tpot_ms=9\n")
+    directory = TenantDirectory(HTTPConfig(api_key_file=path), TenantConfig())
+    assert directory.tightest_ttft_ms == 500.0
+    _key_file(tmp_path, "a:sk-1 slo_tpot_ms=50\nb:sk-2\n")
+    directory.reload()
+    assert directory.tightest_ttft_ms is None
