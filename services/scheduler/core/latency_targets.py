@@ -66,6 +66,7 @@ target is not refused: the request is served, late.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -87,7 +88,10 @@ from kvserve.services.scheduler.core.step_time import (
     shape_of,
 )
 from kvserve.shared.config import SchedulerConfig
+from kvserve.shared.logging import init_logger
 from kvserve.shared.messages import SchedulerOutput
+
+logger = init_logger(__name__)
 
 # With a step limit and no decodes, a step still computes this many prompt tokens.
 _MIN_PREFILL_TOKENS = 16
@@ -236,8 +240,29 @@ class LatencyTargets:
         """A measured step (schedule to outputs) refits the step-time model; the time to
         the next step's start (`next_step_follows`: requests are left) is the unseen time."""
         if scheduler_output.total_num_scheduled_tokens:
-            self.model.record(shape_of(scheduler_output), seconds)
+            shape = shape_of(scheduler_output)
+            if logger.isEnabledFor(logging.DEBUG):  # KVSERVE_LOG_LEVEL=debug: each step
+                self._log_step(shape, seconds)
+            self.model.record(shape, seconds)
         self.unseen.step_ended(self.clock(), next_step_follows)
+
+    def _log_step(self, shape: StepShape, seconds: float) -> None:
+        """One line per step: its shape, its time against the model's prediction, and the
+        time between the previous step's end and its start (what a client's gap adds)."""
+        logger.debug(
+            "step: %d prompt tokens in %d chunks (%d keys), %d decode rows (%d keys), %d "
+            "drafts; %.1f ms, predicted %.1f ms (P90 ratio %.2f); %.1f ms after the last",
+            shape.num_prefill_tokens,
+            shape.num_prefill_chunks,
+            shape.num_prefill_context,
+            shape.num_decode_rows,
+            shape.num_context_tokens - shape.num_prefill_context,
+            shape.num_verify_rows,
+            seconds * 1e3,
+            self.model.predict(shape) * 1e3,
+            self.model.ratio_quantile,
+            self.unseen.last_gap_s * 1e3,
+        )
 
     def step_budget(self, running: list[Request], waiting: RequestQueue) -> StepBudget:
         """This step's budget under the targets of `running` and of the waiting queue."""

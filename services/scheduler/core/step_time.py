@@ -267,6 +267,7 @@ class UnseenTime:
     def __init__(self, level: float = RATIO_LEVEL) -> None:
         self.level = level
         self.quantile_s = 0.0
+        self.last_gap_s = 0.0  # the latest gap (0: the engine may have idled before)
         self._gaps: deque[float] = deque(maxlen=_RATIO_WINDOW)
         self._step_end: float | None = None
         self._num_since_update = 0
@@ -277,9 +278,11 @@ class UnseenTime:
         self._step_end = now if next_step_follows else None
 
     def step_started(self, now: float) -> None:
+        self.last_gap_s = 0.0
         if self._step_end is None:
             return
         gap, self._step_end = now - self._step_end, None
+        self.last_gap_s = gap
         if not 0 <= gap <= _MAX_GAP_S:
             return  # a clock step, or a wait (a pause, grammars compiling): not the loop's
         self._gaps.append(gap)

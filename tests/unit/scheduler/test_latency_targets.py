@@ -6,6 +6,7 @@ target's prompt admitted beside another request's long prompt; driven by a fake 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import msgspec
 import pytest
@@ -652,3 +653,17 @@ def test_a_prompt_past_its_aging_bound_spends_the_slack_under_the_catch_up_pace(
             if t in catch_up_ends:
                 assert t - times[0] <= k * pace_s - CATCH_UP_RESERVE_S + 1e-9
     assert_no_leaked_blocks(scheduler)
+
+
+def test_each_measured_step_is_one_debug_line(caplog):
+    # KVSERVE_LOG_LEVEL=debug: a step's shape, its time against the prediction and the
+    # gap before it, to find the steps that ran past their plan on a real server.
+    scheduler = _scheduler()
+    submit(scheduler, _targeted("a", 40, tpot=100.0))
+    scheduler_output, _ = step(scheduler)
+    predicted = _predict(scheduler, scheduler_output) * 1e3
+    with caplog.at_level(logging.DEBUG, logger="kvserve.services.scheduler.core.latency_targets"):
+        scheduler.record_step_time(scheduler_output, 0.25)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
+    assert line.startswith("step: 40 prompt tokens in 1 chunks (820 keys), 0 decode rows"), line
+    assert f"250.0 ms, predicted {predicted:.1f} ms" in line, line
