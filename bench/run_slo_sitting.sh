@@ -34,8 +34,9 @@
 #       short-class P50 TTFT x 5 and P50 TPOT x 3, run with CALIBRATE=1 or when no targets
 #       are known); goodput and per-class P50/P99 TTFT, TPOT, ITL;
 #   (b) CHAT_STREAMS chat streams (128 in / CHAT_OUTPUT out, TPOT target SHORT_TPOT_MS) alone,
-#       then again with one 8,000-token document sent DOC_DELAY_S after they start: their
-#       ITL P99 each time;
+#       then again with one 8,000-token document sent DOC_DELAY_S after the server runs
+#       them all (built before they start, sent by curl: no client process starts beside
+#       them, bench/slo_sitting/document_body.py): their ITL P99 each time;
 #   (c) issue 28's tenants: heavy at concurrency 32 with 1,024-token prompts, light at 1 req/s
 #       with 128-token prompts (TTFT target LIGHT_TTFT_MS under fairslo; default
 #       SHORT_TTFT_MS, which is ~3.5x the light tenant's P99 alone: a user who wants "within
@@ -163,13 +164,31 @@ part_b() {  # part_b SERVER ROUND: chat streams alone, then beside one long docu
   # shellcheck disable=SC2046
   bench "b_$1_r$2_alone" "${chat[@]}" --seed "$((20 + $2))" $(targets_flags "$1")
   log "$1 r$2: (b) $CHAT_STREAMS chat streams, a $DOC_LEN-token document after ${DOC_DELAY_S} s"
+  # The document's body is built first and sent with curl once the streams run: a client
+  # process started beside them would take the engine's cores while they decode.
+  local body="$OUT_DIR/b_$1_r$2_document.body.json"
+  "$PYTHON" "$ROOT/bench/slo_sitting/document_body.py" --tokenizer "$VCPU_MODEL" \
+    --model "$VCPU_MODEL" --len "$DOC_LEN" --seed "$((40 + $2))" --out "$body" >/dev/null
   # shellcheck disable=SC2046
   bench "b_$1_r$2_doc" "${chat[@]}" --seed "$((30 + $2))" $(targets_flags "$1") &
   local chats=$!
+  wait_running "$CHAT_STREAMS"
   sleep "$DOC_DELAY_S"
-  bench "b_$1_r$2_document" --dataset-name random --random-input-len "$DOC_LEN" \
-    --random-output-len 1 --num-prompts 1 --seed "$((40 + $2))"
+  curl -s -o "$OUT_DIR/b_$1_r$2_document.json" -H "Content-Type: application/json" \
+    -w "document: HTTP %{http_code} in %{time_total} s\n" -d "@$body" \
+    "http://127.0.0.1:$PORT/v1/completions" >"$OUT_DIR/b_$1_r$2_document.txt"
   wait "$chats"
+}
+
+wait_running() {  # wait_running N: until the server runs N requests (its /metrics), 60 s at most
+  local _ running
+  for _ in $(seq 600); do
+    running=$(curl -s "http://127.0.0.1:$PORT/metrics" \
+      | awk '/^(kvserve|vllm):num_requests_running[{ ]/ { n += $NF } END { print int(n) }')
+    [ "${running:-0}" -ge "$1" ] && return 0
+    sleep 0.1
+  done
+  log "the server never ran $1 requests at once"
 }
 
 part_c() {  # part_c SERVER ROUND

@@ -159,6 +159,7 @@ class Figures:
     short_ttft_p99: float
     short_tpot_p50: float
     short_tpot_p99: float
+    short_itl_p99: float
     long_ttft_p50: float
     long_ttft_max: float
 
@@ -173,6 +174,7 @@ def figures(tokens: _Tokens) -> Figures:
     longs = [r for r in tokens.arrival if r.startswith("long")]
     ttfts = [tokens.times[r][0] - tokens.arrival[r] for r in shorts]
     tpots = [(tokens.times[r][-1] - tokens.times[r][0]) / 63 for r in shorts]
+    itls = [b - a for r in shorts for a, b in zip(tokens.times[r], tokens.times[r][1:])]
     long_ttfts = [tokens.times[r][0] - tokens.arrival[r] for r in longs]
     met = sum(ttft <= TTFT_S and tpot <= TPOT_S for ttft, tpot in zip(ttfts, tpots))
     run_s = max(times[-1] for times in tokens.times.values())  # the run starts at 0
@@ -185,6 +187,7 @@ def figures(tokens: _Tokens) -> Figures:
         _quantile(ttfts, 0.99),
         _quantile(tpots, 0.5),
         _quantile(tpots, 0.99),
+        _quantile(itls, 0.99),
         _quantile(long_ttfts, 0.5),
         max(long_ttfts, default=float("nan")),
     )
@@ -212,7 +215,8 @@ def _row(rate: float, name: str, runs: list[Figures]) -> str:
         f"| {_cell([r.long_ttft_p50 for r in runs], '.1f')} "
         f"| {met} of {sum(r.num_short for r in runs)} "
         f"| {_cell([r.short_ttft_p99 for r in runs], '.2f')} "
-        f"| {_cell([r.short_tpot_p99 * 1000 for r in runs], '.0f')} |"
+        f"| {_cell([r.short_tpot_p99 * 1000 for r in runs], '.0f')} "
+        f"| {_cell([r.short_itl_p99 * 1000 for r in runs], '.0f')} |"
     )
 
 
@@ -248,12 +252,12 @@ def main() -> None:
         if len(args.modes) == 2:
             pairs = zip(runs["fcfs"], runs["targets"])
             ratios = [t.goodput / f.goodput for f, t in pairs if f.goodput]
-            rows.append(f"| {rate} | targets / fcfs | {_cell(ratios, '.2f')}x | | | | | |")
+            rows.append(f"| {rate} | targets / fcfs | {_cell(ratios, '.2f')}x | | | | | | |")
     print(
         "\n| rate | mode | short goodput req/s | run s | long P50 TTFT s | shorts meeting both "
-        "| short P99 TTFT s | short P99 TPOT ms |"
+        "| short P99 TTFT s | short P99 TPOT ms | short P99 ITL ms |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -46,7 +46,8 @@ requests is slo_pace.py):
    (arrival_time + slo_aging_ms; running mid-prefill or waiting for a seat), a step may
    also run as long as every running decode stays CATCH_UP_RESERVE_S ahead of a pace of
    CATCH_UP_PACE of its TPOT target a token since first seen decoding (never shorter than
-   rule 3's step; within the TTFT deadline and the arrival cap of rule 2). Nothing is
+   rule 3's step, never over CATCH_UP_STEP_CEILING times it: one step is a gap each
+   client sees; within the TTFT deadline and the arrival cap of rule 2). Nothing is
    borrowed from later tokens, so this is spent step after step and each decode still
    averages within that pace; the reserve is what a burst of chats' prompts spends at
    once (rule 4). Without it, a document falls behind its arrivals while chats decode:
@@ -129,6 +130,11 @@ TPOT_HEADROOM = 0.9
 # chats missed a target at rate 0.5, against 4 without catch-up; 0.85 and 0.3 s: 4-5).
 CATCH_UP_PACE = 0.85
 CATCH_UP_RESERVE_S = 0.3
+# ... and a catch-up step plans at most this many times the per-step limit: the decodes'
+# bank grows by ~80 ms a token while they decode alone, and spent in one step it is a gap
+# every client sees (part (b) of the 2026-12-08 sitting: a 1,898-token step of 4.9 s beside
+# three chats with a 127 ms target, their P99 ITL 9.3x alone; with this ceiling 1.1-1.2x).
+CATCH_UP_STEP_CEILING = 1.5
 # Beside decodes, a prompt chunk without a TTFT target goes only if its prompt tokens take at
 # least this many times the jump off the decode-only fast path (the model's prompt-chunk
 # term): a smaller one spends the decodes' slack mostly on the jump.
@@ -319,7 +325,8 @@ class LatencyTargets:
                 paced = self._paces.paced_allowance(
                     request, now, pace_s, CATCH_UP_RESERVE_S, per_step_s
                 )
-                decodes.paced_s = min(decodes.paced_s, paced)
+                ceiling_s = per_step_s * CATCH_UP_STEP_CEILING
+                decodes.paced_s = min(decodes.paced_s, paced, ceiling_s)
         return decodes
 
     def _has_aged_prompt(
