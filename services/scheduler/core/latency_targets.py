@@ -43,7 +43,8 @@ requests is slo_pace.py):
    never further and never past that deadline. With no such prompt, this floor spends
    no slack.
 5. The catch-up: while a prompt without a TTFT target has waited past its aging bound
-   (arrival_time + slo_aging_ms; running mid-prefill or waiting for a seat), a step may
+   (arrival_time + slo_aging_ms; running mid-prefill or waiting for a seat), or one with
+   a TPOT target (and no TTFT target) gets nothing under rule 3, a step may
    also run as long as every running decode stays CATCH_UP_RESERVE_S ahead of a pace of
    CATCH_UP_PACE of its TPOT target a token since first seen decoding (never shorter than
    rule 3's step, never over CATCH_UP_STEP_CEILING times it: one step is a gap each
@@ -54,7 +55,8 @@ requests is slo_pace.py):
    each step's fixed cost leaves prompt chunks of ~10 tokens beside them. A chunk
    whose prompt time is under MIN_CHUNK_OVER_JUMP times the model's jump off the
    decode-only fast path (its prompt-chunk term) does not go then, unless prompts with
-   a TTFT target wait: the decodes bank the step, and a later chunk is larger.
+   a TTFT target wait or it holds every prompt token left: the decodes bank the step,
+   and a later chunk is larger.
 6. Prompts with a TTFT target get their tokens first, within those prompt tokens: running
    prompt chunks without one take only the rest (StepPlan.running_prefill_budget), so a
    short request is admitted now instead of behind another request's long prompt (if a
@@ -78,7 +80,9 @@ from kvserve.services.scheduler.core.request_queue import RequestQueue
 from kvserve.services.scheduler.core.slo_pace import (
     TpotPaces,
     UrgentPrompts,
+    has_paced_prompt,
     oldest_untargeted_prompt,
+    prompt_tokens_left,
     urgent_prompts,
 )
 from kvserve.services.scheduler.core.step_time import (
@@ -285,12 +289,12 @@ class LatencyTargets:
         urgent = urgent_prompts(running, waiting, seats, room, now, TTFT_PACE_SHARE)
         cap_s = min(self._ttft_limit(urgent, decodes), self._arrival_limit(decodes))
         num_prefill = self._max_prefill_tokens(decodes, min(decodes.tightest_tpot_s, cap_s))
-        if self._has_aged_prompt(running, waiting, seats, now):
+        if self._may_catch_up(running, waiting, seats, now, num_prefill):
             # Catch-up: what the decodes banked under the per-step pace (module doc, 5).
             catch_up = self._max_prefill_tokens(decodes, min(decodes.paced_s, cap_s))
             num_prefill = max(num_prefill, catch_up)
             if not urgent.num_tokens + urgent.num_late_tokens and not self._worth_the_jump(
-                decodes, num_prefill
+                decodes, num_prefill, prompt_tokens_left(running, waiting, seats)
             ):
                 num_prefill = 0  # the decodes bank it for a larger chunk (module doc, 5)
         num_prefill = max(num_prefill, self._urgent_floor(decodes, urgent, num_prefill))
@@ -301,12 +305,13 @@ class LatencyTargets:
             num_prefill - num_reserved if num_reserved else None,
         )
 
-    def _worth_the_jump(self, decodes: _Decodes, num_prefill: int) -> bool:
+    def _worth_the_jump(self, decodes: _Decodes, num_prefill: int, num_left: int) -> bool:
         """Whether `num_prefill` prompt tokens beside the decodes are worth the step's jump
         off the decode-only fast path: their own time (the model's prompt-token term) at
-        least MIN_CHUNK_OVER_JUMP times the jump (its prompt-chunk term). Without decodes
-        there is no fast path to leave."""
-        if not decodes.num_rows or not num_prefill:
+        least MIN_CHUNK_OVER_JUMP times the jump (its prompt-chunk term), or they are all
+        `num_left`, the prompt tokens left (no later chunk is larger: a short chat's whole
+        prompt). Without decodes there is no fast path to leave."""
+        if not decodes.num_rows or not num_prefill or num_prefill >= num_left:
             return True
         base_s = self.model.predict(StepShape())
         prompt_s = self.model.predict(StepShape(num_prefill_tokens=num_prefill)) - base_s
@@ -329,14 +334,26 @@ class LatencyTargets:
                 decodes.paced_s = min(decodes.paced_s, paced, ceiling_s)
         return decodes
 
-    def _has_aged_prompt(
-        self, running: list[Request], waiting: RequestQueue, seats: int, now: float
+    def _may_catch_up(
+        self,
+        running: list[Request],
+        waiting: RequestQueue,
+        seats: int,
+        now: float,
+        num_prefill: int,
     ) -> bool:
-        """Whether a prompt without a TTFT target has tokens left past its aging bound
-        (arrival_time + slo_aging_ms): behind its arrival, it may spend the decodes'
-        slack under the per-step pace."""
+        """Whether a prompt without a TTFT target may spend the decodes' slack under the
+        catch-up pace: one has tokens left past its aging bound (arrival_time +
+        slo_aging_ms); or the per-step limit leaves the prompts nothing at all (the decodes
+        with a minimal chunk are over it: the jump off the decode-only fast path alone can
+        be) and one of them has a TPOT target, a chat that would otherwise wait for the
+        running ones to end (a prompt without any target waits for its aging bound)."""
         oldest = oldest_untargeted_prompt(running, waiting, seats)
-        return oldest is not None and now >= oldest + self.config.slo_aging_ms / 1000
+        if oldest is None:
+            return False
+        if now >= oldest + self.config.slo_aging_ms / 1000:
+            return True
+        return not num_prefill and has_paced_prompt(running, waiting, seats)
 
     def _ttft_limit(self, urgent: UrgentPrompts, decodes: _Decodes) -> float:
         """The time left to the earliest TTFT deadline among the prompts, if a step holding

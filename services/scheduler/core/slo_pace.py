@@ -135,6 +135,28 @@ def oldest_untargeted_prompt(
     return min(arrivals, default=None)
 
 
+def has_paced_prompt(running: list[Request], waiting: RequestQueue, seats: int) -> bool:
+    """Whether a prompt with a TPOT target and no TTFT target has tokens to compute, running
+    mid-prefill or waiting in admission order while seats last."""
+    waiting_seated = itertools.islice(waiting, max(seats, 0)) if waiting else ()
+    return any(
+        request.slo_ttft_ms is None and request.slo_tpot_ms is not None
+        for request in itertools.chain(running, waiting_seated)
+        if _prompt_left(request) > 1
+    )
+
+
+def prompt_tokens_left(running: list[Request], waiting: RequestQueue, seats: int) -> int:
+    """The prompt tokens left to compute, running mid-prefill or waiting in admission
+    order while seats last."""
+    waiting_seated = itertools.islice(waiting, max(seats, 0)) if waiting else ()
+    return sum(
+        _prompt_left(request)
+        for request in itertools.chain(running, waiting_seated)
+        if _prompt_left(request) > 1
+    )
+
+
 def _prompt_left(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 

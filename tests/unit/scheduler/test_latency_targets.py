@@ -214,6 +214,29 @@ def test_no_prompt_chunk_joins_the_decodes_when_leaving_the_fast_path_alone_miss
     assert_no_leaked_blocks(scheduler)
 
 
+def test_a_chat_with_only_a_tpot_target_joins_when_leaving_the_fast_path_alone_misses():
+    # As above, but the prompt waiting is a chat with a TPOT target (no TTFT target: it is
+    # due only at its aging bound). Waiting for the decodes to end would put its first
+    # token behind their whole outputs (4 chats with a 127 ms target, alone on the server:
+    # 3.5 s); instead it spends the slack the decodes banked under the catch-up pace, as
+    # soon as they banked enough, in a step of at most CATCH_UP_STEP_CEILING times the
+    # per-step limit.
+    target_s = 0.050
+    scheduler = _scheduler(slo_aging_ms=60_000)
+    scheduler.latency.model.coefficients = COEFFICIENTS[:5] + [0.040]
+    run = _Run(scheduler)
+    _with_decodes(scheduler, tpot=target_s * 1000)
+    scheduler.add_request(_targeted("late", 100, tpot=target_s * 1000, arrival_time=run.now))
+    longest_s = 0.0
+    while "late" not in run.token_times:
+        scheduler_output = run.step()
+        assert "chat0" in scheduler.requests, "it waited for the decodes to end"
+        longest_s = max(longest_s, _predict(scheduler, scheduler_output))
+    assert longest_s <= CATCH_UP_STEP_CEILING * target_s * TPOT_HEADROOM + 1e-9
+    run_to_completion(scheduler)
+    assert_no_leaked_blocks(scheduler)
+
+
 def test_a_prompt_chunk_without_a_target_joins_the_decodes_only_if_worth_the_jump():
     # 1 ms a prompt token, 50 ms to leave the decode-only fast path. Beside four decodes
     # with an 80 ms TPOT target (72 ms a step), a document past its aging bound (catch-up)
