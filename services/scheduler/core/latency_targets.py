@@ -55,8 +55,8 @@ requests is slo_pace.py):
    each step's fixed cost leaves prompt chunks of ~10 tokens beside them. A chunk
    whose prompt time is under MIN_CHUNK_OVER_JUMP times the model's jump off the
    decode-only fast path (its prompt-chunk term) does not go then, unless prompts with
-   a TTFT target wait or it holds every prompt token left: the decodes bank the step,
-   and a later chunk is larger.
+   a TTFT target wait, a chat with a TPOT target is left nothing, or it holds every
+   prompt token left: the decodes bank the step, and a later chunk is larger.
 6. Prompts with a TTFT target get their tokens first, within those prompt tokens: running
    prompt chunks without one take only the rest (StepPlan.running_prefill_budget), so a
    short request is admitted now instead of behind another request's long prompt (if a
@@ -289,11 +289,15 @@ class LatencyTargets:
         urgent = urgent_prompts(running, waiting, seats, room, now, TTFT_PACE_SHARE)
         cap_s = min(self._ttft_limit(urgent, decodes), self._arrival_limit(decodes))
         num_prefill = self._max_prefill_tokens(decodes, min(decodes.tightest_tpot_s, cap_s))
-        if self._may_catch_up(running, waiting, seats, now, num_prefill):
+        starved = not num_prefill and has_paced_prompt(running, waiting, seats)
+        if starved or self._has_aged_prompt(running, waiting, seats, now):
             # Catch-up: what the decodes banked under the per-step pace (module doc, 5).
             catch_up = self._max_prefill_tokens(decodes, min(decodes.paced_s, cap_s))
             num_prefill = max(num_prefill, catch_up)
-            if not urgent.num_tokens + urgent.num_late_tokens and not self._worth_the_jump(
+            # A starved chat's chunk goes even if small: under the catch-up ceiling a larger
+            # one may never fit, and it would wait for the decodes to end.
+            waits = urgent.num_tokens + urgent.num_late_tokens or starved
+            if not waits and not self._worth_the_jump(
                 decodes, num_prefill, prompt_tokens_left(running, waiting, seats)
             ):
                 num_prefill = 0  # the decodes bank it for a larger chunk (module doc, 5)
@@ -334,26 +338,16 @@ class LatencyTargets:
                 decodes.paced_s = min(decodes.paced_s, paced, ceiling_s)
         return decodes
 
-    def _may_catch_up(
-        self,
-        running: list[Request],
-        waiting: RequestQueue,
-        seats: int,
-        now: float,
-        num_prefill: int,
+    def _has_aged_prompt(
+        self, running: list[Request], waiting: RequestQueue, seats: int, now: float
     ) -> bool:
-        """Whether a prompt without a TTFT target may spend the decodes' slack under the
-        catch-up pace: one has tokens left past its aging bound (arrival_time +
-        slo_aging_ms); or the per-step limit leaves the prompts nothing at all (the decodes
-        with a minimal chunk are over it: the jump off the decode-only fast path alone can
-        be) and one of them has a TPOT target, a chat that would otherwise wait for the
-        running ones to end (a prompt without any target waits for its aging bound)."""
+        """Whether a prompt without a TTFT target has tokens left past its aging bound
+        (arrival_time + slo_aging_ms): behind its arrival, it may spend the decodes'
+        slack under the per-step pace. (One with a TPOT target may also when the per-step
+        limit leaves the prompts nothing: `starved` in step_budget; a prompt without any
+        target waits for its aging bound.)"""
         oldest = oldest_untargeted_prompt(running, waiting, seats)
-        if oldest is None:
-            return False
-        if now >= oldest + self.config.slo_aging_ms / 1000:
-            return True
-        return not num_prefill and has_paced_prompt(running, waiting, seats)
+        return oldest is not None and now >= oldest + self.config.slo_aging_ms / 1000
 
     def _ttft_limit(self, urgent: UrgentPrompts, decodes: _Decodes) -> float:
         """The time left to the earliest TTFT deadline among the prompts, if a step holding

@@ -226,7 +226,9 @@ def test_a_chat_with_only_a_tpot_target_joins_when_leaving_the_fast_path_alone_m
     scheduler.latency.model.coefficients = COEFFICIENTS[:5] + [0.040]
     run = _Run(scheduler)
     _with_decodes(scheduler, tpot=target_s * 1000)
-    scheduler.add_request(_targeted("late", 100, tpot=target_s * 1000, arrival_time=run.now))
+    # Its 400 tokens are over what one step under the ceiling holds, and what it holds is
+    # cheaper than the jump (not worth it, were the chat not left with nothing else).
+    scheduler.add_request(_targeted("late", 400, tpot=target_s * 1000, arrival_time=run.now))
     longest_s = 0.0
     while "late" not in run.token_times:
         scheduler_output = run.step()
