@@ -120,41 +120,33 @@ def urgent_prompts(
     )
 
 
+def prompts(running: list[Request], waiting: RequestQueue, seats: int) -> list[Request]:
+    """The requests with prompt tokens to compute: running mid-prefill, or waiting in
+    admission order while seats last."""
+    waiting_seated = itertools.islice(waiting, max(seats, 0)) if waiting else ()
+    return [r for r in itertools.chain(running, waiting_seated) if _prompt_left(r) > 1]
+
+
 def oldest_untargeted_prompt(
     running: list[Request], waiting: RequestQueue, seats: int
 ) -> float | None:
-    """The arrival time of the oldest prompt without a TTFT target that has tokens to
-    compute: running mid-prefill, or waiting in admission order while seats last (None: no
+    """The arrival time of the oldest prompt without a TTFT target (`prompts`; None: no
     such prompt)."""
-    waiting_seated = itertools.islice(waiting, max(seats, 0)) if waiting else ()
-    arrivals = [
-        request.arrival_time
-        for request in itertools.chain(running, waiting_seated)
-        if request.slo_ttft_ms is None and _prompt_left(request) > 1
-    ]
+    arrivals = [r.arrival_time for r in prompts(running, waiting, seats) if r.slo_ttft_ms is None]
     return min(arrivals, default=None)
 
 
 def has_paced_prompt(running: list[Request], waiting: RequestQueue, seats: int) -> bool:
-    """Whether a prompt with a TPOT target and no TTFT target has tokens to compute, running
-    mid-prefill or waiting in admission order while seats last."""
-    waiting_seated = itertools.islice(waiting, max(seats, 0)) if waiting else ()
+    """Whether a prompt (`prompts`) has a TPOT target and no TTFT target."""
     return any(
-        request.slo_ttft_ms is None and request.slo_tpot_ms is not None
-        for request in itertools.chain(running, waiting_seated)
-        if _prompt_left(request) > 1
+        r.slo_ttft_ms is None and r.slo_tpot_ms is not None
+        for r in prompts(running, waiting, seats)
     )
 
 
 def prompt_tokens_left(running: list[Request], waiting: RequestQueue, seats: int) -> int:
-    """The prompt tokens left to compute, running mid-prefill or waiting in admission
-    order while seats last."""
-    waiting_seated = itertools.islice(waiting, max(seats, 0)) if waiting else ()
-    return sum(
-        _prompt_left(request)
-        for request in itertools.chain(running, waiting_seated)
-        if _prompt_left(request) > 1
-    )
+    """The prompt tokens left to compute (`prompts`)."""
+    return sum(_prompt_left(r) for r in prompts(running, waiting, seats))
 
 
 def _prompt_left(request: Request) -> int:
